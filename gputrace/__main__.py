@@ -1,0 +1,3 @@
+from gputrace.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,82 @@
+"""Command line: `gputrace <command>`; one module per subcommand, each a page."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Protocol
+
+
+class CommandError(Exception):
+    """A user-facing failure: one line, and the exit code (2 for bad input)."""
+
+    def __init__(self, message: str, code: int = 2) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Command(Protocol):
+    HELP: str
+
+    def prepare_parser(self, p: argparse.ArgumentParser) -> None: ...
+
+    def run(self, args: argparse.Namespace) -> int: ...
+
+
+def _commands() -> dict[str, Command]:
+    from gputrace.cli import analyze, info, record
+
+    return {"record": record, "analyze": analyze, "info": info}  # type: ignore[dict-item]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise CommandError(f"{self.prog}: {message}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="gputrace", description="Where each training iteration's time goes.")
+    from gputrace import __version__
+
+    p.add_argument("--version", action="version", version=f"gputrace {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name, cmd in _commands().items():
+        sp = sub.add_parser(name, help=cmd.HELP, description=cmd.HELP)
+        cmd.prepare_parser(sp)
+        sp.set_defaults(_run=cmd.run)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        p = build_parser()
+        args = p.parse_args(argv)
+        if not getattr(args, "_run", None):
+            p.print_help()
+            return 2
+        return int(args._run(args))
+    except CommandError as e:
+        print(f"gputrace: error: {e}", file=sys.stderr)
+        return e.code
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+def load_trace(paths: Sequence[str]):  # type: ignore[no-untyped-def]
+    """Load a trace for a command, turning every unreadable input into one line (exit 2)."""
+    from gputrace.trace.reader import load
+    from gputrace.trace.schema import TraceFormatError
+
+    try:
+        trace = load(*paths)
+    except TraceFormatError as e:
+        raise CommandError(str(e)) from None
+    except (OSError, ValueError, MemoryError) as e:
+        raise CommandError(f"cannot read {' '.join(paths)}: {e}") from None
+    for w in trace.warnings:
+        print(f"gputrace: warning: {w}", file=sys.stderr)
+    return trace

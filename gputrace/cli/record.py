@@ -1,0 +1,41 @@
+"""`gputrace record [-o PATH] [--hz N] [--collectors LIST] [-f] -- CMD ...`"""
+
+from __future__ import annotations
+
+import argparse
+
+from gputrace.cli import CommandError
+from gputrace.collectors import ALL_COLLECTORS
+
+HELP = "run a command (python, torchrun, mpirun, ...) and record a trace of it"
+
+
+def prepare_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-o", "--output", default="trace.arrow", help="trace file (trace.arrow)")
+    p.add_argument("-f", "--force", action="store_true", help="overwrite an existing trace")
+    p.add_argument("--hz", type=float, default=100.0, help="system sampling rate (100)")
+    p.add_argument("--collectors", default=",".join(ALL_COLLECTORS),
+                   help=f"comma-separated subset of {','.join(ALL_COLLECTORS)}")
+    p.add_argument("--redact-argv", action="store_true",
+                   help="keep only program and flag names of argv in the trace")
+    p.add_argument("--kill-after", type=float, default=10.0, metavar="S",
+                   help="SIGKILL the job S seconds after a forwarded signal (10)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no summary")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
+
+
+def run(args: argparse.Namespace) -> int:
+    from gputrace.record.runner import RecordError, RecordOptions, record
+
+    cmd = list(args.command)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    opts = RecordOptions(
+        command=cmd, output=args.output, hz=args.hz,
+        collectors=[c.strip() for c in args.collectors.split(",") if c.strip()],
+        force=args.force, redact_argv=args.redact_argv, kill_after_s=args.kill_after,
+        quiet=args.quiet)
+    try:
+        return record(opts).exit_code
+    except RecordError as e:
+        raise CommandError(str(e)) from None

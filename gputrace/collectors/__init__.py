@@ -1,0 +1,131 @@
+"""Collectors: one module per source; each knows whether it is available and why not.
+
+System collectors (host, infiniband, nvml) are sampled from outside the training process:
+by `gputrace record` itself, or by the sampler subprocess of an embedded Session.
+In-process collectors (torch, cupti, ranges) only record spans.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from typing import Any, Protocol
+
+from gputrace.trace.writer import Row
+
+
+class Unavailable(Exception):
+    """Raised by a collector's constructor with the one-line reason it cannot run."""
+
+
+class SystemCollector(Protocol):
+    name: str
+
+    def settings(self) -> dict[str, Any]: ...
+
+    def sample(self, t_ns: int) -> list[Row]: ...
+
+    def close(self) -> None: ...
+
+
+SYSTEM_COLLECTORS = ("host", "infiniband", "nvml")
+IN_PROCESS_COLLECTORS = ("torch", "cupti")
+ALL_COLLECTORS = SYSTEM_COLLECTORS + IN_PROCESS_COLLECTORS
+
+
+def make_system_collector(name: str, root_pid: int, host: str) -> SystemCollector:
+    """Build one system collector, raising Unavailable with the reason when it cannot run."""
+    if name == "host":
+        from gputrace.collectors.host import HostCollector
+        return HostCollector(root_pid, host)
+    if name == "infiniband":
+        from gputrace.collectors.infiniband import InfinibandCollector
+        return InfinibandCollector(host)
+    if name == "nvml":
+        from gputrace.collectors.nvml import NvmlCollector
+        return NvmlCollector(host)
+    raise Unavailable(f"unknown collector {name!r}")
+
+
+def in_process_status(name: str) -> str:
+    """Why an in-process collector can or cannot run here, judged from outside the job."""
+    if name == "torch":
+        import importlib.util
+        if importlib.util.find_spec("torch") is None:
+            return "unavailable: torch is not installed"
+        return "not used: the job did not import torch"
+    if name == "cupti":
+        from gputrace.collectors.cupti import availability
+        return availability()
+    return f"unavailable: unknown collector {name!r}"
+
+
+class Sampler:
+    """Samples system collectors at a fixed rate on its own thread.
+
+    The thread lives in a process that does no training (`record`, or the sampler
+    subprocess of a Session), so the GIL of a busy training loop does not slow it down.
+    """
+
+    def __init__(self, collectors: list[SystemCollector], sink: Any, hz: float,
+                 clock_now: Any) -> None:
+        self.collectors = list(collectors)
+        self.sink = sink  # a Recorder: add_rows()
+        self.period_s = 1.0 / hz
+        self.hz = hz
+        self.now = clock_now
+        self.ticks = 0
+        self.failed: dict[str, str] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._t_first = self._t_last = 0.0
+
+    def start(self) -> None:
+        self.tick()
+        self._thread = threading.Thread(target=self._run, name="gputrace-sampler", daemon=True)
+        self._thread.start()
+
+    def tick(self) -> None:
+        t = self.now()
+        rows: list[Row] = []
+        for c in list(self.collectors):
+            try:
+                rows.extend(c.sample(t))
+            except Exception as e:  # a source that breaks mid-run is dropped, said once
+                self.collectors.remove(c)
+                self.failed[c.name] = f"stopped: {type(e).__name__}: {e}"
+                print(f"gputrace: collector {c.name} stopped: {e}", file=sys.stderr)
+        if rows:
+            self.sink.add_rows(rows)
+        self.ticks += 1
+        self._t_last = time.perf_counter()
+        if self.ticks == 1:
+            self._t_first = self._t_last
+
+    def _run(self) -> None:
+        nxt = time.perf_counter()
+        while True:
+            nxt += self.period_s
+            delay = nxt - time.perf_counter()
+            if delay < 0:  # fell behind: skip missed ticks rather than burst
+                nxt = time.perf_counter()
+                delay = 0
+            if self._stop.wait(delay):
+                return
+            self.tick()
+
+    def achieved_hz(self) -> float:
+        span = self._t_last - self._t_first
+        return (self.ticks - 1) / span if span > 0 and self.ticks > 1 else 0.0
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self.tick()  # a last sample at the very end
+        for c in self.collectors:
+            try:
+                c.close()
+            except Exception:
+                pass

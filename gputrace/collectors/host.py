@@ -1,0 +1,127 @@
+"""Host collector (psutil): storage vs page-cache reads of the traced process tree, disks,
+NICs and CPU. Counters are cumulative; processes that exit keep their last values so the
+tree's totals never go backwards."""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+import psutil
+
+from gputrace.collectors import Unavailable
+from gputrace.trace.writer import Row
+
+# Block devices that are not storage a dataset is read from.
+_SKIP_DISK = re.compile(r"^(loop|ram|zram|sr|fd)\d*")
+
+_PROC_FIELDS = ("read_bytes", "write_bytes", "read_chars", "write_chars")
+
+
+class HostCollector:
+    name = "host"
+
+    def __init__(self, root_pid: int, host: str, tree_refresh_s: float = 0.1) -> None:
+        try:
+            self.root = psutil.Process(root_pid)
+            self.root.io_counters()
+        except psutil.NoSuchProcess:
+            raise Unavailable(f"process {root_pid} does not exist") from None
+        except (psutil.AccessDenied, AttributeError) as e:
+            raise Unavailable(f"per-process I/O counters not readable here ({e})") from None
+        self.root_pid = root_pid
+        self.host = host
+        self.tree_refresh_s = tree_refresh_s
+        self._procs: dict[tuple[int, float], psutil.Process] = {}
+        self._last: dict[tuple[int, float], tuple[float, ...]] = {}
+        self._dead = [0.0] * 5  # read_bytes, write_bytes, read_chars, write_chars, cpu_s
+        self._tree_t = -1.0
+        self._cpu_prev: tuple[float, float] | None = None
+        self.max_procs = 0
+        psutil.cpu_percent(interval=None)  # prime the machine-wide counter
+        self.has_disks = bool(psutil.disk_io_counters(perdisk=True))
+        self.has_nics = bool(psutil.net_io_counters(pernic=True))
+
+    def settings(self) -> dict[str, Any]:
+        return {"root_pid": self.root_pid, "tree_refresh_s": self.tree_refresh_s,
+                "disks": self.has_disks, "nics": self.has_nics}
+
+    def _refresh_tree(self) -> None:
+        try:
+            procs = [self.root, *self.root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            procs = []
+        seen = {}
+        for p in procs:
+            try:
+                seen[(p.pid, p.create_time())] = p
+            except psutil.NoSuchProcess:
+                continue
+        for key in list(self._procs):
+            if key not in seen:
+                self._retire(key)
+        self._procs.update(seen)
+        self.max_procs = max(self.max_procs, len(self._procs))
+
+    def _retire(self, key: tuple[int, float]) -> None:
+        self._procs.pop(key, None)
+        last = self._last.pop(key, None)
+        if last is not None:
+            for i, v in enumerate(last):
+                self._dead[i] += v
+
+    def _tree_totals(self) -> list[float]:
+        now = time.monotonic()
+        if now - self._tree_t >= self.tree_refresh_s:
+            self._tree_t = now
+            self._refresh_tree()
+        totals = list(self._dead)
+        for key, p in list(self._procs.items()):
+            try:
+                with p.oneshot():
+                    io = p.io_counters()
+                    ct = p.cpu_times()
+                vals = (float(io.read_bytes), float(io.write_bytes),
+                        float(getattr(io, "read_chars", io.read_bytes)),
+                        float(getattr(io, "write_chars", io.write_bytes)),
+                        ct.user + ct.system)  # children_* would count exited ones twice
+            except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+                self._retire(key)
+                continue
+            self._last[key] = vals
+            for i, v in enumerate(vals):
+                totals[i] += v
+        return totals
+
+    def sample(self, t_ns: int) -> list[Row]:
+        h, pid = self.host, self.root_pid
+        rows: list[Row] = []
+
+        def add(cat: str, name: str, value: float, unit: str) -> None:
+            rows.append(("sample", cat, name, t_ns, None, value, unit, h, -1, pid, -1, -1, -1,
+                         -1, -1, None, None, None, None, None))
+
+        totals = self._tree_totals()
+        for i, f in enumerate(_PROC_FIELDS):
+            add("host", f"proc.{f}", totals[i], "bytes")
+        wall = time.monotonic()
+        if self._cpu_prev is not None and wall > self._cpu_prev[0]:
+            pct = 100.0 * (totals[4] - self._cpu_prev[1]) / (wall - self._cpu_prev[0])
+            add("cpu", "proc.cpu_percent", max(pct, 0.0), "%")
+        self._cpu_prev = (wall, totals[4])
+        add("cpu", "cpu.percent", psutil.cpu_percent(interval=None), "%")
+        if self.has_disks:
+            for dev, c in (psutil.disk_io_counters(perdisk=True) or {}).items():
+                if _SKIP_DISK.match(dev):
+                    continue
+                add("disk", f"disk.{dev}.read_bytes", float(c.read_bytes), "bytes")
+                add("disk", f"disk.{dev}.write_bytes", float(c.write_bytes), "bytes")
+        if self.has_nics:
+            for nic, c in (psutil.net_io_counters(pernic=True) or {}).items():
+                add("net", f"net.{nic}.sent_bytes", float(c.bytes_sent), "bytes")
+                add("net", f"net.{nic}.recv_bytes", float(c.bytes_recv), "bytes")
+        return rows
+
+    def close(self) -> None:
+        pass

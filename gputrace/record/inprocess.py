@@ -1,0 +1,132 @@
+"""The in-process side of `record`: one shard per process, forks included, and the hook that
+instruments torch when (and only when) the job imports it."""
+
+from __future__ import annotations
+
+import atexit
+import importlib.abc
+import importlib.machinery
+import itertools
+import os
+import socket
+import sys
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any
+
+from gputrace import recorder as _recorder
+
+_counter = itertools.count()
+_shard_dir = ""
+_mp_registered = False
+
+
+def shard_path(shard_dir: str) -> str:
+    return os.path.join(shard_dir, f"{socket.gethostname()}-{os.getpid()}-{next(_counter)}.arrow")
+
+
+def boot(shard_dir: str) -> _recorder.Recorder:
+    """Start this process's recorder writing a shard into shard_dir."""
+    global _shard_dir
+    _shard_dir = shard_dir
+    md = _recorder.base_metadata("process")
+    rec = _recorder.Recorder(shard_path(shard_dir), md).start()
+    _recorder.set_current(rec)
+    atexit.register(_close_current)
+    os.register_at_fork(after_in_child=_after_fork)
+    if "multiprocessing" in sys.modules:
+        _register_mp_finalizer()
+    if os.environ.get("GPUTRACE_NO_TORCH") != "1":
+        if "torch" in sys.modules:
+            _on_torch(sys.modules["torch"])
+        else:
+            sys.meta_path.insert(0, _PostImportFinder("torch", _on_torch))
+    return rec
+
+
+def _close_current() -> None:
+    rec = _recorder.current()
+    if rec is not None:
+        rec.close()
+
+
+def _after_fork() -> None:
+    rec = _recorder.current()
+    if rec is not None and _shard_dir:
+        rec.reset_after_fork(shard_path(_shard_dir))
+
+
+def _register_mp_finalizer() -> None:
+    # multiprocessing children leave through os._exit, past atexit; their finalizers do run.
+    global _mp_registered
+    if _mp_registered:
+        return
+    _mp_registered = True
+    import multiprocessing.util as mpu
+
+    def in_child(_: object) -> None:
+        mpu.Finalize(None, _close_current, exitpriority=100)
+
+    mpu.register_after_fork(_register_mp_finalizer, in_child)
+
+
+def _on_torch(torch: ModuleType) -> None:
+    rec = _recorder.current()
+    if rec is None:
+        return
+    try:
+        from gputrace.collectors import torch as torch_collector
+    except Exception as e:
+        rec.set_collector("torch", f"unavailable: {e}")
+        return
+    try:
+        status = torch_collector.auto_instrument(rec)
+    except Exception as e:  # never break the job
+        status = f"unavailable: instrumentation failed: {type(e).__name__}: {e}"
+        print(f"gputrace: torch {status}", file=sys.stderr)
+    rec.set_collector("torch", status)
+    if "multiprocessing" in sys.modules:
+        _register_mp_finalizer()
+
+
+class _HookedLoader(importlib.abc.Loader):
+    def __init__(self, inner: importlib.abc.Loader, callback: Callable[[ModuleType], None]):
+        self.inner = inner
+        self.callback = callback
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        module.__loader__ = self.inner
+        if module.__spec__ is not None:
+            module.__spec__.loader = self.inner
+        self.inner.exec_module(module)  # type: ignore[attr-defined]
+        self.callback(module)
+
+
+class _PostImportFinder(importlib.abc.MetaPathFinder):
+    """Runs a callback right after a top-level module finished importing."""
+
+    def __init__(self, name: str, callback: Callable[[ModuleType], None]) -> None:
+        self.name = name
+        self.callback = callback
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None,
+                  target: ModuleType | None = None) -> Any:
+        if fullname != self.name:
+            return None
+        try:
+            sys.meta_path.remove(self)
+        except ValueError:
+            pass
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if find is None:
+                continue
+            spec = find(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None:
+                    spec.loader = _HookedLoader(spec.loader, self.callback)
+                return spec
+        return None

@@ -1,0 +1,63 @@
+"""Sampler subprocess for an embedded Session: samples system collectors for a process tree
+until that process exits or this one is told to stop (SIGTERM/SIGINT).
+
+    python -m gputrace.record.sampler --pid PID --out SHARD.arrow [--hz N] [--collectors ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import threading
+
+import psutil
+
+from gputrace.clock import Clock
+from gputrace.collectors import SYSTEM_COLLECTORS, Sampler, Unavailable, make_system_collector
+from gputrace.recorder import Recorder, base_metadata
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="gputrace-sampler")
+    p.add_argument("--pid", type=int, required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--hz", type=float, default=100.0)
+    p.add_argument("--collectors", default=",".join(SYSTEM_COLLECTORS))
+    a = p.parse_args(argv)
+    stop = threading.Event()
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, lambda *_: stop.set())
+    clock = Clock()
+    md = base_metadata("sampler", rank=-1)
+    md["sample_hz"] = a.hz
+    rec = Recorder(a.out, md, clock=clock).start()
+    collectors = []
+    for name in a.collectors.split(","):
+        if name not in SYSTEM_COLLECTORS:
+            continue
+        try:
+            c = make_system_collector(name, a.pid, rec.host)
+        except Unavailable as e:
+            rec.set_collector(name, f"unavailable: {e}")
+            continue
+        rec.set_collector(name, "ok", **c.settings())
+        collectors.append(c)
+    sampler = Sampler(collectors, rec, a.hz, clock.now_ns)
+    sampler.start()
+    print("ready", flush=True)
+    while not stop.wait(0.2):
+        if not psutil.pid_exists(a.pid):
+            break
+    sampler.stop()
+    for name, why in sampler.failed.items():
+        rec.set_collector(name, why)
+    rec.metadata["sampler"] = {"hz": a.hz, "achieved_hz": round(sampler.achieved_hz(), 2),
+                               "ticks": sampler.ticks}
+    rec.close()
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ["GPUTRACE_DISABLE"] = "1"
+    raise SystemExit(main())

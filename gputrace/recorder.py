@@ -1,0 +1,270 @@
+"""In-process recorder: cheap span appends on the hot path, batches written off it."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from gputrace.clock import Clock
+
+if TYPE_CHECKING:  # pyarrow is imported only when a process first writes
+    from gputrace.trace.writer import Row, TraceWriter
+
+T = TypeVar("T")
+
+_native_tid = threading.get_native_id
+
+# Environment variables a trace may keep; everything else stays out (secrets live there).
+ENV_ALLOWLIST = (
+    "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "WORLD_SIZE", "RANK", "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_PORT",
+    "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+    "PMI_RANK", "PMI_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_ID",
+    "SLURM_NNODES", "OMP_NUM_THREADS", "NCCL_ALGO", "NCCL_PROTO", "NCCL_IB_DISABLE",
+    "NCCL_P2P_DISABLE", "NCCL_SOCKET_IFNAME", "NCCL_NET", "NCCL_DEBUG",
+    "GLOO_SOCKET_IFNAME", "TORCH_DISTRIBUTED_DEBUG", "PYTORCH_CUDA_ALLOC_CONF",
+)
+
+RANK_VARS = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
+WORLD_VARS = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
+
+
+def env_int(names: Iterable[str], default: int = -1) -> int:
+    for n in names:
+        v = os.environ.get(n)
+        if v is not None:
+            try:
+                return int(v)
+            except ValueError:
+                continue
+    return default
+
+
+def redact_argv(argv: list[str]) -> list[str]:
+    """Keep the program and flag names; replace every value with '<redacted>'."""
+    out: list[str] = []
+    for i, a in enumerate(argv):
+        if i == 0:
+            out.append(a)
+        elif a.startswith("-"):
+            out.append(a.split("=", 1)[0] + ("=<redacted>" if "=" in a else ""))
+        else:
+            out.append("<redacted>")
+    return out
+
+
+def base_metadata(role: str, argv: list[str] | None = None, rank: int | None = None) -> dict[str, Any]:
+    """Metadata every shard carries. Environment: only the allowlist, never the rest."""
+    argv = list(sys.argv if argv is None else argv)
+    if os.environ.get("GPUTRACE_REDACT_ARGV") == "1":
+        argv = redact_argv(argv)
+    try:
+        import importlib.metadata as im
+        version = im.version("gputrace")
+    except Exception:  # running from a source tree without an install
+        version = "0+unknown"
+    return {
+        "role": role,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "rank": env_int(RANK_VARS) if rank is None else rank,
+        "world_size": env_int(WORLD_VARS),
+        "local_rank": env_int(("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")),
+        "argv": argv,
+        "env": {k: os.environ[k] for k in ENV_ALLOWLIST if k in os.environ},
+        "software": {"gputrace": version, "python": sys.version.split()[0]},
+        "collectors": {},
+    }
+
+
+class Recorder:
+    """Collects rows for one shard file and writes them in batches from a flusher thread.
+
+    Hot path (`span`, `phase`): two clock reads and a list append. The file is opened at the
+    first flush that has rows, so processes that record nothing leave no shard.
+    """
+
+    def __init__(self, path: str, metadata: dict[str, Any], flush_interval_s: float = 0.5,
+                 clock: Clock | None = None) -> None:
+        self.path = path
+        self.metadata = metadata
+        self.clock = clock or Clock()
+        self.metadata["start"] = self.clock.start
+        self.host: str = metadata.get("host", socket.gethostname())
+        self.rank: int = int(metadata.get("rank", -1))
+        self.pid = os.getpid()
+        self.flush_interval_s = flush_interval_s
+        self.step = 0            # index of the current (or next) iteration
+        self._iter_start: int | None = None
+        self._spans: list[tuple[Any, ...]] = []
+        self._rows: list[Row] = []
+        self._swap = threading.Lock()
+        self._write = threading.Lock()
+        self._writer: TraceWriter | _DeadWriter | None = None
+        self._closed = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.rows_written = 0
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> Recorder:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="gputrace-flush", daemon=True)
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.flush_interval_s):
+            self.flush()
+
+    def set_collector(self, name: str, status: str, **settings: Any) -> None:
+        self.metadata.setdefault("collectors", {})[name] = {"status": status, **settings}
+
+    def flush(self) -> None:
+        with self._swap:
+            spans, self._spans = self._spans, []
+            rows, self._rows = self._rows, []
+        if not spans and not rows:
+            return
+        h, r, p = self.host, self.rank, self.pid
+        full = [("span", c, n, s, e, None, None, h, r, p, tid, -1, -1, st, ly, b, None, None,
+                 None, a) for (c, n, s, e, tid, st, ly, b, a) in spans]
+        full.extend(rows)
+        with self._write:
+            if self._writer is None:
+                if self._closed and not full:
+                    return
+                from gputrace.trace.writer import TraceWriter
+
+                try:
+                    self._writer = TraceWriter(self.path, self.metadata)
+                except OSError as e:
+                    print(f"gputrace: cannot create {self.path}: {e.strerror or e}; "
+                          "this process records nothing", file=sys.stderr)
+                    self._writer = _DeadWriter()
+            self._writer.write_rows(full)
+            self.rows_written = self._writer.rows_written
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self.close_iteration(self.clock.now_ns())
+        self._closed = True
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        end = Clock.anchor()
+        if self._writer is not None or self._spans or self._rows:
+            self.instant("user", "gputrace.end", args={"monotonic_ns": end["monotonic_ns"],
+                                                       "realtime_ns": end["realtime_ns"]})
+        self.flush()
+        with self._write:
+            if self._writer is not None:
+                self._writer.close()
+
+    def reset_after_fork(self, path: str) -> None:
+        """In a forked child: own shard, fresh buffers, fresh thread; keep the parent's step."""
+        self.path = path
+        self.pid = os.getpid()
+        self.metadata = dict(self.metadata, pid=self.pid, role="process")
+        self._spans, self._rows = [], []
+        self._swap, self._write = threading.Lock(), threading.Lock()
+        self._writer = None
+        self._closed = False
+        self._iter_start = None
+        self._stop = threading.Event()
+        self._thread = None
+        self.start()
+
+    # -- recording (thread-safe: list.append is atomic) -------------------------------------
+    def now_ns(self) -> int:
+        return self.clock.now_ns()
+
+    def span(self, cat: str, name: str, start_ns: int, end_ns: int, *, layer: int = -1,
+             nbytes: int | None = None, args: dict[str, Any] | str | None = None,
+             step: int | None = None, tid: int | None = None) -> None:
+        if isinstance(args, dict):
+            args = json.dumps(args, separators=(",", ":"))
+        self._spans.append((cat, name, start_ns, end_ns, _native_tid() if tid is None else tid,
+                            self.step if step is None else step, layer, nbytes, args))
+
+    def row(self, kind: str, cat: str, name: str, start_ns: int, end_ns: int | None = None,
+            value: float | None = None, unit: str | None = None, *, pid: int | None = None,
+            tid: int = -1, device: int = -1, stream: int = -1, step: int = -1,
+            layer: int = -1, nbytes: int | None = None, src_kind: str | None = None,
+            dst_kind: str | None = None, corr: int | None = None,
+            args: str | None = None) -> None:
+        self._rows.append((kind, cat, name, start_ns, end_ns, value, unit, self.host, self.rank,
+                           self.pid if pid is None else pid, tid, device, stream, step, layer,
+                           nbytes, src_kind, dst_kind, corr, args))
+
+    def add_rows(self, rows: list[Row]) -> None:
+        self._rows.extend(rows)
+
+    def sample(self, cat: str, name: str, value: float, unit: str, *, device: int = -1,
+               t_ns: int | None = None) -> None:
+        self.row("sample", cat, name, self.now_ns() if t_ns is None else t_ns, value=value,
+                 unit=unit, device=device)
+
+    def instant(self, cat: str, name: str, args: dict[str, Any] | None = None) -> None:
+        self.row("instant", cat, name, self.now_ns(), tid=_native_tid(), step=self.step,
+                 args=json.dumps(args) if args else None)
+
+    # -- iterations -------------------------------------------------------------------------
+    def open_iteration(self, t_ns: int) -> None:
+        if self._iter_start is None:
+            self._iter_start = t_ns
+
+    def close_iteration(self, t_ns: int) -> None:
+        start, self._iter_start = self._iter_start, None
+        if start is None:
+            return
+        self.span("iteration", "iteration", start, t_ns, step=self.step)
+        self.step += 1
+
+    def iterate(self, iterable: Iterable[T], name: str = "next") -> Iterator[T]:
+        """Yield items; time spent waiting for each is an `io` span inside its iteration."""
+        it = iter(iterable)
+        now = self.clock.now_ns
+        while True:
+            t0 = now()
+            if self._iter_start is not None:  # the loop did not call step(): next() is one
+                self.close_iteration(t0)
+            self.open_iteration(t0)
+            try:
+                item = next(it)
+            except StopIteration:
+                self._iter_start = None
+                return
+            self.span("io", name, t0, now())
+            yield item
+
+    def step_done(self) -> None:
+        self.close_iteration(self.clock.now_ns())
+
+
+class _DeadWriter:
+    rows_written = 0
+
+    def write_rows(self, rows: list[Row]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+_current: Recorder | None = None
+
+
+def current() -> Recorder | None:
+    return _current
+
+
+def set_current(rec: Recorder | None) -> None:
+    global _current
+    _current = rec

@@ -1,0 +1,1 @@
+"""Renderers: terminal (rich), JSON; exporters: Perfetto/Chrome JSON."""

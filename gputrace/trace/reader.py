@@ -1,0 +1,147 @@
+"""Load traces: one file, several shards or a directory of shards; recover truncated files."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+
+from gputrace.trace.schema import TraceFormatError, conform, read_metadata
+
+MAGIC = b"ARROW1"
+
+
+@dataclass
+class Trace:
+    table: pa.Table
+    metadata: dict[str, Any]
+    sources: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def num_rows(self) -> int:
+        return self.table.num_rows
+
+
+@dataclass
+class _Part:
+    table: pa.Table
+    metadata: dict[str, Any]
+    warning: str | None
+
+
+def _read_one(path: str) -> _Part:
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+    except OSError as e:
+        raise TraceFormatError(f"cannot read {path}: {e.strerror or e}") from None
+    if not head.startswith(MAGIC):
+        raise TraceFormatError(f"{path} is not an Arrow IPC file (bad magic)")
+    try:
+        buf = pa.memory_map(path).read_buffer()
+    except (OSError, pa.ArrowException) as e:
+        raise TraceFormatError(f"cannot read {path}: {e}") from None
+    try:
+        rd = pa.ipc.open_file(buf)
+        md = read_metadata(rd.schema)
+        table = rd.read_all()
+        return _Part(conform(table), md, None)
+    except TraceFormatError:
+        raise
+    except (pa.ArrowException, OSError, ValueError):
+        pass
+    # Truncated (a killed run): the body after the 8-byte magic is an IPC stream.
+    batches: list[pa.RecordBatch] = []
+    try:
+        stream = pa.ipc.open_stream(buf.slice(8))
+    except (pa.ArrowException, OSError, ValueError) as e:
+        raise TraceFormatError(f"{path} is truncated before its schema; nothing to recover "
+                               f"({e})") from None
+    md = read_metadata(stream.schema)
+    try:
+        for b in stream:
+            batches.append(b)
+    except (pa.ArrowException, OSError, ValueError):
+        pass
+    table = pa.Table.from_batches(batches, schema=stream.schema)
+    warning = (f"{path} was not closed (killed run?): recovered {len(batches)} complete "
+               f"batches, {table.num_rows} rows, of {size} bytes")
+    return _Part(conform(table), md, warning)
+
+
+def _expand(paths: Iterable[str | os.PathLike[str]]) -> list[str]:
+    out: list[str] = []
+    for p in paths:
+        p = os.fspath(p)
+        if os.path.isdir(p):
+            found = sorted(
+                os.path.join(p, n) for n in os.listdir(p)
+                if n.endswith(".arrow") and os.path.isfile(os.path.join(p, n))
+            )
+            if not found:
+                raise TraceFormatError(f"{p} holds no .arrow shards")
+            out.extend(found)
+        elif os.path.exists(p):
+            out.append(p)
+        else:
+            raise TraceFormatError(f"{p}: no such file or directory")
+    if not out:
+        raise TraceFormatError("no trace given")
+    return out
+
+
+def load(*paths: str | os.PathLike[str]) -> Trace:
+    """Load one trace file, several shards, or a directory of shards, as one table.
+
+    Truncated files are recovered up to their last complete batch, with a warning.
+    Raises TraceFormatError for anything that is not a readable gputrace trace.
+    """
+    files = _expand(paths)
+    parts = [_read_one(f) for f in files]
+    warnings = [p.warning for p in parts if p.warning]
+    if len(parts) == 1:
+        return Trace(parts[0].table, parts[0].metadata, files, warnings)
+    tables = [p.table for p in parts]
+    table = pa.concat_tables(tables, promote_options="permissive")
+    md = merge_metadata([p.metadata for p in parts])
+    return Trace(table, md, files, warnings)
+
+
+def merge_metadata(shards: list[dict[str, Any]]) -> dict[str, Any]:
+    """Top-level metadata of a merged trace; each shard's own stays under `shards`."""
+    flat: list[dict[str, Any]] = []
+    for md in shards:
+        inner = md.get("shards")
+        if isinstance(inner, list) and inner:
+            flat.extend(x for x in inner if isinstance(x, dict))
+        else:
+            flat.append(md)
+    primary = next((m for m in flat if m.get("role") == "record"), flat[0] if flat else {})
+    out = {k: v for k, v in primary.items() if k != "shards"}
+    ranks = sorted({m.get("rank") for m in flat if isinstance(m.get("rank"), int)
+                    and m.get("rank", -1) >= 0})
+    hosts = sorted({m.get("host") for m in flat if isinstance(m.get("host"), str)})
+    starts = [m["start"]["realtime_ns"] for m in flat
+              if isinstance(m.get("start"), dict) and "realtime_ns" in m["start"]]
+    ends = [m["end"]["realtime_ns"] for m in flat
+            if isinstance(m.get("end"), dict) and "realtime_ns" in m["end"]]
+    out["ranks"] = ranks
+    out["hosts"] = hosts
+    if starts:
+        out.setdefault("start", {})["realtime_ns"] = min(starts)
+    if ends:
+        out.setdefault("end", {})["realtime_ns"] = max(ends)
+    collectors: dict[str, Any] = dict(out.get("collectors") or {})
+    for m in flat:
+        for name, info in (m.get("collectors") or {}).items():
+            cur = collectors.get(name)
+            if cur is None or (isinstance(info, dict) and info.get("status") == "ok"):
+                collectors[name] = info
+    out["collectors"] = collectors
+    out["shards"] = flat
+    return out

@@ -1,0 +1,134 @@
+"""Streaming trace writer: one Arrow IPC file, a record batch per flush."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from gputrace.trace.schema import COLUMNS, DICT_COLUMNS, schema
+
+Row = tuple[Any, ...]  # values in schema.COLUMN_NAMES order
+
+_COMPRESSION = "zstd" if pa.Codec.is_available("zstd") else "lz4"
+
+
+class _DictEncoder:
+    """Keeps one growing dictionary per column so every batch only adds a delta."""
+
+    __slots__ = ("index", "values")
+
+    def __init__(self) -> None:
+        # Seeded: pyarrow treats an empty first dictionary growing later as a replacement,
+        # which the IPC file format forbids.
+        self.index: dict[str, int] = {"": 0}
+        self.values: list[str] = [""]
+
+    def encode(self, col: Sequence[str | None]) -> pa.DictionaryArray:
+        index, values = self.index, self.values
+        out: list[int | None] = []
+        append = out.append
+        for v in col:
+            if v is None:
+                append(None)
+                continue
+            i = index.get(v)
+            if i is None:
+                i = index[v] = len(values)
+                values.append(v)
+            append(i)
+        return pa.DictionaryArray.from_arrays(
+            pa.array(out, pa.int32()), pa.array(values, pa.string())
+        )
+
+
+class TraceWriter:
+    """Append rows to a trace file. Every `write_rows` call becomes one durable batch.
+
+    Write errors (disk full, file size limit, a directory that went away) are reported once
+    on stderr and turn the writer off; what was written stays readable.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], metadata: dict[str, Any]) -> None:
+        self.path = os.fspath(path)
+        self.schema = schema(metadata)
+        self.rows_written = 0
+        self.error: str | None = None
+        self._encoders = {name: _DictEncoder() for name in DICT_COLUMNS}
+        self._sink = pa.OSFile(self.path, "wb")
+        opts = pa.ipc.IpcWriteOptions(compression=_COMPRESSION, emit_dictionary_deltas=True)
+        self._writer: pa.ipc.RecordBatchFileWriter | None = pa.ipc.new_file(
+            self._sink, self.schema, options=opts
+        )
+
+    def _fail(self, e: BaseException) -> None:
+        if self.error is None:
+            self.error = f"{type(e).__name__}: {e}"
+            print(f"gputrace: cannot write {self.path}: {self.error}; "
+                  "recording stops here, what was written stays readable", file=sys.stderr)
+        self._writer = None
+
+    def write_rows(self, rows: Sequence[Row]) -> None:
+        if not rows or self._writer is None:
+            return
+        columns = list(zip(*rows, strict=True))
+        arrays = []
+        for (name, typ, _, _), col in zip(COLUMNS, columns, strict=True):
+            if name in DICT_COLUMNS:
+                arrays.append(self._encoders[name].encode(col))
+            else:
+                arrays.append(pa.array(col, typ))
+        self._write_batch(pa.RecordBatch.from_arrays(arrays, schema=self.schema))
+
+    def write_table(self, table: pa.Table, max_rows: int = 1 << 16) -> None:
+        """Write a table already in schema order; dictionaries are re-encoded once."""
+        if self._writer is None:
+            return
+        cols = []
+        for (name, typ, _, _), col in zip(COLUMNS, table.columns, strict=False):
+            if name in DICT_COLUMNS:
+                col = pc.dictionary_encode(col.cast(pa.string()).combine_chunks())
+                col = col.cast(typ)
+            cols.append(col)
+        table = pa.Table.from_arrays(cols, schema=self.schema.remove_metadata()).replace_schema_metadata(self.schema.metadata)
+        for batch in table.to_batches(max_chunksize=max_rows):
+            self._write_batch(batch)
+
+    def _write_batch(self, batch: pa.RecordBatch) -> None:
+        assert self._writer is not None
+        try:
+            self._writer.write_batch(batch)
+            self._sink.flush()
+        except (OSError, pa.ArrowException) as e:
+            self._fail(e)
+            return
+        self.rows_written += batch.num_rows
+
+    def close(self) -> None:
+        w, self._writer = self._writer, None
+        try:
+            if w is not None:
+                w.close()
+            self._sink.close()
+        except (OSError, pa.ArrowException) as e:
+            self._fail(e)
+
+
+def write_trace(path: str | os.PathLike[str], metadata: dict[str, Any],
+                rows: Iterable[Row] = (), table: pa.Table | None = None) -> None:
+    """Write a whole trace at once (tests, importers, merges)."""
+    w = TraceWriter(path, metadata)
+    try:
+        if table is not None:
+            w.write_table(table)
+        rows = list(rows)
+        if rows:
+            w.write_rows(rows)
+    finally:
+        w.close()
+    if w.error:
+        raise OSError(w.error)

@@ -1,0 +1,47 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+GPUTRACE = [sys.executable, "-m", "gputrace"]
+
+
+def run_gputrace(*args: str, cwd: str | os.PathLike[str] | None = None, timeout: float = 180,
+                 env: dict[str, str] | None = None, check: bool = False
+                 ) -> subprocess.CompletedProcess[str]:
+    """Run the real CLI in a subprocess, as a user would."""
+    p = subprocess.run([*GPUTRACE, *args], cwd=cwd, capture_output=True, text=True,
+                       timeout=timeout, env=env)
+    if check and p.returncode != 0:
+        raise AssertionError(f"gputrace {' '.join(args)} -> {p.returncode}\n"
+                             f"stdout:\n{p.stdout}\nstderr:\n{p.stderr}")
+    return p
+
+
+@pytest.fixture
+def shared_data() -> Path:
+    d = SHARED / "data"
+    if not d.is_dir():
+        pytest.skip(f"{d} not present")
+    return d
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL("libcuda.so.1")
+        has_gpu = True
+    except OSError:
+        has_gpu = False
+    if has_gpu:
+        return
+    skip = pytest.mark.skip(reason="no NVIDIA GPU/driver on this machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,109 @@
+"""System collectors against fake sources: sysfs InfiniBand tree, process trees."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from gputrace.collectors import Sampler, Unavailable
+from gputrace.collectors.host import HostCollector
+from gputrace.collectors.infiniband import InfinibandCollector
+
+
+def make_ib_tree(root, hca="mlx5_0", port="1", ext=True, data=1000, pkts=10):
+    base = root / hca / "ports" / port
+    (base / "counters").mkdir(parents=True)
+    (base / "counters" / "port_xmit_data").write_text(f"{data}\n")
+    (base / "counters" / "port_rcv_data").write_text(f"{data * 2}\n")
+    (base / "counters" / "port_xmit_packets").write_text(f"{pkts}\n")
+    (base / "counters" / "port_rcv_packets").write_text(f"{pkts}\n")
+    if ext:
+        (base / "counters_ext").mkdir()
+        (base / "counters_ext" / "port_xmit_data_64").write_text(f"{data + 7}\n")
+        (base / "counters_ext" / "port_rcv_data_64").write_text(f"{data * 2 + 7}\n")
+    return base
+
+
+def test_infiniband_reads_counters_times_four_and_prefers_64_bit(tmp_path):
+    make_ib_tree(tmp_path, "mlx5_0", "1", ext=True, data=1000)
+    make_ib_tree(tmp_path, "mlx5_1", "1", ext=False, data=50)
+    c = InfinibandCollector("h", root=str(tmp_path))
+    rows = {r[2]: r for r in c.sample(123)}
+    assert rows["ib.mlx5_0.1.xmit_bytes"][5] == (1000 + 7) * 4  # extended counter, x4 words
+    assert rows["ib.mlx5_0.1.rcv_bytes"][5] == (2000 + 7) * 4
+    assert rows["ib.mlx5_1.1.xmit_bytes"][5] == 50 * 4
+    assert rows["ib.mlx5_1.1.xmit_packets"][5] == 10 and rows["ib.mlx5_1.1.xmit_packets"][6] == "packets"
+    assert all(r[1] == "ib" and r[3] == 123 for r in rows.values())
+    (tmp_path / "mlx5_1/ports/1/counters/port_xmit_data").write_text("75\n")
+    rows = {r[2]: r for r in c.sample(124)}
+    assert rows["ib.mlx5_1.1.xmit_bytes"][5] == 300
+
+
+def test_infiniband_absent_says_why(tmp_path):
+    with pytest.raises(Unavailable, match="no InfiniBand devices"):
+        InfinibandCollector("h", root=str(tmp_path / "nothing"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(Unavailable, match="no readable InfiniBand port counters"):
+        InfinibandCollector("h", root=str(tmp_path / "empty"))
+
+
+def test_host_collector_counts_descendants_and_keeps_exited_ones(tmp_path):
+    data = tmp_path / "d.bin"
+    data.write_bytes(os.urandom(4 << 20))
+    # a parent whose child reads the file, then exits, while the parent lives on
+    parent = subprocess.Popen([sys.executable, "-c", f"""
+import subprocess, sys, time
+time.sleep(0.3)
+subprocess.run([sys.executable, "-c", "open({str(data)!r},'rb').read(); import time; time.sleep(0.3)"])
+time.sleep(1.0)
+"""])
+    try:
+        c = HostCollector(parent.pid, "h", tree_refresh_s=0.0)
+        series = []
+        deadline = time.time() + 20
+        while parent.poll() is None and time.time() < deadline:
+            rows = {r[2]: r[5] for r in c.sample(time.time_ns())}
+            series.append(rows["proc.read_chars"])
+            time.sleep(0.02)
+    finally:
+        parent.wait(timeout=30)
+    assert c.max_procs >= 2
+    assert series == sorted(series), "cumulative totals must never go backwards"
+    assert series[-1] - series[0] >= 4 << 20
+
+
+def test_sampler_runs_at_its_rate_and_drops_a_broken_collector(capsys):
+    class Ok:
+        name = "ok"
+
+        def sample(self, t):
+            return [("sample", "host", "x", t, None, 1.0, "bytes", "h", -1, -1, -1, -1, -1, -1,
+                     -1, None, None, None, None, None)]
+
+        def close(self):
+            pass
+
+    class Broken(Ok):
+        name = "broken"
+
+        def sample(self, t):
+            raise RuntimeError("device fell off the bus")
+
+    class Sink:
+        rows: list = []
+
+        def add_rows(self, rows):
+            self.rows.extend(rows)
+
+    sink = Sink()
+    s = Sampler([Ok(), Broken()], sink, 200, time.time_ns)
+    s.start()
+    time.sleep(0.5)
+    s.stop()
+    assert 50 <= len(sink.rows) <= 130
+    assert "stopped: RuntimeError: device fell off the bus" == s.failed["broken"]
+    assert capsys.readouterr().err.count("device fell off the bus") == 1

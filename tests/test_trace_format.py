@@ -1,0 +1,144 @@
+"""Trace format v1: round trip, truncation recovery, shards, versions."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pyarrow as pa
+import pytest
+
+from gputrace.trace import TraceFormatError, TraceWriter, load
+from gputrace.trace.schema import COLUMN_NAMES, METADATA_KEY, schema
+
+
+def span_row(i: int, cat: str = "forward", rank: int = 0) -> tuple:
+    return ("span", cat, f"layer{i % 7}", 1_000 + i * 10, 1_005 + i * 10, None, None, "h", rank,
+            42, 7, -1, -1, i // 10, i % 5, i * 3 if i % 2 else None, None, None, None,
+            json.dumps({"layers": [i]}) if i % 3 == 0 else None)
+
+
+def sample_row(i: int) -> tuple:
+    return ("sample", "host", "proc.read_bytes", 2_000 + i, None, float(i * 4096), "bytes", "h",
+            -1, 1, -1, -1, -1, -1, -1, None, None, None, None, None)
+
+
+def test_schema_matches_design_columns():
+    s = schema({})
+    assert s.names == ["kind", "cat", "name", "start_ns", "end_ns", "value", "unit", "host",
+                       "rank", "pid", "tid", "device", "stream", "step", "layer", "bytes",
+                       "src_kind", "dst_kind", "corr", "args"]
+    assert pa.types.is_dictionary(s.field("kind").type)
+    assert s.field("start_ns").type == pa.int64()
+    assert s.field("device").type == pa.int16()
+    md = json.loads(s.metadata[METADATA_KEY])
+    assert md["format"] == "gputrace-trace" and md["version"] == 1
+
+
+def test_round_trip_with_many_batches_and_growing_dictionaries(tmp_path):
+    path = tmp_path / "t.arrow"
+    rows = [span_row(i) for i in range(300)] + [sample_row(i) for i in range(50)]
+    w = TraceWriter(path, {"host": "h", "rank": 0})
+    for k in range(0, len(rows), 37):  # new names keep appearing across batches
+        w.write_rows(rows[k:k + 37])
+    w.close()
+    tr = load(path)
+    assert tr.metadata["rank"] == 0
+    got = [tuple(r[c] for c in COLUMN_NAMES) for r in tr.table.to_pylist()]
+    assert got == rows
+    assert not tr.warnings
+
+
+def test_compressed_and_dictionary_encoded(tmp_path):
+    path = tmp_path / "t.arrow"
+    w = TraceWriter(path, {})
+    w.write_rows([span_row(i) for i in range(20000)])
+    w.close()
+    raw = 20000 * 8 * 8  # eight int64-sized columns alone, uncompressed
+    assert os.path.getsize(path) < raw / 4
+    with pa.ipc.open_file(str(path)) as rd:
+        assert pa.types.is_dictionary(rd.schema.field("name").type)
+
+
+def test_truncated_file_recovers_every_complete_batch(tmp_path):
+    path = tmp_path / "t.arrow"
+    w = TraceWriter(path, {"host": "h"})
+    sizes = []
+    for b in range(8):
+        w.write_rows([span_row(b * 100 + i) for i in range(100)])
+        sizes.append(os.path.getsize(path))  # file size after each complete batch
+    w.close()
+    data = path.read_bytes()
+    cut_path = tmp_path / "cut.arrow"
+    offsets = sorted(set(range(sizes[0] - 50, len(data), 97)) | set(sizes) | {len(data) - 1})
+    for off in offsets:
+        cut_path.write_bytes(data[:off])
+        tr = load(cut_path)
+        complete = sum(1 for s in sizes if s <= off)
+        assert tr.num_rows == complete * 100, off
+        assert tr.table.column("start_ns").to_pylist() == \
+            [span_row(i)[3] for i in range(complete * 100)]
+        assert tr.warnings and "recovered" in tr.warnings[0]
+
+
+def test_truncated_before_schema_is_a_clear_error(tmp_path):
+    path = tmp_path / "t.arrow"
+    w = TraceWriter(path, {})
+    w.write_rows([span_row(1)])
+    w.close()
+    cut = tmp_path / "cut.arrow"
+    cut.write_bytes(path.read_bytes()[:12])
+    with pytest.raises(TraceFormatError, match="truncated before its schema"):
+        load(cut)
+
+
+def test_directory_of_shards_reads_as_one_table(tmp_path):
+    d = tmp_path / "shards"
+    d.mkdir()
+    for r in range(3):
+        w = TraceWriter(d / f"s{r}.arrow", {"host": "h", "rank": r, "role": "process"})
+        w.write_rows([span_row(i, rank=r) for i in range(10 * (r + 1))])
+        w.close()
+    (d / "notes.txt").write_text("ignored")
+    tr = load(d)
+    assert tr.num_rows == 10 + 20 + 30
+    assert sorted(set(tr.table.column("rank").to_pylist())) == [0, 1, 2]
+    assert tr.metadata["ranks"] == [0, 1, 2]
+    assert len(tr.metadata["shards"]) == 3
+
+
+def test_newer_major_version_is_refused(tmp_path):
+    s = schema({}).with_metadata({METADATA_KEY: json.dumps(
+        {"format": "gputrace-trace", "version": 2}).encode()})
+    path = tmp_path / "v2.arrow"
+    with pa.OSFile(str(path), "wb") as f, pa.ipc.new_file(f, s) as w:
+        w.write_table(s.empty_table())
+    with pytest.raises(TraceFormatError, match="version 2 is newer"):
+        load(path)
+
+
+def test_not_a_trace_is_refused(tmp_path):
+    p = tmp_path / "x.arrow"
+    p.write_bytes(b"hello world, not arrow")
+    with pytest.raises(TraceFormatError, match="not an Arrow IPC file"):
+        load(p)
+    t = pa.table({"a": [1]})
+    with pa.OSFile(str(p), "wb") as f, pa.ipc.new_file(f, t.schema) as w:
+        w.write_table(t)
+    with pytest.raises(TraceFormatError, match="no 'gputrace' schema metadata"):
+        load(p)
+
+
+def test_unknown_extra_columns_are_kept_and_missing_ones_defaulted(tmp_path):
+    # an older/other writer: fewer columns, plus one this version does not know
+    md = {METADATA_KEY: json.dumps({"format": "gputrace-trace", "version": 1}).encode()}
+    t = pa.table({"kind": ["span"], "cat": ["forward"], "name": ["f"], "start_ns": [5],
+                  "end_ns": [9], "future_col": [1.5]}).replace_schema_metadata(md)
+    p = tmp_path / "old.arrow"
+    with pa.OSFile(str(p), "wb") as f, pa.ipc.new_file(f, t.schema) as w:
+        w.write_table(t)
+    tr = load(p)
+    assert tr.table.column_names[:20] == COLUMN_NAMES
+    assert tr.table.column("future_col").to_pylist() == [1.5]
+    row = tr.table.to_pylist()[0]
+    assert row["rank"] == -1 and row["layer"] == -1 and row["bytes"] is None
