@@ -190,7 +190,7 @@ def test_cold_then_warm_read_shows_disk_then_cache_bytes(tmp_path):
 
     def counter(name):
         t = tr.table.filter(pc.equal(tr.table.column("name").cast("string"), name))
-        return list(zip(t.column("start_ns").to_pylist(), t.column("value").to_pylist()))
+        return list(zip(t.column("start_ns").to_pylist(), t.column("value").to_pylist(), strict=False))
 
     def delta(series, a, b):
         before = [v for t, v in series if t <= a]

@@ -1,9 +1,321 @@
-"""PyTorch auto-instrumentation."""
+"""PyTorch auto-instrumentation: the paper's phases from an unchanged training script.
+
+Installed by the `record` bootstrap right after the job imports torch (or by
+`gputrace.torch.instrument` in a harness). It uses only cheap, global hooks:
+
+- iteration / update: global optimizer step pre/post hooks (any loop shape);
+- io: the wait in `DataLoader.__next__` on the loop's thread (exposed I/O), and each batch's
+  fetch in the loader's workers (total I/O work);
+- forward: global module forward pre/post hooks; a span per module that owns parameters,
+  `layer` 1..L in execution order from the input side, plus one span for the outermost call;
+- backward: `torch.autograd.backward` entry/exit, and per layer the end of its last
+  parameter's gradient accumulation (post-accumulate-grad hooks);
+- comm: every DistributedDataParallel bucket, timed by wrapping its comm hook (the default
+  all-reduce, or the user's own): `layer` = bucket index, `bytes`, `args.layers`.
+"""
 
 from __future__ import annotations
 
+import functools
+import threading
 from typing import Any
 
+import torch
 
-def auto_instrument(rec: Any) -> str:
-    return "unavailable: not implemented"
+from gputrace.recorder import Recorder
+
+_installed: _State | None = None
+
+
+class _State:
+    def __init__(self, rec: Recorder) -> None:
+        self.rec = rec
+        self.now = rec.clock.now_ns
+        self.layer_of: dict[int, int] = {}        # id(module) -> layer (0: owns no params)
+        self.param_layer: dict[int, int] = {}     # id(param) -> layer
+        self.layer_nparams: dict[int, int] = {}   # layer -> params that get gradients
+        self.layer_names: dict[int, str] = {}
+        self.next_layer = 1
+        self.fwd_t0: dict[int, list[int]] = {}
+        self.depth = 0
+        self.root_t0 = 0
+        self.root_name = ""
+        self.bwd_depth = 0
+        self.bwd_t0 = 0
+        self.last_mark = 0                        # end of the last finished layer backward
+        self.grad_count: dict[int, int] = {}
+        self.grad_last: dict[int, int] = {}
+        self.update_t0 = 0
+        self.last_bwd_end = 0
+        self.optimizer_seen = False
+        self.forward_since_open = False
+        self.loop_tid: int | None = None
+        self.ddp_hooked: set[int] = set()
+        self.notes: list[str] = []
+        self.lock = threading.Lock()
+
+    # -- iterations ----------------------------------------------------------------------
+    def batch_requested(self, t: int) -> None:
+        rec = self.rec
+        if rec._iter_start is not None and not self.optimizer_seen and self.forward_since_open:
+            # no optimizer.step seen: the next batch request ends the iteration
+            rec.close_iteration(t)
+        if rec._iter_start is None:
+            rec.open_iteration(t)
+            self.forward_since_open = False
+
+    # -- forward -------------------------------------------------------------------------
+    def layer_for(self, module: torch.nn.Module) -> int:
+        key = id(module)
+        layer = self.layer_of.get(key)
+        if layer is not None:
+            return layer
+        params = [p for p in module._parameters.values() if p is not None]
+        if not params:
+            self.layer_of[key] = 0
+            return 0
+        with self.lock:
+            layer = self.next_layer
+            self.next_layer += 1
+        self.layer_of[key] = layer
+        self.layer_names[layer] = type(module).__name__
+        grads = 0
+        for p in params:
+            self.param_layer[id(p)] = layer
+            if p.requires_grad:
+                grads += 1
+                p.register_post_accumulate_grad_hook(self.grad_ready)
+        self.layer_nparams[layer] = grads
+        return layer
+
+    def forward_pre(self, module: torch.nn.Module, args: Any) -> None:
+        t = self.now()
+        if self.depth == 0:
+            if self.rec._iter_start is None:
+                self.rec.open_iteration(t)
+                self.forward_since_open = False
+            self.root_t0 = t
+            self.root_name = type(module).__name__
+            self.forward_since_open = True
+            self._maybe_hook_ddp(module)
+        self.depth += 1
+        if self.layer_for(module):
+            self.fwd_t0.setdefault(id(module), []).append(t)
+
+    def forward_post(self, module: torch.nn.Module, args: Any, out: Any) -> None:
+        t = self.now()
+        layer = self.layer_of.get(id(module), 0)
+        if layer:
+            starts = self.fwd_t0.get(id(module))
+            if starts:
+                self.rec.span("forward", self.layer_names[layer], starts.pop(), t, layer=layer)
+        self.depth = max(self.depth - 1, 0)
+        if self.depth == 0:
+            self.rec.span("forward", self.root_name, self.root_t0, t)
+
+    # -- backward ------------------------------------------------------------------------
+    def grad_ready(self, param: torch.Tensor) -> None:
+        t = self.now()
+        layer = self.param_layer.get(id(param))
+        if layer is None:
+            return
+        with self.lock:
+            n = self.grad_count.get(layer, 0) + 1
+            self.grad_count[layer] = n
+            self.grad_last[layer] = t
+            if n < self.layer_nparams.get(layer, 1):
+                return
+            start = self.last_mark or self.bwd_t0 or t
+            self.last_mark = t
+            del self.grad_count[layer]
+        self.rec.span("backward", self.layer_names.get(layer, "layer"), start, t, layer=layer)
+
+    def backward_enter(self) -> None:
+        if self.bwd_depth == 0:
+            self.bwd_t0 = self.last_mark = self.now()
+        self.bwd_depth += 1
+
+    def backward_exit(self) -> None:
+        self.bwd_depth -= 1
+        if self.bwd_depth:
+            return
+        t = self.now()
+        with self.lock:
+            partial = [(ly, self.grad_last[ly]) for ly in self.grad_count]
+            self.grad_count.clear()
+            start = self.last_mark
+        for layer, end in sorted(partial, key=lambda x: x[1]):  # layers with unused params
+            self.rec.span("backward", self.layer_names.get(layer, "layer"), start, end,
+                          layer=layer)
+            start = end
+        self.rec.span("backward", "backward", self.bwd_t0, t)
+        self.last_bwd_end = t
+        self.last_mark = 0
+
+    # -- update --------------------------------------------------------------------------
+    def step_pre(self, opt: Any, args: Any, kwargs: Any) -> None:
+        self.update_t0 = self.now()
+
+    def step_post(self, opt: Any, args: Any, kwargs: Any) -> None:
+        t = self.now()
+        self.optimizer_seen = True
+        # With a closure, forward and backward run inside step(): update starts after them.
+        start = max(self.update_t0, self.last_bwd_end if self.last_bwd_end <= t else 0)
+        self.rec.span("update", type(opt).__name__, start, t)
+        self.rec.close_iteration(t)
+
+    # -- DDP communication ---------------------------------------------------------------
+    def _maybe_hook_ddp(self, module: torch.nn.Module) -> None:
+        ddp = _ddp_class()
+        if ddp is None or not isinstance(module, ddp) or id(module) in self.ddp_hooked:
+            return
+        self.ddp_hooked.add(id(module))
+        if getattr(module, "_gputrace_hook", None) is not None:
+            return  # the user's own hook is already wrapped
+        if getattr(module, "_gputrace_builtin", False):
+            self.notes.append("DDP uses a builtin comm hook: buckets not timed")
+            return
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        _orig_register_comm_hook(module, module.process_group, self.timed_hook(allreduce_hook))
+        module._gputrace_hook = allreduce_hook
+
+    def timed_hook(self, hook: Any) -> Any:
+        rec = self.rec
+        now = self.now
+        param_layer = self.param_layer
+
+        @functools.wraps(hook)
+        def timed(state: Any, bucket: Any) -> Any:
+            t0 = now()
+            buf = bucket.buffer()
+            nbytes = buf.numel() * buf.element_size()
+            layers = sorted({param_layer.get(id(p), -1) for p in bucket.parameters()} - {-1})
+            index = bucket.index()
+            step = rec.step
+            fut = hook(state, bucket)
+
+            def done(f: Any) -> Any:
+                rec.span("comm", "allreduce", t0, now(), layer=index, nbytes=nbytes,
+                         args={"layers": layers}, step=step)
+                return f.value()
+
+            return fut.then(done)
+
+        return timed
+
+
+def _ddp_class() -> Any:
+    try:
+        from torch.nn.parallel import DistributedDataParallel
+    except Exception:
+        return None
+    return DistributedDataParallel
+
+
+_orig_register_comm_hook: Any = None
+
+
+def _patch_ddp(state: _State) -> None:
+    global _orig_register_comm_hook
+    ddp = _ddp_class()
+    if ddp is None or _orig_register_comm_hook is not None:
+        return
+    _orig_register_comm_hook = ddp.register_comm_hook
+    orig_builtin = ddp._register_builtin_comm_hook
+
+    def register_comm_hook(self: Any, state_: object, hook: Any) -> None:
+        s = _installed
+        _orig_register_comm_hook(self, state_, s.timed_hook(hook) if s else hook)
+        self._gputrace_hook = hook
+
+    def _register_builtin_comm_hook(self: Any, comm_hook_type: Any) -> None:
+        self._gputrace_builtin = True
+        orig_builtin(self, comm_hook_type)
+
+    ddp.register_comm_hook = register_comm_hook
+    ddp._register_builtin_comm_hook = _register_builtin_comm_hook
+
+
+def _patch_dataloader(state: _State) -> None:
+    import torch.utils.data._utils.fetch as fetch
+    import torch.utils.data.dataloader as dl
+
+    rec = state.rec
+    now = state.now
+    orig_next = dl._BaseDataLoaderIter.__next__
+
+    def __next__(self: Any) -> Any:
+        t0 = now()
+        state.batch_requested(t0)
+        try:
+            return orig_next(self)
+        except StopIteration:
+            rec._iter_start = None  # the loop ends: no iteration was started
+            raise
+        finally:
+            rec.span("io", "DataLoader.__next__", t0, now())
+
+    dl._BaseDataLoaderIter.__next__ = __next__
+
+    for cls in (fetch._MapDatasetFetcher, fetch._IterableDatasetFetcher):
+        orig_fetch = cls.fetch
+
+        def fetch_(self: Any, index: Any, _orig: Any = orig_fetch) -> Any:
+            t0 = now()
+            try:
+                return _orig(self, index)
+            finally:
+                r = _current_rec()
+                if r is not None:
+                    r.span("io", "fetch", t0, r.clock.now_ns(), step=-1)
+
+        cls.fetch = fetch_
+
+
+def _current_rec() -> Recorder | None:
+    from gputrace.recorder import current
+
+    return current()
+
+
+def _patch_backward(state: _State) -> None:
+    orig = torch.autograd.backward
+
+    @functools.wraps(orig)
+    def backward(*args: Any, **kwargs: Any) -> Any:
+        state.backward_enter()
+        try:
+            return orig(*args, **kwargs)
+        finally:
+            state.backward_exit()
+
+    torch.autograd.backward = backward
+
+
+def auto_instrument(rec: Recorder) -> str:
+    """Install the hooks once per process; returns the collector status line."""
+    global _installed
+    if _installed is not None:
+        _installed.rec = rec
+        return "ok"
+    state = _State(rec)
+    _installed = state
+    from torch.nn.modules import module as nn_module
+    from torch.optim import optimizer as optim_module
+
+    nn_module.register_module_forward_pre_hook(state.forward_pre)
+    nn_module.register_module_forward_hook(state.forward_post)
+    optim_module.register_optimizer_step_pre_hook(state.step_pre)
+    optim_module.register_optimizer_step_post_hook(state.step_post)
+    _patch_backward(state)
+    _patch_dataloader(state)
+    _patch_ddp(state)
+    rec.metadata.setdefault("software", {})["torch"] = torch.__version__
+    rec.metadata["torch"] = {"cuda": bool(torch.cuda.is_available())}
+    return "ok"
+
+
+def notes() -> list[str]:
+    return list(_installed.notes) if _installed else []
+

@@ -1,0 +1,156 @@
+"""Analyzers: pure functions from a loaded trace to frozen results. No I/O, no printing."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from gputrace.analyzers import frame as fr
+from gputrace.analyzers.bandwidth import Bandwidth, analyze_bandwidth
+from gputrace.analyzers.findings import Finding, find
+from gputrace.analyzers.model import ModelResult, Speedup, build_model, speedup
+from gputrace.analyzers.steps import TERMS, RankSteps, analyze_rank, warmup_skip
+
+
+class NothingToAnalyze(Exception):
+    """The trace holds no spans (only samples, or nothing)."""
+
+
+@dataclass(frozen=True)
+class Stat:
+    mean: float
+    std: float
+
+
+@dataclass(frozen=True)
+class RankAnalysis:
+    rank: int
+    iterations: int
+    warmup_skipped: int
+    synthetic_iterations: bool
+    breakdown: dict[str, Stat]
+    comm: dict[str, float]
+    io: dict[str, float]
+    model: ModelResult
+    speedup: Speedup
+    bandwidth: Bandwidth | None
+    findings: list[Finding]
+    comm_wait_s: float | None = None
+    comm_transfer_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Analysis:
+    ranks: dict[int, RankAnalysis]
+    slowest_rank: int
+    world_size: int
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def main(self) -> RankAnalysis:
+        return self.ranks[self.slowest_rank]
+
+
+def _stat(v: np.ndarray) -> Stat:
+    if v.size == 0:
+        return Stat(0.0, 0.0)
+    return Stat(float(np.mean(v)), float(np.std(v, ddof=1)) if v.size > 1 else 0.0)
+
+
+def _overlap(h: Any, sel: np.ndarray) -> dict[str, float]:
+    tot = float(np.mean(h.total_s[sel])) if sel.size else 0.0
+    hid = float(np.mean(h.hidden_s[sel])) if sel.size else 0.0
+    exp = float(np.mean(h.exposed_s[sel])) if sel.size else 0.0
+    return {"total_s": tot, "hidden_s": hid, "exposed_s": exp,
+            "hidden_fraction": hid / tot if tot > 0 else 0.0}
+
+
+def _comm_wait(steps: dict[int, RankSteps], sels: dict[int, np.ndarray]
+               ) -> dict[int, tuple[float, float]]:
+    """Where several ranks show the same unit of the same step, the transfer can only start
+    when the last rank arrives: wait = that moment - own start; transfer = end - that."""
+    seen: dict[tuple[int, int], dict[int, tuple[int, int]]] = {}
+    for r, rs in steps.items():
+        for k in sels[r]:
+            stepno = int(rs.iterations.step[k])
+            for u in rs.units[k]:
+                seen.setdefault((stepno, u.index), {})[r] = (u.start, u.end)
+    acc: dict[int, list[tuple[float, float]]] = {r: [] for r in steps}
+    for by_rank in seen.values():
+        if len(by_rank) < 2:
+            continue
+        last_arrival = max(s for s, _ in by_rank.values())
+        for r, (s, e) in by_rank.items():
+            acc[r].append(((last_arrival - s) / 1e9, max(e - last_arrival, 0) / 1e9))
+    out = {}
+    for r, rows in acc.items():
+        if rows:
+            iters = max(len(sels[r]), 1)
+            out[r] = (sum(w for w, _ in rows) / iters, sum(t for _, t in rows) / iters)
+    return out
+
+
+def _extra_findings(sp: fr.Spans, rs: RankSteps) -> list[Finding]:
+    out = []
+    memcpy = sp.of("memcpy") | sp.of("h2d")
+    pageable = [i for i in np.flatnonzero(memcpy) if sp.src_kind[i] == "pageable"]
+    if pageable:
+        b = float(np.nansum(sp.nbytes[pageable]))
+        out.append(Finding(
+            "h2d_pageable", "moderate",
+            f"{len(pageable)} host-to-device copies ({b / 1e6:.1f} MB) come from pageable "
+            "memory, which copies slower than pinned: use DataLoader(pin_memory=True)."))
+    return out
+
+
+def analyze(trace: Any, *, skip: int | None = None, gpus: Sequence[int] = (2, 4, 8, 16),
+            link_bytes_per_s: float | None = None, shared_io: bool = False) -> Analysis:
+    """Analyze a loaded trace (gputrace.trace.Trace)."""
+    f = fr.build(trace.table, trace.metadata)
+    if not f.ranks:
+        raise NothingToAnalyze("the trace has no spans (no iterations or phases) to analyze")
+    probe = trace.metadata.get("probe") if isinstance(trace.metadata, dict) else None
+    if link_bytes_per_s is None and isinstance(probe, dict):
+        for key in ("allreduce_bus", "ib", "p2p"):
+            v = (probe.get("results") or {}).get(key)
+            if isinstance(v, dict) and isinstance(v.get("bytes_per_s"), (int, float)):
+                link_bytes_per_s = float(v["bytes_per_s"])
+                break
+    world = max(len(f.ranks), int(trace.metadata.get("world_size") or 0)
+                if isinstance(trace.metadata.get("world_size"), int) else 0, 1)
+    steps = {r: analyze_rank(sp) for r, sp in f.ranks.items()}
+    sels = {}
+    skipped = {}
+    for r, rs in steps.items():
+        n = rs.iterations.start.size
+        k = warmup_skip(n, skip)
+        skipped[r] = k
+        sels[r] = np.arange(k, n)
+    waits = _comm_wait(steps, sels) if len(steps) > 1 else {}
+    out: dict[int, RankAnalysis] = {}
+    for r, rs in steps.items():
+        sel = sels[r]
+        model = build_model(rs, sel)
+        sp_ = speedup(model, world, gpus, link_bytes_per_s, shared_io)
+        comm = _overlap(rs.comm, sel)
+        io = _overlap(rs.io, sel)
+        bw = None
+        if f.samples and sel.size:
+            lo = int(rs.iterations.start[sel[0]])
+            hi = int(rs.iterations.end[sel[-1]])
+            bw = analyze_bandwidth(f.samples, lo, hi, int(sel.size),
+                                   io["total_s"] * sel.size, probe)
+        extra = {"findings": _extra_findings(f.ranks[r], rs)}
+        w = waits.get(r)
+        out[r] = RankAnalysis(
+            rank=r, iterations=int(rs.iterations.start.size), warmup_skipped=skipped[r],
+            synthetic_iterations=rs.iterations.synthetic,
+            breakdown={k: _stat(rs.terms[k][sel]) for k in TERMS},
+            comm=comm, io=io, model=model, speedup=sp_, bandwidth=bw,
+            findings=find(model, comm, io, bw, extra),
+            comm_wait_s=w[0] if w else None, comm_transfer_s=w[1] if w else None)
+    slowest = max(out, key=lambda r: out[r].breakdown["t_iter"].mean)
+    return Analysis(out, slowest, world, dict(trace.metadata))

@@ -1,0 +1,118 @@
+"""Plain-language findings, each with the evidence behind it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gputrace.analyzers.bandwidth import Bandwidth
+from gputrace.analyzers.model import ModelResult
+
+INPUT_MODERATE = 0.05
+INPUT_HIGH = 0.20
+
+
+@dataclass(frozen=True)
+class Finding:
+    id: str
+    severity: str   # "high", "moderate", "info"
+    message: str
+
+
+def _mb(b: float) -> str:
+    return f"{b / 1e6:.1f} MB" if b < 1e9 else f"{b / 1e9:.2f} GB"
+
+
+def _rate(b: float) -> str:
+    return f"{b / 1e6:.0f} MB/s" if b < 1e9 else f"{b / 1e9:.2f} GB/s"
+
+
+def _layers(layers: tuple[int, ...] | None) -> str:
+    if not layers:
+        return ""
+    if len(layers) == 1:
+        return f" (layer {layers[0]})"
+    return f" (layers {min(layers)}-{max(layers)})"
+
+
+def find(m: ModelResult, comm: dict[str, float], io: dict[str, float], bw: Bandwidth | None,
+         extra: dict[str, object] | None = None) -> list[Finding]:
+    out: list[Finding] = []
+    t = m.terms
+    t_iter = t["t_iter"]
+    if t_iter <= 0:
+        return out
+    wait = t["t_io"]
+    frac = wait / t_iter
+    if frac >= INPUT_MODERATE:
+        sev = "high" if frac >= INPUT_HIGH else "moderate"
+        msg = (f"Input-bound ({sev}ly): {wait:.3f} s of {t_iter:.3f} s per iteration "
+               f"({frac:.0%}) waits for data")
+        if bw is not None:
+            parts = []
+            for link in bw.links:
+                if link.name in ("disk", "cache") and link.bytes > 0:
+                    per = link.bytes / max(bw.window_s / t_iter, 1.0)
+                    parts.append(f"{_mb(per)} per iteration from {'page cache' if link.name == 'cache' else 'disk'} "
+                                 f"at {_rate(link.bytes_per_s)}")
+            if parts:
+                msg += "; the loader reads " + " and ".join(parts)
+        if m.io_pipelined and m.t_io_pipelined is not None:
+            msg += (f"; each batch takes {m.t_io_pipelined:.3f} s of loader time per worker "
+                    "share: more DataLoader workers, faster decode or a warm cache would help")
+        else:
+            msg += "; loading is not pipelined: use DataLoader workers"
+        out.append(Finding("input_bound", sev, msg + "."))
+    exposed = comm.get("exposed_s", 0.0)
+    if comm.get("total_s", 0.0) > 0:
+        exp_units = [u for u in m.units[:-1] if not u.hidden]
+        if m.case == 2:
+            names = ", ".join(f"#{u.index}" + _layers(u.layers) for u in exp_units)
+            out.append(Finding(
+                "comm_exposed", "high" if exposed / t_iter >= 0.2 else "moderate",
+                f"Gradient communication is exposed (Case 2, C = {m.C if m.C is not None else '?'}): "
+                f"{exposed:.3f} s of {comm['total_s']:.3f} s comm per iteration is not hidden "
+                f"under compute; units {names} end after the next unit's gradients are ready. "
+                "Larger buckets for the big layers near the output, or a faster link, "
+                "would hide more."))
+        elif exposed / t_iter >= INPUT_MODERATE:
+            out.append(Finding(
+                "comm_tail", "moderate",
+                f"Only the last gradient unit is exposed (Case 1), but it costs {exposed:.3f} s "
+                f"per iteration ({exposed / t_iter:.0%}): a smaller last bucket would shorten it."))
+        else:
+            out.append(Finding(
+                "comm_hidden", "info",
+                f"Gradient communication is hidden (Case 1): {comm['hidden_s']:.3f} s of "
+                f"{comm['total_s']:.3f} s runs under backward compute."))
+    other = t.get("t_other", 0.0)
+    if other / t_iter >= 0.10:
+        out.append(Finding(
+            "unattributed", "moderate",
+            f"{other:.3f} s per iteration ({other / t_iter:.0%}) is in no phase: loss, "
+            "zero_grad, logging or Python between phases."))
+    if t["t_u"] > 0 and (t["t_h2d"] + t["t_f"] + t["t_b"]) > 0:
+        from gputrace.analyzers.model import r_u2g
+
+        r = r_u2g(t["t_u"], t["t_h2d"], t["t_f"], t["t_b"])
+        if r >= 0.1 and m.strategy == "wfbp_update_after":
+            out.append(Finding(
+                "update_heavy", "moderate",
+                f"The update takes {r:.0%} of the compute (r_u2g); with the update after all "
+                "comm (eq. 11) it does not overlap and limits scaling."))
+    if abs(m.relative_error) > 0.10:
+        out.append(Finding(
+            "model_mismatch", "info",
+            f"The model (eq. {m.equation}) predicts {m.predicted_t_iter:.3f} s against "
+            f"{m.measured_t_iter:.3f} s measured ({m.relative_error:+.0%}): the run does "
+            "not follow the model's assumptions closely (e.g. buckets all-reduced concurrently)."))
+    if bw is not None:
+        for link in bw.links:
+            f = link.fraction_of_peak
+            if f is not None and f < 0.5 and link.bytes > 0:
+                out.append(Finding(
+                    f"low_bandwidth_{link.name}", "info",
+                    f"{link.name}: {_rate(link.bytes_per_s)} achieved, {f:.0%} of the probed "
+                    f"peak {_rate(link.peak_bytes_per_s or 0)}."))
+    for f in (extra or {}).get("findings", []) or []:
+        out.append(f)  # type: ignore[arg-type]
+    return out

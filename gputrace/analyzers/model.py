@@ -1,0 +1,314 @@
+"""Shi & Chu's performance model: equations (1)-(12), strategy and Case detection, and the
+predicted iteration time from measured terms."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from gputrace.analyzers.steps import RankSteps, Unit
+
+# -- the paper's equations, as plain functions of their terms (seconds, bytes) ------------
+
+
+def eq1(t_io: float, t_h2d: float, t_f: float, t_b: float, t_u: float) -> float:
+    return t_io + t_h2d + t_f + t_b + t_u
+
+
+def eq2(t_io: float, t_h2d: float, t_f: float, t_b: float, t_u: float, t_comm: float) -> float:
+    return t_io + t_h2d + t_f + t_b + t_u + t_comm
+
+
+def eq4(t_gpu: float, t_comm: float, t_io: float) -> float:
+    """Pipelined I/O: the mean iteration is the slower of the two pipelines."""
+    return max(t_gpu + t_comm, t_io)
+
+
+def eq5(t_io: float, t_h2d: float, t_f: float, t_b_first: float, comm_span: float,
+        t_u: float) -> float:
+    """Overlapped comm: backward of the first layer, then comm from its first start to its
+    last end (tau_comm_e - tau_comm_s), then the update."""
+    return t_io + t_h2d + t_f + t_b_first + comm_span + t_u
+
+
+def eq6(t_io: float, t_h2d: float, t_f: float, t_b: float, t_comm_1: float,
+        t_u_1: float) -> float:
+    """Case 1 of layer-wise overlap: only the last layer's comm and update are exposed."""
+    return t_io + t_h2d + t_f + t_b + t_comm_1 + t_u_1
+
+
+def eq7(t_io: float, t_h2d: float, t_f: float, t_comm_exposed: Sequence[float],
+        t_b_before_c: Sequence[float], t_comm_1: float, t_u_1: float) -> float:
+    """Case 2: comm of layers C..L, backward of layers 1..C-1, then the last comm/update."""
+    return t_io + t_h2d + t_f + sum(t_comm_exposed) + sum(t_b_before_c) + t_comm_1 + t_u_1
+
+
+def eq8(n_g: int, t_io_1: float, t_gpu: float, t_io_ng: float, t_comm: float) -> float:
+    """Speedup of S-SGD with comm after backward (weak scaling)."""
+    return n_g * (t_io_1 + t_gpu) / (t_io_ng + t_gpu + t_comm)
+
+
+def eq9(n_g: int, t_io_1: float, t_gpu: float, overlapped_t_iter_without_io: float,
+        t_io_ng: float) -> float:
+    """Speedup with layer-wise overlap (both cases): the denominator is eq. 6 or 7."""
+    return n_g * (t_io_1 + t_gpu) / (t_io_ng + overlapped_t_iter_without_io)
+
+
+def eq10(t_io: float, t_h2d: float, t_f: float, t_b: float, t_comm_1: float,
+         t_u: float) -> float:
+    """Overlap with the update after all comm (TensorFlow single node; PyTorch DDP)."""
+    return t_io + t_h2d + t_f + t_b + t_comm_1 + t_u
+
+
+def eq11(n_g: int, t_io_1: float, t_gpu: float, t_io_ng: float, t_h2d: float, t_f: float,
+         t_b: float, t_comm_1: float, t_u: float) -> float:
+    return n_g * (t_io_1 + t_gpu) / (t_io_ng + t_h2d + t_f + t_b + t_comm_1 + t_u)
+
+
+def eq12(s_g_bytes: float, t_comm: float, link_bytes_per_s: float) -> float:
+    """All-reduce efficiency: gradient bytes moved per second over the link's peak."""
+    return s_g_bytes / (t_comm * link_bytes_per_s)
+
+
+def r_u2g(t_u: float, t_h2d: float, t_f: float, t_b: float) -> float:
+    """Update time relative to the GPU work; higher means eq. 11 scales worse."""
+    return t_u / (t_h2d + t_f + t_b)
+
+
+def t_io_from_bandwidth(batch_bytes: float, bytes_per_s: float) -> float:
+    """The paper's t_io = S_d / B_cache (or B_disk): the least time to read one batch."""
+    return batch_bytes / bytes_per_s
+
+
+def ring_factor(n: int) -> float:
+    """Bytes each rank sends in a ring all-reduce, per byte of gradient."""
+    return 2.0 * (n - 1) / n if n > 1 else 0.0
+
+
+# -- from a trace ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class UnitStats:
+    index: int
+    layers: tuple[int, ...] | None
+    nbytes: float
+    ready_s: float
+    start_s: float
+    end_s: float
+    duration_s: float
+    hidden: bool
+    hidden_fraction: float
+
+
+@dataclass(frozen=True)
+class ModelResult:
+    strategy: str
+    case: int | None
+    C: int | None
+    C_unit: int | None
+    equation: str
+    predicted_t_iter: float
+    measured_t_iter: float
+    relative_error: float
+    io_pipelined: bool
+    t_io_pipelined: float | None
+    terms: dict[str, float]
+    units: list[UnitStats] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    eq7_t_iter: float | None = None     # the paper's Case 2 equation, for comparison
+    t_b_first: float | None = None      # eq. 5: backward before the first unit starts
+    comm_span: float | None = None      # eq. 5: first unit start to last unit end
+
+
+def mean_terms(rs: RankSteps, sel: np.ndarray) -> dict[str, float]:
+    return {k: float(np.mean(v[sel])) if sel.size else 0.0 for k, v in rs.terms.items()}
+
+
+def unit_stats(rs: RankSteps, sel: np.ndarray) -> list[UnitStats]:
+    """Per unit index, means over the analyzed iterations (times from iteration start)."""
+    by: dict[int, list[tuple[int, Unit]]] = {}
+    for k in sel:
+        for u in rs.units[k]:
+            by.setdefault(u.index, []).append((int(k), u))
+    out = []
+    for idx in sorted(by):
+        rows = by[idx]
+        t0 = {k: rs.iterations.start[k] for k, _ in rows}
+        hid = [u.hidden for _, u in rows]
+        last = rows[-1][1]
+        out.append(UnitStats(
+            index=idx, layers=last.layers,
+            nbytes=float(np.mean([u.nbytes for _, u in rows])),
+            ready_s=float(np.mean([(u.ready - t0[k]) / 1e9 for k, u in rows])),
+            start_s=float(np.mean([(u.start - t0[k]) / 1e9 for k, u in rows])),
+            end_s=float(np.mean([(u.end - t0[k]) / 1e9 for k, u in rows])),
+            duration_s=float(np.mean([(u.end - u.start) / 1e9 for _, u in rows])),
+            hidden=sum(hid) * 2 > len(hid), hidden_fraction=sum(hid) / len(hid)))
+    return out
+
+
+def _overlapped(rs: RankSteps, sel: np.ndarray) -> bool:
+    votes = 0
+    for k in sel:
+        units = rs.units[k]
+        if not units:
+            continue
+        ends = rs.layer_backward_end[k]
+        if not ends:
+            continue
+        bwd_end = max(ends.values())
+        votes += 1 if units[0].start < bwd_end else -1
+    return votes > 0
+
+
+def build_model(rs: RankSteps, sel: np.ndarray) -> ModelResult:
+    t = mean_terms(rs, sel)
+    units = unit_stats(rs, sel)
+    notes: list[str] = []
+    measured = t["t_iter"]
+    pipelined = rs.loader_workers > 0 and not math.isnan(float(rs.fetch_s[0]))
+    t_io_pipe = float(rs.fetch_s[0]) / rs.loader_workers if pipelined else None
+    t_gpu = t["t_h2d"] + t["t_f"] + t["t_b"] + t["t_u"]
+    other = t["t_other"]
+    if other > 0.05 * measured:
+        notes.append(f"{other:.4f} s per iteration is in no phase (loss, zero_grad, Python "
+                     "between phases); it is added to every equation as t_other")
+
+    def with_io(compute_path: float) -> float:
+        if pipelined and t_io_pipe is not None:
+            return max(compute_path + t["t_io"], t_io_pipe)  # eq. 4's max
+        return compute_path + t["t_io"]
+
+    case = c_layer = c_unit = None
+    eq7_value = t_b_first = comm_span = None
+    if not units:
+        strategy = "sequential"
+        equation = "4" if pipelined else "1"
+        predicted = with_io(t_gpu + other)
+    elif not _overlapped(rs, sel):
+        strategy = "sequential"
+        equation = "4" if pipelined else "2"
+        predicted = with_io(t_gpu + t["t_comm"] + other)
+    else:
+        upd_per_iter = float(np.mean(rs.update_spans[sel])) if sel.size else 0.0
+        strategy = "wfbp" if upd_per_iter > 1.5 else "wfbp_update_after"
+        exposed = [u for u in units[:-1] if not u.hidden]
+        case = 1 if not exposed else 2
+        last = units[-1]
+        t_u_1 = t["t_u"] / max(upd_per_iter, 1.0) if strategy == "wfbp" else t["t_u"]
+        if case == 1:
+            equation = "6" if strategy == "wfbp" else "10"
+            path = t["t_h2d"] + t["t_f"] + t["t_b"] + last.duration_s + t_u_1 + other
+        else:
+            c_unit = max(u.index for u in exposed)
+            layer_sets = [u.layers for u in exposed if u.layers]
+            c_layer = min(min(ls) for ls in layer_sets) if layer_sets else None
+            exposed_comm = [u.duration_s for u in units[:-1] if u.index <= c_unit]
+            if c_layer is not None:
+                t_b_before = [float(np.mean([rs.layer_backward_s[k].get(ly, 0.0) for k in sel]))
+                              for ly in range(1, c_layer)]
+            else:  # no layers known: the backward after the exposed units were ready
+                t_b_before = [max(t["t_b"] - units[c_unit].ready_s + units[0].ready_s, 0.0)]
+                notes.append("comm units carry no layers: C is given in unit indices only")
+            eq7_value = with_io(t["t_h2d"] + t["t_f"] + sum(exposed_comm) + sum(t_b_before)
+                                + last.duration_s + t_u_1 + other)
+            # Eq. 7 adds the exposed units' durations end to end; where units run
+            # concurrently (gloo, several NCCL channels) that overcounts, so the prediction
+            # uses eq. 5, from which eq. 6 and 7 derive, with the measured comm span.
+            bstart = [(rs.backward_start[k] - rs.iterations.start[k]) / 1e9 for k in sel
+                      if rs.backward_start[k] >= 0]
+            b0 = float(np.mean(bstart)) if bstart else units[0].ready_s
+            t_b_first = max(units[0].start_s - b0, 0.0)
+            comm_span = max(u.end_s for u in units) - units[0].start_s
+            equation = "5"
+            path = (t["t_h2d"] + t["t_f"] + t_b_first + comm_span
+                    + (t_u_1 if strategy == "wfbp" else t["t_u"]) + other)
+        predicted = with_io(path)
+    err = (predicted - measured) / measured if measured > 0 else 0.0
+    return ModelResult(strategy, case, c_layer, c_unit, equation, predicted, measured, err,
+                       pipelined, t_io_pipe, t, units, notes, eq7_value, t_b_first, comm_span)
+
+
+# -- speedup ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SpeedupPoint:
+    gpus: int
+    speedup: float
+    efficiency: float
+    t_iter: float
+    t_comm: float
+
+
+@dataclass(frozen=True)
+class Speedup:
+    equation: str
+    world_size: int
+    points: list[SpeedupPoint]
+    assumptions: list[str]
+    allreduce_efficiency: float | None
+    link_bytes_per_s: float | None
+    grad_bytes: float
+
+
+def speedup(m: ModelResult, world_size: int, gpus: Sequence[int],
+            link_bytes_per_s: float | None = None, shared_io: bool = False) -> Speedup:
+    """Eq. 8 / 9 / 11 for N GPUs from the measured terms (weak scaling)."""
+    t = m.terms
+    t_gpu = t["t_h2d"] + t["t_f"] + t["t_b"] + t["t_u"] + t["t_other"]
+    t_io_1 = t["t_io"]
+    grad_bytes = float(sum(u.nbytes for u in m.units if not math.isnan(u.nbytes)))
+    assumptions = ["weak scaling: the same batch per GPU, so t_io, t_h2d, t_f, t_b, t_u stay",
+                   "t_io per rank does not grow with N (each rank loads its own data)"
+                   if not shared_io else "one loader feeds all GPUs of a node: t_io grows with N"]
+    n = max(world_size, 1)
+    comm_units = [u.duration_s for u in m.units]
+    measured_comm = t["t_comm"]
+    if n > 1:
+        assumptions.append(f"ring all-reduce: comm time scales with 2(N-1)/N from the measured "
+                           f"{n} ranks")
+
+        def comm_at(N: int, d: float) -> float:
+            return d * ring_factor(N) / ring_factor(n)
+    elif link_bytes_per_s:
+        assumptions.append("ring all-reduce at the given link bandwidth, no latency")
+
+        def comm_at(N: int, d: float) -> float:
+            share = d / measured_comm if measured_comm else 0.0
+            return share * ring_factor(N) * grad_bytes / link_bytes_per_s
+    else:
+        assumptions.append("no comm measured and no link bandwidth given: comm is free")
+
+        def comm_at(N: int, d: float) -> float:
+            return 0.0
+
+    overlapped = not (m.strategy == "sequential" or not comm_units)
+    equation = "8" if not overlapped else ("9" if m.strategy == "wfbp" else "11")
+    pts = []
+    for N in gpus:
+        io_n = t_io_1 * (N if shared_io else 1)
+        if m.strategy == "sequential" or not comm_units:
+            tc = comm_at(N, measured_comm) if N > 1 else 0.0
+            s = eq8(N, t_io_1, t_gpu, io_n, tc)
+        else:
+            last = comm_at(N, comm_units[-1]) if N > 1 else 0.0
+            if m.case == 2 and m.comm_span is not None and m.t_b_first is not None:
+                # eq. 5 with the comm span scaled, never below the compute-only path
+                span = comm_at(N, m.comm_span) if N > 1 else 0.0
+                rest = max(t["t_h2d"] + t["t_f"] + m.t_b_first + span + t["t_u"] + t["t_other"],
+                           t_gpu + last)
+            else:
+                rest = t["t_h2d"] + t["t_f"] + t["t_b"] + last + t["t_u"] + t["t_other"]
+            tc = last
+            s = eq9(N, t_io_1, t_gpu, rest, io_n)  # eq. 11 has the same form with full t_u
+        t_iter = N * (t_io_1 + t_gpu) / s
+        pts.append(SpeedupPoint(N, s, s / N, t_iter, tc))
+    eff = None
+    if link_bytes_per_s and measured_comm > 0 and grad_bytes > 0:
+        eff = eq12(grad_bytes * n, measured_comm, link_bytes_per_s)
+    return Speedup(equation, n, pts, assumptions, eff, link_bytes_per_s, grad_bytes)

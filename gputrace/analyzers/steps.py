@@ -1,0 +1,157 @@
+"""Iterations, the per-iteration t_io/t_h2d/t_f/t_b/t_u/t_comm breakdown, hidden vs exposed
+comm and I/O, and the comm units (buckets or layers) of each iteration."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from gputrace.analyzers import overlap as ov
+from gputrace.analyzers.frame import Spans
+
+TERMS = ("t_iter", "t_io", "t_h2d", "t_f", "t_b", "t_u", "t_comm", "t_other")
+
+
+@dataclass(frozen=True)
+class Iterations:
+    start: np.ndarray
+    end: np.ndarray
+    step: np.ndarray
+    synthetic: bool          # no iteration spans: the whole window is one iteration
+    loop: tuple[int, int]    # (pid, tid) of the training loop
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One comm unit of one iteration; times in ns on the trace clock."""
+
+    index: int
+    layers: tuple[int, ...] | None
+    nbytes: float
+    ready: int
+    start: int
+    end: int
+    hidden: bool
+
+
+@dataclass(frozen=True)
+class RankSteps:
+    rank: int
+    iterations: Iterations
+    terms: dict[str, np.ndarray]      # seconds per iteration
+    comm: ov.Hidden
+    io: ov.Hidden
+    units: list[list[Unit]]           # per iteration, in launch order
+    layer_backward_s: list[dict[int, float]]   # per iteration: layer -> backward seconds
+    layer_backward_end: list[dict[int, int]]
+    backward_start: np.ndarray        # ns, per iteration (-1 when none)
+    fetch_s: np.ndarray               # mean loader fetch per batch, seconds (nan: none)
+    loader_workers: int
+    update_spans: np.ndarray          # update spans per iteration
+    extra: dict[str, object] = field(default_factory=dict)
+
+
+def warmup_skip(n: int, skip: int | None = None) -> int:
+    """Iterations to leave out: the first 10% or the first 3, keeping at least half."""
+    if skip is not None:
+        return max(0, min(skip, n - 1)) if n else 0
+    return min(max(math.ceil(0.1 * n), 3), n // 2)
+
+
+def find_iterations(sp: Spans) -> Iterations:
+    m = sp.of("iteration")
+    if m.any():
+        idx = np.flatnonzero(m)
+        idx = idx[np.argsort(sp.start[idx], kind="stable")]
+        loop = Counter(zip(sp.pid[idx].tolist(), sp.tid[idx].tolist(), strict=True)).most_common(1)[0][0]
+        return Iterations(sp.start[idx], sp.end[idx], sp.step[idx], False, loop)
+    lo = int(sp.start.min())
+    hi = int(max(sp.end.max(), sp.start.max()))
+    c = Counter(zip(sp.pid.tolist(), sp.tid.tolist(), strict=True)).most_common(1)[0][0]
+    return Iterations(np.array([lo]), np.array([hi]), np.array([0]), True, c)
+
+
+def _u(sp: Spans, mask: np.ndarray) -> ov.Union:
+    return ov.union(sp.start[mask], sp.end[mask])
+
+
+def analyze_rank(sp: Spans) -> RankSteps:
+    its = find_iterations(sp)
+    lo, hi = its.start, its.end
+    n = lo.size
+    pid, tid = its.loop
+    on_loop = (sp.pid == pid) & (sp.tid == tid)
+    io_m = sp.of("io")
+    wait = _u(sp, io_m & on_loop)
+    work_m = io_m & ~on_loop
+    work = _u(sp, work_m)
+    h2d = _u(sp, sp.of("h2d"))
+    fwd = _u(sp, sp.of("forward"))
+    bwd_m = sp.of("backward")
+    per_layer = bwd_m & (sp.layer >= 1)
+    bwd = _u(sp, per_layer if per_layer.any() else bwd_m)
+    upd = _u(sp, sp.of("update"))
+    comm_m = sp.of("comm")
+    comm = _u(sp, comm_m)
+    compute = ov.merge(h2d, fwd, bwd, upd)
+    sec = 1e9
+    terms = {
+        "t_iter": (hi - lo) / sec,
+        "t_io": ov.measure(wait, lo, hi) / sec,
+        "t_h2d": ov.measure(h2d, lo, hi) / sec,
+        "t_f": ov.measure(fwd, lo, hi) / sec,
+        "t_b": ov.measure(bwd, lo, hi) / sec,
+        "t_u": ov.measure(upd, lo, hi) / sec,
+        "t_comm": ov.measure(comm, lo, hi) / sec,
+    }
+    covered = ov.measure(ov.merge(wait, compute, comm), lo, hi) / sec
+    terms["t_other"] = np.maximum(terms["t_iter"] - covered, 0.0)
+    comm_h = ov.hidden_under(comm, compute, lo, hi)
+    io_total = ov.measure(ov.merge(wait, work), lo, hi) / sec
+    io_exposed = terms["t_io"]
+    io_h = ov.Hidden(io_total, np.maximum(io_total - io_exposed, 0.0), io_exposed)
+
+    # which iteration each span falls in (by its start)
+    it_of = np.searchsorted(lo, sp.start, side="right") - 1
+    inside = (it_of >= 0) & (sp.start < hi[np.clip(it_of, 0, n - 1)])
+
+    layer_bs: list[dict[int, float]] = [dict() for _ in range(n)]
+    layer_end: list[dict[int, int]] = [dict() for _ in range(n)]
+    for i in np.flatnonzero(per_layer & inside):
+        k, ly = int(it_of[i]), int(sp.layer[i])
+        layer_bs[k][ly] = layer_bs[k].get(ly, 0.0) + (sp.end[i] - sp.start[i]) / sec
+        layer_end[k][ly] = max(layer_end[k].get(ly, 0), int(sp.end[i]))
+    bstart = np.full(n, -1, dtype=np.int64)
+    for i in np.flatnonzero(bwd_m & inside):
+        k = int(it_of[i])
+        if bstart[k] < 0 or sp.start[i] < bstart[k]:
+            bstart[k] = sp.start[i]
+
+    units: list[list[Unit]] = [[] for _ in range(n)]
+    cidx = np.flatnonzero(comm_m & inside)
+    cidx = cidx[np.lexsort((sp.start[cidx], it_of[cidx]))]
+    for k in range(n):
+        sel = cidx[it_of[cidx] == k]
+        raw = []
+        for j, i in enumerate(sel):
+            layers = sp.layers_of(int(i))
+            ready = int(sp.start[i])
+            if layers and min(layers) in layer_end[k]:
+                # ready when the backward of its smallest layer ends (never after its start)
+                ready = min(layer_end[k][min(layers)], ready)
+            raw.append((j, tuple(layers) if layers else None, float(sp.nbytes[i]), ready,
+                        int(sp.start[i]), int(sp.end[i])))
+        for j, (idx, layers, nb, ready, s, e) in enumerate(raw):
+            nxt_ready = raw[j + 1][3] if j + 1 < len(raw) else None
+            hidden = nxt_ready is not None and e <= nxt_ready
+            units[k].append(Unit(idx, layers, nb, ready, s, e, hidden))
+
+    fetch = np.flatnonzero(work_m)
+    workers = len(set(sp.pid[fetch].tolist())) if fetch.size else 0
+    fetch_s = float(np.mean(sp.end[fetch] - sp.start[fetch]) / sec) if fetch.size else math.nan
+    upd_n = np.bincount(it_of[sp.of("update") & inside], minlength=n)[:n]
+    return RankSteps(sp.rank, its, terms, comm_h, io_h, units, layer_bs, layer_end, bstart,
+                     np.array([fetch_s]), workers, upd_n)

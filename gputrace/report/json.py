@@ -1,0 +1,75 @@
+"""The stable `analyze --json` document (DESIGN.md): keys are added, never renamed."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from gputrace.analyzers import Analysis, RankAnalysis
+
+FORMAT = "gputrace-analysis"
+VERSION = 1
+
+
+def _num(x: float | None) -> float | None:
+    if x is None or (isinstance(x, float) and (math.isnan(x) or math.isinf(x))):
+        return None
+    return float(x)
+
+
+def rank_dict(ra: RankAnalysis) -> dict[str, Any]:
+    m = ra.model
+    sp = ra.speedup
+    bw = ra.bandwidth
+    return {
+        "iterations": {"count": ra.iterations, "warmup_skipped": ra.warmup_skipped,
+                       "analyzed": ra.iterations - ra.warmup_skipped,
+                       "synthetic": ra.synthetic_iterations},
+        "breakdown": {k: {"mean": s.mean, "std": s.std} for k, s in ra.breakdown.items()},
+        "overlap": {"comm": dict(ra.comm), "io": dict(ra.io)},
+        "model": {
+            "strategy": m.strategy, "case": m.case, "C": m.C, "C_unit": m.C_unit,
+            "equation": m.equation, "predicted_t_iter": m.predicted_t_iter,
+            "measured_t_iter": m.measured_t_iter, "relative_error": m.relative_error,
+            "io_pipelined": m.io_pipelined, "t_io_pipelined": _num(m.t_io_pipelined),
+            "notes": list(m.notes),
+            "eq7_t_iter": _num(m.eq7_t_iter), "t_b_first": _num(m.t_b_first),
+            "comm_span": _num(m.comm_span),
+        },
+        "units": [{"index": u.index, "layers": list(u.layers) if u.layers else None,
+                   "bytes": _num(u.nbytes), "ready_s": u.ready_s, "start_s": u.start_s,
+                   "end_s": u.end_s, "duration_s": u.duration_s, "hidden": u.hidden,
+                   "hidden_fraction": u.hidden_fraction} for u in m.units],
+        "speedup": {
+            "equation": sp.equation, "measured_world_size": sp.world_size,
+            "gradient_bytes": sp.grad_bytes,
+            "allreduce_efficiency": _num(sp.allreduce_efficiency),
+            "link_bytes_per_s": _num(sp.link_bytes_per_s),
+            "assumptions": list(sp.assumptions),
+            "points": [{"gpus": p.gpus, "speedup": p.speedup, "efficiency": p.efficiency,
+                        "t_iter": p.t_iter, "t_comm": p.t_comm} for p in sp.points],
+        },
+        "bandwidth": {} if bw is None else {
+            "window_s": bw.window_s,
+            "disk_bytes_per_iter": _num(bw.disk_bytes_per_iter),
+            "cache_bytes_per_iter": _num(bw.cache_bytes_per_iter),
+            "links": [{"name": link.name, "bytes": link.bytes, "bytes_per_s": link.bytes_per_s,
+                       "peak_bytes_per_s": _num(link.peak_bytes_per_s),
+                       "fraction_of_peak": _num(link.fraction_of_peak)} for link in bw.links],
+        },
+        "findings": [{"id": f.id, "severity": f.severity, "message": f.message}
+                     for f in ra.findings],
+        "comm_wait_s": _num(ra.comm_wait_s),
+        "comm_transfer_s": _num(ra.comm_transfer_s),
+    }
+
+
+def to_dict(a: Analysis, rank: int | None = None) -> dict[str, Any]:
+    main = a.ranks[rank] if rank is not None else a.main
+    doc: dict[str, Any] = {"format": FORMAT, "version": VERSION}
+    doc.update(rank_dict(main))
+    doc["rank"] = main.rank
+    doc["slowest_rank"] = a.slowest_rank
+    doc["world_size"] = a.world_size
+    doc["ranks"] = {str(r): rank_dict(ra) for r, ra in sorted(a.ranks.items())}
+    return doc

@@ -1,0 +1,155 @@
+"""The terminal report: headline first, then the numbers behind it."""
+
+from __future__ import annotations
+
+from typing import IO
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from gputrace.analyzers import Analysis, RankAnalysis
+
+_PHASES = (("t_io", "waiting for data (I/O)"), ("t_h2d", "host to device copies"),
+           ("t_f", "forward"), ("t_b", "backward"), ("t_u", "update (optimizer)"),
+           ("t_comm", "gradient comm (all of it)"), ("t_other", "in no phase"))
+
+_STRATEGY = {
+    "sequential": "communication after backward (eq. 4/8)",
+    "wfbp": "layer-wise overlap, update per layer (eq. 6/7/9)",
+    "wfbp_update_after": "overlap with backward, update after all comm (eq. 10/11, as DDP)",
+}
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.1f} ms" if abs(s) < 10 else f"{s:.2f} s"
+
+
+def headline(ra: RankAnalysis) -> str:
+    b = ra.breakdown
+    t_iter = b["t_iter"].mean
+    parts = {k: b[k].mean for k, _ in _PHASES if k not in ("t_comm",)}
+    parts["exposed comm"] = ra.comm["exposed_s"]
+    top = max(parts, key=lambda k: parts[k])
+    names = dict(_PHASES)
+    top_name = names.get(top, top)
+    m = ra.model
+    if m.case == 1:
+        case = "Case 1: gradient communication is hidden behind backward"
+    elif m.case == 2:
+        case = (f"Case 2: gradient communication is exposed (C = "
+                f"{m.C if m.C is not None else '?'}, units 0..{m.C_unit} not hidden)")
+    elif ra.comm["total_s"] > 0:
+        case = "communication runs after backward, not overlapped"
+    else:
+        case = "single process: no gradient communication"
+    share = parts[top] / t_iter if t_iter else 0
+    return (f"{_ms(t_iter)} per iteration. {case}. Largest share: {top_name} "
+            f"({_ms(parts[top])}, {share:.0%}).")
+
+
+def render(a: Analysis, rank: int | None = None, file: IO[str] | None = None,
+           width: int | None = None) -> None:
+    con = Console(file=file, width=width, highlight=False)
+    ra = a.ranks[rank] if rank is not None else a.main
+    con.print(f"[bold]{escape(headline(ra))}[/]")
+    ranks_note = f"rank {ra.rank} of {a.world_size}" + \
+        (" (slowest)" if len(a.ranks) > 1 and ra.rank == a.slowest_rank else "")
+    con.print(f"{ranks_note}; {ra.iterations - ra.warmup_skipped} iterations analyzed, "
+              f"first {ra.warmup_skipped} skipped as warm-up"
+              + ("; no iteration marks: the whole trace is one window" if ra.synthetic_iterations
+                 else ""))
+    con.print()
+
+    t_iter = ra.breakdown["t_iter"].mean
+    bt = Table(title="Where an iteration's time goes (mean ± std, like Table V)",
+               title_justify="left", box=None, padding=(0, 2))
+    bt.add_column("term")
+    bt.add_column("", style="dim")
+    bt.add_column("mean", justify="right")
+    bt.add_column("± std", justify="right", style="dim")
+    bt.add_column("share", justify="right")
+    for key, label in (("t_iter", "iteration"),) + _PHASES:
+        s = ra.breakdown[key]
+        share = "" if key == "t_iter" or t_iter == 0 else f"{s.mean / t_iter:.0%}"
+        bt.add_row(key, label, _ms(s.mean), _ms(s.std), share)
+    con.print(bt)
+    con.print()
+
+    ot = Table(title="Hidden vs exposed (per iteration)", title_justify="left", box=None,
+               padding=(0, 2))
+    for c in ("", "total", "hidden", "exposed", "hidden %"):
+        ot.add_column(c, justify="right" if c else "left")
+    for name, d in (("gradient comm", ra.comm), ("input I/O", ra.io)):
+        ot.add_row(name, _ms(d["total_s"]), _ms(d["hidden_s"]), _ms(d["exposed_s"]),
+                   f"{d['hidden_fraction']:.0%}")
+    con.print(ot)
+    if ra.comm_wait_s is not None:
+        con.print(f"comm across ranks: {_ms(ra.comm_wait_s)} waiting for peers, "
+                  f"{_ms(ra.comm_transfer_s or 0)} transferring, per iteration")
+    m = ra.model
+    if m.units:
+        ut = Table(title="Gradient units in launch order (times from iteration start)",
+                   title_justify="left", box=None, padding=(0, 2))
+        for c in ("unit", "layers", "MB", "ready", "start", "end", "hidden"):
+            ut.add_column(c, justify="left" if c == "layers" else "right")
+        shown = m.units if len(m.units) <= 12 else m.units[:6] + m.units[-6:]
+        for u in shown:
+            layers = "?" if not u.layers else (
+                str(u.layers[0]) if len(u.layers) == 1 else f"{min(u.layers)}-{max(u.layers)}")
+            ut.add_row(str(u.index), layers, f"{u.nbytes / 1e6:.2f}", _ms(u.ready_s),
+                       _ms(u.start_s), _ms(u.end_s),
+                       "[green]yes[/]" if u.hidden else
+                       ("last" if u is m.units[-1] else "[red]no[/]"))
+        if len(m.units) > 12:
+            con.print(f"({len(m.units) - 12} units not shown)")
+        con.print(ut)
+    con.print()
+    strategy = _STRATEGY.get(m.strategy, m.strategy) if ra.comm["total_s"] > 0 else \
+        "single process, no gradient comm (eq. 1; eq. 4 with pipelined I/O)"
+    con.print(f"[bold]Model[/]: {strategy}" + (f", Case {m.case}" if m.case else ""))
+    con.print(f"  eq. {m.equation} predicts {_ms(m.predicted_t_iter)} per iteration; measured "
+              f"{_ms(m.measured_t_iter)} ({m.relative_error:+.1%})")
+    if m.eq7_t_iter is not None:
+        con.print(f"  [dim]the paper's eq. 7 (exposed units end to end) gives "
+                  f"{_ms(m.eq7_t_iter)}[/]")
+    for n in m.notes:
+        con.print(f"  [dim]{escape(n)}[/]")
+    sp = ra.speedup
+    if sp.points:
+        st = Table(title=f"Predicted speedup (eq. {sp.equation}, from {sp.world_size} "
+                   f"rank{'s' if sp.world_size != 1 else ''})", title_justify="left",
+                   box=None, padding=(0, 2))
+        for c in ("GPUs", "speedup", "efficiency", "t_iter"):
+            st.add_column(c, justify="right")
+        for p in sp.points:
+            st.add_row(str(p.gpus), f"{p.speedup:.2f}x", f"{p.efficiency:.0%}", _ms(p.t_iter))
+        con.print(st)
+        for asm in sp.assumptions:
+            con.print(f"  [dim]assumes {escape(asm)}[/]")
+        if sp.allreduce_efficiency is not None:
+            con.print(f"  all-reduce efficiency (eq. 12): {sp.allreduce_efficiency:.1%} of "
+                      f"{(sp.link_bytes_per_s or 0) / 1e9:.2f} GB/s")
+    bw = ra.bandwidth
+    if bw is not None and bw.links:
+        con.print()
+        parts = []
+        for link in bw.links:
+            s = f"{link.name} {link.bytes / 1e6:.1f} MB at {link.bytes_per_s / 1e6:.0f} MB/s"
+            if link.fraction_of_peak is not None:
+                s += f" ({link.fraction_of_peak:.0%} of peak)"
+            parts.append(s)
+        con.print("Bandwidth: " + "; ".join(parts))
+    if ra.findings:
+        con.print()
+        con.print("[bold]Findings[/]")
+        colors = {"high": "red", "moderate": "yellow", "info": "cyan"}
+        for f in ra.findings:
+            con.print(f"  [{colors.get(f.severity, 'white')}]{f.severity:>8}[/]  "
+                      f"{escape(f.message)}")
+    if len(a.ranks) > 1:
+        con.print()
+        con.print("per rank: " + ", ".join(
+            f"{r}: {_ms(x.breakdown['t_iter'].mean)}" + (" (slowest)" if r == a.slowest_rank
+                                                        else "")
+            for r, x in sorted(a.ranks.items())) + "   (--rank R for one rank)")
