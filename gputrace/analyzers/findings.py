@@ -42,7 +42,7 @@ def find(m: ModelResult, comm: dict[str, float], io: dict[str, float], bw: Bandw
     if t_iter <= 0:
         return out
     wait = t["t_io"]
-    frac = wait / t_iter
+    frac = round(wait / t_iter, 9)
     if frac >= INPUT_MODERATE:
         sev = "high" if frac >= INPUT_HIGH else "moderate"
         msg = (f"Input-bound ({sev}ly): {wait:.3f} s of {t_iter:.3f} s per iteration "

@@ -1,0 +1,198 @@
+"""Analyzers on hand-built traces with known answers, and the analyze command's contract."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gputrace.analyzers import analyze
+from gputrace.trace import load
+from tests.conftest import run_gputrace
+from tests.tracebuilder import Builder, ddp_iterations
+
+CASE1_UNITS = [([4], 40, 50), ([3], 55, 65), ([2], 70, 80), ([1], 85, 90)]
+CASE2_UNITS = [([4], 40, 62), ([3], 62, 72), ([2], 72, 84), ([1], 85, 92)]
+
+
+def run_analysis(tmp_path, b, **kw):
+    path = b.write(tmp_path / "t.arrow", world_size=kw.pop("world_size", 1))
+    return analyze(load(path), **kw)
+
+
+def test_case1_every_unit_but_the_last_is_hidden(tmp_path):
+    a = run_analysis(tmp_path, ddp_iterations(Builder(), CASE1_UNITS), skip=1)
+    r = a.main
+    assert r.iterations == 6 and r.warmup_skipped == 1
+    bd = {k: s.mean for k, s in r.breakdown.items()}
+    assert bd["t_iter"] == pytest.approx(0.100)
+    assert bd["t_io"] == pytest.approx(0.005)
+    assert bd["t_f"] == pytest.approx(0.025)
+    assert bd["t_b"] == pytest.approx(0.055)
+    assert bd["t_u"] == pytest.approx(0.008)
+    assert bd["t_comm"] == pytest.approx(0.035)
+    assert bd["t_other"] == pytest.approx(0.002)
+    assert r.comm["hidden_s"] == pytest.approx(0.030)
+    assert r.comm["exposed_s"] == pytest.approx(0.005)
+    m = r.model
+    assert (m.strategy, m.case, m.C, m.C_unit, m.equation) == ("wfbp_update_after", 1, None,
+                                                               None, "10")
+    assert [u.hidden for u in m.units] == [True, True, True, False]
+    assert [u.ready_s for u in m.units] == pytest.approx([0.040, 0.055, 0.070, 0.085])
+    assert m.predicted_t_iter == pytest.approx(0.100)
+    assert abs(m.relative_error) < 1e-9
+
+
+def test_case2_with_known_C(tmp_path):
+    a = run_analysis(tmp_path, ddp_iterations(Builder(), CASE2_UNITS, update=(92, 98)), skip=1)
+    m = a.main.model
+    assert m.case == 2
+    assert [u.hidden for u in m.units] == [False, False, True, False]
+    assert m.C == 3 and m.C_unit == 1  # layers 3..4 / units 0..1 cover every exposed unit
+    # exposed comm: 85-92 after the backward ends
+    assert a.main.comm["exposed_s"] == pytest.approx(0.007)
+    assert m.equation == "5"
+    # eq. 5: t_io + t_f + t_b(L) + (tau_e - tau_s) + t_u + t_other = 5+25+10+52+6+2
+    assert m.predicted_t_iter == pytest.approx(0.100)
+    # the paper's eq. 7: t_io + t_f + comm of units 0..1 (22 + 10) + t_b of layers 1..2
+    # (15 + 15) + the last unit (7) + t_u + t_other: it counts the overlapped parts twice
+    assert m.eq7_t_iter == pytest.approx(0.005 + 0.025 + 0.032 + 0.030 + 0.007 + 0.006 + 0.002)
+    f = {x.id: x for x in a.main.findings}
+    assert "comm_exposed" in f and "C = 3" in f["comm_exposed"].message
+
+
+def test_comm_after_backward_is_sequential(tmp_path):
+    units = [([4, 3], 85, 88), ([2, 1], 88, 91)]
+    b = ddp_iterations(Builder(), units, update=(91, 98))
+    m = run_analysis(tmp_path, b, skip=1).main.model
+    assert m.strategy == "sequential" and m.case is None and m.equation == "2"
+    assert m.predicted_t_iter == pytest.approx(0.100)
+
+
+def test_exposed_and_hidden_io(tmp_path):
+    b = Builder()
+    for k in range(5):
+        base = k * 100
+        b.span("iteration", base, base + 100, step=k)
+        b.span("io", base, base + 20, name="DataLoader.__next__", step=k)       # loop waits
+        b.span("io", base + 50, base + 90, name="fetch", pid=2, tid=2)          # worker work
+        b.span("forward", base + 20, base + 50, step=k)
+        b.span("backward", base + 50, base + 95, step=k)
+        b.sample("proc.read_bytes", base, k * 1e6)
+        b.sample("proc.read_chars", base, k * 5e6)
+    b.sample("proc.read_bytes", 500, 5e6).sample("proc.read_chars", 500, 25e6)
+    r = run_analysis(tmp_path, b, skip=1).main
+    assert r.io["exposed_s"] == pytest.approx(0.020)
+    assert r.io["hidden_s"] == pytest.approx(0.040)
+    assert r.io["total_s"] == pytest.approx(0.060)
+    assert r.model.io_pipelined and r.model.t_io_pipelined == pytest.approx(0.040)
+    f = {x.id: x for x in r.findings}
+    assert f["input_bound"].severity == "high"
+    assert "0.020 s of 0.100 s" in f["input_bound"].message
+    assert r.bandwidth is not None and r.bandwidth.disk_bytes_per_iter == pytest.approx(1e6)
+    assert r.bandwidth.cache_bytes_per_iter == pytest.approx(4e6)
+
+
+def test_moderate_input_wait_and_no_finding_below_5_percent(tmp_path):
+    for wait, sev in ((8, "moderate"), (3, None)):
+        b = Builder()
+        for k in range(4):
+            b.span("iteration", k * 100, k * 100 + 100, step=k)
+            b.span("io", k * 100, k * 100 + wait, step=k)
+            b.span("forward", k * 100 + wait, k * 100 + 100, step=k)
+        r = run_analysis(tmp_path, b).main
+        got = {x.id: x.severity for x in r.findings}.get("input_bound")
+        assert got == sev
+
+
+def test_comm_wait_vs_transfer_across_ranks(tmp_path):
+    b = Builder()
+    ddp_iterations(b, CASE1_UNITS, rank=0)
+    # rank 1 reaches every unit 3 ms later: rank 0 waits 3 ms per unit for its peer
+    late = [(ly, s + 3, e) for ly, s, e in CASE1_UNITS]
+    ddp_iterations(b, late, rank=1)
+    a = run_analysis(tmp_path, b, world_size=2, skip=1)
+    assert set(a.ranks) == {0, 1}
+    assert a.ranks[0].comm_wait_s == pytest.approx(4 * 0.003)
+    assert a.ranks[1].comm_wait_s == pytest.approx(0.0)
+    assert a.ranks[1].comm_transfer_s == pytest.approx(0.035 - 4 * 0.003)
+
+
+def test_speedup_points_and_eq12(tmp_path):
+    a = run_analysis(tmp_path, ddp_iterations(Builder(), CASE1_UNITS), skip=1, world_size=2,
+                     gpus=(2, 4, 8), link_bytes_per_s=1e9)
+    sp = a.main.speedup
+    assert [p.gpus for p in sp.points] == [2, 4, 8]
+    assert sp.equation == "11"
+    # at the measured size the prediction is the measured iteration
+    assert sp.points[0].t_iter == pytest.approx(a.main.model.predicted_t_iter)
+    assert sp.points[0].speedup < sp.points[1].speedup < sp.points[2].speedup
+    assert all(p.efficiency <= 1.0 for p in sp.points)
+    # eq. 12: 4 MB of gradients x 2 ranks in 35 ms at 1 GB/s
+    assert sp.allreduce_efficiency == pytest.approx(4e6 * 2 / (0.035 * 1e9))
+
+
+DESIGN_KEYS = {"format", "version", "iterations", "breakdown", "overlap", "model", "units",
+               "speedup", "bandwidth", "findings", "ranks"}
+
+
+def test_analyze_json_has_the_design_keys(tmp_path):
+    path = ddp_iterations(Builder(), CASE2_UNITS).write(tmp_path / "t.arrow")
+    p = run_gputrace("analyze", str(path), "--json", check=True)
+    d = json.loads(p.stdout)
+    assert DESIGN_KEYS <= set(d)
+    assert d["format"] == "gputrace-analysis" and d["version"] == 1
+    assert set(d["iterations"]) >= {"count", "warmup_skipped"}
+    assert set(d["breakdown"]) >= {"t_iter", "t_io", "t_h2d", "t_f", "t_b", "t_u", "t_comm"}
+    assert set(d["breakdown"]["t_iter"]) == {"mean", "std"}
+    assert set(d["overlap"]["comm"]) >= {"total_s", "hidden_s", "exposed_s", "hidden_fraction"}
+    assert set(d["model"]) >= {"strategy", "case", "C", "C_unit", "equation",
+                               "predicted_t_iter", "measured_t_iter", "relative_error"}
+    assert d["model"]["case"] == 2 and d["model"]["C"] == 3
+    assert set(d["units"][0]) >= {"index", "layers", "bytes", "ready_s", "start_s", "end_s",
+                                  "hidden"}
+    assert DESIGN_KEYS - {"format", "version", "ranks"} <= set(d["ranks"]["0"])
+    assert all(set(f) == {"id", "severity", "message"} for f in d["findings"])
+
+
+def test_terminal_report_reads_headline_first(tmp_path):
+    path = ddp_iterations(Builder(), CASE2_UNITS).write(tmp_path / "t.arrow")
+    p = run_gputrace("analyze", str(path), check=True)
+    first = p.stdout.splitlines()[0]
+    assert "per iteration" in first and "Case 2" in first
+    for text in ("Table V", "t_comm", "Hidden vs exposed", "eq. 5 predicts", "Findings"):
+        assert text in p.stdout
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["/no/such/file.arrow"], "no such file"),
+    (["--rank", "7", "TRACE"], "no rank 7"),
+    (["--gpus", "two", "TRACE"], "--gpus"),
+    (["--link-bandwidth", "fast", "TRACE"], "bandwidth"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, needle):
+    path = ddp_iterations(Builder(), CASE1_UNITS, n=2).write(tmp_path / "t.arrow")
+    args = [str(path) if a == "TRACE" else a for a in args]
+    p = run_gputrace("analyze", *args)
+    assert p.returncode == 2
+    assert p.stderr.strip().count("\n") == 0 and needle in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_garbage_and_empty_traces_exit_2(tmp_path):
+    g = tmp_path / "g.arrow"
+    g.write_bytes(b"\x00" * 100)
+    p = run_gputrace("analyze", str(g))
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    only_samples = Builder().sample("proc.read_bytes", 0, 1).write(tmp_path / "s.arrow")
+    p = run_gputrace("analyze", str(only_samples))
+    assert p.returncode == 2 and "no spans" in p.stderr
+
+
+def test_link_bandwidth_units():
+    from gputrace.cli.analyze import parse_bandwidth
+
+    assert parse_bandwidth("7GB/s") == 7e9
+    assert parse_bandwidth("56Gb/s") == 7e9
+    assert parse_bandwidth("1GiB/s") == 1024**3
+    assert parse_bandwidth("12.5e9") == 12.5e9

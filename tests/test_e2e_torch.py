@@ -1,0 +1,167 @@
+"""Real training runs recorded end to end: `gputrace record -- torchrun ... train_cnn.py`
+(2 ranks, gloo on the CPU), then the trace's phases and the analysis of each sample case."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from gputrace.trace import load  # noqa: E402
+from tests.conftest import run_gputrace  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLE = str(ROOT / "samples" / "train_cnn.py")
+sys.path.insert(0, str(ROOT / "samples"))
+from train_cnn import PRESETS, make_model  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def torchrun(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc_per_node", "2", SAMPLE, *args]
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("data"))
+
+
+@pytest.fixture(scope="session")
+def recorded(tmp_path_factory, data_dir):
+    """Record each configuration once per test session."""
+    out_dir = tmp_path_factory.mktemp("traces")
+    cache: dict[str, tuple[Path, str]] = {}
+
+    def get(name: str, cmd: list[str]) -> tuple[Path, str]:
+        if name not in cache:
+            out = out_dir / f"{name}.arrow"
+            p = run_gputrace("record", "-o", str(out), "--", *cmd, timeout=600)
+            assert p.returncode == 0, f"{name}:\n{p.stdout}\n{p.stderr[-3000:]}"
+            cache[name] = (out, p.stdout + p.stderr)
+        return cache[name]
+
+    return get
+
+
+def rows_of(path):
+    return [r for r in load(path).table.to_pylist() if r["kind"] == "span"]
+
+
+def analysis(path, *extra):
+    p = run_gputrace("analyze", str(path), "--json", *extra, check=True)
+    return json.loads(p.stdout)
+
+
+def grad_bytes(preset: str) -> int:
+    cfg = PRESETS[preset]
+    model = make_model(cfg["width"], cfg["fc_hidden"], cfg["fc_layers"])
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def n_layers(preset: str) -> int:
+    return 3 + PRESETS[preset]["fc_layers"] + 1
+
+
+def test_ddp_case1_trace_has_every_phase_on_both_ranks(recorded, data_dir):
+    path, log = recorded("case1", torchrun("--preset", "case1", "--iterations", "12",
+                                           "--data", data_dir))
+    assert "samples/s" in log
+    spans = rows_of(path)
+    assert {r["rank"] for r in spans if r["rank"] >= 0} == {0, 1}
+    L = n_layers("case1")
+    for rank in (0, 1):
+        mine = [r for r in spans if r["rank"] == rank]
+        per_step = defaultdict(Counter)
+        for r in mine:
+            per_step[r["step"]][r["cat"]] += 1
+        steps = sorted(s for s in per_step if s >= 0)
+        assert steps[:12] == list(range(12))
+        for s in range(12):
+            assert per_step[s]["iteration"] == 1 and per_step[s]["update"] == 1, (rank, s)
+        for cat in ("forward", "backward"):
+            layers = Counter((r["step"], r["layer"]) for r in mine if r["cat"] == cat and
+                             r["layer"] >= 1)
+            for s in range(12):
+                assert [ly for ly in range(1, L + 1) if layers[(s, ly)] >= 1] == \
+                    list(range(1, L + 1)), (cat, s)
+        comm_bytes = Counter()
+        for r in mine:
+            if r["cat"] == "comm":
+                comm_bytes[r["step"]] += r["bytes"]
+                assert json.loads(r["args"])["layers"]
+        assert all(comm_bytes[s] == grad_bytes("case1") for s in range(12)), comm_bytes
+        loop = [r for r in mine if r["cat"] == "iteration"][0]
+        waits = [r for r in mine if r["cat"] == "io" and r["name"] != "fetch"]
+        assert waits and all((r["pid"], r["tid"]) == (loop["pid"], loop["tid"]) for r in waits)
+        fetch = [r for r in mine if r["cat"] == "io" and r["name"] == "fetch"]
+        assert fetch and {r["pid"] for r in fetch}.isdisjoint({loop["pid"]})
+
+
+def test_ddp_case1_buckets_overlap_backward_and_analyze_says_case1(recorded, data_dir):
+    path, _ = recorded("case1", torchrun("--preset", "case1", "--iterations", "12",
+                                         "--data", data_dir))
+    spans = [r for r in rows_of(path) if r["rank"] == 0 and r["step"] >= 3]
+    overlapped_steps = set()
+    for c in (r for r in spans if r["cat"] == "comm"):
+        for b in (r for r in spans if r["cat"] == "backward" and r["layer"] >= 1 and
+                  r["step"] == c["step"]):
+            if c["start_ns"] < b["end_ns"] and b["start_ns"] < c["end_ns"]:
+                overlapped_steps.add(c["step"])
+    assert len(overlapped_steps) >= 6  # all-reduce really runs during backward (gloo)
+    d = analysis(path)
+    assert d["model"]["strategy"] == "wfbp_update_after"
+    assert d["model"]["case"] == 1, d["units"]
+    assert abs(d["model"]["relative_error"]) < 0.15
+    assert set(d["ranks"]) == {"0", "1"}
+    assert d["overlap"]["comm"]["hidden_fraction"] > 0.3
+
+
+def test_ddp_case2_is_exposed(recorded, data_dir):
+    path, _ = recorded("case2", torchrun("--preset", "case2", "--iterations", "20",
+                                         "--data", data_dir))
+    d = analysis(path)
+    assert d["model"]["case"] == 2, d["units"]
+    assert d["model"]["C"] is not None and d["model"]["C"] >= 2
+    assert any(not u["hidden"] for u in d["units"][:-1])
+    assert abs(d["model"]["relative_error"]) < 0.15
+    assert any(f["id"] == "comm_exposed" for f in d["findings"])
+    assert sum(u["bytes"] for u in d["units"]) == grad_bytes("case2")
+
+
+def test_io_bound_sample_gets_an_input_bound_finding(recorded, data_dir):
+    path, _ = recorded("io", [sys.executable, SAMPLE, "--preset", "io", "--iterations", "12",
+                              "--samples", "512", "--data", data_dir])
+    d = analysis(path)
+    found = {f["id"]: f for f in d["findings"]}
+    assert "input_bound" in found, d["findings"]
+    assert d["breakdown"]["t_io"]["mean"] / d["breakdown"]["t_iter"]["mean"] >= 0.2
+    # cold cache: the loader's reads reach the disk
+    assert d["bandwidth"]["disk_bytes_per_iter"] > 0
+
+
+def test_users_own_comm_hook_still_runs_and_is_timed(recorded, data_dir):
+    path, log = recorded("hook", torchrun("--preset", "case2", "--iterations", "6",
+                                          "--comm-hook", "allreduce", "--data", data_dir))
+    assert "rank 0: user comm hook ran" in log and "rank 1: user comm hook ran" in log
+    comm = [r for r in rows_of(path) if r["cat"] == "comm" and r["rank"] == 0]
+    assert len({r["step"] for r in comm}) == 6
+    assert all(r["bytes"] > 0 and r["end_ns"] > r["start_ns"] for r in comm)
+
+
+def test_optimizer_step_with_closure(recorded, data_dir):
+    path, _ = recorded("closure", [sys.executable, SAMPLE, "--closure", "--iterations", "6",
+                                   "--workers", "0", "--data", data_dir])
+    spans = rows_of(path)
+    its = [r for r in spans if r["cat"] == "iteration"]
+    assert [r["step"] for r in its] == list(range(6))
+    for s in range(6):
+        bwd_end = max(r["end_ns"] for r in spans if r["cat"] == "backward" and r["step"] == s)
+        (upd,) = [r for r in spans if r["cat"] == "update" and r["step"] == s]
+        assert upd["start_ns"] >= bwd_end  # the closure's forward/backward are not "update"

@@ -1,0 +1,49 @@
+"""Build small traces by hand (times in ms) for analyzer tests with known answers."""
+
+from __future__ import annotations
+
+import json
+
+from gputrace.trace import write_trace
+
+MS = 1_000_000
+
+
+class Builder:
+    def __init__(self) -> None:
+        self.rows: list[tuple] = []
+
+    def span(self, cat, start_ms, end_ms, *, name=None, rank=0, pid=1, tid=1, step=-1,
+             layer=-1, nbytes=None, layers=None, src_kind=None):
+        args = json.dumps({"layers": layers}) if layers is not None else None
+        self.rows.append(("span", cat, name or cat, int(start_ms * MS), int(end_ms * MS), None,
+                          None, "h", rank, pid, tid, -1, -1, step, layer, nbytes, src_kind,
+                          None, None, args))
+        return self
+
+    def sample(self, name, t_ms, value, unit="bytes", cat="host"):
+        self.rows.append(("sample", cat, name, int(t_ms * MS), None, float(value), unit, "h",
+                          -1, 1, -1, -1, -1, -1, -1, None, None, None, None, None))
+        return self
+
+    def write(self, path, **md):
+        write_trace(path, dict({"host": "h"}, **md), rows=sorted(self.rows, key=lambda r: r[3]))
+        return path
+
+
+def ddp_iterations(b: Builder, units, *, n=6, rank=0, shift=0.0, update=(90, 98),
+                   per_layer_bwd=((4, 30, 40), (3, 40, 55), (2, 55, 70), (1, 70, 85))):
+    """n iterations of 100 ms: io wait 0-5, forward 5-30, backward per layer, the given comm
+    units [(layers, start, end)], update."""
+    for k in range(n):
+        base = k * 100 + shift
+        b.span("iteration", base, base + 100, step=k, rank=rank)
+        b.span("io", base, base + 5, step=k, rank=rank)
+        b.span("forward", base + 5, base + 30, step=k, rank=rank)
+        for layer, s, e in per_layer_bwd:
+            b.span("backward", base + s, base + e, layer=layer, step=k, rank=rank)
+        for idx, (layers, s, e) in enumerate(units):
+            b.span("comm", base + s, base + e, name="allreduce", layer=idx, step=k, rank=rank,
+                   tid=9, nbytes=1_000_000 * len(layers), layers=layers)
+        b.span("update", base + update[0], base + update[1], step=k, rank=rank)
+    return b
