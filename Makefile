@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -13,7 +13,8 @@ $(STAMP): pyproject.toml
 	rm -f $(VENV)/.installed-*; touch $@
 
 demo: $(STAMP)
-	$(BIN)/gputrace record -f -o demo.arrow -- $(BIN)/python samples/train_cnn.py --iterations 30
+	$(BIN)/gputrace record -f -o demo.arrow -- $(BIN)/torchrun --standalone --nproc_per_node 2 \
+		samples/train_cnn.py --preset case2 --iterations 30
 	$(BIN)/gputrace analyze demo.arrow
 
 lint: $(STAMP)
@@ -21,9 +22,6 @@ lint: $(STAMP)
 
 test: lint
 	$(BIN)/python -m pytest -q
-
-bench: $(STAMP)
-	$(BIN)/python bench/overhead.py
 
 clean:
 	rm -rf $(VENV) demo.arrow build *.egg-info
