@@ -66,33 +66,33 @@ def measure(u: Union, lo: np.ndarray | int, hi: np.ndarray | int) -> np.ndarray:
     return np.maximum(_cover_before(u, hi) - _cover_before(u, lo), 0.0)
 
 
+def _covered(u: Union, x: np.ndarray) -> np.ndarray:
+    """Whether each point x lies inside the union."""
+    i = np.searchsorted(u[0], x, side="right") - 1
+    return (i >= 0) & (x < u[1][np.maximum(i, 0)])
+
+
+def _combine(a: Union, b: Union, keep_b: bool) -> Union:
+    # Between consecutive boundaries of both unions coverage is constant: test the left end.
+    pts = np.unique(np.concatenate([a[0], a[1], b[0], b[1]]))
+    mid = pts[:-1]
+    in_b = _covered(b, mid)
+    keep = _covered(a, mid) & (in_b if keep_b else ~in_b)
+    return union(pts[:-1][keep], pts[1:][keep])
+
+
 def intersect(a: Union, b: Union) -> Union:
     """Intersection of two unions."""
     if a[0].size == 0 or b[0].size == 0:
         return EMPTY
-    # boundaries of both; a point is covered by both where both coverage counts are 1
-    pts = np.unique(np.concatenate([a[0], a[1], b[0], b[1]]))
-    mid = pts[:-1]
-    in_a = (np.searchsorted(a[0], mid, side="right") - 1)
-    in_a = (in_a >= 0) & (mid < a[1][np.maximum(in_a, 0)])
-    in_b = (np.searchsorted(b[0], mid, side="right") - 1)
-    in_b = (in_b >= 0) & (mid < b[1][np.maximum(in_b, 0)])
-    both = in_a & in_b
-    return union(pts[:-1][both], pts[1:][both])
+    return _combine(a, b, keep_b=True)
 
 
 def subtract(a: Union, b: Union) -> Union:
     """Parts of a not covered by b."""
     if a[0].size == 0 or b[0].size == 0:
         return a
-    pts = np.unique(np.concatenate([a[0], a[1], b[0], b[1]]))
-    mid = pts[:-1]
-    in_a = (np.searchsorted(a[0], mid, side="right") - 1)
-    in_a = (in_a >= 0) & (mid < a[1][np.maximum(in_a, 0)])
-    in_b = (np.searchsorted(b[0], mid, side="right") - 1)
-    in_b = (in_b >= 0) & (mid < b[1][np.maximum(in_b, 0)])
-    keep = in_a & ~in_b
-    return union(pts[:-1][keep], pts[1:][keep])
+    return _combine(a, b, keep_b=False)
 
 
 @dataclass(frozen=True)

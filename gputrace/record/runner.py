@@ -270,35 +270,34 @@ _CAT_SOURCE = {"host": "host", "cpu": "host", "disk": "host", "net": "host", "ib
 def print_summary(output: str, duration: float, exit_code: int, s: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.markup import escape
-    from rich.table import Table
 
-    con = Console(stderr=True, highlight=False)
+    con = Console(stderr=True, highlight=False, soft_wrap=True)
     size = os.path.getsize(output)
     ranks = s["ranks"]
     con.print(f"[bold]gputrace[/]: recorded {duration:.1f} s, exit code {exit_code}, "
-              f"{len(ranks) if ranks else 'no'} rank{'s' if len(ranks) != 1 else ''}"
-              f"{' ' + str(ranks) if ranks else ''}, {s['rows']:,} rows from {s['shards']} "
-              f"shard{'s' if s['shards'] != 1 else ''} -> {output} ({size / 1e6:.2f} MB)")
+              f"{'ranks ' + ', '.join(map(str, ranks)) if ranks else 'no ranks'}, "
+              f"{s['rows']:,} rows from {s['shards']} shard{'s' if s['shards'] != 1 else ''} "
+              f"-> {escape(output)} ({size / 1e6:.2f} MB)")
     rows_by_source: dict[str, int] = {}
     for cat, n in s["rows_by_cat"].items():
         src = _CAT_SOURCE.get(cat, "spans")
         rows_by_source[src] = rows_by_source.get(src, 0) + n
-    t = Table(box=None, show_header=False, padding=(0, 2))
     for name, info in sorted(s["collectors"].items()):
         status = info.get("status", "?") if isinstance(info, dict) else str(info)
-        ok = status == "ok"
-        detail = ""
-        if name == "host" and ok:
-            detail = f"{rows_by_source.get('host', 0):,} samples, " \
-                     f"{s['sampler']['achieved_hz']:.0f} Hz achieved"
-        elif name in ("infiniband", "nvml") and ok:
-            detail = f"{rows_by_source.get(name, 0):,} samples"
-        t.add_row(name, detail, "[green]ok[/]" if ok else f"[yellow]{escape(status)}[/]")
-    spans = rows_by_source.get("spans", 0)
-    t.add_row("spans", f"{spans:,} rows", "in-process: phases, iterations, torch")
-    con.print(t)
+        if status == "ok":
+            detail = ""
+            if name == "host":
+                detail = f": {rows_by_source.get('host', 0):,} samples, " \
+                         f"{s['sampler']['achieved_hz']:.0f} Hz achieved"
+            elif name in ("infiniband", "nvml"):
+                detail = f": {rows_by_source.get(name, 0):,} samples"
+            con.print(f"  {name:<11} [green]ok[/]{detail}")
+        else:
+            con.print(f"  {name:<11} [yellow]{escape(status)}[/]")
+    con.print(f"  {'spans':<11} {rows_by_source.get('spans', 0):,} rows "
+              "(phases, iterations, torch)")
     for w in s["warnings"]:
         con.print(f"[yellow]warning[/]: {escape(w)}")
     if s.get("clock_warning"):
         con.print(f"[yellow]warning[/]: {s['clock_warning']}")
-    con.print(f"next: [bold]gputrace analyze {output}[/]")
+    con.print(f"next: [bold]gputrace analyze {escape(output)}[/]")
