@@ -165,3 +165,26 @@ def test_optimizer_step_with_closure(recorded, data_dir):
         bwd_end = max(r["end_ns"] for r in spans if r["cat"] == "backward" and r["step"] == s)
         (upd,) = [r for r in spans if r["cat"] == "update" and r["step"] == s]
         assert upd["start_ns"] >= bwd_end  # the closure's forward/backward are not "update"
+
+
+def test_instrument_in_a_harness_without_record(tmp_path):
+    import subprocess
+    import textwrap
+
+    out = tmp_path / "h.arrow"
+    code = textwrap.dedent(f"""
+        import torch, gputrace, gputrace.torch
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with gputrace.Session({str(out)!r}, sampler=False) as s:
+            gputrace.torch.instrument(model, opt, session=s)
+            for _ in range(4):
+                opt.zero_grad()
+                model(torch.randn(4, 8)).sum().backward()
+                opt.step()
+    """)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    spans = rows_of(out)
+    assert [r["step"] for r in spans if r["cat"] == "iteration"] == [0, 1, 2, 3]
+    assert sorted({r["layer"] for r in spans if r["cat"] == "backward" and r["layer"] > 0}) == [1, 2]
+    assert load(out).metadata["collectors"]["torch"]["status"] == "ok"

@@ -204,3 +204,18 @@ def test_cold_then_warm_read_shows_disk_then_cache_bytes(tmp_path):
     assert warm_all >= size and warm_disk <= 0.05 * size, (warm_disk, warm_all)
     # page cache ~= read_chars - read_bytes
     assert warm_all - warm_disk >= 0.95 * size
+
+
+def test_users_own_sitecustomize_still_runs(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    marker = tmp_path / "marker"
+    (site / "sitecustomize.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    out = tmp_path / "t.arrow"
+    env = dict(os.environ, PYTHONPATH=str(site))
+    p = subprocess.run([*GPUTRACE, "record", "-o", str(out), "--", sys.executable, "-c",
+                        "import gputrace, sys; assert gputrace.current() is not None; "
+                        "assert 'torch' not in sys.modules and 'pyarrow' not in sys.modules"],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert marker.read_text() == "ran"

@@ -10,9 +10,10 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from gputrace.trace.writer import Row
+if TYPE_CHECKING:  # the in-process bootstrap imports this package: no pyarrow here
+    from gputrace.trace.writer import Row
 
 
 class Unavailable(Exception):

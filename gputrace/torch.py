@@ -1,0 +1,30 @@
+"""`gputrace.torch.instrument(...)`: the PyTorch auto-instrumentation for harnesses that do
+not run under `gputrace record`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gputrace import recorder as _recorder
+
+
+def instrument(model: Any = None, optimizer: Any = None, loader: Any = None,
+               session: Any = None) -> str:
+    """Install gputrace's global torch hooks on the session's recorder (or the current one).
+
+    The hooks are global (every module, optimizer and DataLoader), so `model`, `optimizer`
+    and `loader` are optional; a model given here has its layers numbered now, in
+    registration order, instead of at its first forward. Returns the collector status.
+    """
+    rec = session.recorder if session is not None else _recorder.current()
+    if rec is None:
+        raise RuntimeError("no gputrace recorder: call inside `with gputrace.Session(...)` "
+                           "or run under `gputrace record`")
+    from gputrace.collectors import torch as torch_collector
+
+    status = torch_collector.auto_instrument(rec)
+    rec.set_collector("torch", status)
+    if model is not None and torch_collector._installed is not None:
+        for m in model.modules():
+            torch_collector._installed.layer_for(m)
+    return status
