@@ -7,6 +7,7 @@ import os
 import socket
 import sys
 import threading
+from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -101,8 +102,9 @@ class Recorder:
         self.flush_interval_s = flush_interval_s
         self.step = 0            # index of the current (or next) iteration
         self._iter_start: int | None = None
-        self._spans: list[tuple[Any, ...]] = []
-        self._rows: list[Row] = []
+        # deques: append and popleft are atomic, so a flush never loses a racing append
+        self._spans: deque[tuple[Any, ...]] = deque()
+        self._rows: deque[Row] = deque()
         self._swap = threading.Lock()
         self._write = threading.Lock()
         self._writer: TraceWriter | _DeadWriter | None = None
@@ -127,8 +129,8 @@ class Recorder:
 
     def flush(self) -> None:
         with self._swap:
-            spans, self._spans = self._spans, []
-            rows, self._rows = self._rows, []
+            spans = _drain(self._spans)
+            rows = _drain(self._rows)
         if not spans and not rows:
             return
         h, r, p = self.host, self.rank, self.pid
@@ -172,7 +174,7 @@ class Recorder:
         self.path = path
         self.pid = os.getpid()
         self.metadata = dict(self.metadata, pid=self.pid, role="process")
-        self._spans, self._rows = [], []
+        self._spans, self._rows = deque(), deque()
         self._swap, self._write = threading.Lock(), threading.Lock()
         self._writer = None
         self._closed = False
@@ -246,6 +248,11 @@ class Recorder:
 
     def step_done(self) -> None:
         self.close_iteration(self.clock.now_ns())
+
+
+def _drain(d: deque[Any]) -> list[Any]:
+    pop = d.popleft
+    return [pop() for _ in range(len(d))]
 
 
 class _DeadWriter:
