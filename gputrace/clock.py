@@ -37,10 +37,6 @@ class Clock:
         return {"monotonic_ns": time.monotonic_ns(), "realtime_ns": time.time_ns(),
                 "perf_ns": _perf()}
 
-    def drift_ns(self) -> int:
-        """How far wall time moved from the anchored clock since the start (a clock step)."""
-        return time.time_ns() - self.now_ns()
-
 
 def anchors_report(start: dict[str, Any], end: dict[str, Any]) -> str | None:
     """Say whether the wall clock stepped between two anchors; None when it did not."""

@@ -9,9 +9,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-# kernel-level categories that carry a phase in `args` are folded into their phase
-PHASES = ("io", "h2d", "forward", "backward", "update", "comm")
-
 
 def _codes(col: pa.ChunkedArray) -> tuple[np.ndarray, list[str]]:
     """Dictionary codes and values of a string column (dictionary-encoded or not)."""
@@ -56,10 +53,6 @@ class Spans:
             code = self.cats.index(cat) if cat in self.cats else -2
             m = self._mask_cache[cat] = self.cat == code
         return m
-
-    def named(self, name: str) -> np.ndarray:
-        code = self.names.index(name) if name in self.names else -2
-        return self.name == code
 
     def layers_of(self, i: int) -> list[int] | None:
         a = self.args[i]

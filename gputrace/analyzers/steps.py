@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -51,7 +51,6 @@ class RankSteps:
     fetch_s: np.ndarray               # mean loader fetch per batch, seconds (nan: none)
     loader_workers: int
     update_spans: np.ndarray          # update spans per iteration
-    extra: dict[str, object] = field(default_factory=dict)
 
 
 def warmup_skip(n: int, skip: int | None = None) -> int:

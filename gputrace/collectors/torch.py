@@ -316,6 +316,3 @@ def auto_instrument(rec: Recorder) -> str:
     return "ok"
 
 
-def notes() -> list[str]:
-    return list(_installed.notes) if _installed else []
-
