@@ -15,19 +15,22 @@ from gputrace.trace.schema import COLUMN_NAMES, METADATA_KEY, schema
 def span_row(i: int, cat: str = "forward", rank: int = 0) -> tuple:
     return ("span", cat, f"layer{i % 7}", 1_000 + i * 10, 1_005 + i * 10, None, None, "h", rank,
             42, 7, -1, -1, i // 10, i % 5, i * 3 if i % 2 else None, None, None, None,
-            json.dumps({"layers": [i]}) if i % 3 == 0 else None)
+            json.dumps({"layers": [i]}) if i % 3 == 0 else None,
+            ("forward", "backward")[i % 2] if i % 4 < 2 else None)
 
 
 def sample_row(i: int) -> tuple:
     return ("sample", "host", "proc.read_bytes", 2_000 + i, None, float(i * 4096), "bytes", "h",
-            -1, 1, -1, -1, -1, -1, -1, None, None, None, None, None)
+            -1, 1, -1, -1, -1, -1, -1, None, None, None, None, None, None)
 
 
 def test_schema_matches_design_columns():
     s = schema({})
-    assert s.names == ["kind", "cat", "name", "start_ns", "end_ns", "value", "unit", "host",
-                       "rank", "pid", "tid", "device", "stream", "step", "layer", "bytes",
-                       "src_kind", "dst_kind", "corr", "args"]
+    # DESIGN's v1 columns first, in order; extensions only after them
+    assert s.names[:20] == ["kind", "cat", "name", "start_ns", "end_ns", "value", "unit",
+                            "host", "rank", "pid", "tid", "device", "stream", "step", "layer",
+                            "bytes", "src_kind", "dst_kind", "corr", "args"]
+    assert s.names[20:] == ["phase"]
     assert pa.types.is_dictionary(s.field("kind").type)
     assert s.field("start_ns").type == pa.int64()
     assert s.field("device").type == pa.int16()
@@ -138,7 +141,8 @@ def test_unknown_extra_columns_are_kept_and_missing_ones_defaulted(tmp_path):
     with pa.OSFile(str(p), "wb") as f, pa.ipc.new_file(f, t.schema) as w:
         w.write_table(t)
     tr = load(p)
-    assert tr.table.column_names[:20] == COLUMN_NAMES
+    n = len(COLUMN_NAMES)
+    assert tr.table.column_names[:n] == COLUMN_NAMES
     assert tr.table.column("future_col").to_pylist() == [1.5]
     row = tr.table.to_pylist()[0]
     assert row["rank"] == -1 and row["layer"] == -1 and row["bytes"] is None

@@ -79,6 +79,13 @@ def find(m: ModelResult, comm: dict[str, float], io: dict[str, float], bw: Bandw
                 "comm_tail", "moderate",
                 f"Only the last gradient unit is exposed (Case 1), but it costs {exposed:.3f} s "
                 f"per iteration ({exposed / t_iter:.0%}): a smaller last bucket would shorten it."))
+        elif comm["total_s"] > 0 and comm.get("hidden_s", 0.0) < 0.5 * comm["total_s"]:
+            out.append(Finding(
+                "comm_not_overlapped", "moderate" if exposed / t_iter >= INPUT_MODERATE
+                else "info",
+                f"Comm units do not queue behind each other, but {exposed:.3f} s of "
+                f"{comm['total_s']:.3f} s comm per iteration runs outside compute: it is "
+                "not overlapped with the backward pass."))
         else:
             out.append(Finding(
                 "comm_hidden", "info",

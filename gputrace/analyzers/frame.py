@@ -44,6 +44,9 @@ class Spans:
     nbytes: np.ndarray       # float, nan when unknown
     args: list[str | None]
     src_kind: list[str | None]
+    phase: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # attributed phase
+    phases: list[str] = field(default_factory=list)
+    dst_kind: list[str | None] = field(default_factory=list)
     _mask_cache: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
 
     def of(self, cat: str) -> np.ndarray:
@@ -53,6 +56,16 @@ class Spans:
             code = self.cats.index(cat) if cat in self.cats else -2
             m = self._mask_cache[cat] = self.cat == code
         return m
+
+    def in_phase(self, phase: str) -> np.ndarray:
+        """Mask of GPU spans attributed to a phase (their launch's enclosing range)."""
+        code = self.phases.index(phase) if phase in self.phases else -2
+        return self.phase == code
+
+    def on_gpu(self) -> np.ndarray:
+        """Mask of GPU activity: kernels, copies, sets and NCCL comm recorded on a device."""
+        return (self.device >= 0) & (self.of("kernel") | self.of("memcpy") | self.of("memset")
+                                     | self.of("comm"))
 
     def layers_of(self, i: int) -> list[int] | None:
         a = self.args[i]
@@ -104,6 +117,11 @@ def build(table: pa.Table, metadata: dict[str, object] | None = None) -> Frame:
         nbytes = spans.column("bytes").cast(pa.float64()).fill_null(np.nan).to_numpy()
         args = spans.column("args").to_pylist()
         srck = spans.column("src_kind").cast(pa.string()).to_pylist()
+        dstk = spans.column("dst_kind").cast(pa.string()).to_pylist()
+        if "phase" in spans.column_names:
+            phase, phases = _codes(spans.column("phase"))
+        else:
+            phase, phases = np.full(spans.num_rows, -1, np.int32), []
         # spans of processes without a rank (a single-process job) count as rank 0
         present = np.unique(rank)
         if present.size > 1 and -1 in present:
@@ -118,7 +136,8 @@ def build(table: pa.Table, metadata: dict[str, object] | None = None) -> Frame:
                 rank=max(int(r), 0), cat=cat[idx], cats=cats, name=name[idx], names=names,
                 start=start[idx], end=end[idx], pid=pid[idx], tid=tid[idx],
                 device=device[idx], step=step[idx], layer=layer[idx], nbytes=nbytes[idx],
-                args=[args[i] for i in idx], src_kind=[srck[i] for i in idx])
+                args=[args[i] for i in idx], src_kind=[srck[i] for i in idx],
+                phase=phase[idx], phases=phases, dst_kind=[dstk[i] for i in idx])
     samples: dict[str, Samples] = {}
     smp = table.filter(pa.array(kind_codes == sample_code))
     if smp.num_rows:

@@ -157,10 +157,9 @@ def _overlapped(rs: RankSteps, sel: np.ndarray) -> bool:
         units = rs.units[k]
         if not units:
             continue
-        ends = rs.layer_backward_end[k]
-        if not ends:
+        bwd_end = rs.backward_end[k]
+        if bwd_end < 0:
             continue
-        bwd_end = max(ends.values())
         votes += 1 if units[0].start < bwd_end else -1
     return votes > 0
 

@@ -48,6 +48,7 @@ class RankSteps:
     layer_backward_s: list[dict[int, float]]   # per iteration: layer -> backward seconds
     layer_backward_end: list[dict[int, int]]
     backward_start: np.ndarray        # ns, per iteration (-1 when none)
+    backward_end: np.ndarray          # ns, per iteration (-1 when none)
     fetch_s: np.ndarray               # mean loader fetch per batch, seconds (nan: none)
     loader_workers: int
     update_spans: np.ndarray          # update spans per iteration
@@ -77,6 +78,15 @@ def _u(sp: Spans, mask: np.ndarray) -> ov.Union:
     return ov.union(sp.start[mask], sp.end[mask])
 
 
+def _host_units_by_iteration(sp: Spans, mask: np.ndarray, lo: np.ndarray,
+                             hi: np.ndarray) -> list[np.ndarray]:
+    """Host-side comm spans (the DDP hook's) of each iteration in launch order."""
+    idx = np.flatnonzero(mask)
+    idx = idx[np.argsort(sp.start[idx], kind="stable")]
+    it = np.searchsorted(lo, sp.start[idx], side="right") - 1
+    return [idx[(it == k) & (sp.start[idx] < hi[k])] for k in range(lo.size)]
+
+
 def analyze_rank(sp: Spans) -> RankSteps:
     its = find_iterations(sp)
     lo, hi = its.start, its.end
@@ -87,15 +97,33 @@ def analyze_rank(sp: Spans) -> RankSteps:
     wait = _u(sp, io_m & on_loop)
     work_m = io_m & ~on_loop
     work = _u(sp, work_m)
-    h2d = _u(sp, sp.of("h2d"))
-    fwd = _u(sp, sp.of("forward"))
     bwd_m = sp.of("backward")
     per_layer = bwd_m & (sp.layer >= 1)
-    bwd = _u(sp, per_layer if per_layer.any() else bwd_m)
-    upd = _u(sp, sp.of("update"))
-    comm_m = sp.of("comm")
+    gpu = sp.on_gpu()
+    host_comm = sp.of("comm") & (sp.device < 0)
+    if gpu.any():
+        # GPU trace: phases are GPU time, kernels attributed to the range of their launch
+        gcomm = gpu & sp.of("comm")
+        kern = gpu & ~gcomm
+        to_dev = np.array([s in ("pageable", "pinned") and d == "device"
+                           for s, d in zip(sp.src_kind, sp.dst_kind, strict=False)], dtype=bool)
+        h2d = _u(sp, kern & ((sp.of("memcpy") & to_dev) | sp.in_phase("h2d")))
+        fwd = _u(sp, kern & sp.in_phase("forward"))
+        bwd_gpu = kern & sp.in_phase("backward")
+        bwd = _u(sp, bwd_gpu)
+        upd = _u(sp, kern & sp.in_phase("update"))
+        comm_m = gcomm if gcomm.any() else host_comm
+        compute = _u(sp, kern)
+        bwd_m = bwd_gpu | bwd_m
+        per_layer = np.zeros_like(per_layer)  # per-layer backward spans are host-side only
+    else:
+        h2d = _u(sp, sp.of("h2d"))
+        fwd = _u(sp, sp.of("forward"))
+        bwd = _u(sp, per_layer if per_layer.any() else bwd_m)
+        upd = _u(sp, sp.of("update"))
+        comm_m = sp.of("comm")
+        compute = ov.merge(h2d, fwd, bwd, upd)
     comm = _u(sp, comm_m)
-    compute = ov.merge(h2d, fwd, bwd, upd)
     sec = 1e9
     terms = {
         "t_iter": (hi - lo) / sec,
@@ -109,6 +137,7 @@ def analyze_rank(sp: Spans) -> RankSteps:
     covered = ov.measure(ov.merge(wait, compute, comm), lo, hi) / sec
     terms["t_other"] = np.maximum(terms["t_iter"] - covered, 0.0)
     comm_h = ov.hidden_under(comm, compute, lo, hi)
+    host_units = _host_units_by_iteration(sp, host_comm & ~comm_m, lo, hi)
     io_total = ov.measure(ov.merge(wait, work), lo, hi) / sec
     io_exposed = terms["t_io"]
     io_h = ov.Hidden(io_total, np.maximum(io_total - io_exposed, 0.0), io_exposed)
@@ -124,10 +153,12 @@ def analyze_rank(sp: Spans) -> RankSteps:
         layer_bs[k][ly] = layer_bs[k].get(ly, 0.0) + (sp.end[i] - sp.start[i]) / sec
         layer_end[k][ly] = max(layer_end[k].get(ly, 0), int(sp.end[i]))
     bstart = np.full(n, -1, dtype=np.int64)
+    bend = np.full(n, -1, dtype=np.int64)
     for i in np.flatnonzero(bwd_m & inside):
         k = int(it_of[i])
         if bstart[k] < 0 or sp.start[i] < bstart[k]:
             bstart[k] = sp.start[i]
+        bend[k] = max(bend[k], sp.end[i])
 
     units: list[list[Unit]] = [[] for _ in range(n)]
     cidx = np.flatnonzero(comm_m & inside)
@@ -135,8 +166,11 @@ def analyze_rank(sp: Spans) -> RankSteps:
     for k in range(n):
         sel = cidx[it_of[cidx] == k]
         raw = []
+        borrowed = host_units[k] if len(host_units[k]) == sel.size else None
         for j, i in enumerate(sel):
             layers = sp.layers_of(int(i))
+            if layers is None and borrowed is not None:
+                layers = sp.layers_of(int(borrowed[j]))  # GPU kernel j is the hook's unit j
             ready = int(sp.start[i])
             if layers and min(layers) in layer_end[k]:
                 # ready when the backward of its smallest layer ends (never after its start)
@@ -151,6 +185,8 @@ def analyze_rank(sp: Spans) -> RankSteps:
     fetch = np.flatnonzero(work_m)
     workers = len(set(sp.pid[fetch].tolist())) if fetch.size else 0
     fetch_s = float(np.mean(sp.end[fetch] - sp.start[fetch]) / sec) if fetch.size else math.nan
-    upd_n = np.bincount(it_of[sp.of("update") & inside], minlength=n)[:n]
-    return RankSteps(sp.rank, its, terms, comm_h, io_h, units, layer_bs, layer_end, bstart,
+    # optimizer steps per iteration: pieces of the update union (nested ranges count once)
+    hu = _u(sp, sp.of("update") & (sp.device < 0))
+    upd_n = np.searchsorted(hu[0], hi, "left") - np.searchsorted(hu[1], lo, "right")
+    return RankSteps(sp.rank, its, terms, comm_h, io_h, units, layer_bs, layer_end, bstart, bend,
                      np.array([fetch_s]), workers, upd_n)

@@ -25,9 +25,10 @@ class Command(Protocol):
 
 
 def _commands() -> dict[str, Command]:
-    from gputrace.cli import analyze, info, record
+    from gputrace.cli import analyze, export, imports, info, record
 
-    return {"record": record, "analyze": analyze, "info": info}  # type: ignore[dict-item]
+    return {"record": record, "analyze": analyze, "info": info,  # type: ignore[dict-item]
+            "import": imports, "export": export}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -67,12 +68,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def load_trace(paths: Sequence[str]):  # type: ignore[no-untyped-def]
-    """Load a trace for a command, turning every unreadable input into one line (exit 2)."""
+    """Load a trace for a command, turning every unreadable input into one line (exit 2).
+
+    Kineto JSON and Nsight Systems SQLite files are imported on the fly."""
+    from gputrace.importers import ImportFailed, import_paths, is_foreign
     from gputrace.trace.reader import load
     from gputrace.trace.schema import TraceFormatError
 
     try:
-        trace = load(*paths)
+        trace = import_paths(list(paths)) if is_foreign(list(paths)) else load(*paths)
+    except ImportFailed as e:
+        raise CommandError(str(e)) from None
     except TraceFormatError as e:
         raise CommandError(str(e)) from None
     except (OSError, ValueError, MemoryError) as e:

@@ -34,7 +34,10 @@ def headline(ra: RankAnalysis) -> str:
     names = dict(_PHASES)
     top_name = names.get(top, top)
     m = ra.model
-    if m.case == 1:
+    if m.case == 1 and ra.comm["hidden_s"] < 0.5 * ra.comm["total_s"]:
+        case = (f"Case 1 by the unit rule (no unit waits for the next), yet only "
+                f"{ra.comm['hidden_s'] / ra.comm['total_s']:.0%} of comm overlaps compute")
+    elif m.case == 1:
         case = "Case 1: gradient communication is hidden behind backward"
     elif m.case == 2:
         case = (f"Case 2: gradient communication is exposed (C = "
@@ -97,7 +100,7 @@ def render(a: Analysis, rank: int | None = None, file: IO[str] | None = None,
         for u in shown:
             layers = "?" if not u.layers else (
                 str(u.layers[0]) if len(u.layers) == 1 else f"{min(u.layers)}-{max(u.layers)}")
-            ut.add_row(str(u.index), layers, f"{u.nbytes / 1e6:.2f}", _ms(u.ready_s),
+            ut.add_row(str(u.index), layers, f"{u.nbytes / 1e6:.2f}" if u.nbytes == u.nbytes else "?", _ms(u.ready_s),
                        _ms(u.start_s), _ms(u.end_s),
                        "[green]yes[/]" if u.hidden else
                        ("last" if u is m.units[-1] else "[red]no[/]"))

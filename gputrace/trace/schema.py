@@ -35,6 +35,8 @@ COLUMNS: list[tuple[str, pa.DataType, bool, Any]] = [
     ("dst_kind", _DICT, True, None),
     ("corr", pa.int64(), True, None),
     ("args", pa.string(), True, None),
+    # extension: the phase a GPU kernel/memcpy is attributed to (its launch's enclosing range)
+    ("phase", _DICT, True, None),
 ]
 COLUMN_NAMES = [c[0] for c in COLUMNS]
 DICT_COLUMNS = frozenset(n for n, t, _, _ in COLUMNS if pa.types.is_dictionary(t))

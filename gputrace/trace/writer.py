@@ -12,7 +12,7 @@ import pyarrow.compute as pc
 
 from gputrace.trace.schema import COLUMNS, DICT_COLUMNS, schema
 
-Row = tuple[Any, ...]  # values in schema.COLUMN_NAMES order
+Row = tuple[Any, ...]  # values in schema.COLUMN_NAMES order; trailing extensions optional
 
 _COMPRESSION = "zstd" if pa.Codec.is_available("zstd") else "lz4"
 
@@ -75,6 +75,10 @@ class TraceWriter:
     def write_rows(self, rows: Sequence[Row]) -> None:
         if not rows or self._writer is None:
             return
+        width = len(COLUMNS)
+        if any(len(r) != width for r in rows):
+            # rows may leave out trailing extension columns (null)
+            rows = [tuple(r) + (None,) * (width - len(r)) for r in rows]
         columns = list(zip(*rows, strict=True))
         arrays = []
         for (name, typ, _, _), col in zip(COLUMNS, columns, strict=True):

@@ -1,0 +1,42 @@
+"""`gputrace export TRACE --format perfetto|chrome`: a timeline for Perfetto / chrome://tracing."""
+
+from __future__ import annotations
+
+import argparse
+
+from gputrace.cli import CommandError
+
+HELP = "export a trace as a Perfetto (protobuf) or Chrome Trace Event (JSON) timeline"
+
+
+def prepare_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace", nargs="+", help="trace file(s), shards, or another tool's trace")
+    p.add_argument("--format", choices=("perfetto", "chrome"), default="perfetto")
+    p.add_argument("-o", "--output", help="file to write (default: TRACE.pftrace or "
+                   "TRACE.json)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from gputrace.cli import load_trace
+    from gputrace.report import export
+
+    trace = load_trace(args.trace)
+    out = args.output or _default_name(args.trace[0], args.format)
+    try:
+        n = export.write(trace, out, args.format)
+    except export.ExportUnavailable as e:
+        raise CommandError(str(e), code=1) from None
+    except OSError as e:
+        raise CommandError(f"cannot write {out}: {e}") from None
+    print(f"{out}: {n['slices']:,} slices on {n['tracks']} tracks, {n['counters']:,} counter "
+          f"values; open it at https://ui.perfetto.dev")
+    return 0
+
+
+def _default_name(src: str, fmt: str) -> str:
+    base = src.rstrip("/")
+    for ext in (".arrow", ".json.gz", ".json", ".sqlite"):
+        if base.endswith(ext):
+            base = base[: -len(ext)]
+            break
+    return base + (".pftrace" if fmt == "perfetto" else ".trace.json")

@@ -1,0 +1,179 @@
+"""What the importers share: the row builder, phase names, and kernel → phase attribution."""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from gputrace.trace.schema import COLUMN_NAMES, COLUMNS, DEFAULTS, DICT_COLUMNS
+
+PHASES = ("io", "h2d", "forward", "backward", "update", "comm")
+
+_STEP = re.compile(r"^ProfilerStep#(\d+)$")
+_BACKWARD_OP = re.compile(r"^[A-Za-z0-9_]+Backward\d*\b")
+_DECORATED = re.compile(r"^[#\s]*([A-Za-z_ ]+?)[#\s]*$")
+_ALIASES = {"optimizer": "update", "optimizer_step": "update", "optimizer step": "update",
+            "data_load": "io", "load_batch": "io", "wait_for_batch": "io"}
+
+
+class ImportFailed(ValueError):
+    """The input cannot be imported; the message is one line for the user."""
+
+
+def phase_of(name: str) -> tuple[str | None, int]:
+    """Which gputrace phase a range of another tool stands for: (cat or None, step or -1).
+
+    `ProfilerStep#N` is iteration N; the DataLoader's `__next__` is the loop waiting for data;
+    optimizer steps are update; autograd's backward functions are backward; DDP's and
+    nn.Module forwards are forward; gputrace's own phase names and decorated names like
+    `## forward ##` are taken as they say.
+    """
+    m = _STEP.match(name)
+    if m:
+        return "iteration", int(m.group(1))
+    if name in PHASES or name == "iteration":
+        return name, -1
+    if name.startswith("enumerate(DataLoader)"):
+        return "io", -1
+    if name.startswith("Optimizer.step#"):
+        return "update", -1
+    if name.startswith("autograd::engine::evaluate_function:") or _BACKWARD_OP.match(name):
+        return "backward", -1
+    if name.startswith(("DistributedDataParallel.forward", "nn.Module:")):
+        return "forward", -1
+    m = _DECORATED.match(name)
+    if m and name != m.group(1):
+        word = m.group(1).strip().lower()
+        word = _ALIASES.get(word, word)
+        if word in PHASES:
+            return word, -1
+    return None, -1
+
+
+_MEM = {"pageable": "pageable", "pinned": "pinned", "device": "device", "managed": "managed"}
+_MEMCPY_NAME = re.compile(r"\((\w+)\s*->\s*(\w+)\)")
+
+
+def memcpy_kinds(name: str) -> tuple[str | None, str | None]:
+    """'Memcpy HtoD (Pageable -> Device)' -> ('pageable', 'device')."""
+    m = _MEMCPY_NAME.search(name)
+    if not m:
+        return None, None
+    return _MEM.get(m.group(1).lower()), _MEM.get(m.group(2).lower())
+
+
+def is_nccl(name: str) -> bool:
+    return name.lower().startswith("nccl")
+
+
+class Rows:
+    """Column lists that become Arrow batches every `chunk` rows (memory ~ the output)."""
+
+    _INDEX = {n: i for i, n in enumerate(COLUMN_NAMES)}
+
+    def __init__(self, chunk: int = 1 << 16) -> None:
+        self.chunk = chunk
+        self.batches: list[pa.RecordBatch] = []
+        self._cols: list[list[Any]] = [[] for _ in COLUMN_NAMES]
+        self.count = 0
+        self._patches: dict[str, dict[int, Any]] = {}
+        self._base = tuple(DEFAULTS[n] for n in COLUMN_NAMES)
+        self._schema = pa.schema([
+            pa.field(n, pa.string() if n in DICT_COLUMNS else t, nullable=True)
+            for n, t, _, _ in COLUMNS
+        ])
+
+    def add(self, kind: str, cat: str, name: str, start: int, end: int | None = None,
+            **cols: Any) -> int:
+        """Append one row; `cols` by column name (`bytes`, `rank`, ...). Returns its index."""
+        row = list(self._base)
+        row[0], row[1], row[2], row[3], row[4] = kind, cat, name, start, end
+        for k, v in cols.items():
+            row[self._INDEX[k]] = v
+        for col, v in zip(self._cols, row, strict=True):
+            col.append(v)
+        self.count += 1
+        if len(self._cols[0]) >= self.chunk:
+            self._seal()
+        return self.count - 1
+
+    def set(self, row: int, column: str, value: Any) -> None:
+        """Change one value of a row already added (applied when the table is built)."""
+        self._patches.setdefault(column, {})[row] = value
+
+    def _seal(self) -> None:
+        if not self._cols[0]:
+            return
+        try:
+            arrays = [pa.array(c, f.type) for c, f in zip(self._cols, self._schema, strict=True)]
+        except (pa.ArrowInvalid, OverflowError, TypeError) as e:
+            raise ImportFailed(f"a value does not fit the trace format: {e}") from None
+        self.batches.append(pa.RecordBatch.from_arrays(arrays, schema=self._schema))
+        self._cols = [[] for _ in COLUMN_NAMES]
+
+    def table(self) -> pa.Table:
+        self._seal()
+        t = pa.Table.from_batches(self.batches, schema=self._schema)
+        for column, patch in self._patches.items():
+            i = t.schema.get_field_index(column)
+            values = t.column(i).to_pylist()
+            for r, v in patch.items():
+                values[r] = v
+            t = t.set_column(i, t.schema.field(i), pa.array(values, t.schema.field(i).type))
+        return t
+
+
+def attribute(phase_key: Sequence[Any], phase_start: np.ndarray, phase_end: np.ndarray,
+              launch_key: Sequence[Any], launch_t: np.ndarray) -> np.ndarray:
+    """For each launch, the index of the innermost phase range open on the same thread at the
+    launch time (the range that started last among those enclosing it), or -1.
+
+    Keys name threads (e.g. (pid, tid)). Ranges on one thread nest, as NVTX push/pop and
+    PyTorch's record_function do.
+    """
+    out = np.full(len(launch_t), -1, dtype=np.int64)
+    by_key: dict[Any, list[int]] = defaultdict(list)
+    for i, k in enumerate(phase_key):
+        by_key[k].append(i)
+    launches: dict[Any, list[int]] = defaultdict(list)
+    for i, k in enumerate(launch_key):
+        if k in by_key:
+            launches[k].append(i)
+    for k, li in launches.items():
+        pi = np.array(by_key[k])
+        pi = pi[np.lexsort((-phase_end[pi], phase_start[pi]))]  # outer first on ties
+        la = np.array(li)
+        la = la[np.argsort(launch_t[la], kind="stable")]
+        stack: list[int] = []
+        j = 0
+        for i in la:
+            t = launch_t[i]
+            while j < pi.size and phase_start[pi[j]] <= t:
+                stack.append(int(pi[j]))
+                j += 1
+                # drop ranges that ended before the newly opened one (already closed)
+            while stack and phase_end[stack[-1]] < t:
+                stack.pop()
+            # an inner range that closed may hide an outer one still open: look down
+            for p in reversed(stack):
+                if phase_end[p] >= t:
+                    out[i] = p
+                    break
+    return out
+
+
+def iteration_of(iter_start: np.ndarray, iter_end: np.ndarray, iter_step: np.ndarray,
+                 t: np.ndarray) -> np.ndarray:
+    """The step of the iteration window holding each time, -1 outside all of them."""
+    if iter_start.size == 0:
+        return np.full(t.size, -1, dtype=np.int64)
+    order = np.argsort(iter_start, kind="stable")
+    s, e, st = iter_start[order], iter_end[order], iter_step[order]
+    k = np.searchsorted(s, t, side="right") - 1
+    ok = (k >= 0) & (t <= e[np.clip(k, 0, None)])
+    return np.where(ok, st[np.clip(k, 0, None)], -1)

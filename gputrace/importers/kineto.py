@@ -1,0 +1,194 @@
+"""Kineto (PyTorch profiler) / Chrome trace JSON -> trace v1 rows, streamed with ijson."""
+
+from __future__ import annotations
+
+import gzip
+import math
+import os
+import re
+from typing import IO, Any
+
+import ijson
+import numpy as np
+
+from gputrace.importers.common import (
+    ImportFailed,
+    Rows,
+    attribute,
+    is_nccl,
+    iteration_of,
+    memcpy_kinds,
+    phase_of,
+)
+
+_RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
+_DTYPE_BYTES = {"float": 4, "float32": 4, "int": 4, "int32": 4, "half": 2, "float16": 2,
+                "bfloat16": 2, "bf16": 2, "double": 8, "float64": 8, "long": 8, "int64": 8,
+                "int8": 1, "uint8": 1, "char": 1, "bool": 1, "byte": 1}
+_MAX_NS = 2**62
+
+
+def _open(path: str) -> IO[bytes]:
+    with open(path, "rb") as f:
+        gz = f.read(2) == b"\x1f\x8b"
+    return gzip.open(path, "rb") if gz else open(path, "rb")
+
+
+def _top_level(path: str, key: str) -> Any:
+    """One top-level value, without building the events list."""
+    try:
+        with _open(path) as f:
+            for v in ijson.items(f, key, use_float=True):
+                return v
+    except ijson.JSONError as e:
+        raise ImportFailed(f"not valid JSON: {str(e).splitlines()[0][:120]}") from None
+    except (EOFError, gzip.BadGzipFile) as e:
+        raise ImportFailed(f"cannot decompress: {e}") from None
+    return None
+
+
+def _int(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        return -1
+    return int(v) if -2**62 < v < 2**62 else -1
+
+
+def _ns(v: Any, what: str, n: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        raise ImportFailed(f"event {n}: '{what}' is {v!r}, not a number of microseconds")
+    ns = round(v * 1000)
+    if not -_MAX_NS < ns < _MAX_NS:
+        raise ImportFailed(f"event {n}: '{what}' = {v!r} is out of range")
+    return ns
+
+
+def _comm_bytes(args: dict[str, Any]) -> int | None:
+    for key in ("In msg nelems", "Out msg nelems"):
+        n = args.get(key)
+        if isinstance(n, int) and n >= 0:
+            size = _DTYPE_BYTES.get(str(args.get("dtype", "")).lower())
+            return n * size if size else None
+    return None
+
+
+def rank_of(path: str, dist: Any) -> int | None:
+    if isinstance(dist, dict) and isinstance(dist.get("rank"), int) and dist["rank"] >= 0:
+        return int(dist["rank"])
+    m = _RANK_IN_NAME.search(os.path.basename(path))
+    return int(m.group(1)) if m else None
+
+
+def read(path: str, rank: int, rows: Rows) -> dict[str, Any]:
+    """Append one Kineto file's events to `rows` as `rank`; return what the file says of itself."""
+    launch: dict[int, tuple[Any, int]] = {}          # correlation -> ((pid, tid), t)
+    gpu_rows: list[tuple[int, int]] = []              # (row, correlation)
+    fixed: set[int] = set()
+    phases: list[tuple[Any, int, int, str]] = []
+    iters: list[tuple[int, int, int]] = []
+    counts = {"events": 0, "skipped": 0}
+    try:
+        base = _top_level(path, "baseTimeNanoseconds")
+        base_ns = _int(base) if base is not None else 0
+        if base_ns < 0:
+            raise ImportFailed(f"baseTimeNanoseconds = {base!r} is not a time in ns")
+        with _open(path) as f:
+            for n, ev in enumerate(ijson.items(f, "traceEvents.item", use_float=True)):
+                counts["events"] += 1
+                if not isinstance(ev, dict):
+                    raise ImportFailed(f"event {n} is {type(ev).__name__}, not an object")
+                if ev.get("ph") != "X":
+                    counts["skipped"] += 1
+                    continue
+                cat = str(ev.get("cat", "")).lower()
+                name = ev.get("name")
+                if not isinstance(name, str):
+                    name = str(name)
+                args = ev.get("args")
+                if not isinstance(args, dict):
+                    args = {}
+                start = _ns(ev.get("ts"), "ts", n) + base_ns
+                end = start + max(_ns(ev.get("dur", 0), "dur", n), 0)
+                pid, tid = _int(ev.get("pid")), _int(ev.get("tid"))
+                corr = _int(args.get("correlation"))
+                if cat in ("kernel", "gpu_memcpy", "memcpy", "gpu_memset", "memset"):
+                    dev = _int(args.get("device", pid))
+                    common = dict(rank=rank, pid=-1, tid=-1, device=dev,
+                                  stream=_int(args.get("stream", tid)),
+                                  corr=corr if corr >= 0 else None)
+                    if cat == "kernel":
+                        if is_nccl(name):
+                            i = rows.add("span", "comm", name, start, end, phase="comm",
+                                         bytes=_comm_bytes(args), **common)
+                            fixed.add(i)
+                        else:
+                            i = rows.add("span", "kernel", name, start, end, **common)
+                    elif "memcpy" in cat:
+                        src, dst = memcpy_kinds(name)
+                        nb = _int(args.get("bytes"))
+                        i = rows.add("span", "memcpy", name, start, end, src_kind=src,
+                                     dst_kind=dst, bytes=nb if nb >= 0 else None, **common)
+                    else:
+                        nb = _int(args.get("bytes"))
+                        i = rows.add("span", "memset", name, start, end,
+                                     bytes=nb if nb >= 0 else None, **common)
+                    if corr >= 0:
+                        gpu_rows.append((i, corr))
+                elif cat in ("cuda_runtime", "cuda_driver", "runtime"):
+                    if corr >= 0:
+                        launch[corr] = ((pid, tid), start)
+                    if "ynchronize" in name:
+                        rows.add("span", "sync", name, start, end, rank=rank, pid=pid, tid=tid)
+                elif cat in ("cpu_op", "user_annotation", "python_function", "operator",
+                             "gpu_user_annotation"):
+                    ph, step = phase_of(name)
+                    device = _int(args.get("device", pid)) if cat == "gpu_user_annotation" \
+                        else -1
+                    if device >= 0:
+                        ph = None  # GPU-side copies of CPU ranges: keep as user spans
+                    elif ph == "iteration":
+                        iters.append((start, end, step))
+                    elif ph is not None:
+                        phases.append(((pid, tid), start, end, ph))
+                    rows.add("span", ph or "user", name, start, end, rank=rank,
+                             pid=pid if device < 0 else -1, tid=tid if device < 0 else -1,
+                             device=device, step=step,
+                             bytes=_comm_bytes(args) if name.startswith("record_param") else None)
+                else:
+                    counts["skipped"] += 1
+    except ijson.JSONError as e:
+        raise ImportFailed(f"not valid JSON: {str(e).splitlines()[0][:120]}") from None
+    except (EOFError, gzip.BadGzipFile, OSError) as e:
+        if isinstance(e, FileNotFoundError | PermissionError):
+            raise
+        raise ImportFailed(f"cannot decompress or read: {e}") from None
+    if counts["events"] == 0:
+        raise ImportFailed("no 'traceEvents' in it: not a Kineto/Chrome trace")
+    attribute_launches(rows, phases, iters, launch, gpu_rows, fixed)
+    return counts
+
+
+def attribute_launches(rows: Rows, phases: list[tuple[Any, int, int, str]],
+                       iters: list[tuple[int, int, int]], launch: dict[Any, tuple[Any, int]],
+                       gpu_rows: list[tuple[int, Any]], fixed: set[int] = frozenset()) -> None:
+    """Give every GPU row the phase and step its launch was made in.
+
+    phases: (thread key, start, end, cat) of phase ranges; iters: (start, end, step);
+    launch: correlation -> (thread key, launch time); gpu_rows: (row index, correlation);
+    fixed: rows whose phase is already known (NCCL kernels are comm wherever launched).
+    """
+    found = [(r, launch[c]) for r, c in gpu_rows if c in launch]
+    if not found:
+        return
+    lt = np.array([x[1][1] for x in found], dtype=np.int64)
+    which = attribute([p[0] for p in phases], np.array([p[1] for p in phases], np.int64),
+                      np.array([p[2] for p in phases], np.int64), [x[1][0] for x in found], lt)
+    if iters:
+        it = np.array(iters, dtype=np.int64)
+        steps = iteration_of(it[:, 0], it[:, 1], it[:, 2], lt)
+    else:
+        steps = np.full(lt.size, -1)
+    for (r, _), w, s in zip(found, which, steps, strict=True):
+        if w >= 0 and r not in fixed:
+            rows.set(r, "phase", phases[w][3])
+        if s >= 0:
+            rows.set(r, "step", int(s))

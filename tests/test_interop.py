@@ -1,0 +1,314 @@
+"""Import of real Kineto and Nsight Systems traces, analysis of them, and timeline export."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sqlite3
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from gputrace import load
+from tests.conftest import run_gputrace
+
+KINETO = ["kineto/two_rank", "kineto/nccl_data.json.gz", "kineto/df_index_resolver.json.gz",
+          "kineto/control.json.gz"]
+NSYS = ["nsys/mfu_2gpu_before.sqlite", "nsys/h100_2gpu_1s.sqlite"]
+
+
+# -- brute force, independent of gputrace's interval code ------------------------------------
+def _merge(iv):
+    out = []
+    for s, e in sorted(iv):
+        if e <= s:
+            continue
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return out
+
+
+def _length(iv, lo, hi):
+    return sum(max(0, min(e, hi) - max(s, lo)) for s, e in _merge(iv))
+
+
+def _intersection(a, b, lo, hi):
+    a, b = _merge(a), _merge(b)
+    i = j = total = 0
+    while i < len(a) and j < len(b):
+        s, e = max(a[i][0], b[j][0], lo), min(a[i][1], b[j][1], hi)
+        total += max(0, e - s)
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def _kineto_raw(path: Path):
+    """(comm intervals, other GPU intervals, iteration windows) in realtime ns, from the file."""
+    d = json.load(gzip.open(path))
+    base = d.get("baseTimeNanoseconds", 0)
+    comm, gpu, iters = [], [], []
+    for e in d["traceEvents"]:
+        if e.get("ph") != "X":
+            continue
+        s = round(e["ts"] * 1000) + base
+        iv = (s, s + round(e.get("dur", 0) * 1000))
+        if e.get("cat") == "kernel" and e["name"].lower().startswith("nccl"):
+            comm.append(iv)
+        elif e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            gpu.append(iv)
+        elif e["name"].startswith("ProfilerStep#"):
+            iters.append(iv)
+    return d["distributedInfo"]["rank"], comm, gpu, sorted(iters)
+
+
+def _expected(comm, gpu, windows, skip):
+    windows = windows[skip:]
+    tot = [_length(comm, lo, hi) for lo, hi in windows]
+    hid = [_intersection(comm, gpu, lo, hi) for lo, hi in windows]
+    n = len(windows)
+    return sum(tot) / n / 1e9, sum(hid) / n / 1e9
+
+
+def _analyze(path):
+    p = run_gputrace("analyze", "--json", str(path), timeout=300)
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout)
+
+
+@pytest.mark.parametrize("name", KINETO)
+def test_kineto_comm_overlap_matches_brute_force(shared_data, name):
+    src = shared_data / name
+    files = sorted(src.iterdir()) if src.is_dir() else [src]
+    a = _analyze(src)
+    assert a["iterations"]["count"] >= 1
+    for f in files:
+        rank, comm, gpu, iters = _kineto_raw(f)
+        r = a["ranks"][str(rank)]
+        if not iters:  # the whole window is one iteration
+            iters = [(min(s for s, _ in comm + gpu), max(e for _, e in comm + gpu))]
+        total, hidden = _expected(comm, gpu, iters, r["iterations"]["warmup_skipped"])
+        got = r["overlap"]["comm"]
+        assert got["total_s"] == pytest.approx(total, rel=1e-6, abs=1e-9)
+        assert got["hidden_s"] == pytest.approx(hidden, rel=1e-6, abs=1e-9)
+        assert got["exposed_s"] == pytest.approx(total - hidden, rel=1e-6, abs=1e-9)
+        assert total > 0  # every file here has NCCL kernels
+
+
+@pytest.mark.parametrize("name", NSYS)
+def test_nsys_comm_overlap_and_counts(shared_data, tmp_path, name):
+    src = shared_data / name
+    out = tmp_path / "imported.arrow"
+    run_gputrace("import", str(src), "-o", str(out), check=True)
+    tr = load(out)
+    t = tr.table
+    db = sqlite3.connect(f"file:{src}?mode=ro", uri=True)
+    one = lambda q: db.execute(q).fetchone()[0]  # noqa: E731
+    cats = Counter(zip(t.column("kind").to_pylist(), t.column("cat").to_pylist(), strict=True))
+    n_kernels = one("SELECT COUNT(*) FROM CUPTI_ACTIVITY_KIND_KERNEL")
+    assert cats[("span", "kernel")] + cats[("span", "comm")] == n_kernels
+    assert cats[("span", "memcpy")] == one("SELECT COUNT(*) FROM CUPTI_ACTIVITY_KIND_MEMCPY")
+    assert cats[("span", "memset")] == one("SELECT COUNT(*) FROM CUPTI_ACTIVITY_KIND_MEMSET")
+    n_nvtx = one("SELECT COUNT(*) FROM NVTX_EVENTS WHERE eventType IN (59, 60)")
+    phase_cats = {"iteration", "io", "h2d", "forward", "backward", "update"}
+    nvtx_rows = sum(v for (k, c), v in cats.items()
+                    if k == "span" and (c == "user" or c in phase_cats))
+    assert nvtx_rows == n_nvtx
+    # memcpy bytes and memory kinds survive
+    mb = [r for r in t.to_pylist() if r["cat"] == "memcpy"]
+    assert sum(r["bytes"] for r in mb) == one("SELECT SUM(bytes) FROM CUPTI_ACTIVITY_KIND_MEMCPY")
+    assert {r["dst_kind"] for r in mb} <= {"pageable", "pinned", "device", "managed", None}
+
+    # comm hidden/exposed per rank against the raw tables
+    a = _analyze(out)
+    names = dict(db.execute("SELECT id, value FROM StringIds"))
+    pids = sorted({(dev, gp >> 24 & 0xFFFFFF) for gp, dev in db.execute(
+        "SELECT globalPid, MIN(deviceId) FROM CUPTI_ACTIVITY_KIND_KERNEL GROUP BY globalPid")})
+    for rank, (_, pid) in enumerate(pids):
+        comm, gpu = [], []
+        for s, e, short, gp in db.execute(
+                "SELECT start, end, shortName, globalPid FROM CUPTI_ACTIVITY_KIND_KERNEL"):
+            if gp >> 24 & 0xFFFFFF == pid:
+                (comm if names[short].startswith("nccl") else gpu).append((s, e))
+        for table in ("CUPTI_ACTIVITY_KIND_MEMCPY", "CUPTI_ACTIVITY_KIND_MEMSET"):
+            gpu += [(s, e) for s, e, gp in db.execute(
+                f"SELECT start, end, globalPid FROM {table}") if gp >> 24 & 0xFFFFFF == pid]
+        total = _length(comm, -1 << 62, 1 << 62) / 1e9
+        hidden = _intersection(comm, gpu, -1 << 62, 1 << 62) / 1e9
+        got = a["ranks"][str(rank)]["overlap"]["comm"]
+        assert got["total_s"] == pytest.approx(total, rel=1e-6, abs=1e-9)
+        assert got["hidden_s"] == pytest.approx(hidden, rel=1e-6, abs=1e-9)
+
+
+def test_kineto_kernels_are_attributed_to_the_phase_of_their_launch(shared_data, tmp_path):
+    out = tmp_path / "k.arrow"
+    run_gputrace("import", str(shared_data / "kineto/nccl_data.json.gz"), "-o", str(out),
+                 check=True)
+    t = load(out).table
+    rows = [r for r in t.to_pylist() if r["cat"] in ("kernel", "comm")]
+    phases = Counter(r["phase"] for r in rows)
+    assert phases["forward"] > 0 and phases["backward"] > 0 and phases["update"] > 0
+    assert all(r["phase"] == "comm" for r in rows if r["cat"] == "comm")
+    # NCCL kernels carry the message size: nelems x 4 bytes for float all-reduce
+    d = json.load(gzip.open(shared_data / "kineto/nccl_data.json.gz"))
+    want = sorted(e["args"]["In msg nelems"] * 4 for e in d["traceEvents"]
+                  if e.get("cat") == "kernel" and "AllReduce" in e["name"])
+    got = sorted(r["bytes"] for r in rows if r["cat"] == "comm" and "AllReduce" in r["name"])
+    assert got == want
+    # kernels launched inside ProfilerStep#N carry step N
+    steps = {r["step"] for r in rows}
+    assert {4, 5, 6} <= steps
+
+
+def test_a_breakdown_from_gpu_time(shared_data):
+    a = _analyze(shared_data / "kineto/control.json.gz")
+    b = a["breakdown"]
+    assert b["t_f"]["mean"] > 0 and b["t_b"]["mean"] > 0 and b["t_u"]["mean"] > 0
+    assert b["t_h2d"]["mean"] > 0   # pinned HtoD copies of the batch
+    assert a["model"]["strategy"] == "wfbp_update_after"
+    assert a["speedup"]["points"]
+
+
+def _corrupt_inputs(shared_data, tmp_path):
+    good = gzip.open(shared_data / "kineto/nccl_data.json.gz").read()
+    cases = {
+        "bad.json": b'{"traceEvents": [{"ph": "X", "ts": 1, ',
+        "truncated.json.gz": gzip.compress(good)[:5000],
+        "huge.json": b'{"traceEvents": [{"ph": "X", "cat": "kernel", "name": "k", '
+                     b'"ts": 1e300, "dur": 1}]}',
+        "wrongtype.json": b'{"traceEvents": [{"ph": "X", "cat": "kernel", "name": "k", '
+                          b'"ts": "soon", "dur": 1}]}',
+        "notrace.json": b'{"hello": 1}',
+        "list.json": b'[1, 2, 3]',
+        "empty.json": b"",
+    }
+    paths = []
+    for name, data in cases.items():
+        p = tmp_path / name
+        p.write_bytes(data)
+        paths.append(p)
+    # an SQLite file without nsys tables, and one with a future schema
+    for name, version in (("plain.sqlite", None), ("future.sqlite", "4.0.0")):
+        p = tmp_path / name
+        db = sqlite3.connect(p)
+        db.execute("CREATE TABLE t (x)")
+        if version:
+            db.execute("CREATE TABLE META_DATA_EXPORT (name TEXT, value TEXT)")
+            db.execute("INSERT INTO META_DATA_EXPORT VALUES ('EXPORT_SCHEMA_VERSION', ?)",
+                       (version,))
+        db.commit()
+        db.close()
+        paths.append(p)
+    return paths
+
+
+def test_malformed_inputs_give_one_line_and_exit_2(shared_data, tmp_path):
+    for p in _corrupt_inputs(shared_data, tmp_path):
+        for cmd in (["import", str(p), "-o", str(tmp_path / "o.arrow")],
+                    ["analyze", str(p)]):
+            r = run_gputrace(*cmd)
+            assert r.returncode == 2, (p.name, r.stderr)
+            assert r.stderr.strip().count("\n") == 0, (p.name, r.stderr)
+            assert "Traceback" not in r.stderr and str(p.name) in r.stderr
+
+
+def test_two_kineto_files_without_ranks_are_refused(tmp_path, shared_data):
+    raw = gzip.open(shared_data / "kineto/nccl_data.json.gz").read()
+    d = json.loads(raw)
+    del d["distributedInfo"]
+    for n in ("a.json", "b.json"):
+        (tmp_path / n).write_text(json.dumps(d))
+    r = run_gputrace("analyze", str(tmp_path / "a.json"), str(tmp_path / "b.json"))
+    assert r.returncode == 2 and "cannot tell its rank" in r.stderr
+
+
+# -- export -----------------------------------------------------------------------------------
+def _expected_tracks(trace):
+    """(rank, thread-or-stream) -> span count; (rank, counter name) -> sample count."""
+    spans, counters = Counter(), Counter()
+    for r in trace.table.to_pylist():
+        if r["kind"] == "span":
+            key = (r["rank"], f"GPU {r['device']} stream {r['stream']}" if r["device"] >= 0
+                   else f"{r['pid']}/{r['tid']}")
+            spans[key] += 1
+        elif r["kind"] == "sample" and r["value"] is not None:
+            name = r["name"] + (f"@GPU {r['device']}" if r["device"] >= 0 else "")
+            counters[(r["rank"], name)] += 1
+    return spans, counters
+
+
+def _strip_lane(name):
+    return name.rsplit(" (", 1)[0] if name.endswith(")") and " (" in name else name
+
+
+@pytest.fixture
+def mixed_trace(tmp_path, shared_data):
+    """A real imported GPU trace plus host samples, written as one gputrace trace."""
+    out = tmp_path / "k.arrow"
+    run_gputrace("import", str(shared_data / "kineto/two_rank"), "-o", str(out), check=True)
+    return out
+
+
+def test_chrome_export_parses_back_with_every_slice(mixed_trace, tmp_path):
+    out = tmp_path / "t.json"
+    run_gputrace("export", str(mixed_trace), "--format", "chrome", "-o", str(out), check=True)
+    d = json.loads(out.read_text())
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in d["traceEvents"]
+             if e["ph"] == "M" and e["name"] == "thread_name"}
+    procs = {e["pid"]: e["args"]["name"] for e in d["traceEvents"]
+             if e["ph"] == "M" and e["name"] == "process_name"}
+    got = Counter()
+    for e in d["traceEvents"]:
+        if e["ph"] == "X":
+            assert e["dur"] >= 0 and "ts" in e
+            rank = int(procs[e["pid"]].split()[-1])
+            got[(rank, _strip_lane(names[(e["pid"], e["tid"])]))] += 1
+    spans, _ = _expected_tracks(load(mixed_trace))
+    assert got == spans
+
+
+def test_perfetto_export_parses_back_with_every_slice_and_counter(tmp_path):
+    pytest.importorskip("perfetto")
+    from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import Trace, TrackEvent
+
+    from tests.tracebuilder import Builder, ddp_iterations
+
+    b = ddp_iterations(Builder(), [([4, 3], 40, 60), ([2, 1], 70, 95)], n=3)
+    for k in range(30):
+        b.sample("proc.read_bytes", k * 10, k * 4096)
+    src = b.write(tmp_path / "t.arrow")
+    out = tmp_path / "t.pftrace"
+    run_gputrace("export", str(src), "-o", str(out), check=True)
+    t = Trace()
+    t.ParseFromString(out.read_bytes())
+    names, counters, begins, ends, values = {}, set(), Counter(), Counter(), Counter()
+    depth: Counter = Counter()
+    for p in t.packet:
+        if p.HasField("track_descriptor"):
+            names[p.track_descriptor.uuid] = p.track_descriptor.name
+            if p.track_descriptor.HasField("counter"):
+                counters.add(p.track_descriptor.uuid)
+        elif p.HasField("track_event"):
+            ev = p.track_event
+            if ev.type == TrackEvent.TYPE_SLICE_BEGIN:
+                begins[ev.track_uuid] += 1
+                depth[ev.track_uuid] += 1
+            elif ev.type == TrackEvent.TYPE_SLICE_END:
+                ends[ev.track_uuid] += 1
+                depth[ev.track_uuid] -= 1
+                assert depth[ev.track_uuid] >= 0
+            elif ev.type == TrackEvent.TYPE_COUNTER:
+                values[ev.track_uuid] += 1
+    assert begins == ends
+    spans, samples = _expected_tracks(load(src))
+    got = Counter()
+    for u, n in begins.items():
+        got[_strip_lane(names[u])] += n
+    assert got == Counter({name: n for (_, name), n in spans.items()})
+    assert {names[u]: n for u, n in values.items()} == {n: c for (_, n), c in samples.items()}
+    assert all(u in counters for u in values)
