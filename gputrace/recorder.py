@@ -112,6 +112,9 @@ class Recorder:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.rows_written = 0
+        # called by the flusher with the spans just drained; return extra rows to write
+        # (the CUPTI collector attributes GPU records to these phase spans)
+        self.flush_hooks: list[Any] = []
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> Recorder:
@@ -131,6 +134,13 @@ class Recorder:
         with self._swap:
             spans = _drain(self._spans)
             rows = _drain(self._rows)
+        for hook in list(self.flush_hooks):
+            try:
+                rows.extend(hook(spans, self._closed))
+            except Exception as e:  # a collector bug must not stop recording
+                self.flush_hooks.remove(hook)
+                print(f"gputrace: {getattr(hook, '__qualname__', hook)} failed and is off: "
+                      f"{type(e).__name__}: {e}", file=sys.stderr)
         if not spans and not rows:
             return
         h, r, p = self.host, self.rank, self.pid
@@ -175,6 +185,7 @@ class Recorder:
         self.pid = os.getpid()
         self.metadata = dict(self.metadata, pid=self.pid, role="process")
         self._spans, self._rows = deque(), deque()
+        self.flush_hooks = []   # the parent's GPU subscriptions do not carry over a fork
         self._swap, self._write = threading.Lock(), threading.Lock()
         self._writer = None
         self._closed = False

@@ -1,9 +1,30 @@
-"""CUPTI activity collector (cupti-python): kernels, memcpy, memset, sync, NVTX markers."""
+"""CUPTI activity collector (cupti-python): kernels, memcpy, memset, sync, NVTX markers.
+
+In the training process. CUPTI hands over filled buffers on its own thread; the callback only
+queues them. The recorder's flusher (every 0.5 s) asks CUPTI to flush, converts the queued
+records into trace rows and attributes each GPU record to the innermost gputrace phase that
+was open on the launching thread when the launch call began (runtime API record, matched by
+correlation id). NCCL kernels become `comm` spans.
+
+The conversion (`Converter`) is independent of CUPTI itself: it reads records by attribute
+name, with kinds from the module given, so a fake record source drives the same code.
+"""
 
 from __future__ import annotations
 
 import ctypes
 import importlib.util
+import json
+import sys
+import time
+from collections import defaultdict, deque
+from typing import Any
+
+import numpy as np
+
+from gputrace.importers.common import PHASES, attribute, is_nccl, iteration_of
+
+HOLD_FLUSHES = 4          # a record waits at most this many flushes for its phase to close
 
 
 def availability() -> str:
@@ -15,3 +36,272 @@ def availability() -> str:
     except OSError:
         return "unavailable: no CUDA driver (libcuda.so.1) on this machine"
     return "ok"
+
+
+class Converter:
+    """CUPTI activity records -> trace rows, with phase and step attribution."""
+
+    def __init__(self, cupti: Any, *, host: str, rank: int, pid: int,
+                 offset_ns: int = 0) -> None:
+        K = cupti.ActivityKind
+        self.kind_kernel = {int(K.CONCURRENT_KERNEL), int(K.KERNEL)}
+        self.kind_memcpy = {int(K.MEMCPY)}
+        self.kind_memset = {int(K.MEMSET)}
+        self.kind_api = {int(K.RUNTIME), int(K.DRIVER)}
+        self.kind_sync = {int(K.SYNCHRONIZATION)}
+        self.kind_marker = {int(K.MARKER)}
+        M = cupti.ActivityMemoryKind
+        self.mem = {int(M.PAGEABLE): "pageable", int(M.PINNED): "pinned",
+                    int(M.DEVICE): "device", int(M.MANAGED): "managed"}
+        for extra, name in (("DEVICE_STATIC", "device"), ("MANAGED_STATIC", "managed")):
+            if hasattr(M, extra):
+                self.mem[int(getattr(M, extra))] = name
+        C = cupti.ActivityMemcpyKind
+        self.copy = {int(v): n for n, v in C.__members__.items()}
+        F = cupti.ActivityFlag
+        self.flag_start = int(F.MARKER_START)
+        self.flag_instant = int(F.MARKER_INSTANTANEOUS)
+        self.host, self.rank, self.pid, self.offset = host, rank, pid, offset_ns
+        self.launch: dict[int, tuple[int, int]] = {}           # corr -> (thread, start)
+        self.pending: deque[tuple[int, Any]] = deque()          # (flush count, record)
+        self.phases: dict[int, list[tuple[int, int, str]]] = defaultdict(list)
+        self.watermark: dict[int, int] = {}                     # thread -> last phase end
+        self.iters: list[tuple[int, int, int]] = []
+        self.markers: dict[int, tuple[str, int, str | None]] = {}
+        self.flushes = 0
+        self.counts: dict[str, int] = defaultdict(int)
+
+    # -- inputs --------------------------------------------------------------------------------
+    def add_spans(self, spans: list[tuple[Any, ...]]) -> None:
+        """The recorder's drained spans: (cat, name, start, end, tid, step, layer, ...)."""
+        for sp in spans:
+            cat, _, s, e, tid, step = sp[:6]
+            if cat == "iteration":
+                self.iters.append((s, e, step))
+            elif cat in PHASES:
+                self.phases[tid].append((s, e, cat))
+                if e > self.watermark.get(tid, 0):
+                    self.watermark[tid] = e
+
+    def feed(self, records: list[Any]) -> None:
+        for r in records:
+            k = int(r.kind)
+            if k in self.kind_api:
+                self.launch[int(r.correlation_id)] = (int(r.thread_id), int(r.start) + self.offset)
+            else:
+                self.pending.append((self.flushes, r))
+
+    # -- conversion ----------------------------------------------------------------------------
+    def drain(self, final: bool = False) -> list[tuple[Any, ...]]:
+        """Rows for every record whose launching phase is known (or that waited long enough)."""
+        self.flushes += 1
+        ready: list[Any] = []
+        keep: deque[tuple[int, Any]] = deque()
+        for born, r in self.pending:
+            corr = getattr(r, "correlation_id", None)
+            launch = self.launch.get(int(corr)) if corr is not None else None
+            settled = launch is not None and launch[1] <= self.watermark.get(launch[0], -1)
+            if final or settled or self.flushes - born >= HOLD_FLUSHES or \
+                    int(r.kind) in self.kind_marker:
+                ready.append(r)
+            else:
+                keep.append((born, r))
+        self.pending = keep
+        gpu = [r for r in ready if int(r.kind) not in self.kind_marker]
+        rows = self._gpu_rows(gpu)
+        rows.extend(self._marker_rows([r for r in ready if int(r.kind) in self.kind_marker]))
+        self._forget()
+        return rows
+
+    def _attribution(self, records: list[Any]) -> tuple[list[str | None], list[int]]:
+        keys, times, idx = [], [], []
+        for i, r in enumerate(records):
+            corr = getattr(r, "correlation_id", None)
+            la = self.launch.get(int(corr)) if corr is not None else None
+            if la is not None:
+                keys.append(la[0])
+                times.append(la[1])
+                idx.append(i)
+        phase: list[str | None] = [None] * len(records)
+        step = [-1] * len(records)
+        if not idx:
+            return phase, step
+        pk, ps, pe, pc = [], [], [], []
+        for tid, lst in self.phases.items():
+            for s, e, c in lst:
+                pk.append(tid)
+                ps.append(s)
+                pe.append(e)
+                pc.append(c)
+        t = np.array(times, dtype=np.int64)
+        which = attribute(pk, np.array(ps, np.int64), np.array(pe, np.int64), keys, t)
+        if self.iters:
+            it = np.array(self.iters, dtype=np.int64)
+            steps = iteration_of(it[:, 0], it[:, 1], it[:, 2], t)
+        else:
+            steps = np.full(t.size, -1)
+        for j, i in enumerate(idx):
+            if which[j] >= 0:
+                phase[i] = pc[which[j]]
+            step[i] = int(steps[j])
+        return phase, step
+
+    def _gpu_rows(self, records: list[Any]) -> list[tuple[Any, ...]]:
+        phase, step = self._attribution(records)
+        h, rank, pid, off = self.host, self.rank, self.pid, self.offset
+        rows = []
+        for r, ph, st in zip(records, phase, step, strict=True):
+            k = int(r.kind)
+            s, e = int(r.start) + off, int(r.end) + off
+            dev = int(getattr(r, "device_id", -1))
+            stream = int(getattr(r, "stream_id", -1))
+            corr = int(getattr(r, "correlation_id", 0)) or None
+            if k in self.kind_kernel:
+                name = str(r.name)
+                nccl = is_nccl(name)
+                self.counts["comm" if nccl else "kernel"] += 1
+                rows.append(("span", "comm" if nccl else "kernel", name, s, e, None, None, h,
+                             rank, pid, -1, dev, stream, st, -1, None, None, None, corr, None,
+                             "comm" if nccl else ph))
+            elif k in self.kind_memcpy:
+                kind = self.copy.get(int(r.copy_kind), "UNKNOWN")
+                src, dst = self.mem.get(int(r.src_kind)), self.mem.get(int(r.dst_kind))
+                self.counts["memcpy"] += 1
+                rows.append(("span", "memcpy", f"Memcpy {kind}", s, e, None, None, h, rank,
+                             pid, -1, dev, stream, st, -1, int(r.bytes), src, dst, corr, None,
+                             ph))
+            elif k in self.kind_memset:
+                self.counts["memset"] += 1
+                rows.append(("span", "memset", "Memset", s, e, None, None, h, rank, pid, -1,
+                             dev, stream, st, -1, int(r.bytes), None, None, corr, None, ph))
+            elif k in self.kind_sync:
+                self.counts["sync"] += 1
+                rows.append(("span", "sync", "synchronize", s, e, None, None, h, rank, pid,
+                             -1, -1, stream if stream < 2**31 else -1, st, -1, None, None,
+                             None, corr, None, None))
+        return rows
+
+    def _marker_rows(self, records: list[Any]) -> list[tuple[Any, ...]]:
+        """NVTX ranges of the user's own code (gputrace's domain is recorded already)."""
+        rows = []
+        h, rank, pid, off = self.host, self.rank, self.pid, self.offset
+        for r in records:
+            flags = int(getattr(r, "flags_", getattr(r, "flags", 0)))
+            ts = int(r.timestamp) + off
+            domain = str(r.domain) if getattr(r, "domain", None) else None
+            if domain == "gputrace":
+                continue
+            if flags & self.flag_instant:
+                rows.append(("instant", "user", str(r.name), ts, None, None, None, h, rank,
+                             pid, -1, -1, -1, -1, -1, None, None, None, None,
+                             json.dumps({"domain": domain}) if domain else None, None))
+            elif flags & self.flag_start:
+                self.markers[int(r.id)] = (str(r.name), ts, domain)
+            elif int(r.id) in self.markers:
+                name, start, domain = self.markers.pop(int(r.id))
+                self.counts["nvtx"] += 1
+                rows.append(("span", "user", name, start, ts, None, None, h, rank, pid, -1,
+                             -1, -1, -1, -1, None, None, None, None,
+                             json.dumps({"domain": domain}) if domain else None, None))
+        return rows
+
+    def _forget(self) -> None:
+        """Drop launch and phase history no pending record can need any more."""
+        if self.pending:
+            return
+        self.launch.clear()
+        for tid, lst in self.phases.items():
+            if len(lst) > 256:
+                self.phases[tid] = lst[-256:]
+        if len(self.iters) > 64:
+            self.iters = self.iters[-64:]
+
+
+class CuptiCollector:
+    """Subscribes to CUPTI activity in this process and feeds the recorder's flusher."""
+
+    name = "cupti"
+
+    def __init__(self, recorder: Any, cupti: Any | None = None) -> None:
+        if cupti is None:
+            from cupti import cupti as real  # type: ignore[import-not-found]
+
+            cupti = real
+        self.cupti = cupti
+        self.recorder = recorder
+        self.queue: deque[list[Any]] = deque()
+        now = time.time_ns()
+        ts = int(cupti.get_timestamp())
+        # CUPTI's timestamps are CLOCK_REALTIME ns on Linux; convert only if they are not
+        offset = now - ts if abs(now - ts) > 1_000_000_000 else 0
+        self.converter = Converter(cupti, host=recorder.host, rank=recorder.rank,
+                                   pid=recorder.pid, offset_ns=offset)
+        self.kinds: list[Any] = []
+
+    def start(self) -> None:
+        c = self.cupti
+        K = c.ActivityKind
+
+        def requested() -> tuple[int, int]:
+            return 8 * 1024 * 1024, 0
+
+        def completed(activities: list[Any]) -> None:
+            self.queue.append(list(activities))
+
+        c.activity_register_callbacks(requested, completed)
+        for k in (K.CONCURRENT_KERNEL, K.MEMCPY, K.MEMSET, K.RUNTIME, K.DRIVER,
+                  K.SYNCHRONIZATION, K.MARKER):
+            c.activity_enable(k)
+            self.kinds.append(k)
+        self.recorder.flush_hooks.append(self.on_flush)
+        self.recorder.set_collector("cupti", "ok", clock_offset_ns=self.converter.offset,
+                                    kinds=[getattr(k, "name", str(k)) for k in self.kinds])
+
+    def on_flush(self, spans: list[tuple[Any, ...]], final: bool) -> list[tuple[Any, ...]]:
+        self.cupti.activity_flush_all(1 if final else 0)
+        conv = self.converter
+        conv.add_spans(spans)
+        while self.queue:
+            conv.feed(self.queue.popleft())
+        rows = conv.drain(final)
+        if final:
+            rows.append(self.stop())
+        return rows
+
+    def stop(self) -> tuple[Any, ...]:
+        """Disable CUPTI; return a `cupti.summary` instant row with the record counts."""
+        for k in self.kinds:
+            try:
+                self.cupti.activity_disable(k)
+            except Exception:  # noqa: BLE001 - best effort at exit
+                pass
+        self.kinds = []
+        dropped = 0
+        try:
+            dropped = int(self.cupti.activity_get_num_dropped_records(0, 0))
+        except Exception:  # noqa: BLE001
+            pass
+        r = self.recorder
+        args = json.dumps({"records": dict(self.converter.counts), "dropped": dropped})
+        return ("instant", "user", "cupti.summary", r.now_ns(), None, None, None, r.host,
+                r.rank, r.pid, -1, -1, -1, -1, -1, None, None, None, None, args, None)
+
+
+def start(recorder: Any) -> CuptiCollector | None:
+    """Start CUPTI in this process if it can run; otherwise say why in one line and go on."""
+    status = availability()
+    if status != "ok":
+        recorder.set_collector("cupti", status)
+        return None
+    try:
+        col = CuptiCollector(recorder)
+        col.start()
+        return col
+    except Exception as e:  # noqa: BLE001 - CUPTI taken by another tool, CUDA mismatch, ...
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if "MULTIPLE_SUBSCRIBERS" in reason.upper() or "subscriber" in reason.lower():
+            reason += " (another profiler, e.g. torch.profiler or nsys, holds CUPTI)"
+        recorder.set_collector("cupti", f"unavailable: {reason}")
+        print(f"gputrace: cupti: unavailable: {reason}; GPU kernels are not recorded",
+              file=sys.stderr)
+        return None

@@ -117,6 +117,9 @@ class NvmlCollector:
         if fn is None or len(self.handles) < 2:
             return None
         names = {getattr(nv, "NVML_P2P_STATUS_OK", 0): "ok"}
+        index = getattr(nv, "NVML_P2P_CAPS_INDEX_READ", 0)
+        if isinstance(index, tuple):  # nvidia-ml-py defines it as a 1-tuple
+            index = index[0]
         out = []
         for a in self.handles:
             row = []
@@ -124,7 +127,7 @@ class NvmlCollector:
                 if a is b:
                     row.append("self")
                     continue
-                st = self._try(fn, a, b, getattr(nv, "NVML_P2P_CAPS_INDEX_READ", 0))
+                st = self._try(fn, a, b, index)
                 row.append("?" if st is None else names.get(st, "no"))
             out.append(row)
         return out

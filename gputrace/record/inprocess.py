@@ -85,6 +85,10 @@ def _on_torch(torch: ModuleType) -> None:
         status = f"unavailable: instrumentation failed: {type(e).__name__}: {e}"
         print(f"gputrace: torch {status}", file=sys.stderr)
     rec.set_collector("torch", status)
+    if os.environ.get("GPUTRACE_NO_CUPTI") != "1":
+        from gputrace.collectors import cupti
+
+        cupti.start(rec)   # says in one line why not, when it cannot run
     if "multiprocessing" in sys.modules:
         _register_mp_finalizer()
 
