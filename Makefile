@@ -18,7 +18,7 @@ demo: $(STAMP)
 	$(BIN)/gputrace analyze demo.arrow
 
 lint: $(STAMP)
-	$(BIN)/ruff check gputrace tests samples
+	$(BIN)/ruff check gputrace tests samples bench
 
 test: lint
 	$(BIN)/python -m pytest -q

@@ -61,6 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="register a DDP comm hook of the user's own")
     p.add_argument("--closure", action="store_true", help="use optimizer.step(closure)")
     p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--torch-profiler", action="store_true",
+                   help="run under torch.profiler (a schedule, no shapes), for comparison")
+    p.add_argument("--times-json", help="write rank 0's iteration times (s) to this file")
     a = p.parse_args(argv)
     defaults = dict(batch_size=32, workers=2, width=16, fc_hidden=128, fc_layers=1,
                     bucket_cap_mb=25.0, image_size=64, decode_cost=0)
@@ -197,6 +200,17 @@ def main(argv: list[str] | None = None) -> None:
     t_start = time.perf_counter()
     losses: list[float] = []
     epoch = 0
+    times: list[float] = []
+    prof = None
+    if a.torch_profiler:
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if use_cuda else [])
+        prof = profile(activities=acts, record_shapes=False,
+                       schedule=schedule(wait=1, warmup=1, active=3, repeat=0),
+                       on_trace_ready=lambda p: None)
+        prof.start()
+    t_last = time.perf_counter()
     while done < a.iterations:
         if sampler is not None:
             sampler.set_epoch(epoch)
@@ -217,6 +231,11 @@ def main(argv: list[str] | None = None) -> None:
                 loss.backward()
                 opt.step()
             losses.append(float(loss.detach()))
+            if prof is not None:
+                prof.step()
+            now = time.perf_counter()
+            times.append(now - t_last)
+            t_last = now
             done += 1
             if done >= a.iterations:
                 break
@@ -224,13 +243,21 @@ def main(argv: list[str] | None = None) -> None:
     if use_cuda:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t_start
+    if prof is not None:
+        prof.stop()
+    if a.times_json and rank == 0:
+        import json
+
+        with open(a.times_json, "w") as f:
+            json.dump(times, f)
     if a.comm_hook == "allreduce" and world > 1:
         print(f"rank {rank}: user comm hook ran {calls['n']} times")
     if rank == 0:
         n = done * a.batch_size * world
         print(f"train_cnn: {done} iterations, {n} samples in {elapsed:.2f} s: "
               f"{n / elapsed:.1f} samples/s ({world} process{'es' if world > 1 else ''}, "
-              f"{device.type}); loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+              f"{device.type}); loss {losses[0]:.3f} -> {losses[-1]:.3f}; median iteration "
+              f"{1e3 * sorted(times[3:] or times)[len(times[3:] or times) // 2]:.1f} ms")
     if world > 1:
         dist.destroy_process_group()
 

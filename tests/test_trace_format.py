@@ -146,3 +146,16 @@ def test_unknown_extra_columns_are_kept_and_missing_ones_defaulted(tmp_path):
     assert tr.table.column("future_col").to_pylist() == [1.5]
     row = tr.table.to_pylist()[0]
     assert row["rank"] == -1 and row["layer"] == -1 and row["bytes"] is None
+
+
+def test_merge_skips_a_shard_killed_before_its_schema(tmp_path):
+    from gputrace.record.merge import merge_shards
+    from tests.tracebuilder import Builder
+
+    d = tmp_path / "shards"
+    d.mkdir()
+    Builder().span("forward", 0, 1).span("backward", 1, 2).write(d / "a.arrow")
+    (d / "b.arrow").write_bytes(b"ARROW1\x00\x00\xff\xff")   # SIGKILL during the header
+    r = merge_shards(str(d), str(tmp_path / "m.arrow"))
+    assert r.rows == 2 and any("b.arrow: skipped" in w for w in r.warnings)
+    assert load(tmp_path / "m.arrow").num_rows == 2

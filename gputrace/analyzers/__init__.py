@@ -96,8 +96,8 @@ def _comm_wait(steps: dict[int, RankSteps], sels: dict[int, np.ndarray]
 def _extra_findings(sp: fr.Spans, rs: RankSteps) -> list[Finding]:
     out = []
     memcpy = sp.of("memcpy") | sp.of("h2d")
-    pageable = [i for i in np.flatnonzero(memcpy) if sp.src_kind[i] == "pageable"]
-    if pageable:
+    pageable = np.flatnonzero(memcpy & sp.kind_is("src", "pageable"))
+    if pageable.size:
         b = float(np.nansum(sp.nbytes[pageable]))
         out.append(Finding(
             "h2d_pageable", "moderate",

@@ -10,15 +10,26 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 
-def _codes(col: pa.ChunkedArray) -> tuple[np.ndarray, list[str]]:
-    """Dictionary codes and values of a string column (dictionary-encoded or not)."""
-    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
-    if not pa.types.is_dictionary(arr.type):
-        arr = pc.dictionary_encode(arr)
-    elif isinstance(col, pa.ChunkedArray) and col.num_chunks > 1:
-        arr = pc.dictionary_encode(arr.cast(pa.string()))
-    idx = arr.indices.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int32)
-    return idx, [str(v) for v in arr.dictionary.to_pylist()]
+def _codes(col: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, list[str]]:
+    """Dictionary codes (-1 for null) and values of a string column.
+
+    A trace file's batches share one dictionary that only grows (deltas), so every chunk's
+    dictionary is a prefix of the longest: the indices are used as they are. Other inputs
+    (merged shards, imports) get their dictionaries unified first."""
+    chunks = col.chunks if isinstance(col, pa.ChunkedArray) else [col]
+    if not chunks:
+        return np.zeros(0, np.int32), []
+    if not pa.types.is_dictionary(chunks[0].type):
+        arr = pc.dictionary_encode(pa.chunked_array(chunks).combine_chunks())
+        chunks = [arr]
+    longest = max(chunks, key=lambda c: len(c.dictionary)).dictionary
+    if not all(c.dictionary.equals(longest.slice(0, len(c.dictionary))) for c in chunks):
+        unified = pa.table({"c": pa.chunked_array(chunks)}).unify_dictionaries().column("c")
+        chunks = unified.chunks
+        longest = chunks[0].dictionary
+    idx = np.concatenate([c.indices.fill_null(-1).to_numpy(zero_copy_only=False)
+                          for c in chunks]).astype(np.int32, copy=False)
+    return idx, [str(v) for v in longest.to_pylist()]
 
 
 def _np(col: pa.ChunkedArray, fill: int | float = -1, dtype: type = np.int64) -> np.ndarray:
@@ -42,11 +53,12 @@ class Spans:
     step: np.ndarray
     layer: np.ndarray
     nbytes: np.ndarray       # float, nan when unknown
-    args: list[str | None]
-    src_kind: list[str | None]
-    phase: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # attributed phase
-    phases: list[str] = field(default_factory=list)
-    dst_kind: list[str | None] = field(default_factory=list)
+    args: pa.Array                  # string, read lazily (only comm units need it)
+    src_kind: np.ndarray            # memory-kind codes (-1 null) into `mem_kinds`
+    dst_kind: np.ndarray
+    mem_kinds: list[str]
+    phase: np.ndarray               # attributed-phase codes (-1 null) into `phases`
+    phases: list[str]
     _mask_cache: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
 
     def of(self, cat: str) -> np.ndarray:
@@ -56,6 +68,11 @@ class Spans:
             code = self.cats.index(cat) if cat in self.cats else -2
             m = self._mask_cache[cat] = self.cat == code
         return m
+
+    def kind_is(self, which: str, kind: str) -> np.ndarray:
+        """Mask of spans whose src_kind/dst_kind ('src'/'dst') is the given memory kind."""
+        code = self.mem_kinds.index(kind) if kind in self.mem_kinds else -2
+        return (self.src_kind if which == "src" else self.dst_kind) == code
 
     def in_phase(self, phase: str) -> np.ndarray:
         """Mask of GPU spans attributed to a phase (their launch's enclosing range)."""
@@ -68,7 +85,7 @@ class Spans:
                                      | self.of("comm"))
 
     def layers_of(self, i: int) -> list[int] | None:
-        a = self.args[i]
+        a = self.args[i].as_py()
         if not a:
             return None
         try:
@@ -100,44 +117,60 @@ def build(table: pa.Table, metadata: dict[str, object] | None = None) -> Frame:
     kind_codes, kinds = _codes(table.column("kind"))
     span_code = kinds.index("span") if "span" in kinds else -2
     sample_code = kinds.index("sample") if "sample" in kinds else -2
-    spans = table.filter(pa.array(kind_codes == span_code))
     ranks: dict[int, Spans] = {}
-    if spans.num_rows:
-        rank = _np(spans.column("rank"), -1, np.int32)
-        cat, cats = _codes(spans.column("cat"))
-        name, names = _codes(spans.column("name"))
-        start = _np(spans.column("start_ns"), 0)
-        end_raw = spans.column("end_ns")
-        end = np.where(_np(end_raw, -1) < 0, start, _np(end_raw, -1))
-        pid = _np(spans.column("pid"), -1, np.int64)
-        tid = _np(spans.column("tid"), -1, np.int64)
-        device = _np(spans.column("device"), -1, np.int32)
-        step = _np(spans.column("step"), -1, np.int32)
-        layer = _np(spans.column("layer"), -1, np.int32)
-        nbytes = spans.column("bytes").cast(pa.float64()).fill_null(np.nan).to_numpy()
-        args = spans.column("args").to_pylist()
-        srck = spans.column("src_kind").cast(pa.string()).to_pylist()
-        dstk = spans.column("dst_kind").cast(pa.string()).to_pylist()
-        if "phase" in spans.column_names:
-            phase, phases = _codes(spans.column("phase"))
-        else:
-            phase, phases = np.full(spans.num_rows, -1, np.int32), []
-        # spans of processes without a rank (a single-process job) count as rank 0
-        present = np.unique(rank)
+    is_span = kind_codes == span_code
+    if is_span.any():
+        rank_all = _np(table.column("rank"), -1, np.int32)
+        present = np.unique(rank_all[is_span])
         if present.size > 1 and -1 in present:
             # unranked spans beside ranked ones belong to launchers (torchrun): drop them
-            keep_rank = rank >= 0
+            is_span &= rank_all >= 0
+        sel = np.flatnonzero(is_span)
+        # one permutation puts each rank's spans together: per-rank arrays are views
+        order = sel[np.argsort(rank_all[sel], kind="stable")]
+        rank = rank_all[order]
+        del rank_all, sel
+
+        def col(name: str, fill: int, dtype: type) -> np.ndarray:
+            return _np(table.column(name), fill, dtype)[order]
+
+        def codes(name: str) -> tuple[np.ndarray, list[str]]:
+            c, values = _codes(table.column(name))
+            return c[order], values
+
+        cat, cats = codes("cat")
+        name, names = codes("name")
+        start = col("start_ns", 0, np.int64)
+        end = col("end_ns", -1, np.int64)
+        np.copyto(end, start, where=end < 0)
+        pid = col("pid", -1, np.int64)
+        tid = col("tid", -1, np.int64)
+        device = col("device", -1, np.int16)
+        step = col("step", -1, np.int32)
+        layer = col("layer", -1, np.int32)
+        nbytes = table.column("bytes").cast(pa.float64()).fill_null(np.nan).to_numpy()[order]
+        args = table.column("args").take(pa.array(order))
+        n_all = table.num_rows
+        mem = pa.chunked_array(table.column("src_kind").chunks + table.column("dst_kind").chunks)
+        mem_codes, mem_kinds = _codes(mem)
+        srck, dstk = mem_codes[:n_all][order], mem_codes[n_all:][order]
+        del mem_codes
+        if "phase" in table.column_names:
+            phase, phases = codes("phase")
         else:
-            keep_rank = np.ones(rank.size, dtype=bool)
-        for r in np.unique(rank[keep_rank]):
-            m = (rank == r) & keep_rank
-            idx = np.flatnonzero(m)
-            ranks[max(int(r), 0)] = Spans(
-                rank=max(int(r), 0), cat=cat[idx], cats=cats, name=name[idx], names=names,
-                start=start[idx], end=end[idx], pid=pid[idx], tid=tid[idx],
-                device=device[idx], step=step[idx], layer=layer[idx], nbytes=nbytes[idx],
-                args=[args[i] for i in idx], src_kind=[srck[i] for i in idx],
-                phase=phase[idx], phases=phases, dst_kind=[dstk[i] for i in idx])
+            phase, phases = np.full(order.size, -1, np.int32), []
+        cuts = np.flatnonzero(np.diff(rank)) + 1
+        bounds = np.concatenate(([0], cuts, [rank.size]))
+        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+            # spans of processes without a rank (a single-process job) count as rank 0
+            r = max(int(rank[lo]), 0)
+            sl = slice(int(lo), int(hi))
+            ranks[r] = Spans(
+                rank=r, cat=cat[sl], cats=cats, name=name[sl], names=names,
+                start=start[sl], end=end[sl], pid=pid[sl], tid=tid[sl],
+                device=device[sl], step=step[sl], layer=layer[sl], nbytes=nbytes[sl],
+                args=args.slice(int(lo), int(hi) - int(lo)), src_kind=srck[sl],
+                dst_kind=dstk[sl], mem_kinds=mem_kinds, phase=phase[sl], phases=phases)
     samples: dict[str, Samples] = {}
     smp = table.filter(pa.array(kind_codes == sample_code))
     if smp.num_rows:

@@ -135,19 +135,20 @@ def unit_stats(rs: RankSteps, sel: np.ndarray) -> list[UnitStats]:
         for u in rs.units[k]:
             by.setdefault(u.index, []).append((int(k), u))
     out = []
+    t0 = rs.iterations.start.tolist()
     for idx in sorted(by):
         rows = by[idx]
-        t0 = {k: rs.iterations.start[k] for k, _ in rows}
-        hid = [u.hidden for _, u in rows]
+        n = len(rows)
+        hid = sum(u.hidden for _, u in rows)
         last = rows[-1][1]
         out.append(UnitStats(
             index=idx, layers=last.layers,
             nbytes=float(np.mean([u.nbytes for _, u in rows])),
-            ready_s=float(np.mean([(u.ready - t0[k]) / 1e9 for k, u in rows])),
-            start_s=float(np.mean([(u.start - t0[k]) / 1e9 for k, u in rows])),
-            end_s=float(np.mean([(u.end - t0[k]) / 1e9 for k, u in rows])),
-            duration_s=float(np.mean([(u.end - u.start) / 1e9 for _, u in rows])),
-            hidden=sum(hid) * 2 > len(hid), hidden_fraction=sum(hid) / len(hid)))
+            ready_s=sum(int(u.ready) - t0[k] for k, u in rows) / n / 1e9,
+            start_s=sum(int(u.start) - t0[k] for k, u in rows) / n / 1e9,
+            end_s=sum(int(u.end) - t0[k] for k, u in rows) / n / 1e9,
+            duration_s=sum(int(u.end) - int(u.start) for _, u in rows) / n / 1e9,
+            hidden=hid * 2 > n, hidden_fraction=hid / n))
     return out
 
 
@@ -289,6 +290,9 @@ def speedup(m: ModelResult, world_size: int, gpus: Sequence[int],
     overlapped = not (m.strategy == "sequential" or not comm_units)
     equation = "8" if not overlapped else ("9" if m.strategy == "wfbp" else "11")
     pts = []
+    if t_io_1 + t_gpu <= 0:
+        assumptions.append("no measured compute or I/O time: nothing to scale")
+        gpus = []
     for N in gpus:
         io_n = t_io_1 * (N if shared_io else 1)
         if m.strategy == "sequential" or not comm_units:

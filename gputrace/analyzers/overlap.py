@@ -74,7 +74,8 @@ def _covered(u: Union, x: np.ndarray) -> np.ndarray:
 
 def _combine(a: Union, b: Union, keep_b: bool) -> Union:
     # Between consecutive boundaries of both unions coverage is constant: test the left end.
-    pts = np.unique(np.concatenate([a[0], a[1], b[0], b[1]]))
+    pts = np.sort(np.concatenate([a[0], a[1], b[0], b[1]]), kind="stable")
+    pts = pts[np.concatenate(([True], pts[1:] != pts[:-1]))]
     mid = pts[:-1]
     in_b = _covered(b, mid)
     keep = _covered(a, mid) & (in_b if keep_b else ~in_b)

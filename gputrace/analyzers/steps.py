@@ -84,7 +84,19 @@ def _host_units_by_iteration(sp: Spans, mask: np.ndarray, lo: np.ndarray,
     idx = np.flatnonzero(mask)
     idx = idx[np.argsort(sp.start[idx], kind="stable")]
     it = np.searchsorted(lo, sp.start[idx], side="right") - 1
-    return [idx[(it == k) & (sp.start[idx] < hi[k])] for k in range(lo.size)]
+    idx = idx[(it >= 0) & (sp.start[idx] < hi[np.clip(it, 0, None)])]
+    it = it[it >= 0] if idx.size == 0 else np.searchsorted(lo, sp.start[idx], side="right") - 1
+    return _split_by(idx, it, lo.size)
+
+
+def _split_by(idx: np.ndarray, group: np.ndarray, n: int) -> list[np.ndarray]:
+    """idx split into n lists by group number (idx already in the wanted order within
+    groups; stable), in O(len(idx) + n)."""
+    order = np.argsort(group, kind="stable")
+    g = group[order]
+    cuts = np.searchsorted(g, np.arange(n + 1), side="left")
+    sorted_idx = idx[order]
+    return [sorted_idx[cuts[k]:cuts[k + 1]] for k in range(n)]
 
 
 def analyze_rank(sp: Spans) -> RankSteps:
@@ -105,8 +117,8 @@ def analyze_rank(sp: Spans) -> RankSteps:
         # GPU trace: phases are GPU time, kernels attributed to the range of their launch
         gcomm = gpu & sp.of("comm")
         kern = gpu & ~gcomm
-        to_dev = np.array([s in ("pageable", "pinned") and d == "device"
-                           for s, d in zip(sp.src_kind, sp.dst_kind, strict=False)], dtype=bool)
+        to_dev = (sp.kind_is("src", "pageable") | sp.kind_is("src", "pinned")) & \
+            sp.kind_is("dst", "device")
         h2d = _u(sp, kern & ((sp.of("memcpy") & to_dev) | sp.in_phase("h2d")))
         fwd = _u(sp, kern & sp.in_phase("forward"))
         bwd_gpu = kern & sp.in_phase("backward")
@@ -152,19 +164,20 @@ def analyze_rank(sp: Spans) -> RankSteps:
         k, ly = int(it_of[i]), int(sp.layer[i])
         layer_bs[k][ly] = layer_bs[k].get(ly, 0.0) + (sp.end[i] - sp.start[i]) / sec
         layer_end[k][ly] = max(layer_end[k].get(ly, 0), int(sp.end[i]))
-    bstart = np.full(n, -1, dtype=np.int64)
+    bi = np.flatnonzero(bwd_m & inside)
+    big = np.iinfo(np.int64).max
+    bstart = np.full(n, big, dtype=np.int64)
     bend = np.full(n, -1, dtype=np.int64)
-    for i in np.flatnonzero(bwd_m & inside):
-        k = int(it_of[i])
-        if bstart[k] < 0 or sp.start[i] < bstart[k]:
-            bstart[k] = sp.start[i]
-        bend[k] = max(bend[k], sp.end[i])
+    np.minimum.at(bstart, it_of[bi], sp.start[bi])
+    np.maximum.at(bend, it_of[bi], sp.end[bi])
+    bstart[bstart == big] = -1
 
     units: list[list[Unit]] = [[] for _ in range(n)]
     cidx = np.flatnonzero(comm_m & inside)
     cidx = cidx[np.lexsort((sp.start[cidx], it_of[cidx]))]
+    per_iter = _split_by(cidx, it_of[cidx], n)
     for k in range(n):
-        sel = cidx[it_of[cidx] == k]
+        sel = per_iter[k]
         raw = []
         borrowed = host_units[k] if len(host_units[k]) == sel.size else None
         for j, i in enumerate(sel):

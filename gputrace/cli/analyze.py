@@ -42,6 +42,8 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pyarrow import ArrowInvalid
+
     from gputrace.analyzers import NothingToAnalyze, analyze
     from gputrace.cli import load_trace
 
@@ -59,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
                     shared_io=args.shared_io)
     except NothingToAnalyze as e:
         raise CommandError(f"{' '.join(args.trace)}: {e}") from None
+    except (UnicodeDecodeError, ArrowInvalid) as e:
+        raise CommandError(f"{' '.join(args.trace)}: corrupt trace ({e})") from None
     if args.rank is not None and args.rank not in a.ranks:
         raise CommandError(f"no rank {args.rank} in the trace (ranks: "
                            f"{', '.join(map(str, sorted(a.ranks)))})")

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import os
+import sqlite3
 from typing import Any
 
 from gputrace.importers.common import ImportFailed
@@ -84,6 +85,8 @@ def import_paths(paths: list[str]):  # type: ignore[no-untyped-def]
                 info = nsys.read(p, rows)
             except ImportFailed as e:
                 raise ImportFailed(f"{p}: {e}") from None
+            except sqlite3.Error as e:
+                raise ImportFailed(f"{p}: unreadable SQLite database ({e})") from None
             sources.append({"path": os.path.abspath(p), "tool": "nsys", **info})
             warnings.append(f"{p}: ranks assigned one per process in the order of their "
                             "lowest GPU (an Nsight Systems export does not record ranks)")

@@ -36,6 +36,9 @@ def boot(shard_dir: str) -> _recorder.Recorder:
     os.register_at_fork(after_in_child=_after_fork)
     if "multiprocessing" in sys.modules:
         _register_mp_finalizer()
+    else:  # imported later: its forked children must still flush before os._exit
+        sys.meta_path.insert(0, _PostImportFinder("multiprocessing",
+                                                  lambda _m: _register_mp_finalizer()))
     if os.environ.get("GPUTRACE_NO_TORCH") != "1":
         if "torch" in sys.modules:
             _on_torch(sys.modules["torch"])

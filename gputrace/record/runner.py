@@ -221,6 +221,7 @@ def record(opts: RecordOptions) -> RecordResult:
             continue
         collectors.append(c)
     sampler = Sampler(collectors, rec, opts.hz, clock.now_ns)
+    cpu0, wall0 = time.process_time(), time.perf_counter()
     sampler.start()
     try:
         with _foreground(proc.pid):
@@ -240,7 +241,10 @@ def record(opts: RecordOptions) -> RecordResult:
         rec.set_collector(name, why)
     exit_code = 128 - rc if rc < 0 else rc
     rec.metadata["sampler"] = {"hz": opts.hz, "achieved_hz": round(sampler.achieved_hz(), 2),
-                               "ticks": sampler.ticks}
+                               "ticks": sampler.ticks,
+                               # CPU of the recording process (sampler and its writer)
+                               "cpu_s": round(time.process_time() - cpu0, 3),
+                               "wall_s": round(time.perf_counter() - wall0, 3)}
     rec.metadata["exit_code"] = exit_code
     rec.metadata["end"] = Clock.anchor()
     step = anchors_report(rec.metadata["start"], rec.metadata["end"])

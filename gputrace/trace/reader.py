@@ -50,6 +50,7 @@ def _read_one(path: str) -> _Part:
         rd = pa.ipc.open_file(buf)
         md = read_metadata(rd.schema)
         table = rd.read_all()
+        table.validate(full=True)   # offsets, dictionary indices, UTF-8
         return _Part(conform(table), md, None)
     except TraceFormatError:
         raise
@@ -65,11 +66,12 @@ def _read_one(path: str) -> _Part:
     md = read_metadata(stream.schema)
     try:
         for b in stream:
+            b.validate(full=True)   # a corrupt batch ends what can be recovered
             batches.append(b)
     except (pa.ArrowException, OSError, ValueError):
         pass
     table = pa.Table.from_batches(batches, schema=stream.schema)
-    warning = (f"{path} was not closed (killed run?): recovered {len(batches)} complete "
+    warning = (f"{path} was not closed (killed run?) or is damaged: recovered {len(batches)} complete "
                f"batches, {table.num_rows} rows, of {size} bytes")
     return _Part(conform(table), md, warning)
 

@@ -46,6 +46,32 @@ class _DictEncoder:
         )
 
 
+    def encode_arrow(self, col: pa.Array | pa.ChunkedArray) -> pa.DictionaryArray:
+        """Encode a string column against the growing dictionary (vectorized: only the
+        distinct values of the column go through Python)."""
+        import numpy as np
+
+        if isinstance(col, pa.ChunkedArray):
+            col = col.combine_chunks()
+        if pa.types.is_dictionary(col.type):
+            col = col.cast(pa.string())
+        enc = pc.dictionary_encode(col)
+        local = enc.dictionary.to_pylist()
+        index, values = self.index, self.values
+        mapping = np.empty(len(local), dtype=np.int32)
+        for j, v in enumerate(local):
+            i = index.get(v)
+            if i is None:
+                i = index[v] = len(values)
+                values.append(v)
+            mapping[j] = i
+        idx = enc.indices
+        codes = mapping[idx.fill_null(0).to_numpy(zero_copy_only=False)] if len(local) else \
+            np.zeros(len(idx), np.int32)
+        out = pa.array(codes, pa.int32(), mask=idx.is_null().to_numpy(zero_copy_only=False))
+        return pa.DictionaryArray.from_arrays(out, pa.array(values, pa.string()))
+
+
 class TraceWriter:
     """Append rows to a trace file. Every `write_rows` call becomes one durable batch.
 
@@ -88,19 +114,23 @@ class TraceWriter:
                 arrays.append(pa.array(col, typ))
         self._write_batch(pa.RecordBatch.from_arrays(arrays, schema=self.schema))
 
-    def write_table(self, table: pa.Table, max_rows: int = 1 << 16) -> None:
-        """Write a table already in schema order; dictionaries are re-encoded once."""
+    def write_table(self, table: pa.Table, max_rows: int = 1 << 20) -> None:
+        """Write a table already in schema order, in batches; dictionaries grow by deltas, so
+        this may be called many times."""
         if self._writer is None:
             return
-        cols = []
-        for (name, typ, _, _), col in zip(COLUMNS, table.columns, strict=False):
-            if name in DICT_COLUMNS:
-                col = pc.dictionary_encode(col.cast(pa.string()).combine_chunks())
-                col = col.cast(typ)
-            cols.append(col)
-        table = pa.Table.from_arrays(cols, schema=self.schema.remove_metadata()).replace_schema_metadata(self.schema.metadata)
-        for batch in table.to_batches(max_chunksize=max_rows):
-            self._write_batch(batch)
+        for lo in range(0, max(table.num_rows, 1), max_rows):
+            part = table.slice(lo, max_rows)
+            if part.num_rows == 0:
+                break
+            cols = []
+            for (name, typ, _, _), col in zip(COLUMNS, part.columns, strict=False):
+                if name in DICT_COLUMNS:
+                    col = self._encoders[name].encode_arrow(col)
+                elif col.type != typ:
+                    col = col.cast(typ)
+                cols.append(col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col)
+            self._write_batch(pa.RecordBatch.from_arrays(cols, schema=self.schema))
 
     def _write_batch(self, batch: pa.RecordBatch) -> None:
         assert self._writer is not None

@@ -1,0 +1,44 @@
+"""Shared helpers for the benchmarks: subprocess runs, medians, a table printer."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+
+def run(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 1800
+        ) -> tuple[float, subprocess.CompletedProcess[str]]:
+    t = time.perf_counter()
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                       env=dict(os.environ, **(env or {})))
+    if p.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stderr[-3000:]}")
+    return time.perf_counter() - t, p
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def table(title: str, header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True))  # noqa: E731
+    out = [title, line(header), line(["-" * w for w in widths])]
+    out += [line(r) for r in rows]
+    return "\n".join(out)
+
+
+def machine() -> str:
+    import platform
+
+    import psutil
+
+    return (f"{platform.processor() or platform.machine()}, {psutil.cpu_count()} CPUs, "
+            f"{psutil.virtual_memory().total / 2**30:.0f} GiB, Python {platform.python_version()}")

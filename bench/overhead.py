@@ -1,0 +1,70 @@
+"""Recording overhead: the CNN sample plain, under `gputrace record`, and under torch.profiler.
+
+Runs alternate (plain, gputrace, torch.profiler, plain, ...) so drift on a shared machine hits
+all three alike; each run reports its per-iteration times, and the table gives the median
+iteration after warm-up and the ratios to plain. Goal: gputrace <= 1.02x plain.
+
+    python bench/overhead.py [--iterations 40] [--rounds 3] [--tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+from common import PY, machine, median, run, table
+
+MODES = ("plain", "gputrace", "torch.profiler")
+
+
+def command(mode: str, ranks: int, iterations: int, out: Path, trace: Path) -> list[str]:
+    job = ["samples/train_cnn.py", "--preset", "case1", "--iterations", str(iterations),
+           "--times-json", str(out)]
+    if ranks > 1:
+        job = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+               str(ranks), *job]
+    else:
+        job = [PY, *job]
+    if mode == "torch.profiler":
+        job.append("--torch-profiler")
+    if mode == "gputrace":
+        return [PY, "-m", "gputrace", "record", "-o", str(trace), "--", *job]
+    return job
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--iterations", type=int, default=40)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--ranks", default="1,2", help="process counts to run (1 and/or 2)")
+    p.add_argument("--tiny", action="store_true", help="one quick round (keeps it working)")
+    a = p.parse_args()
+    if a.tiny:
+        a.iterations, a.rounds = 6, 1
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for ranks in [int(x) for x in a.ranks.split(",")]:
+            per_mode: dict[str, list[float]] = {m: [] for m in MODES}
+            for r in range(a.rounds):
+                for m in MODES:
+                    out = Path(tmp) / f"{m}-{ranks}-{r}.json"
+                    run(command(m, ranks, a.iterations, out, Path(tmp) / f"{m}-{ranks}-{r}.arrow"))
+                    times = json.loads(out.read_text())
+                    per_mode[m].extend(times[3:] if len(times) > 4 else times)
+            base = median(per_mode["plain"])
+            rows.append([f"{ranks} process{'es' if ranks > 1 else ''}",
+                         f"{base * 1e3:.1f} ms",
+                         f"{median(per_mode['gputrace']) * 1e3:.1f} ms",
+                         f"{median(per_mode['gputrace']) / base:.3f}x",
+                         f"{median(per_mode['torch.profiler']) * 1e3:.1f} ms",
+                         f"{median(per_mode['torch.profiler']) / base:.3f}x"])
+    print(table(f"Recording overhead: median iteration of samples/train_cnn.py --preset case1, "
+                f"{a.iterations} iterations x {a.rounds} alternating rounds",
+                ["job", "plain", "gputrace", "ratio", "torch.profiler", "ratio"], rows))
+    print(f"machine: {machine()}")
+
+
+if __name__ == "__main__":
+    main()

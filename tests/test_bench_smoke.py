@@ -1,0 +1,23 @@
+"""Each benchmark runs once on a tiny size so it keeps working (figures are not checked:
+benchmarks measure on quiet machines, see bench/README.md)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["analysis.py", "sampler.py", "overhead.py"])
+def test_benchmark_runs_tiny(script):
+    args = [sys.executable, str(BENCH / script), "--tiny"]
+    if script == "overhead.py":
+        args += ["--ranks", "1"]
+    p = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=BENCH.parent)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "machine:" in p.stdout and "x" in p.stdout
