@@ -87,8 +87,8 @@ def main() -> None:
                                 f"{h['wall_s'] / g['wall_s']:.0f}x",
                                 f"{h['peak_rss_bytes'] / g['peak_rss_bytes']:.1f}x"]
                     else:
-                        row += ["did not finish", h.get("error", h.get("stderr", ""))[:40], "",
-                                ""]
+                        why = (h.get("error") or h.get("stderr") or "").strip().splitlines()
+                        row += ["did not finish", (why[-1] if why else "")[:40], "", ""]
                 shutil.rmtree(jdir)
             else:
                 sz += ["-", "-"]

@@ -135,7 +135,8 @@ def write_arrow(path: Path, events: int, ranks: int = 4) -> int:
 
 
 def write_kineto(directory: Path, events: int, ranks: int = 4, gz: bool = False) -> int:
-    """The same events as one Kineto JSON per rank (what the PyTorch profiler writes)."""
+    """The same events as one Kineto JSON per rank (what the PyTorch profiler writes), with a
+    cudaLaunchKernel runtime event beside each GPU event as Kineto writes it."""
     iters = shape(events, ranks)
     directory.mkdir(parents=True, exist_ok=True)
     n = 0
@@ -172,6 +173,12 @@ def write_kineto(directory: Path, events: int, ranks: int = 4, gz: bool = False)
                                                    "correlation": i}}
                         if c == 8:
                             ev["args"]["bytes"] = int(e["bytes"][i])
+                        # the launch on the host: Kineto (and HTA) tie kernels to it
+                        f.write(",\n" + json.dumps(
+                            {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel",
+                             "pid": 1000 + r, "tid": 1, "ts": ts - 20, "dur": 5,
+                             "args": {"correlation": i, "External id": i}},
+                            separators=(",", ":")))
                 f.write(("" if first else ",\n") + json.dumps(ev, separators=(",", ":")))
                 first = False
                 n += 1

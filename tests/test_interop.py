@@ -312,3 +312,35 @@ def test_perfetto_export_parses_back_with_every_slice_and_counter(tmp_path):
     assert got == Counter({name: n for (_, name), n in spans.items()})
     assert {names[u]: n for u, n in values.items()} == {n: c for (_, n), c in samples.items()}
     assert all(u in counters for u in values)
+
+
+def test_nsys_gpu_metrics_become_samples(tmp_path):
+    """GPU_METRICS (nsys --gpu-metrics-devices) -> `gpu.metric.*` samples per GPU; the
+    fixtures here have none, so the table is built as nsys 2026.2 lays it out."""
+    p = tmp_path / "m.sqlite"
+    db = sqlite3.connect(p)
+    db.executescript("""
+        CREATE TABLE META_DATA_EXPORT (name TEXT, value TEXT);
+        INSERT INTO META_DATA_EXPORT VALUES ('EXPORT_SCHEMA_VERSION', '3.25.0');
+        CREATE TABLE TARGET_INFO_SESSION_START_TIME (utcEpochNs INT, utcTime TEXT,
+          localTime TEXT, systemClockNs INT);
+        INSERT INTO TARGET_INFO_SESSION_START_TIME VALUES (1700000000000000000, '', '', 1000);
+        CREATE TABLE TARGET_INFO_GPU_METRICS (typeId INT, sourceId INT, typeName TEXT,
+          metricId INT, metricName TEXT);
+        INSERT INTO TARGET_INFO_GPU_METRICS VALUES (65536, 0, 'GH100', 1, 'PCIe RX Throughput'),
+          (65536, 0, 'GH100', 2, 'SM Active'), (65537, 0, 'GH100', 1, 'PCIe RX Throughput');
+        CREATE TABLE GPU_METRICS (timestamp INT, typeId INT, metricId INT, value INT);
+        INSERT INTO GPU_METRICS VALUES (2000, 65536, 1, 40), (3000, 65536, 1, 55),
+          (2000, 65536, 2, 90), (2500, 65537, 1, 7);
+    """)
+    db.commit()
+    db.close()
+    out = tmp_path / "m.arrow"
+    run_gputrace("import", str(p), "-o", str(out), check=True)
+    rows = [r for r in load(out).table.to_pylist() if r["kind"] == "sample"]
+    got = sorted((r["name"], r["device"], r["start_ns"], r["value"]) for r in rows)
+    t0 = 1700000000000000000 - 1000
+    assert got == [("gpu.metric.pcie_rx_throughput", 0, t0 + 2000, 40.0),
+                   ("gpu.metric.pcie_rx_throughput", 0, t0 + 3000, 55.0),
+                   ("gpu.metric.pcie_rx_throughput", 1, t0 + 2500, 7.0),
+                   ("gpu.metric.sm_active", 0, t0 + 2000, 90.0)]
