@@ -171,7 +171,9 @@ class Recorder:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
         end = Clock.anchor()
-        if self._writer is not None or self._spans or self._rows:
+        # a process with something to say (events, or a collector's status) leaves a shard
+        if self._writer is not None or self._spans or self._rows or \
+                self.metadata.get("collectors"):
             self.instant("user", "gputrace.end", args={"monotonic_ns": end["monotonic_ns"],
                                                        "realtime_ns": end["realtime_ns"]})
         self.flush()

@@ -10,7 +10,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from gputrace.trace.reader import Trace, load, merge_metadata
+from gputrace.trace.reader import Trace, _weight, load, merge_metadata
 from gputrace.trace.schema import TraceFormatError
 from gputrace.trace.writer import write_trace
 
@@ -64,8 +64,8 @@ def merge_shards(shard_dir: str, out: str, top: dict[str, Any] | None = None,
         md.update({k: v for k, v in top.items() if k != "collectors"})
         collectors = dict(md.get("collectors") or {})
         for name, info in (top.get("collectors") or {}).items():
-            # a shard that actually ran a collector knows better than the outside guess
-            if collectors.get(name, {}).get("status") != "ok":
+            # a shard that tried a collector knows better than the outside guess
+            if name not in collectors or _weight(info) > _weight(collectors[name]):
                 collectors[name] = info
         md["collectors"] = collectors
     if trace.warnings:

@@ -114,6 +114,14 @@ def load(*paths: str | os.PathLike[str]) -> Trace:
     return Trace(table, md, files, warnings)
 
 
+def _weight(info: Any) -> int:
+    """Which collector status wins in a merge: ran (ok) > tried and failed > a guess."""
+    if not isinstance(info, dict):
+        return -1
+    status = str(info.get("status", ""))
+    return 2 if status == "ok" else 1 if status.startswith("unavailable") else 0
+
+
 def merge_metadata(shards: list[dict[str, Any]]) -> dict[str, Any]:
     """Top-level metadata of a merged trace; each shard's own stays under `shards`."""
     flat: list[dict[str, Any]] = []
@@ -141,8 +149,7 @@ def merge_metadata(shards: list[dict[str, Any]]) -> dict[str, Any]:
     collectors: dict[str, Any] = dict(out.get("collectors") or {})
     for m in flat:
         for name, info in (m.get("collectors") or {}).items():
-            cur = collectors.get(name)
-            if cur is None or (isinstance(info, dict) and info.get("status") == "ok"):
+            if _weight(info) > _weight(collectors.get(name)):
                 collectors[name] = info
     out["collectors"] = collectors
     out["shards"] = flat
