@@ -303,3 +303,25 @@ def test_ten_thousand_corrupted_inputs_never_give_a_traceback(tmp_path, monkeypa
             assert len(lines) == 1, (n, cmd, err.getvalue())
         outcomes[rc] += 1
     assert outcomes[2] > 1000 and outcomes[0] > 100, outcomes
+
+
+def test_redact_argv_keeps_no_token_from_any_process(tmp_path):
+    """A token passed in argv to a child of the job: kept as given by default (documented),
+    gone from every byte of the trace with --redact-argv."""
+    job = ("import subprocess, sys, gputrace\n"
+           "gputrace.record_span('user', 'parent', 1, 2)\n"
+           "subprocess.run([sys.executable, '-c', "
+           "'import gputrace; gputrace.record_span(\"user\", \"child\", 3, 4)', "
+           "'--api-token=tok-9f8e7d6c', 'tok-9f8e7d6c'], check=True)\n")
+    for redact, expect_token in ((False, True), (True, False)):
+        out = tmp_path / f"r{redact}.arrow"
+        args = ["record", "-o", str(out)] + (["--redact-argv"] if redact else [])
+        p = run_gputrace(*args, "--", sys.executable, "-c", job, "--secret=tok-9f8e7d6c")
+        assert p.returncode == 0, p.stderr
+        assert (b"tok-9f8e7d6c" in out.read_bytes()) == expect_token
+        if redact:
+            md = load(out).metadata
+            names = {r["name"] for r in load(out).table.to_pylist()}
+            assert {"parent", "child"} <= names           # every process still recorded
+            assert any("--secret=<redacted>" in " ".join(s.get("argv", []))
+                       for s in md["shards"])
