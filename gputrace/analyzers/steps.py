@@ -78,25 +78,12 @@ def _u(sp: Spans, mask: np.ndarray) -> ov.Union:
     return ov.union(sp.start[mask], sp.end[mask])
 
 
-def _host_units_by_iteration(sp: Spans, mask: np.ndarray, lo: np.ndarray,
-                             hi: np.ndarray) -> list[np.ndarray]:
-    """Host-side comm spans (the DDP hook's) of each iteration in launch order."""
+def _by_iteration(sp: Spans, mask: np.ndarray, it_of: np.ndarray, n: int) -> list[np.ndarray]:
+    """Indices of the masked spans, per iteration, in start order; O(len + n)."""
     idx = np.flatnonzero(mask)
-    idx = idx[np.argsort(sp.start[idx], kind="stable")]
-    it = np.searchsorted(lo, sp.start[idx], side="right") - 1
-    idx = idx[(it >= 0) & (sp.start[idx] < hi[np.clip(it, 0, None)])]
-    it = it[it >= 0] if idx.size == 0 else np.searchsorted(lo, sp.start[idx], side="right") - 1
-    return _split_by(idx, it, lo.size)
-
-
-def _split_by(idx: np.ndarray, group: np.ndarray, n: int) -> list[np.ndarray]:
-    """idx split into n lists by group number (idx already in the wanted order within
-    groups; stable), in O(len(idx) + n)."""
-    order = np.argsort(group, kind="stable")
-    g = group[order]
-    cuts = np.searchsorted(g, np.arange(n + 1), side="left")
-    sorted_idx = idx[order]
-    return [sorted_idx[cuts[k]:cuts[k + 1]] for k in range(n)]
+    idx = idx[np.lexsort((sp.start[idx], it_of[idx]))]
+    cuts = np.searchsorted(it_of[idx], np.arange(n + 1), side="left")
+    return [idx[cuts[k]:cuts[k + 1]] for k in range(n)]
 
 
 def analyze_rank(sp: Spans) -> RankSteps:
@@ -149,7 +136,6 @@ def analyze_rank(sp: Spans) -> RankSteps:
     covered = ov.measure(ov.merge(wait, compute, comm), lo, hi) / sec
     terms["t_other"] = np.maximum(terms["t_iter"] - covered, 0.0)
     comm_h = ov.hidden_under(comm, compute, lo, hi)
-    host_units = _host_units_by_iteration(sp, host_comm & ~comm_m, lo, hi)
     io_total = ov.measure(ov.merge(wait, work), lo, hi) / sec
     io_exposed = terms["t_io"]
     io_h = ov.Hidden(io_total, np.maximum(io_total - io_exposed, 0.0), io_exposed)
@@ -173,9 +159,9 @@ def analyze_rank(sp: Spans) -> RankSteps:
     bstart[bstart == big] = -1
 
     units: list[list[Unit]] = [[] for _ in range(n)]
-    cidx = np.flatnonzero(comm_m & inside)
-    cidx = cidx[np.lexsort((sp.start[cidx], it_of[cidx]))]
-    per_iter = _split_by(cidx, it_of[cidx], n)
+    per_iter = _by_iteration(sp, comm_m & inside, it_of, n)
+    # host-side comm spans (the DDP hook's) beside GPU NCCL kernels lend their layers
+    host_units = _by_iteration(sp, host_comm & ~comm_m & inside, it_of, n)
     for k in range(n):
         sel = per_iter[k]
         raw = []

@@ -20,10 +20,6 @@ import time
 from collections import defaultdict, deque
 from typing import Any
 
-import numpy as np
-
-from gputrace.importers.common import PHASES, attribute, is_nccl, iteration_of
-
 HOLD_FLUSHES = 4          # a record waits at most this many flushes for its phase to close
 
 
@@ -62,6 +58,11 @@ class Converter:
         self.flag_start = int(F.MARKER_START)
         self.flag_instant = int(F.MARKER_INSTANTANEOUS)
         self.host, self.rank, self.pid, self.offset = host, rank, pid, offset_ns
+        # imported here, not at module level: the job imports this module when it imports
+        # torch, and only needs numpy/pyarrow once CUPTI really runs
+        from gputrace.importers import common
+
+        self._common = common
         self.launch: dict[int, tuple[int, int]] = {}           # corr -> (thread, start)
         self.pending: deque[tuple[int, Any]] = deque()          # (flush count, record)
         self.phases: dict[int, list[tuple[int, int, str]]] = defaultdict(list)
@@ -78,7 +79,7 @@ class Converter:
             cat, _, s, e, tid, step = sp[:6]
             if cat == "iteration":
                 self.iters.append((s, e, step))
-            elif cat in PHASES:
+            elif cat in self._common.PHASES:
                 self.phases[tid].append((s, e, cat))
                 if e > self.watermark.get(tid, 0):
                     self.watermark[tid] = e
@@ -114,36 +115,21 @@ class Converter:
         return rows
 
     def _attribution(self, records: list[Any]) -> tuple[list[str | None], list[int]]:
-        keys, times, idx = [], [], []
+        phase: list[str | None] = [None] * len(records)
+        step = [-1] * len(records)
+        known = []
         for i, r in enumerate(records):
             corr = getattr(r, "correlation_id", None)
             la = self.launch.get(int(corr)) if corr is not None else None
             if la is not None:
-                keys.append(la[0])
-                times.append(la[1])
-                idx.append(i)
-        phase: list[str | None] = [None] * len(records)
-        step = [-1] * len(records)
-        if not idx:
+                known.append((i, la))
+        if not known:
             return phase, step
-        pk, ps, pe, pc = [], [], [], []
-        for tid, lst in self.phases.items():
-            for s, e, c in lst:
-                pk.append(tid)
-                ps.append(s)
-                pe.append(e)
-                pc.append(c)
-        t = np.array(times, dtype=np.int64)
-        which = attribute(pk, np.array(ps, np.int64), np.array(pe, np.int64), keys, t)
-        if self.iters:
-            it = np.array(self.iters, dtype=np.int64)
-            steps = iteration_of(it[:, 0], it[:, 1], it[:, 2], t)
-        else:
-            steps = np.full(t.size, -1)
-        for j, i in enumerate(idx):
-            if which[j] >= 0:
-                phase[i] = pc[which[j]]
-            step[i] = int(steps[j])
+        phases = [(tid, s, e, c) for tid, lst in self.phases.items() for s, e, c in lst]
+        ph, st = self._common.launch_context(phases, self.iters, [la[0] for _, la in known],
+                                             [la[1] for _, la in known])
+        for (i, _), p, k in zip(known, ph, st, strict=True):
+            phase[i], step[i] = p, int(k)
         return phase, step
 
     def _gpu_rows(self, records: list[Any]) -> list[tuple[Any, ...]]:
@@ -158,7 +144,7 @@ class Converter:
             corr = int(getattr(r, "correlation_id", 0)) or None
             if k in self.kind_kernel:
                 name = str(r.name)
-                nccl = is_nccl(name)
+                nccl = self._common.is_nccl(name)
                 self.counts["comm" if nccl else "kernel"] += 1
                 rows.append(("span", "comm" if nccl else "kernel", name, s, e, None, None, h,
                              rank, pid, -1, dev, stream, st, -1, None, None, None, corr, None,

@@ -177,3 +177,41 @@ def iteration_of(iter_start: np.ndarray, iter_end: np.ndarray, iter_step: np.nda
     k = np.searchsorted(s, t, side="right") - 1
     ok = (k >= 0) & (t <= e[np.clip(k, 0, None)])
     return np.where(ok, st[np.clip(k, 0, None)], -1)
+
+
+def launch_context(phases: list[tuple[Any, int, int, str]], iters: list[tuple[int, int, int]],
+                   keys: Sequence[Any], times: Sequence[int]) -> tuple[list[str | None], np.ndarray]:
+    """Phase and step each launch (thread key, time) was made in.
+
+    phases: (thread key, start, end, cat) of phase ranges; iters: (start, end, step).
+    Returns the innermost phase open on the launching thread (or None) and the step of the
+    iteration window holding the launch (or -1)."""
+    t = np.asarray(times, dtype=np.int64)
+    which = attribute([p[0] for p in phases], np.array([p[1] for p in phases], np.int64),
+                      np.array([p[2] for p in phases], np.int64), keys, t)
+    if iters:
+        it = np.array(iters, dtype=np.int64)
+        steps = iteration_of(it[:, 0], it[:, 1], it[:, 2], t)
+    else:
+        steps = np.full(t.size, -1, dtype=np.int64)
+    return [phases[w][3] if w >= 0 else None for w in which], steps
+
+
+def attribute_launches(rows: Rows, phases: list[tuple[Any, int, int, str]],
+                       iters: list[tuple[int, int, int]], launch: dict[Any, tuple[Any, int]],
+                       gpu_rows: list[tuple[int, Any]], fixed: set[int] = frozenset()) -> None:
+    """Give every imported GPU row the phase and step its launch was made in.
+
+    launch: correlation -> (thread key, launch time); gpu_rows: (row index, correlation);
+    fixed: rows whose phase is already known (NCCL kernels are comm wherever launched).
+    """
+    found = [(r, launch[c]) for r, c in gpu_rows if c in launch]
+    if not found:
+        return
+    phase, steps = launch_context(phases, iters, [x[1][0] for x in found],
+                                  [x[1][1] for x in found])
+    for (r, _), ph, st in zip(found, phase, steps, strict=True):
+        if ph is not None and r not in fixed:
+            rows.set(r, "phase", ph)
+        if st >= 0:
+            rows.set(r, "step", int(st))

@@ -9,14 +9,12 @@ import re
 from typing import IO, Any
 
 import ijson
-import numpy as np
 
 from gputrace.importers.common import (
     ImportFailed,
     Rows,
-    attribute,
+    attribute_launches,
     is_nccl,
-    iteration_of,
     memcpy_kinds,
     phase_of,
 )
@@ -165,30 +163,3 @@ def read(path: str, rank: int, rows: Rows) -> dict[str, Any]:
         raise ImportFailed("no 'traceEvents' in it: not a Kineto/Chrome trace")
     attribute_launches(rows, phases, iters, launch, gpu_rows, fixed)
     return counts
-
-
-def attribute_launches(rows: Rows, phases: list[tuple[Any, int, int, str]],
-                       iters: list[tuple[int, int, int]], launch: dict[Any, tuple[Any, int]],
-                       gpu_rows: list[tuple[int, Any]], fixed: set[int] = frozenset()) -> None:
-    """Give every GPU row the phase and step its launch was made in.
-
-    phases: (thread key, start, end, cat) of phase ranges; iters: (start, end, step);
-    launch: correlation -> (thread key, launch time); gpu_rows: (row index, correlation);
-    fixed: rows whose phase is already known (NCCL kernels are comm wherever launched).
-    """
-    found = [(r, launch[c]) for r, c in gpu_rows if c in launch]
-    if not found:
-        return
-    lt = np.array([x[1][1] for x in found], dtype=np.int64)
-    which = attribute([p[0] for p in phases], np.array([p[1] for p in phases], np.int64),
-                      np.array([p[2] for p in phases], np.int64), [x[1][0] for x in found], lt)
-    if iters:
-        it = np.array(iters, dtype=np.int64)
-        steps = iteration_of(it[:, 0], it[:, 1], it[:, 2], lt)
-    else:
-        steps = np.full(lt.size, -1)
-    for (r, _), w, s in zip(found, which, steps, strict=True):
-        if w >= 0 and r not in fixed:
-            rows.set(r, "phase", phases[w][3])
-        if s >= 0:
-            rows.set(r, "step", int(s))

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import re
 import sqlite3
 from typing import Any
 
-from gputrace.importers.common import ImportFailed, Rows, is_nccl, phase_of
-from gputrace.importers.kineto import attribute_launches
+from gputrace.importers.common import (
+    ImportFailed,
+    Rows,
+    attribute_launches,
+    is_nccl,
+    phase_of,
+)
 
 SUPPORTED_MAJOR = 3
 _MEM_KIND = {0: "pageable", 1: "pinned", 2: "device", 4: "managed", 5: "device", 6: "managed"}
@@ -131,7 +137,7 @@ def read(path: str, rows: Rows) -> dict[str, Any]:
             ph, step = phase_of(name)
             args = None
             if dom and domains.get(dom) and domains[dom] != "gputrace":
-                args = f'{{"domain":"{domains[dom]}"}}' if '"' not in domains[dom] else None
+                args = json.dumps({"domain": domains[dom]})
             rows.add("span", ph or "user", name, start, end, rank=rank, pid=pid, tid=tid,
                      step=step, args=args)
             if end is not None and ph == "iteration":
@@ -182,7 +188,8 @@ def read(path: str, rows: Rows) -> dict[str, Any]:
             pid = _pid(gp)
             args = None
             if sd is not None or dd is not None:
-                args = f'{{"src_device":{int(sd or -1)},"dst_device":{int(dd or -1)}}}'
+                args = json.dumps({"src_device": int(sd if sd is not None else -1),
+                                   "dst_device": int(dd if dd is not None else -1)})
             i = rows.add("span", "memcpy", f"Memcpy {_COPY.get(kind, 'unknown')}",
                          _int(s, "memcpy start") + offset, _int(e, "memcpy end") + offset,
                          rank=rank_of.get(pid, -1), pid=pid, device=_small(dev), stream=_small(stream),

@@ -212,14 +212,14 @@ def _write_perfetto(path: str, cols: dict[str, Any], span_tracks: list[_Track],
             p.track_descriptor.parent_uuid = procs[t.rank]
             p.track_descriptor.name = t.name
             b.write_packet(p)
-            # begin/end in time order; ends first at equal times so siblings do not nest
+            # begin/end in time order, ends first at equal times so siblings do not nest;
+            # _balanced then closes slices in stack order
             evs: list[tuple[int, int, int]] = []
             for i in t.spans:
                 s = int(cols["start"][i])
-                e = max(int(cols["end"][i]), s)
                 evs.append((s, 1, i))
-                evs.append((e, 0, i))
-            evs.sort(key=lambda x: (x[0], x[1], -x[2] if x[1] == 0 else x[2]))
+                evs.append((max(int(cols["end"][i]), s), 0, i))
+            evs.sort(key=lambda x: (x[0], x[1]))
             evs = _balanced(evs, cols)
             for ts, is_begin, i in evs:
                 p = packet()

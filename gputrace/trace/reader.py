@@ -97,15 +97,28 @@ def _expand(paths: Iterable[str | os.PathLike[str]]) -> list[str]:
     return out
 
 
-def load(*paths: str | os.PathLike[str]) -> Trace:
+def load(*paths: str | os.PathLike[str], skip_unreadable: bool = False) -> Trace:
     """Load one trace file, several shards, or a directory of shards, as one table.
 
     Truncated files are recovered up to their last complete batch, with a warning.
-    Raises TraceFormatError for anything that is not a readable gputrace trace.
+    Raises TraceFormatError for anything that is not a readable gputrace trace; with
+    `skip_unreadable` (merging a run's shards), a file with nothing readable in it — a
+    process killed while writing its header — is left out with a warning instead.
     """
     files = _expand(paths)
-    parts = [_read_one(f) for f in files]
-    warnings = [p.warning for p in parts if p.warning]
+    parts, read, skipped = [], [], []
+    for f in files:
+        try:
+            parts.append(_read_one(f))
+            read.append(f)
+        except TraceFormatError as e:
+            if not skip_unreadable:
+                raise
+            skipped.append(f"{os.path.basename(f)}: skipped, nothing readable in it ({e})")
+    if not parts:
+        raise TraceFormatError(f"nothing readable in {' '.join(map(str, paths))}")
+    files = read
+    warnings = [p.warning for p in parts if p.warning] + skipped
     if len(parts) == 1:
         return Trace(parts[0].table, parts[0].metadata, files, warnings)
     tables = [p.table for p in parts]
@@ -114,7 +127,7 @@ def load(*paths: str | os.PathLike[str]) -> Trace:
     return Trace(table, md, files, warnings)
 
 
-def _weight(info: Any) -> int:
+def collector_weight(info: Any) -> int:
     """Which collector status wins in a merge: ran (ok) > tried and failed > a guess."""
     if not isinstance(info, dict):
         return -1
@@ -149,7 +162,7 @@ def merge_metadata(shards: list[dict[str, Any]]) -> dict[str, Any]:
     collectors: dict[str, Any] = dict(out.get("collectors") or {})
     for m in flat:
         for name, info in (m.get("collectors") or {}).items():
-            if _weight(info) > _weight(collectors.get(name)):
+            if collector_weight(info) > collector_weight(collectors.get(name)):
                 collectors[name] = info
     out["collectors"] = collectors
     out["shards"] = flat
