@@ -124,7 +124,10 @@ class Recorder:
         return self
 
     def _run(self) -> None:
-        while not self._stop.wait(self.flush_interval_s):
+        # Until the file exists, look for the first rows every 50 ms: opening the writer
+        # (importing pyarrow) is the slowest flush, so it starts as soon as there is data.
+        while not self._stop.wait(self.flush_interval_s if self._writer is not None
+                                  else min(0.05, self.flush_interval_s)):
             self.flush()
 
     def set_collector(self, name: str, status: str, **settings: Any) -> None:
