@@ -23,6 +23,20 @@ def run_gputrace(*args: str, cwd: str | os.PathLike[str] | None = None, timeout:
     return p
 
 
+@pytest.fixture(scope="session", autouse=True)
+def probe_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Probe results go to a per-session directory, never the user's cache, so traces
+    recorded by tests carry only the probes the tests make."""
+    d = tmp_path_factory.mktemp("probe-cache")
+    old = os.environ.get("GPUTRACE_CACHE_DIR")
+    os.environ["GPUTRACE_CACHE_DIR"] = str(d)
+    yield d
+    if old is None:
+        os.environ.pop("GPUTRACE_CACHE_DIR", None)
+    else:
+        os.environ["GPUTRACE_CACHE_DIR"] = old
+
+
 @pytest.fixture
 def shared_data() -> Path:
     d = SHARED / "data"

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from gputrace.analyzers.bandwidth import Bandwidth
 from gputrace.analyzers.model import ModelResult
+from gputrace.fmt import mb, rate
 
 INPUT_MODERATE = 0.05
 INPUT_HIGH = 0.20
@@ -16,14 +17,6 @@ class Finding:
     id: str
     severity: str   # "high", "moderate", "info"
     message: str
-
-
-def _mb(b: float) -> str:
-    return f"{b / 1e6:.1f} MB" if b < 1e9 else f"{b / 1e9:.2f} GB"
-
-
-def _rate(b: float) -> str:
-    return f"{b / 1e6:.0f} MB/s" if b < 1e9 else f"{b / 1e9:.2f} GB/s"
 
 
 def _layers(layers: tuple[int, ...] | None) -> str:
@@ -52,8 +45,8 @@ def find(m: ModelResult, comm: dict[str, float], io: dict[str, float], bw: Bandw
             for link in bw.links:
                 if link.name in ("disk", "cache") and link.bytes > 0:
                     per = link.bytes / max(bw.window_s / t_iter, 1.0)
-                    parts.append(f"{_mb(per)} per iteration from {'page cache' if link.name == 'cache' else 'disk'} "
-                                 f"at {_rate(link.bytes_per_s)}")
+                    parts.append(f"{mb(per)} per iteration from {'page cache' if link.name == 'cache' else 'disk'} "
+                                 f"at {rate(link.bytes_per_s)}")
             if parts:
                 msg += "; the loader reads " + " and ".join(parts)
         if m.io_pipelined and m.t_io_pipelined is not None:
@@ -115,11 +108,18 @@ def find(m: ModelResult, comm: dict[str, float], io: dict[str, float], bw: Bandw
     if bw is not None:
         for link in bw.links:
             f = link.fraction_of_peak
-            if f is not None and f < 0.5 and link.bytes > 0:
-                out.append(Finding(
-                    f"low_bandwidth_{link.name}", "info",
-                    f"{link.name}: {_rate(link.bytes_per_s)} achieved, {f:.0%} of the probed "
-                    f"peak {_rate(link.peak_bytes_per_s or 0)}."))
+            if f is None or f >= 0.5 or link.bytes < 1e6:
+                continue
+            why = ""
+            if link.name in ("disk", "cache") and link.peak_bytes_per_s:
+                busy = link.bytes / link.bytes_per_s
+                why = (f": at the peak these reads would take {link.bytes / link.peak_bytes_per_s:.2f}"
+                       f" s of the {busy:.2f} s the loader worked, so reading is not what "
+                       "limits it (decode, small random reads or too few workers are)")
+            out.append(Finding(
+                f"low_bandwidth_{link.name}", "info",
+                f"{link.name}: {rate(link.bytes_per_s)} achieved, {f:.0%} of the probed "
+                f"peak {rate(link.peak_bytes_per_s or 0)}{why}."))
     for f in (extra or {}).get("findings", []) or []:
         out.append(f)  # type: ignore[arg-type]
     return out

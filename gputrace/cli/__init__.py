@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Sequence
 from typing import Protocol
@@ -16,6 +17,26 @@ class CommandError(Exception):
         self.code = code
 
 
+_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 1024, "mi": 1024**2,
+          "gi": 1024**3, "ti": 1024**4}
+
+
+def parse_bytes(text: str, what: str, per_second: bool = False) -> float:
+    """'64MiB', '1GB', '7GB/s', '56Gb/s' (small b: bits), '12.5e9' -> bytes (per second)."""
+    rate = r"(?:/s|ps)?" if per_second else ""
+    m = re.fullmatch(rf"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgt]i?)?([bB])?{rate}\s*", text,
+                     re.IGNORECASE)
+    if not m:
+        example = "7GB/s or 56Gb/s" if per_second else "64MiB or 1GB"
+        raise CommandError(f"cannot read {what} {text!r}; write e.g. {example}")
+    value = float(m.group(1)) * _UNITS[(m.group(2) or "").lower()]
+    if m.group(3) == "b":  # bits
+        value /= 8
+    if value <= 0:
+        raise CommandError(f"{what} must be positive")
+    return value
+
+
 class Command(Protocol):
     HELP: str
 
@@ -25,10 +46,10 @@ class Command(Protocol):
 
 
 def _commands() -> dict[str, Command]:
-    from gputrace.cli import analyze, export, imports, info, record
+    from gputrace.cli import analyze, export, imports, info, probe, record
 
     return {"record": record, "analyze": analyze, "info": info,  # type: ignore[dict-item]
-            "import": imports, "export": export}
+            "import": imports, "export": export, "probe": probe}
 
 
 class _Parser(argparse.ArgumentParser):

@@ -4,29 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 
-from gputrace.cli import CommandError
+from gputrace.cli import CommandError, parse_bytes
 
 HELP = "analyze a trace: where each iteration's time goes and why"
 
-_UNITS = {"": 1, "b": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 1024, "mi": 1024**2,
-          "gi": 1024**3, "ti": 1024**4}
-
-
 def parse_bandwidth(text: str) -> float:
     """'7GB/s', '56Gb/s', '12.5e9' -> bytes per second."""
-    m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([kmgt]i?)?([bB])?(?:/s|ps)?\s*", text,
-                     re.IGNORECASE)
-    if not m:
-        raise CommandError(f"cannot read bandwidth {text!r}; write e.g. 7GB/s or 56Gb/s")
-    value = float(m.group(1)) * _UNITS[(m.group(2) or "").lower()]
-    if m.group(3) == "b":  # bits
-        value /= 8
-    if value <= 0:
-        raise CommandError("--link-bandwidth must be positive")
-    return value
+    return parse_bytes(text, "--link-bandwidth", per_second=True)
 
 
 def prepare_parser(p: argparse.ArgumentParser) -> None:

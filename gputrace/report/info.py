@@ -44,9 +44,20 @@ def trace_info(trace: Trace) -> dict[str, Any]:
         "software": md.get("software", {}),
         "warnings": trace.warnings + list(md.get("recovered", [])),
         "clock_warning": md.get("clock_warning"),
+        "probe": _probe_summary(md.get("probe")),
         "extra_columns": [c for c in t.column_names if c not in _v1_names()],
         "counts": counts,
     }
+
+
+def _probe_summary(probe: Any) -> dict[str, Any] | None:
+    """Which probe the trace carries and its measured peaks (bytes/s), for `info`."""
+    if not isinstance(probe, dict):
+        return None
+    peaks = {k: v["bytes_per_s"] for k, v in (probe.get("results") or {}).items()
+             if isinstance(v, dict) and isinstance(v.get("bytes_per_s"), (int, float))}
+    return {"host": probe.get("host"), "created": probe.get("created"),
+            "mode": probe.get("mode"), "peaks_bytes_per_s": peaks}
 
 
 def _v1_names() -> list[str]:
@@ -60,6 +71,8 @@ def render_info(info: dict[str, Any], file: IO[str] | None = None, max_names: in
     from rich.markup import escape
     from rich.table import Table
 
+    from gputrace.fmt import rate
+
     con = Console(file=file, highlight=False)
     con.print(f"[bold]{', '.join(info['files'])}[/]  {info['format']} v{info['version']}, "
               f"{info['rows']:,} rows, {info['duration_s']:.2f} s, "
@@ -72,6 +85,10 @@ def render_info(info: dict[str, Any], file: IO[str] | None = None, max_names: in
     if info["sampler"]:
         s = info["sampler"]
         con.print(f"sampler: {s.get('achieved_hz', 0):.1f} Hz achieved of {s.get('hz')} Hz")
+    if info.get("probe"):
+        p = info["probe"]
+        con.print(f"probe: {p['mode']} probe of {p['host']} at {p['created']}: " + ", ".join(
+            f"{k} {rate(v)}" for k, v in p["peaks_bytes_per_s"].items()))
     ct = Table(title="collectors", title_justify="left", box=None, padding=(0, 2))
     ct.add_column("collector")
     ct.add_column("status")

@@ -9,6 +9,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from gputrace.analyzers import Analysis, RankAnalysis
+from gputrace.fmt import mb, rate
 
 _PHASES = (("t_io", "waiting for data (I/O)"), ("t_h2d", "host to device copies"),
            ("t_f", "forward"), ("t_b", "backward"), ("t_u", "update (optimizer)"),
@@ -132,17 +133,25 @@ def render(a: Analysis, rank: int | None = None, file: IO[str] | None = None,
             con.print(f"  [dim]assumes {escape(asm)}[/]")
         if sp.allreduce_efficiency is not None:
             con.print(f"  all-reduce efficiency (eq. 12): {sp.allreduce_efficiency:.1%} of "
-                      f"{(sp.link_bytes_per_s or 0) / 1e9:.2f} GB/s")
+                      f"{rate(sp.link_bytes_per_s or 0)}")
     bw = ra.bandwidth
     if bw is not None and bw.links:
         con.print()
         parts = []
         for link in bw.links:
-            s = f"{link.name} {link.bytes / 1e6:.1f} MB at {link.bytes_per_s / 1e6:.0f} MB/s"
+            s = f"{link.name} {mb(link.bytes)} at {rate(link.bytes_per_s)}"
             if link.fraction_of_peak is not None:
-                s += f" ({link.fraction_of_peak:.0%} of peak)"
+                s += (f" ({link.fraction_of_peak:.0%} of the probed "
+                      f"{rate(link.peak_bytes_per_s or 0)})")
             parts.append(s)
         con.print("Bandwidth: " + "; ".join(parts))
+        probe = a.metadata.get("probe")
+        if isinstance(probe, dict):
+            con.print(f"  [dim]peaks from `gputrace probe` on {escape(str(probe.get('host')))} "
+                      f"at {escape(str(probe.get('created')))}[/]")
+        else:
+            con.print("  [dim]no peaks to compare with: run `gputrace probe` once on this host, "
+                      "and traces recorded afterwards carry them[/]")
     if ra.findings:
         con.print()
         con.print("[bold]Findings[/]")
