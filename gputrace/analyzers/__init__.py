@@ -12,6 +12,7 @@ from gputrace.analyzers import frame as fr
 from gputrace.analyzers.bandwidth import Bandwidth, analyze_bandwidth
 from gputrace.analyzers.findings import Finding, find
 from gputrace.analyzers.model import ModelResult, Speedup, build_model, speedup
+from gputrace.analyzers.replay import MIB, Replay, Scenario, replay
 from gputrace.analyzers.steps import TERMS, RankSteps, analyze_rank, warmup_skip
 
 
@@ -40,6 +41,7 @@ class RankAnalysis:
     findings: list[Finding]
     comm_wait_s: float | None = None
     comm_transfer_s: float | None = None
+    replay: Replay | None = None
 
 
 @dataclass(frozen=True)
@@ -106,9 +108,31 @@ def _extra_findings(sp: fr.Spans, rs: RankSteps) -> list[Finding]:
     return out
 
 
+def _replay_findings(rp: Replay | None, world: int) -> list[Finding]:
+    """The bucket size the replay finds fastest at the run's own size, when it saves >= 5%."""
+    if rp is None or world < 2:
+        return []
+    own = [o for o in rp.outcomes if o.scenario.gpus == world and o.scenario.bandwidth_x == 1
+           and o.scenario.bucket_bytes is not None]
+    if not own:
+        return []
+    best = min(own, key=lambda o: o.t_iter)
+    gain = 1 - best.t_iter / rp.measured_t_iter
+    if gain < 0.05:
+        return []
+    what = "one bucket" if best.scenario.bucket_bytes == float("inf") else \
+        f"DDP(bucket_cap_mb={best.scenario.bucket_bytes / MIB:g})"
+    return [Finding("what_if_buckets", "moderate",
+                    f"Replay: {what} ({best.buckets} units) would take "
+                    f"{best.t_iter * 1e3:.1f} ms per iteration instead of "
+                    f"{rp.measured_t_iter * 1e3:.1f} ms ({-gain:+.0%}), exposing "
+                    f"{best.exposed_s * 1e3:.1f} ms of comm after backward.")]
+
+
 def analyze(trace: Any, *, skip: int | None = None, gpus: Sequence[int] = (2, 4, 8, 16),
-            link_bytes_per_s: float | None = None, shared_io: bool = False) -> Analysis:
-    """Analyze a loaded trace (gputrace.trace.Trace)."""
+            link_bytes_per_s: float | None = None, shared_io: bool = False,
+            what_if: Sequence[Scenario] = ()) -> Analysis:
+    """Analyze a loaded trace (gputrace.trace.Trace); `what_if` adds replay scenarios."""
     f = fr.build(trace.table, trace.metadata)
     if not f.ranks:
         raise NothingToAnalyze("the trace has no spans (no iterations or phases) to analyze")
@@ -134,7 +158,8 @@ def analyze(trace: Any, *, skip: int | None = None, gpus: Sequence[int] = (2, 4,
     for r, rs in steps.items():
         sel = sels[r]
         model = build_model(rs, sel)
-        sp_ = speedup(model, world, gpus, link_bytes_per_s, shared_io)
+        sp_ = speedup(model, world, gpus, link_bytes_per_s, shared_io,
+                      float(sum(rs.layer_bytes.values())))
         comm = _overlap(rs.comm, sel)
         io = _overlap(rs.io, sel)
         bw = None
@@ -143,7 +168,8 @@ def analyze(trace: Any, *, skip: int | None = None, gpus: Sequence[int] = (2, 4,
             hi = int(rs.iterations.end[sel[-1]])
             bw = analyze_bandwidth(f.samples, lo, hi, int(sel.size),
                                    io["total_s"] * sel.size, probe)
-        extra = {"findings": _extra_findings(f.ranks[r], rs)}
+        rp = replay(rs, sel, model, world, gpus, link_bytes_per_s, what_if)
+        extra = {"findings": _extra_findings(f.ranks[r], rs) + _replay_findings(rp, world)}
         w = waits.get(r)
         out[r] = RankAnalysis(
             rank=r, iterations=int(rs.iterations.start.size), warmup_skipped=skipped[r],
@@ -151,6 +177,7 @@ def analyze(trace: Any, *, skip: int | None = None, gpus: Sequence[int] = (2, 4,
             breakdown={k: _stat(rs.terms[k][sel]) for k in TERMS},
             comm=comm, io=io, model=model, speedup=sp_, bandwidth=bw,
             findings=find(model, comm, io, bw, extra),
-            comm_wait_s=w[0] if w else None, comm_transfer_s=w[1] if w else None)
+            comm_wait_s=w[0] if w else None, comm_transfer_s=w[1] if w else None,
+            replay=rp)
     slowest = max(out, key=lambda r: out[r].breakdown["t_iter"].mean)
     return Analysis(out, slowest, world, dict(trace.metadata))

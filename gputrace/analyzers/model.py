@@ -257,12 +257,15 @@ class Speedup:
 
 
 def speedup(m: ModelResult, world_size: int, gpus: Sequence[int],
-            link_bytes_per_s: float | None = None, shared_io: bool = False) -> Speedup:
-    """Eq. 8 / 9 / 11 for N GPUs from the measured terms (weak scaling)."""
+            link_bytes_per_s: float | None = None, shared_io: bool = False,
+            layer_grad_bytes: float = 0.0) -> Speedup:
+    """Eq. 8 / 9 / 11 for N GPUs from the measured terms (weak scaling). Without measured
+    comm, `layer_grad_bytes` (the backward spans' bytes) is what an all-reduce would move."""
     t = m.terms
     t_gpu = t["t_h2d"] + t["t_f"] + t["t_b"] + t["t_u"] + t["t_other"]
     t_io_1 = t["t_io"]
-    grad_bytes = float(sum(u.nbytes for u in m.units if not math.isnan(u.nbytes)))
+    grad_bytes = float(sum(u.nbytes for u in m.units if not math.isnan(u.nbytes))) or \
+        layer_grad_bytes
     assumptions = ["weak scaling: the same batch per GPU, so t_io, t_h2d, t_f, t_b, t_u stay",
                    "t_io per rank does not grow with N (each rank loads its own data)"
                    if not shared_io else "one loader feeds all GPUs of a node: t_io grows with N"]
@@ -275,14 +278,17 @@ def speedup(m: ModelResult, world_size: int, gpus: Sequence[int],
 
         def comm_at(N: int, d: float) -> float:
             return d * ring_factor(N) / ring_factor(n)
-    elif link_bytes_per_s:
-        assumptions.append("ring all-reduce at the given link bandwidth, no latency")
+    elif link_bytes_per_s and grad_bytes > 0:
+        assumptions.append(f"ring all-reduce of {grad_bytes / 1e6:.1f} MB of gradients at "
+                           f"{link_bytes_per_s / 1e9:.2f} GB/s, no latency"
+                           + ("" if comm_units else ", after backward (no overlap)"))
 
         def comm_at(N: int, d: float) -> float:
-            share = d / measured_comm if measured_comm else 0.0
+            share = d / measured_comm if measured_comm else 1.0
             return share * ring_factor(N) * grad_bytes / link_bytes_per_s
     else:
-        assumptions.append("no comm measured and no link bandwidth given: comm is free")
+        assumptions.append("no comm measured and no link bandwidth or gradient bytes known: "
+                           "comm is free")
 
         def comm_at(N: int, d: float) -> float:
             return 0.0

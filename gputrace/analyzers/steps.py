@@ -47,6 +47,7 @@ class RankSteps:
     units: list[list[Unit]]           # per iteration, in launch order
     layer_backward_s: list[dict[int, float]]   # per iteration: layer -> backward seconds
     layer_backward_end: list[dict[int, int]]
+    layer_bytes: dict[int, float]     # layer -> gradient bytes (host backward spans' bytes)
     backward_start: np.ndarray        # ns, per iteration (-1 when none)
     backward_end: np.ndarray          # ns, per iteration (-1 when none)
     fetch_s: np.ndarray               # mean loader fetch per batch, seconds (nan: none)
@@ -98,6 +99,9 @@ def analyze_rank(sp: Spans) -> RankSteps:
     work = _u(sp, work_m)
     bwd_m = sp.of("backward")
     per_layer = bwd_m & (sp.layer >= 1)
+    sized = np.flatnonzero(per_layer & ~np.isnan(sp.nbytes))
+    ly_sized, first = np.unique(sp.layer[sized], return_index=True)
+    layer_bytes = dict(zip(ly_sized.tolist(), sp.nbytes[sized][first].tolist(), strict=True))
     gpu = sp.on_gpu()
     host_comm = sp.of("comm") & (sp.device < 0)
     if gpu.any():
@@ -150,7 +154,9 @@ def analyze_rank(sp: Spans) -> RankSteps:
         k, ly = int(it_of[i]), int(sp.layer[i])
         layer_bs[k][ly] = layer_bs[k].get(ly, 0.0) + (sp.end[i] - sp.start[i]) / sec
         layer_end[k][ly] = max(layer_end[k].get(ly, 0), int(sp.end[i]))
-    bi = np.flatnonzero(bwd_m & inside)
+    # backward's own work: per-layer spans where known (the outer autograd call also waits
+    # for DDP's last all-reduce, so its end is not the end of the gradient computation)
+    bi = np.flatnonzero((per_layer if per_layer.any() else bwd_m) & inside)
     big = np.iinfo(np.int64).max
     bstart = np.full(n, big, dtype=np.int64)
     bend = np.full(n, -1, dtype=np.int64)
@@ -187,5 +193,5 @@ def analyze_rank(sp: Spans) -> RankSteps:
     # optimizer steps per iteration: pieces of the update union (nested ranges count once)
     hu = _u(sp, sp.of("update") & (sp.device < 0))
     upd_n = np.searchsorted(hu[0], hi, "left") - np.searchsorted(hu[1], lo, "right")
-    return RankSteps(sp.rank, its, terms, comm_h, io_h, units, layer_bs, layer_end, bstart, bend,
-                     np.array([fetch_s]), workers, upd_n)
+    return RankSteps(sp.rank, its, terms, comm_h, io_h, units, layer_bs, layer_end, layer_bytes,
+                     bstart, bend, np.array([fetch_s]), workers, upd_n)

@@ -15,6 +15,40 @@ def parse_bandwidth(text: str) -> float:
     return parse_bytes(text, "--link-bandwidth", per_second=True)
 
 
+def parse_what_if(text: str):  # type: ignore[no-untyped-def]
+    """'gpus=16,bandwidth=2x,bucket_cap_mb=5' -> a replay Scenario (gpus 0: the run's own)."""
+    import math
+
+    from gputrace.analyzers.replay import MIB, Scenario
+
+    gpus, bw, bucket = 0, 1.0, None
+    for part in filter(None, (x.strip() for x in text.split(","))):
+        key, _, value = part.partition("=")
+        key, value = key.strip().lower(), value.strip()
+        try:
+            if key == "gpus":
+                gpus = int(value)
+                ok = gpus >= 1
+            elif key == "bandwidth":
+                bw = float(value.lower().removesuffix("x"))
+                ok = bw > 0
+            elif key == "bucket_cap_mb":
+                bucket = float(value) * MIB
+                ok = bucket > 0
+            elif key == "bucket":
+                bucket = math.inf if value.lower() in ("one", "all") else \
+                    parse_bytes(value, "--what-if bucket")
+                ok = True
+            else:
+                raise CommandError(f"--what-if {text!r}: unknown key {key!r} (gpus, bandwidth, "
+                                   "bucket_cap_mb, bucket)")
+        except ValueError:
+            ok = False
+        if not ok:
+            raise CommandError(f"--what-if {text!r}: bad value for {key}: {value!r}")
+    return Scenario(gpus, bw, bucket)
+
+
 def prepare_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", nargs="+", help="trace file(s), a directory of shards")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -23,6 +57,9 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
                    "(default: the first 10%% or 3)")
     p.add_argument("--gpus", default="2,4,8,16", help="GPU counts for the speedup model")
     p.add_argument("--link-bandwidth", help="link bandwidth for eq. 12, e.g. 7GB/s")
+    p.add_argument("--what-if", action="append", default=[], metavar="SPEC",
+                   help="a replay scenario, e.g. gpus=16,bandwidth=2x,bucket_cap_mb=5 "
+                   "(keys: gpus, bandwidth, bucket_cap_mb, bucket=BYTES|one); repeatable")
     p.add_argument("--shared-io", action="store_true",
                    help="one loader feeds all GPUs of a node (t_io grows with N)")
 
@@ -41,10 +78,11 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(f"--gpus takes positive integers like 2,4,8, not {args.gpus!r}") \
             from None
     link = parse_bandwidth(args.link_bandwidth) if args.link_bandwidth else None
+    what_if = [parse_what_if(w) for w in args.what_if]
     trace = load_trace(args.trace)
     try:
         a = analyze(trace, skip=args.skip, gpus=gpus, link_bytes_per_s=link,
-                    shared_io=args.shared_io)
+                    shared_io=args.shared_io, what_if=what_if)
     except NothingToAnalyze as e:
         raise CommandError(f"{' '.join(args.trace)}: {e}") from None
     except (UnicodeDecodeError, ArrowInvalid) as e:

@@ -9,7 +9,8 @@ Installed by the `record` bootstrap right after the job imports torch (or by
 - forward: global module forward pre/post hooks; a span per module that owns parameters,
   `layer` 1..L in execution order from the input side, plus one span for the outermost call;
 - backward: `torch.autograd.backward` entry/exit, and per layer the end of its last
-  parameter's gradient accumulation (post-accumulate-grad hooks);
+  parameter's gradient accumulation (post-accumulate-grad hooks), with `bytes` = the bytes
+  of the gradients the layer produces (what its all-reduce would move; replay uses it);
 - comm: every DistributedDataParallel bucket, timed by wrapping its comm hook (the default
   all-reduce, or the user's own): `layer` = bucket index, `bytes`, `args.layers`.
 """
@@ -34,6 +35,7 @@ class _State:
         self.layer_of: dict[int, int] = {}        # id(module) -> layer (0: owns no params)
         self.param_layer: dict[int, int] = {}     # id(param) -> layer
         self.layer_nparams: dict[int, int] = {}   # layer -> params that get gradients
+        self.layer_grad_bytes: dict[int, int] = {}  # layer -> bytes of those gradients
         self.layer_names: dict[int, str] = {}
         self.next_layer = 1
         self.fwd_t0: dict[int, list[int]] = {}
@@ -79,13 +81,15 @@ class _State:
             self.next_layer += 1
         self.layer_of[key] = layer
         self.layer_names[layer] = type(module).__name__
-        grads = 0
+        grads = nbytes = 0
         for p in params:
             self.param_layer[id(p)] = layer
             if p.requires_grad:
                 grads += 1
+                nbytes += p.numel() * p.element_size()
                 p.register_post_accumulate_grad_hook(self.grad_ready)
         self.layer_nparams[layer] = grads
+        self.layer_grad_bytes[layer] = nbytes
         return layer
 
     def forward_pre(self, module: torch.nn.Module, args: Any) -> None:
@@ -128,7 +132,8 @@ class _State:
             start = self.last_mark or self.bwd_t0 or t
             self.last_mark = t
             del self.grad_count[layer]
-        self.rec.span("backward", self.layer_names.get(layer, "layer"), start, t, layer=layer)
+        self.rec.span("backward", self.layer_names.get(layer, "layer"), start, t, layer=layer,
+                      nbytes=self.layer_grad_bytes.get(layer))
 
     def backward_enter(self) -> None:
         if self.bwd_depth == 0:
@@ -146,7 +151,7 @@ class _State:
             start = self.last_mark
         for layer, end in sorted(partial, key=lambda x: x[1]):  # layers with unused params
             self.rec.span("backward", self.layer_names.get(layer, "layer"), start, end,
-                          layer=layer)
+                          layer=layer, nbytes=self.layer_grad_bytes.get(layer))
             start = end
         self.rec.span("backward", "backward", self.bwd_t0, t)
         self.last_bwd_end = t

@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 from gputrace.analyzers import Analysis, RankAnalysis
+from gputrace.analyzers.replay import Replay
 
 FORMAT = "gputrace-analysis"
 VERSION = 1
@@ -61,6 +62,32 @@ def rank_dict(ra: RankAnalysis) -> dict[str, Any]:
                      for f in ra.findings],
         "comm_wait_s": _num(ra.comm_wait_s),
         "comm_transfer_s": _num(ra.comm_transfer_s),
+        "what_if": _what_if(ra.replay),
+    }
+
+
+def _what_if(rp: Replay | None) -> dict[str, Any] | None:
+    if rp is None:
+        return None
+
+    def bucket(b: float | None) -> dict[str, Any]:
+        if b is None:
+            return {"bucket_rule": "measured", "bucket_bytes": None}
+        if math.isinf(b):
+            return {"bucket_rule": "one", "bucket_bytes": None}
+        return {"bucket_rule": "cap", "bucket_bytes": int(b)}
+
+    return {
+        "method": "replay",
+        "comm_cost": {"alpha_s": rp.cost.alpha_s, "beta_bytes_per_s": rp.cost.beta_bytes_per_s,
+                      "fitted_at_gpus": rp.cost.world, "source": rp.cost.source},
+        "backward_end_s": rp.backward_end_s, "measured_t_iter": rp.measured_t_iter,
+        "baseline_t_iter": rp.baseline_t_iter, "baseline_error": rp.baseline_error,
+        "layers_known": rp.layers_known, "assumptions": list(rp.assumptions),
+        "scenarios": [{"label": o.scenario.label, "gpus": o.scenario.gpus,
+                       "bandwidth_x": o.scenario.bandwidth_x, **bucket(o.scenario.bucket_bytes),
+                       "buckets": o.buckets, "comm_s": o.comm_s, "exposed_s": o.exposed_s,
+                       "t_iter": o.t_iter, "speedup": o.speedup} for o in rp.outcomes],
     }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import IO
 
 from rich.console import Console
@@ -9,6 +10,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from gputrace.analyzers import Analysis, RankAnalysis
+from gputrace.analyzers.replay import MIB, Outcome, Replay, Scenario
 from gputrace.fmt import mb, rate
 
 _PHASES = (("t_io", "waiting for data (I/O)"), ("t_h2d", "host to device copies"),
@@ -50,6 +52,45 @@ def headline(ra: RankAnalysis) -> str:
     share = parts[top] / t_iter if t_iter else 0
     return (f"{_ms(t_iter)} per iteration. {case}. Largest share: {top_name} "
             f"({_ms(parts[top])}, {share:.0%}).")
+
+
+def _bucket_label(b: float | None, n: int, measured_units: int) -> str:
+    if b is None:
+        return (f"measured ({n} unit{'s' if n != 1 else ''})" if measured_units
+                else f"bucket_cap_mb=25 ({n})")
+    return f"{'one bucket' if math.isinf(b) else f'bucket_cap_mb={b / MIB:g}'} ({n})"
+
+
+def _what_if(con: Console, rp: Replay, measured: float) -> None:
+    """The replay grid: bucket sizes x GPU counts, then link bandwidth and asked scenarios."""
+    con.print()
+    grid = [o for o in rp.outcomes if o.scenario.bandwidth_x == 1]
+    gpus = sorted({o.scenario.gpus for o in grid})
+    rows: dict[float | None, dict[int, Outcome]] = {}
+    for o in grid:
+        rows.setdefault(o.scenario.bucket_bytes, {})[o.scenario.gpus] = o
+    t = Table(title="What if: t_iter from a replay of the measured gradient timeline",
+              title_justify="left", box=None, padding=(0, 2))
+    t.add_column("buckets")
+    for n in gpus:
+        t.add_column(f"{n} GPUs", justify="right")
+    for b, by_n in rows.items():
+        if b is None and not rp.measured_units and len(rows) > 1:
+            continue  # one process: the same as the bucket_cap_mb=25 row
+        first = next(iter(by_n.values()))
+        label = _bucket_label(b, first.buckets, rp.measured_units)
+        t.add_row(label,
+                  *(_ms(by_n[n].t_iter) if n in by_n else "-" for n in gpus))
+    con.print(t)
+    for o in rp.outcomes:
+        if o.scenario.bandwidth_x != 1:
+            con.print(f"  {escape(o.scenario.label)}: {_ms(o.t_iter)} "
+                      f"({o.t_iter / measured - 1:+.0%} vs measured), {o.speedup:.2f}x over one GPU")
+    con.print(f"  [dim]replaying the measured configuration gives {_ms(rp.baseline_t_iter)} "
+              f"({rp.baseline_error:+.1%}); each prediction is the measured iteration plus "
+              "the replayed change[/]")
+    for a in rp.assumptions:
+        con.print(f"  [dim]assumes {escape(a)}[/]")
 
 
 def render(a: Analysis, rank: int | None = None, file: IO[str] | None = None,
@@ -124,16 +165,25 @@ def render(a: Analysis, rank: int | None = None, file: IO[str] | None = None,
         st = Table(title=f"Predicted speedup (eq. {sp.equation}, from {sp.world_size} "
                    f"rank{'s' if sp.world_size != 1 else ''})", title_justify="left",
                    box=None, padding=(0, 2))
-        for c in ("GPUs", "speedup", "efficiency", "t_iter"):
+        rp = ra.replay
+        replayed = {o.scenario.gpus: o for o in rp.outcomes if o.scenario == Scenario(
+            o.scenario.gpus)} if rp is not None else {}
+        for c in ("GPUs", "speedup", "efficiency", "t_iter") + \
+                (("replay: speedup", "t_iter") if replayed else ()):
             st.add_column(c, justify="right")
         for p in sp.points:
-            st.add_row(str(p.gpus), f"{p.speedup:.2f}x", f"{p.efficiency:.0%}", _ms(p.t_iter))
+            o = replayed.get(p.gpus)
+            st.add_row(str(p.gpus), f"{p.speedup:.2f}x", f"{p.efficiency:.0%}", _ms(p.t_iter),
+                       *((f"{o.speedup:.2f}x", _ms(o.t_iter)) if o else ("-", "-"))
+                       [:2 if replayed else 0])
         con.print(st)
         for asm in sp.assumptions:
             con.print(f"  [dim]assumes {escape(asm)}[/]")
         if sp.allreduce_efficiency is not None:
             con.print(f"  all-reduce efficiency (eq. 12): {sp.allreduce_efficiency:.1%} of "
                       f"{rate(sp.link_bytes_per_s or 0)}")
+    if ra.replay is not None and ra.replay.outcomes:
+        _what_if(con, ra.replay, m.measured_t_iter)
     bw = ra.bandwidth
     if bw is not None and bw.links:
         con.print()
