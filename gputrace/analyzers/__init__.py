@@ -74,24 +74,31 @@ def _comm_wait(steps: dict[int, RankSteps], sels: dict[int, np.ndarray]
                ) -> dict[int, tuple[float, float]]:
     """Where several ranks show the same unit of the same step, the transfer can only start
     when the last rank arrives: wait = that moment - own start; transfer = end - that."""
-    seen: dict[tuple[int, int], dict[int, tuple[int, int]]] = {}
+    parts = []
     for r, rs in steps.items():
-        for k in sels[r]:
-            stepno = int(rs.iterations.step[k])
-            for u in rs.units[k]:
-                seen.setdefault((stepno, u.index), {})[r] = (u.start, u.end)
-    acc: dict[int, list[tuple[float, float]]] = {r: [] for r in steps}
-    for by_rank in seen.values():
-        if len(by_rank) < 2:
-            continue
-        last_arrival = max(s for s, _ in by_rank.values())
-        for r, (s, e) in by_rank.items():
-            acc[r].append(((last_arrival - s) / 1e9, max(e - last_arrival, 0) / 1e9))
+        u = rs.units
+        rows = np.flatnonzero(u.rows(sels[r], rs.iterations.start.size))
+        parts.append((np.full(rows.size, r), rs.iterations.step[u.it[rows]], u.index[rows],
+                      u.start[rows], u.end[rows]))
+    rank, step, index, start, end = (np.concatenate(x) for x in zip(*parts, strict=True))
+    if not rank.size:
+        return {}
+    order = np.lexsort((rank, index, step))
+    rank, step, index, start, end = (x[order] for x in (rank, step, index, start, end))
+    new = np.r_[True, (step[1:] != step[:-1]) | (index[1:] != index[:-1])]
+    group = np.cumsum(new) - 1
+    first = np.flatnonzero(new)
+    size = np.diff(np.r_[first, rank.size])[group]
+    last = np.maximum.reduceat(start, first)[group]   # the last rank to arrive
+    shared = size >= 2
+    wait = np.where(shared, (last - start) / 1e9, 0.0)
+    xfer = np.where(shared, np.maximum(end - last, 0) / 1e9, 0.0)
     out = {}
-    for r, rows in acc.items():
-        if rows:
+    for r in steps:
+        m = shared & (rank == r)
+        if m.any():
             iters = max(len(sels[r]), 1)
-            out[r] = (sum(w for w, _ in rows) / iters, sum(t for _, t in rows) / iters)
+            out[r] = (float(wait[m].sum()) / iters, float(xfer[m].sum()) / iters)
     return out
 
 

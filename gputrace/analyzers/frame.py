@@ -85,16 +85,33 @@ class Spans:
                                      | self.of("comm"))
 
     def layers_of(self, i: int) -> list[int] | None:
-        a = self.args[i].as_py()
-        if not a:
-            return None
-        try:
-            v = json.loads(a).get("layers")
-        except (ValueError, AttributeError):
-            return None
-        if isinstance(v, list) and all(isinstance(x, int) for x in v):
-            return v
+        return _layers(self.args[i].as_py())
+
+    def layer_sets(self, idx: np.ndarray) -> tuple[np.ndarray, list[tuple[int, ...] | None]]:
+        """For the spans `idx`: a code per span into a list of distinct `args.layers`
+        (None where absent); each distinct args string is parsed once."""
+        if idx.size == 0:
+            return np.zeros(0, dtype=np.int64), [None]
+        taken = self.args.take(pa.array(idx))
+        if isinstance(taken, pa.ChunkedArray):
+            taken = taken.combine_chunks()
+        enc = taken.dictionary_encode()
+        sets = [tuple(v) if v else None for v in map(_layers, enc.dictionary.to_pylist())]
+        codes = enc.indices.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
+        sets.append(None)   # code -1 (no args) -> the last entry
+        return codes, sets
+
+
+def _layers(a: str | None) -> list[int] | None:
+    if not a:
         return None
+    try:
+        v = json.loads(a).get("layers")
+    except (ValueError, AttributeError):
+        return None
+    if isinstance(v, list) and v and all(isinstance(x, int) for x in v):
+        return v
+    return None
 
 
 @dataclass

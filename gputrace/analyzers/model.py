@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gputrace.analyzers.steps import RankSteps, Unit
+from gputrace.analyzers.steps import RankSteps
 
 # -- the paper's equations, as plain functions of their terms (seconds, bytes) ------------
 
@@ -130,39 +130,37 @@ def mean_terms(rs: RankSteps, sel: np.ndarray) -> dict[str, float]:
 
 def unit_stats(rs: RankSteps, sel: np.ndarray) -> list[UnitStats]:
     """Per unit index, means over the analyzed iterations (times from iteration start)."""
-    by: dict[int, list[tuple[int, Unit]]] = {}
-    for k in sel:
-        for u in rs.units[k]:
-            by.setdefault(u.index, []).append((int(k), u))
-    out = []
-    t0 = rs.iterations.start.tolist()
-    for idx in sorted(by):
-        rows = by[idx]
-        n = len(rows)
-        hid = sum(u.hidden for _, u in rows)
-        last = rows[-1][1]
-        out.append(UnitStats(
-            index=idx, layers=last.layers,
-            nbytes=float(np.mean([u.nbytes for _, u in rows])),
-            ready_s=sum(int(u.ready) - t0[k] for k, u in rows) / n / 1e9,
-            start_s=sum(int(u.start) - t0[k] for k, u in rows) / n / 1e9,
-            end_s=sum(int(u.end) - t0[k] for k, u in rows) / n / 1e9,
-            duration_s=sum(int(u.end) - int(u.start) for _, u in rows) / n / 1e9,
-            hidden=hid * 2 > n, hidden_fraction=hid / n))
-    return out
+    u = rs.units
+    rows = np.flatnonzero(u.rows(sel, rs.iterations.start.size))
+    if not rows.size:
+        return []
+    idx = u.index[rows]
+    t0 = rs.iterations.start[u.it[rows]]
+    m = int(idx.max()) + 1
+    cnt = np.bincount(idx, minlength=m)
+
+    def mean(v: np.ndarray) -> np.ndarray:
+        return np.bincount(idx, weights=v, minlength=m) / np.maximum(cnt, 1)
+
+    nb = mean(u.nbytes[rows])
+    ready, start, end = (mean((x[rows] - t0) / 1e9) for x in (u.ready, u.start, u.end))
+    dur = mean((u.end[rows] - u.start[rows]) / 1e9)
+    hid = np.bincount(idx, weights=u.hidden[rows], minlength=m)
+    last = np.full(m, -1, dtype=np.int64)
+    np.maximum.at(last, idx, rows)      # the latest iteration's row gives the layers
+    return [UnitStats(index=i, layers=u.layers(int(last[i])), nbytes=float(nb[i]),
+                      ready_s=float(ready[i]), start_s=float(start[i]), end_s=float(end[i]),
+                      duration_s=float(dur[i]), hidden=bool(hid[i] * 2 > cnt[i]),
+                      hidden_fraction=float(hid[i] / cnt[i]))
+            for i in range(m) if cnt[i]]
 
 
 def _overlapped(rs: RankSteps, sel: np.ndarray) -> bool:
-    votes = 0
-    for k in sel:
-        units = rs.units[k]
-        if not units:
-            continue
-        bwd_end = rs.backward_end[k]
-        if bwd_end < 0:
-            continue
-        votes += 1 if units[0].start < bwd_end else -1
-    return votes > 0
+    """Most iterations start their first unit before backward ends."""
+    u = rs.units
+    ks = sel[(np.diff(u.cuts)[sel] > 0) & (rs.backward_end[sel] >= 0)]
+    first = u.start[u.cuts[ks]]
+    return int(np.sum(np.where(first < rs.backward_end[ks], 1, -1))) > 0
 
 
 def build_model(rs: RankSteps, sel: np.ndarray) -> ModelResult:

@@ -57,7 +57,7 @@ class Scenario:
 
     @property
     def label(self) -> str:
-        b = ("measured buckets (DDP's default with one process)" if self.bucket_bytes is None else "one bucket"
+        b = ("measured buckets" if self.bucket_bytes is None else "one bucket"
              if math.isinf(self.bucket_bytes) else f"bucket_cap_mb={self.bucket_bytes / MIB:g}")
         bw = "" if self.bandwidth_x == 1 else f", link x{self.bandwidth_x:g}"
         return f"{self.gpus} GPUs, {b}{bw}"
@@ -90,17 +90,23 @@ class Replay:
 
 
 def service_times(rs: RankSteps, sel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(bytes, seconds on the link) of every measured unit with known bytes."""
-    nb, sv = [], []
-    for k in sel:
-        prev_end = None
-        for u in sorted(rs.units[k], key=lambda u: u.start):
-            begin = u.start if prev_end is None else max(u.start, prev_end)
-            prev_end = u.end if prev_end is None else max(prev_end, u.end)
-            if not math.isnan(u.nbytes) and u.end > begin:
-                nb.append(u.nbytes)
-                sv.append((u.end - begin) / 1e9)
-    return np.asarray(nb, dtype=float), np.asarray(sv, dtype=float)
+    """(bytes, seconds on the link) of every measured unit with known bytes: from its start,
+    or from the end of the units before it in its iteration when they were still running."""
+    u = rs.units
+    rows = np.flatnonzero(u.rows(sel, rs.iterations.start.size))
+    if not rows.size:
+        return np.zeros(0), np.zeros(0)
+    it = u.it[rows]
+    t0 = rs.iterations.start[it]
+    s, e = u.start[rows] - t0, u.end[rows] - t0          # ns from the iteration start
+    width = int(max(e.max(), s.max()) - min(e.min(), s.min(), 0)) + 1
+    off = (it - it.min()).astype(np.int64) * width        # one cumulative max per iteration
+    before = np.maximum.accumulate(e + off) - off
+    first = u.index[rows] == 0
+    begin = np.where(first, s, np.maximum(s, np.r_[s[:1], before[:-1]]))
+    nb = u.nbytes[rows]
+    ok = ~np.isnan(nb) & (e > begin)
+    return nb[ok], (e - begin)[ok] / 1e9
 
 
 def fit_cost(nbytes: np.ndarray, seconds: np.ndarray, world: int) -> CommCost | None:
@@ -123,12 +129,14 @@ def layer_profile(rs: RankSteps, sel: np.ndarray) -> tuple[dict[int, float], dic
             ends.setdefault(ly, []).append((e - t0) / 1e9)
     ready = {ly: float(np.mean(v)) for ly, v in ends.items()}
     nbytes = dict(rs.layer_bytes)
-    if not nbytes:  # older traces: split each unit's bytes evenly over its layers
-        for k in sel[-1:]:
-            for u in rs.units[k]:
-                if u.layers and not math.isnan(u.nbytes):
-                    for ly in u.layers:
-                        nbytes[ly] = u.nbytes / len(u.layers)
+    if not nbytes and sel.size:  # older traces: split each unit's bytes over its layers
+        u = rs.units
+        k = int(sel[-1])
+        for row in range(int(u.cuts[k]), int(u.cuts[k + 1])):
+            layers = u.layers(row)
+            if layers and not math.isnan(u.nbytes[row]):
+                for ly in layers:
+                    nbytes[ly] = float(u.nbytes[row]) / len(layers)
     return ready, nbytes
 
 
@@ -194,6 +202,10 @@ def replay(rs: RankSteps, sel: np.ndarray, m: ModelResult, world: int, gpus: Seq
     measured_units = [(u.nbytes, max(b_end, u.ready_s) if sequential else u.ready_s)
                       for u in m.units
                       if not math.isnan(u.nbytes)]
+
+    if not measured_units:
+        assumptions.append("one process: \"measured buckets\" are DDP's default, "
+                           "bucket_cap_mb=25")
 
     def buckets(s: Scenario) -> list[tuple[float, float]]:
         if s.bucket_bytes is None:

@@ -25,16 +25,30 @@ class Iterations:
 
 
 @dataclass(frozen=True)
-class Unit:
-    """One comm unit of one iteration; times in ns on the trace clock."""
+class Units:
+    """The comm units (buckets or layers) of every iteration, one row each, sorted by
+    iteration and start; times in ns on the trace clock. Rows of iteration k:
+    `cuts[k]:cuts[k + 1]`, in launch order (`index`)."""
 
-    index: int
-    layers: tuple[int, ...] | None
-    nbytes: float
-    ready: int
-    start: int
-    end: int
-    hidden: bool
+    it: np.ndarray            # iteration of the row
+    index: np.ndarray         # launch order within its iteration
+    ready: np.ndarray         # when its gradients were ready (its smallest layer's backward end)
+    start: np.ndarray
+    end: np.ndarray
+    nbytes: np.ndarray        # float, nan when unknown
+    hidden: np.ndarray        # ends before the next unit of its iteration is ready
+    layer_code: np.ndarray    # into layer_sets
+    layer_sets: list[tuple[int, ...] | None]
+    cuts: np.ndarray
+
+    def layers(self, row: int) -> tuple[int, ...] | None:
+        return self.layer_sets[int(self.layer_code[row])]
+
+    def rows(self, sel: np.ndarray, n: int) -> np.ndarray:
+        """Boolean mask of the rows in the iterations `sel` (of n)."""
+        m = np.zeros(n, dtype=bool)
+        m[sel] = True
+        return m[self.it]
 
 
 @dataclass(frozen=True)
@@ -44,7 +58,7 @@ class RankSteps:
     terms: dict[str, np.ndarray]      # seconds per iteration
     comm: ov.Hidden
     io: ov.Hidden
-    units: list[list[Unit]]           # per iteration, in launch order
+    units: Units
     layer_backward_s: list[dict[int, float]]   # per iteration: layer -> backward seconds
     layer_backward_end: list[dict[int, int]]
     layer_bytes: dict[int, float]     # layer -> gradient bytes (host backward spans' bytes)
@@ -79,12 +93,50 @@ def _u(sp: Spans, mask: np.ndarray) -> ov.Union:
     return ov.union(sp.start[mask], sp.end[mask])
 
 
-def _by_iteration(sp: Spans, mask: np.ndarray, it_of: np.ndarray, n: int) -> list[np.ndarray]:
-    """Indices of the masked spans, per iteration, in start order; O(len + n)."""
+def _sorted_rows(sp: Spans, mask: np.ndarray, it_of: np.ndarray, n: int
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Spans of the mask sorted by (iteration, start): indices, cuts, position in iteration."""
     idx = np.flatnonzero(mask)
     idx = idx[np.lexsort((sp.start[idx], it_of[idx]))]
     cuts = np.searchsorted(it_of[idx], np.arange(n + 1), side="left")
-    return [idx[cuts[k]:cuts[k + 1]] for k in range(n)]
+    pos = np.arange(idx.size) - cuts[it_of[idx]]
+    return idx, cuts, pos
+
+
+def _units(sp: Spans, comm: np.ndarray, host: np.ndarray, it_of: np.ndarray, n: int,
+           per_layer: np.ndarray) -> Units:
+    ci, cuts, pos = _sorted_rows(sp, comm, it_of, n)
+    hi_, hcuts, _ = _sorted_rows(sp, host, it_of, n)
+    k = it_of[ci]
+    codes, sets = sp.layer_sets(np.concatenate([ci, hi_]))
+    code, hcode = codes[:ci.size], codes[ci.size:]
+    if hi_.size:
+        # host-side comm spans (the DDP hook's) beside GPU NCCL kernels lend their layers:
+        # GPU unit j of an iteration is the hook's unit j when both counts agree
+        same = (np.diff(cuts) == np.diff(hcuts))[k]
+        borrow = same & np.array([s is None for s in sets])[code]
+        code = code.copy()
+        code[borrow] = hcode[hcuts[k[borrow]] + pos[borrow]]
+    start, end = sp.start[ci], sp.end[ci]
+    ready = start.copy()
+    # ready when the backward of its smallest layer ends (never after its own start)
+    min_layer = np.array([min(s) if s else -1 for s in sets], dtype=np.int64)[code]
+    li = np.flatnonzero(per_layer)
+    if li.size and ci.size:
+        span = int(max(sp.layer[li].max(), min_layer.max())) + 2
+        key = it_of[li].astype(np.int64) * span + sp.layer[li]
+        order = np.lexsort((sp.end[li], key))   # the latest end last within each key
+        key, lend = key[order], sp.end[li][order]
+        last = np.r_[key[1:] != key[:-1], True]
+        key, lend = key[last], lend[last]
+        want = k.astype(np.int64) * span + min_layer
+        j = np.clip(np.searchsorted(key, want), 0, key.size - 1)
+        hit = (min_layer >= 1) & (key[j] == want)
+        ready[hit] = np.minimum(lend[j[hit]], start[hit])
+    nxt = np.r_[pos[1:] > 0, False]   # the next row is in the same iteration
+    hidden = np.zeros(ci.size, dtype=bool)
+    hidden[:-1] = nxt[:-1] & (end[:-1] <= ready[1:])
+    return Units(k, pos, ready, start, end, sp.nbytes[ci], hidden, code, sets, cuts)
 
 
 def analyze_rank(sp: Spans) -> RankSteps:
@@ -164,28 +216,7 @@ def analyze_rank(sp: Spans) -> RankSteps:
     np.maximum.at(bend, it_of[bi], sp.end[bi])
     bstart[bstart == big] = -1
 
-    units: list[list[Unit]] = [[] for _ in range(n)]
-    per_iter = _by_iteration(sp, comm_m & inside, it_of, n)
-    # host-side comm spans (the DDP hook's) beside GPU NCCL kernels lend their layers
-    host_units = _by_iteration(sp, host_comm & ~comm_m & inside, it_of, n)
-    for k in range(n):
-        sel = per_iter[k]
-        raw = []
-        borrowed = host_units[k] if len(host_units[k]) == sel.size else None
-        for j, i in enumerate(sel):
-            layers = sp.layers_of(int(i))
-            if layers is None and borrowed is not None:
-                layers = sp.layers_of(int(borrowed[j]))  # GPU kernel j is the hook's unit j
-            ready = int(sp.start[i])
-            if layers and min(layers) in layer_end[k]:
-                # ready when the backward of its smallest layer ends (never after its start)
-                ready = min(layer_end[k][min(layers)], ready)
-            raw.append((j, tuple(layers) if layers else None, float(sp.nbytes[i]), ready,
-                        int(sp.start[i]), int(sp.end[i])))
-        for j, (idx, layers, nb, ready, s, e) in enumerate(raw):
-            nxt_ready = raw[j + 1][3] if j + 1 < len(raw) else None
-            hidden = nxt_ready is not None and e <= nxt_ready
-            units[k].append(Unit(idx, layers, nb, ready, s, e, hidden))
+    units = _units(sp, comm_m & inside, host_comm & ~comm_m & inside, it_of, n, per_layer & inside)
 
     fetch = np.flatnonzero(work_m)
     workers = len(set(sp.pid[fetch].tolist())) if fetch.size else 0
