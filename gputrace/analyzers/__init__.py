@@ -138,9 +138,17 @@ def _replay_findings(rp: Replay | None, world: int) -> list[Finding]:
 
 def analyze(trace: Any, *, skip: int | None = None, gpus: Sequence[int] = (2, 4, 8, 16),
             link_bytes_per_s: float | None = None, shared_io: bool = False,
-            what_if: Sequence[Scenario] = ()) -> Analysis:
-    """Analyze a loaded trace (gputrace.trace.Trace); `what_if` adds replay scenarios."""
-    f = fr.build(trace.table, trace.metadata)
+            what_if: Sequence[Scenario] = (), consume: bool = False) -> Analysis:
+    """Analyze a loaded trace (gputrace.trace.Trace); `what_if` adds replay scenarios.
+    `consume` hands the trace's table over (trace.table becomes None), so its columns are
+    freed one by one as they are converted: the command line's peak memory."""
+    if consume:
+        cols = {c: trace.table.column(c) for c in trace.table.column_names}
+        trace.table = None
+        f = fr.build(cols, trace.metadata)
+        del cols
+    else:
+        f = fr.build(trace.table, trace.metadata)
     if not f.ranks:
         raise NothingToAnalyze("the trace has no spans (no iterations or phases) to analyze")
     probe = trace.metadata.get("probe") if isinstance(trace.metadata, dict) else None

@@ -130,14 +130,25 @@ class Frame:
     metadata: dict[str, object]
 
 
-def build(table: pa.Table, metadata: dict[str, object] | None = None) -> Frame:
-    kind_codes, kinds = _codes(table.column("kind"))
+def build(table: pa.Table | dict[str, pa.ChunkedArray],
+          metadata: dict[str, object] | None = None) -> Frame:
+    """The frame of a table, or of a dict of its columns: a dict is emptied as the columns
+    are converted, so the caller that hands over its only reference to them never holds
+    the table and its numpy copy at once."""
+    cols = table if isinstance(table, dict) else {c: table.column(c) for c in table.column_names}
+    del table
+    n_all = len(cols["kind"])
+    kind_codes, kinds = _codes(cols.pop("kind"))
     span_code = kinds.index("span") if "span" in kinds else -2
     sample_code = kinds.index("sample") if "sample" in kinds else -2
+    keep = pa.array(kind_codes == sample_code)   # samples are few: filter them first
+    smp = pa.table({c: cols[c].filter(keep) for c in ("name", "device", "start_ns", "value",
+                                                      "unit")})
+    del keep
     ranks: dict[int, Spans] = {}
     is_span = kind_codes == span_code
     if is_span.any():
-        rank_all = _np(table.column("rank"), -1, np.int32)
+        rank_all = _np(cols.pop("rank"), -1, np.int32)
         present = np.unique(rank_all[is_span])
         if present.size > 1 and -1 in present:
             # unranked spans beside ranked ones belong to launchers (torchrun): drop them
@@ -149,10 +160,10 @@ def build(table: pa.Table, metadata: dict[str, object] | None = None) -> Frame:
         del rank_all, sel
 
         def col(name: str, fill: int, dtype: type) -> np.ndarray:
-            return _np(table.column(name), fill, dtype)[order]
+            return _np(cols.pop(name), fill, dtype)[order]
 
         def codes(name: str) -> tuple[np.ndarray, list[str]]:
-            c, values = _codes(table.column(name))
+            c, values = _codes(cols.pop(name))
             return c[order], values
 
         cat, cats = codes("cat")
@@ -165,14 +176,14 @@ def build(table: pa.Table, metadata: dict[str, object] | None = None) -> Frame:
         device = col("device", -1, np.int16)
         step = col("step", -1, np.int32)
         layer = col("layer", -1, np.int32)
-        nbytes = table.column("bytes").cast(pa.float64()).fill_null(np.nan).to_numpy()[order]
-        args = table.column("args").take(pa.array(order))
-        n_all = table.num_rows
-        mem = pa.chunked_array(table.column("src_kind").chunks + table.column("dst_kind").chunks)
+        nbytes = cols.pop("bytes").cast(pa.float64()).fill_null(np.nan).to_numpy()[order]
+        args = cols.pop("args").take(pa.array(order))
+        mem = pa.chunked_array(cols.pop("src_kind").chunks + cols.pop("dst_kind").chunks)
         mem_codes, mem_kinds = _codes(mem)
+        del mem
         srck, dstk = mem_codes[:n_all][order], mem_codes[n_all:][order]
         del mem_codes
-        if "phase" in table.column_names:
+        if "phase" in cols:
             phase, phases = codes("phase")
         else:
             phase, phases = np.full(order.size, -1, np.int32), []
@@ -189,7 +200,7 @@ def build(table: pa.Table, metadata: dict[str, object] | None = None) -> Frame:
                 args=args.slice(int(lo), int(hi) - int(lo)), src_kind=srck[sl],
                 dst_kind=dstk[sl], mem_kinds=mem_kinds, phase=phase[sl], phases=phases)
     samples: dict[str, Samples] = {}
-    smp = table.filter(pa.array(kind_codes == sample_code))
+    cols.clear()
     if smp.num_rows:
         name, names = _codes(smp.column("name"))
         dev = _np(smp.column("device"), -1, np.int32)

@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     trace = load_trace(args.trace)
     try:
         a = analyze(trace, skip=args.skip, gpus=gpus, link_bytes_per_s=link,
-                    shared_io=args.shared_io, what_if=what_if)
+                    shared_io=args.shared_io, what_if=what_if, consume=True)
     except NothingToAnalyze as e:
         raise CommandError(f"{' '.join(args.trace)}: {e}") from None
     except (UnicodeDecodeError, ArrowInvalid) as e:
