@@ -65,8 +65,8 @@ def find(m: ModelResult, comm: dict[str, float], io: dict[str, float], bw: Bandw
                 f"Gradient communication is exposed (Case 2, C = {m.C if m.C is not None else '?'}): "
                 f"{exposed:.3f} s of {comm['total_s']:.3f} s comm per iteration is not hidden "
                 f"under compute; units {names} end after the next unit's gradients are ready. "
-                "Larger buckets for the big layers near the output, or a faster link, "
-                "would hide more."))
+                "The what-if replay shows what other bucket sizes or a faster link "
+                "would change."))
         elif exposed / t_iter >= INPUT_MODERATE:
             out.append(Finding(
                 "comm_tail", "moderate",
