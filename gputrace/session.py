@@ -50,11 +50,9 @@ class Session:
         self._dir = tempfile.mkdtemp(prefix=f".{os.path.basename(self.path)}.",
                                      suffix=".shards", dir=out_dir)
         md = _recorder.base_metadata("session")
-        from gputrace.probe import load_cached
+        from gputrace.probe import embed
 
-        probe = load_cached(md["host"])
-        if probe:
-            md["probe"] = probe
+        embed(md)
         rec = _recorder.Recorder(os.path.join(self._dir, f"process-{os.getpid()}.arrow"), md,
                                  flush_interval_s=self.flush_interval_s)
         rec.set_collector("ranges", "ok")

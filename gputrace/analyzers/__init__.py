@@ -77,7 +77,7 @@ def _comm_wait(steps: dict[int, RankSteps], sels: dict[int, np.ndarray]
     parts = []
     for r, rs in steps.items():
         u = rs.units
-        rows = np.flatnonzero(u.rows(sels[r], rs.iterations.start.size))
+        rows = u.rows(sels[r])
         parts.append((np.full(rows.size, r), rs.iterations.step[u.it[rows]], u.index[rows],
                       u.start[rows], u.end[rows]))
     rank, step, index, start, end = (np.concatenate(x) for x in zip(*parts, strict=True))

@@ -84,9 +84,6 @@ class Spans:
         return (self.device >= 0) & (self.of("kernel") | self.of("memcpy") | self.of("memset")
                                      | self.of("comm"))
 
-    def layers_of(self, i: int) -> list[int] | None:
-        return _layers(self.args[i].as_py())
-
     def layer_sets(self, idx: np.ndarray) -> tuple[np.ndarray, list[tuple[int, ...] | None]]:
         """For the spans `idx`: a code per span into a list of distinct `args.layers`
         (None where absent); each distinct args string is parsed once."""

@@ -131,7 +131,7 @@ def mean_terms(rs: RankSteps, sel: np.ndarray) -> dict[str, float]:
 def unit_stats(rs: RankSteps, sel: np.ndarray) -> list[UnitStats]:
     """Per unit index, means over the analyzed iterations (times from iteration start)."""
     u = rs.units
-    rows = np.flatnonzero(u.rows(sel, rs.iterations.start.size))
+    rows = u.rows(sel)
     if not rows.size:
         return []
     idx = u.index[rows]

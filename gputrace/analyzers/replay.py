@@ -85,15 +85,12 @@ class Replay:
     outcomes: list[Outcome]
     assumptions: list[str] = field(default_factory=list)
 
-    def at(self, s: Scenario) -> Outcome | None:
-        return next((o for o in self.outcomes if o.scenario == s), None)
-
 
 def service_times(rs: RankSteps, sel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(bytes, seconds on the link) of every measured unit with known bytes: from its start,
     or from the end of the units before it in its iteration when they were still running."""
     u = rs.units
-    rows = np.flatnonzero(u.rows(sel, rs.iterations.start.size))
+    rows = u.rows(sel)
     if not rows.size:
         return np.zeros(0), np.zeros(0)
     it = u.it[rows]
@@ -122,12 +119,12 @@ def fit_cost(nbytes: np.ndarray, seconds: np.ndarray, world: int) -> CommCost | 
 
 def layer_profile(rs: RankSteps, sel: np.ndarray) -> tuple[dict[int, float], dict[int, float]]:
     """Per layer: mean backward end from the iteration start (s), and gradient bytes."""
-    ends: dict[int, list[float]] = {}
-    for k in sel:
-        t0 = int(rs.iterations.start[k])
-        for ly, e in rs.layer_backward_end[k].items():
-            ends.setdefault(ly, []).append((e - t0) / 1e9)
-    ready = {ly: float(np.mean(v)) for ly, v in ends.items()}
+    le = rs.layer_ends
+    rows = le.rows(sel)
+    layers, inv = np.unique(le.layer[rows], return_inverse=True)
+    rel = (le.end[rows] - rs.iterations.start[le.it[rows]]) / 1e9
+    mean = np.bincount(inv, weights=rel, minlength=layers.size) / np.bincount(inv)
+    ready = dict(zip(layers.tolist(), mean.tolist(), strict=True))
     nbytes = dict(rs.layer_bytes)
     if not nbytes and sel.size:  # older traces: split each unit's bytes over its layers
         u = rs.units

@@ -44,11 +44,48 @@ class Units:
     def layers(self, row: int) -> tuple[int, ...] | None:
         return self.layer_sets[int(self.layer_code[row])]
 
-    def rows(self, sel: np.ndarray, n: int) -> np.ndarray:
-        """Boolean mask of the rows in the iterations `sel` (of n)."""
-        m = np.zeros(n, dtype=bool)
-        m[sel] = True
-        return m[self.it]
+    def rows(self, sel: np.ndarray) -> np.ndarray:
+        """Indices of the rows in the iterations `sel`."""
+        return _rows_in(self.it, sel, self.cuts.size - 1)
+
+
+@dataclass(frozen=True)
+class LayerEnds:
+    """When each layer's backward ended in each iteration (its latest span), one row per
+    (iteration, layer), sorted by both."""
+
+    it: np.ndarray
+    layer: np.ndarray
+    end: np.ndarray
+    n: int                    # iterations
+
+    def rows(self, sel: np.ndarray) -> np.ndarray:
+        return _rows_in(self.it, sel, self.n)
+
+    def lookup(self, it: np.ndarray, layer: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(found, end) for each (iteration, layer) pair."""
+        if not self.it.size or not it.size:
+            return np.zeros(it.size, dtype=bool), np.zeros(it.size, dtype=np.int64)
+        span = int(max(self.layer.max(), layer.max())) + 2
+        key = self.it.astype(np.int64) * span + self.layer
+        want = it.astype(np.int64) * span + layer
+        j = np.clip(np.searchsorted(key, want), 0, key.size - 1)
+        return (layer >= 1) & (key[j] == want), self.end[j]
+
+
+def _rows_in(it: np.ndarray, sel: np.ndarray, n: int) -> np.ndarray:
+    m = np.zeros(n, dtype=bool)
+    m[sel] = True
+    return np.flatnonzero(m[it])
+
+
+def _layer_ends(sp: Spans, mask: np.ndarray, it_of: np.ndarray, n: int) -> LayerEnds:
+    li = np.flatnonzero(mask)
+    li = li[np.lexsort((sp.end[li], sp.layer[li], it_of[li]))]   # latest end last
+    it, ly = it_of[li], sp.layer[li]
+    last = np.r_[(it[1:] != it[:-1]) | (ly[1:] != ly[:-1]), True] if li.size else \
+        np.zeros(0, dtype=bool)
+    return LayerEnds(it[last], ly[last], sp.end[li][last], n)
 
 
 @dataclass(frozen=True)
@@ -60,7 +97,7 @@ class RankSteps:
     io: ov.Hidden
     units: Units
     layer_backward_s: list[dict[int, float]]   # per iteration: layer -> backward seconds
-    layer_backward_end: list[dict[int, int]]
+    layer_ends: LayerEnds
     layer_bytes: dict[int, float]     # layer -> gradient bytes (host backward spans' bytes)
     backward_start: np.ndarray        # ns, per iteration (-1 when none)
     backward_end: np.ndarray          # ns, per iteration (-1 when none)
@@ -104,7 +141,7 @@ def _sorted_rows(sp: Spans, mask: np.ndarray, it_of: np.ndarray, n: int
 
 
 def _units(sp: Spans, comm: np.ndarray, host: np.ndarray, it_of: np.ndarray, n: int,
-           per_layer: np.ndarray) -> Units:
+           ends: LayerEnds) -> Units:
     ci, cuts, pos = _sorted_rows(sp, comm, it_of, n)
     hi_, hcuts, _ = _sorted_rows(sp, host, it_of, n)
     k = it_of[ci]
@@ -121,18 +158,8 @@ def _units(sp: Spans, comm: np.ndarray, host: np.ndarray, it_of: np.ndarray, n: 
     ready = start.copy()
     # ready when the backward of its smallest layer ends (never after its own start)
     min_layer = np.array([min(s) if s else -1 for s in sets], dtype=np.int64)[code]
-    li = np.flatnonzero(per_layer)
-    if li.size and ci.size:
-        span = int(max(sp.layer[li].max(), min_layer.max())) + 2
-        key = it_of[li].astype(np.int64) * span + sp.layer[li]
-        order = np.lexsort((sp.end[li], key))   # the latest end last within each key
-        key, lend = key[order], sp.end[li][order]
-        last = np.r_[key[1:] != key[:-1], True]
-        key, lend = key[last], lend[last]
-        want = k.astype(np.int64) * span + min_layer
-        j = np.clip(np.searchsorted(key, want), 0, key.size - 1)
-        hit = (min_layer >= 1) & (key[j] == want)
-        ready[hit] = np.minimum(lend[j[hit]], start[hit])
+    hit, lend = ends.lookup(k, min_layer)
+    ready[hit] = np.minimum(lend[hit], start[hit])
     nxt = np.r_[pos[1:] > 0, False]   # the next row is in the same iteration
     hidden = np.zeros(ci.size, dtype=bool)
     hidden[:-1] = nxt[:-1] & (end[:-1] <= ready[1:])
@@ -201,11 +228,9 @@ def analyze_rank(sp: Spans) -> RankSteps:
     inside = (it_of >= 0) & (sp.start < hi[np.clip(it_of, 0, n - 1)])
 
     layer_bs: list[dict[int, float]] = [dict() for _ in range(n)]
-    layer_end: list[dict[int, int]] = [dict() for _ in range(n)]
     for i in np.flatnonzero(per_layer & inside):
         k, ly = int(it_of[i]), int(sp.layer[i])
         layer_bs[k][ly] = layer_bs[k].get(ly, 0.0) + (sp.end[i] - sp.start[i]) / sec
-        layer_end[k][ly] = max(layer_end[k].get(ly, 0), int(sp.end[i]))
     # backward's own work: per-layer spans where known (the outer autograd call also waits
     # for DDP's last all-reduce, so its end is not the end of the gradient computation)
     bi = np.flatnonzero((per_layer if per_layer.any() else bwd_m) & inside)
@@ -216,7 +241,8 @@ def analyze_rank(sp: Spans) -> RankSteps:
     np.maximum.at(bend, it_of[bi], sp.end[bi])
     bstart[bstart == big] = -1
 
-    units = _units(sp, comm_m & inside, host_comm & ~comm_m & inside, it_of, n, per_layer & inside)
+    ends = _layer_ends(sp, per_layer & inside, it_of, n)
+    units = _units(sp, comm_m & inside, host_comm & ~comm_m & inside, it_of, n, ends)
 
     fetch = np.flatnonzero(work_m)
     workers = len(set(sp.pid[fetch].tolist())) if fetch.size else 0
@@ -224,5 +250,5 @@ def analyze_rank(sp: Spans) -> RankSteps:
     # optimizer steps per iteration: pieces of the update union (nested ranges count once)
     hu = _u(sp, sp.of("update") & (sp.device < 0))
     upd_n = np.searchsorted(hu[0], hi, "left") - np.searchsorted(hu[1], lo, "right")
-    return RankSteps(sp.rank, its, terms, comm_h, io_h, units, layer_bs, layer_end, layer_bytes,
+    return RankSteps(sp.rank, its, terms, comm_h, io_h, units, layer_bs, ends, layer_bytes,
                      bstart, bend, np.array([fetch_s]), workers, upd_n)

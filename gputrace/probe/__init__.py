@@ -42,16 +42,25 @@ def plan(mode: str = "quick", size: int | None = None) -> Plan:
     return p
 
 
+def _rates(seconds: Iterable[float], nbytes: int, scale: float) -> list[float]:
+    return sorted(scale * nbytes / s for s in seconds if s > 0)
+
+
+def median_rate(seconds: Iterable[float], nbytes: int, scale: float = 1.0) -> float | None:
+    """The median of nbytes/seconds (× scale) over timed repeats; None without any."""
+    rates = _rates(seconds, nbytes, scale)
+    return statistics.median(rates) if rates else None
+
+
 def figure(seconds: Iterable[float], nbytes: int, method: str, scale: float = 1.0,
            **extra: Any) -> dict[str, Any]:
     """A bandwidth from timed repeats: median and spread of nbytes/seconds (× scale)."""
-    secs = [s for s in seconds if s > 0]
-    if not secs:
+    rates = _rates(seconds, nbytes, scale)
+    if not rates:
         return unavailable("no timed repeat")
-    rates = sorted(scale * nbytes / s for s in secs)
     return {"status": "ok", "bytes_per_s": statistics.median(rates),
             "min_bytes_per_s": rates[0], "max_bytes_per_s": rates[-1],
-            "repeats": len(secs), "bytes": int(nbytes), "method": method, **extra}
+            "repeats": len(rates), "bytes": int(nbytes), "method": method, **extra}
 
 
 def latency(seconds: Iterable[float], nbytes: int, method: str) -> dict[str, Any]:
@@ -96,6 +105,13 @@ def save(result: dict[str, Any]) -> str:
         json.dump(result, f, indent=1)
     os.replace(tmp, path)
     return path
+
+
+def embed(metadata: dict[str, Any]) -> None:
+    """Put this host's last probe, when there is one, into a trace's metadata."""
+    probe = load_cached(metadata.get("host"))
+    if probe:
+        metadata["probe"] = probe
 
 
 def load_cached(host: str | None = None) -> dict[str, Any] | None:

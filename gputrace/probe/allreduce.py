@@ -12,12 +12,13 @@ import importlib.util
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
 from typing import Any
 
-from gputrace.probe import Plan, figure, unavailable
+from gputrace.probe import Plan, figure, median_rate, unavailable
 
 TIMEOUT_S = 180.0
 
@@ -98,15 +99,15 @@ def measure(p: Plan, procs: int | None = None) -> dict[str, dict[str, Any]]:
     if isinstance(res, str):
         return {"allreduce_bus": unavailable(res)}
     factor = 2 * (n - 1) / n
-    sweep = [{"bytes": s["bytes"], "median_s": sorted(s["seconds"])[len(s["seconds"]) // 2],
-              "busbw_bytes_per_s": figure(s["seconds"], s["bytes"], "", factor)["bytes_per_s"]}
+    sweep = [{"bytes": s["bytes"], "median_s": statistics.median(s["seconds"]),
+              "busbw_bytes_per_s": median_rate(s["seconds"], s["bytes"], factor)}
              for s in res["sizes"]]
     last = res["sizes"][-1]
     fig = figure(last["seconds"], last["bytes"],
                  f"torch.distributed all_reduce (sum, float32) over {backend} among {n} local "
                  "processes; bus bandwidth = bytes/time * 2(n-1)/n", factor,
                  backend=backend, processes=n,
-                 algbw_bytes_per_s=figure(last["seconds"], last["bytes"], "")["bytes_per_s"],
+                 algbw_bytes_per_s=median_rate(last["seconds"], last["bytes"]),
                  sizes=sweep, torch=res.get("torch"))
     if "note" in res:
         fig["note"] = res["note"]

@@ -10,7 +10,7 @@ import itertools
 import time
 from typing import Any
 
-from gputrace.probe import Plan, figure, latency, unavailable
+from gputrace.probe import Plan, figure, latency, median_rate, unavailable
 
 KEYS = ("h2d_pageable", "h2d_pinned", "d2h_pageable", "d2h_pinned", "d2d", "p2p",
         "h2d_latency", "d2h_latency")
@@ -111,12 +111,11 @@ def _p2p(cp: Any, n: int, p: Plan, run: Any) -> dict[str, Any]:
 
             row: dict[str, Any] = {"src": src, "dst": dst,
                                    "can_access_peer": bool(rt.deviceCanAccessPeer(src, dst))}
-            row["off_bytes_per_s"] = figure(run(stream, copy, p.repeats), size, "")["bytes_per_s"]
+            row["off_bytes_per_s"] = median_rate(run(stream, copy, p.repeats), size)
             if row["can_access_peer"]:
                 enabled = _peer_access(cp, src, dst, True)
                 try:
-                    row["on_bytes_per_s"] = figure(run(stream, copy, p.repeats), size,
-                                                   "")["bytes_per_s"]
+                    row["on_bytes_per_s"] = median_rate(run(stream, copy, p.repeats), size)
                 finally:
                     for a, b in enabled:
                         _peer_access(cp, a, b, False)

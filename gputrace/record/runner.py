@@ -26,7 +26,7 @@ from gputrace.collectors import (
     in_process_status,
     make_system_collector,
 )
-from gputrace.probe import load_cached as load_cached_probe
+from gputrace.probe import embed as embed_probe
 from gputrace.record import BOOTSTRAP_DIR
 from gputrace.recorder import Recorder, base_metadata
 
@@ -189,9 +189,7 @@ def record(opts: RecordOptions) -> RecordResult:
         from gputrace.recorder import redact_argv
         md["argv"] = redact_argv(argv)
     md["sample_hz"] = opts.hz
-    probe = load_cached_probe(md["host"])
-    if probe:
-        md["probe"] = probe
+    embed_probe(md)
     rec = Recorder(os.path.join(shard_dir, "record.arrow"), md, clock=clock).start()
     env = child_env(shard_dir, opts.redact_argv)
     for name in IN_PROCESS_COLLECTORS:
