@@ -344,3 +344,90 @@ def test_nsys_gpu_metrics_become_samples(tmp_path):
                    ("gpu.metric.pcie_rx_throughput", 0, t0 + 3000, 55.0),
                    ("gpu.metric.pcie_rx_throughput", 1, t0 + 2500, 7.0),
                    ("gpu.metric.sm_active", 0, t0 + 2000, 90.0)]
+
+
+def _add_nic_tables(path: Path, samples: list[tuple[int, int, int, int, int, int, float]],
+                    metrics: list[tuple[int, int, str, str]]) -> None:
+    """The NIC tables of `nsys --nic-metrics`, laid out as nsys's SQLite schema reference
+    gives them (none of the real exports here was captured with NIC metrics)."""
+    db = sqlite3.connect(path)
+    db.executescript("""
+        CREATE TABLE TARGET_INFO_NIC_INFO (globalId INT, stateName TEXT NOT NULL,
+          nicId INT NOT NULL, name TEXT NOT NULL, deviceId INT NOT NULL, vendorId INT NOT NULL,
+          linkLayer INT NOT NULL);
+        INSERT INTO TARGET_INFO_NIC_INFO VALUES (NULL, 'up', 0, 'mlx5_0', 4129, 5555, 1),
+          (NULL, 'up', 1, 'eth0', 4129, 5555, 2);
+        CREATE TABLE NIC_ID_MAP (nicId INT NOT NULL, globalId INT NOT NULL);
+        INSERT INTO NIC_ID_MAP VALUES (0, 100), (1, 101);
+        CREATE TABLE TARGET_INFO_NETWORK_METRICS (metricsListId INT NOT NULL,
+          metricsIdx INT NOT NULL, name TEXT NOT NULL, description TEXT NOT NULL,
+          unit TEXT NOT NULL);
+        CREATE TABLE NET_NIC_METRIC (start INT NOT NULL, "end" INT NOT NULL,
+          globalId INT NOT NULL, portId INT NOT NULL, metricsListId INT NOT NULL,
+          metricsIdx INT NOT NULL, value INT NOT NULL);
+    """)
+    db.executemany("INSERT INTO TARGET_INFO_NETWORK_METRICS VALUES (?, ?, ?, '', ?)", metrics)
+    db.executemany("INSERT INTO NET_NIC_METRIC VALUES (?, ?, ?, ?, ?, ?, ?)", samples)
+    db.commit()
+    db.close()
+
+
+def test_nsys_nic_metrics_become_link_counters(shared_data, tmp_path):
+    """NIC metrics: bytes per interval (or a rate) -> the cumulative counters gputrace's own
+    collectors write, so `analyze` reports the IB port's bandwidth like a recorded run's."""
+    src = shared_data / "nsys/h100_2gpu_1s.sqlite"
+    p = tmp_path / "nic.sqlite"
+    p.write_bytes(src.read_bytes())
+    db = sqlite3.connect(p)
+    (k0, k1), = db.execute("SELECT MIN(start), MAX(end) FROM CUPTI_ACTIVITY_KIND_KERNEL")
+    (utc, clock), = db.execute(
+        "SELECT utcEpochNs, systemClockNs FROM TARGET_INFO_SESSION_START_TIME")
+    db.close()
+    metrics = [(0, 0, "IB: Bytes sent", "B"), (0, 1, "IB: Bytes received", "B/s"),
+               (0, 2, "CNPs sent", "packets"), (1, 0, "Bytes sent", "bytes")]
+    period = 10_000_000
+    samples, sent, recv_rate = [], [], []
+    t = k0 + 50_000_000
+    i = 0
+    while t + period < k1 - 50_000_000:
+        sent.append(1_000_000 + 7919 * i)
+        recv_rate.append(2_000_000_000 + 1_000_000 * i)         # B/s over 10 ms
+        samples += [(t, t + period, 100, 1, 0, 0, sent[-1]),
+                    (t, t + period, 100, 1, 0, 1, recv_rate[-1]),
+                    (t, t + period, 100, 1, 0, 2, i % 3),
+                    (t, t + period, 101, 0, 1, 0, 500)]
+        t += period
+        i += 1
+    _add_nic_tables(p, samples, metrics)
+    out = tmp_path / "nic.arrow"
+    run_gputrace("import", str(p), "-o", str(out), check=True)
+    rows = [r for r in load(out).table.to_pylist() if r["kind"] == "sample"]
+    by = {}
+    for r in rows:
+        by.setdefault(r["name"], []).append(r)
+    assert set(by) == {"ib.mlx5_0.1.xmit_bytes", "ib.mlx5_0.1.rcv_bytes",
+                       "nic.mlx5_0.1.cnps_sent", "net.eth0.sent_bytes"}
+    tx = sorted(by["ib.mlx5_0.1.xmit_bytes"], key=lambda r: r["start_ns"])
+    assert tx[0]["start_ns"] == samples[0][0] + utc - clock and tx[0]["value"] == 0
+    assert [r["value"] for r in tx[1:]] == [float(sum(sent[:j + 1])) for j in range(len(sent))]
+    assert {r["unit"] for r in tx} == {"bytes"} and {r["cat"] for r in tx} == {"ib"}
+    rx = max(r["value"] for r in by["ib.mlx5_0.1.rcv_bytes"])
+    assert rx == pytest.approx(sum(v * period / 1e9 for v in recv_rate))
+    assert len(by["nic.mlx5_0.1.cnps_sent"]) == len(sent)
+    assert max(r["value"] for r in by["net.eth0.sent_bytes"]) == 500 * len(sent)
+
+    d = json.loads(run_gputrace("analyze", str(p), "--json", check=True).stdout)
+    for rk in d["ranks"].values():
+        links = {link["name"]: link for link in rk["bandwidth"]["links"]}
+        window = rk["bandwidth"]["window_s"]
+        assert links["ib.mlx5_0.1.xmit_bytes"]["bytes"] == pytest.approx(sum(sent))
+        assert links["ib.mlx5_0.1.rcv_bytes"]["bytes"] == pytest.approx(rx)
+        assert links["ib.mlx5_0.1.xmit_bytes"]["bytes_per_s"] == \
+            pytest.approx(sum(sent) / window)
+
+    bad = tmp_path / "badnic.sqlite"
+    bad.write_bytes(src.read_bytes())
+    _add_nic_tables(bad, [(k0, k0 + 1, 100, 1, 0, 0, "lots")], metrics)
+    r = run_gputrace("import", str(bad), "-o", str(tmp_path / "b.arrow"))
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr
+    assert "NIC metric value" in r.stderr

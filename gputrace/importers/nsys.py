@@ -222,6 +222,7 @@ def read(path: str, rows: Rows) -> dict[str, Any]:
                      device=_small(dev), stream=_small(stream))
     attribute_launches(rows, phases, iters, launch, gpu_rows, fixed)
     counts["gpu_metrics"] = _gpu_metrics(db, rows, offset)
+    counts["nic_metrics"] = _nic_metrics(db, rows, offset)
     return {"counts": counts, "schema_version": version,
             "product": meta.get("EXPORT_PRODUCT_VERSION"), "ranks_by_gpu": {
                 str(r): {"pid": p, "first_gpu": dev_of[p]} for p, r in rank_of.items()}}
@@ -244,5 +245,76 @@ def _gpu_metrics(db: _Db, rows: Rows, offset: int) -> int:
         rows.add("sample", "gpu", f"gpu.metric.{_slug(name)}", _int(ts, "timestamp") + offset,
                  value=float(value) if isinstance(value, int | float) else None,
                  unit=unit, device=types.index(typ) if typ in types else -1)
+        n += 1
+    return n
+
+
+# NIC metric name (after an "IB: " prefix) -> the name gputrace's own collectors give the
+# cumulative counter: InfiniBand ports as the sysfs collector, Ethernet as psutil's
+_IB_COUNTERS = {"bytes sent": "xmit_bytes", "bytes received": "rcv_bytes",
+                "packets sent": "xmit_packets", "packets received": "rcv_packets"}
+_NET_COUNTERS = {"bytes sent": "sent_bytes", "bytes received": "recv_bytes"}
+_TIME = {"s": 1e9, "sec": 1e9, "ms": 1e6, "us": 1e3, "ns": 1.0}
+_SIZE = {"b": 1.0, "byte": 1.0, "bytes": 1.0, "kb": 1e3, "mb": 1e6, "gb": 1e9,
+         "kib": 1024.0, "mib": 1024.0**2, "gib": 1024.0**3, "bit": 1 / 8, "bits": 1 / 8,
+         "kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8, "packets": 1.0, "": 1.0}
+
+
+def _amount(value: float, unit: str, dur_ns: int) -> float:
+    """What a sample moved in its interval: an amount as it is, a rate (`B/s`, `Gbit/s`,
+    `bytes per ms`) times the interval."""
+    u = unit.strip().lower().replace(" per ", "/").replace(" ", "")
+    if "/" not in u:
+        return value * _SIZE.get(u, 1.0)
+    size, per = u.rsplit("/", 1)
+    return value * _SIZE.get(size, 1.0) * dur_ns / _TIME.get(per, 1e9)
+
+
+def _nic_metrics(db: _Db, rows: Rows, offset: int) -> int:
+    """NET_NIC_METRIC (`nsys --nic-metrics`): per NIC port, bytes and packets sent and
+    received become cumulative counters like gputrace's own (`ib.<nic>.<port>.xmit_bytes`,
+    `net.<nic>.sent_bytes`), so the analyzers difference them the same way; other metrics
+    (congestion, waits, ...) are kept as read, named `nic.<nic>.<port>.<metric>`."""
+    if not _need(db, "NET_NIC_METRIC", {"start", "end", "globalId", "portId", "metricsListId",
+                                        "metricsIdx", "value"}):
+        return 0
+    metrics: dict[tuple[int, int], tuple[str, str]] = {}
+    if _need(db, "TARGET_INFO_NETWORK_METRICS", {"metricsListId", "metricsIdx", "name",
+                                                 "unit"}):
+        metrics = {(ls, ix): (str(n), str(u or "")) for ls, ix, n, u in db.rows(
+            "SELECT metricsListId, metricsIdx, name, unit FROM TARGET_INFO_NETWORK_METRICS")}
+    nic_of: dict[int, str] = {}
+    if _need(db, "NIC_ID_MAP", {"nicId", "globalId"}) and \
+            _need(db, "TARGET_INFO_NIC_INFO", {"nicId", "name"}):
+        names = {nid: str(n) for nid, n in db.rows("SELECT nicId, name FROM TARGET_INFO_NIC_INFO")}
+        nic_of = {g: _slug(names[nid]) for nid, g in db.rows(
+            "SELECT nicId, globalId FROM NIC_ID_MAP") if nid in names}
+    totals: dict[str, float] = {}
+    n = 0
+    for s, e, gid, port, ls, ix, value in db.rows(
+            'SELECT start, "end", globalId, portId, metricsListId, metricsIdx, value '
+            "FROM NET_NIC_METRIC ORDER BY start"):
+        start = _int(s, "NIC metric start") + offset
+        end = _int(e, "NIC metric end") + offset if e is not None else start
+        if not isinstance(value, int | float):
+            raise ImportFailed(f"NIC metric value is {value!r}, not a number")
+        metric, unit = metrics.get((ls, ix), (f"metric{ls}_{ix}", ""))
+        nic = nic_of.get(gid, f"nic{gid}")
+        low = metric.lower()
+        ib = low.startswith("ib:")
+        key = low.split(":", 1)[1].strip() if ib else low
+        counter = (_IB_COUNTERS if ib else _NET_COUNTERS).get(key)
+        if counter is None or ":" in low and not ib:   # IPoIB/RoCE: part of the port's IB bytes
+            rows.add("sample", "net", f"nic.{nic}.{port}.{_slug(metric)}", end,
+                     value=float(value), unit=unit)
+        else:
+            name = f"ib.{nic}.{port}.{counter}" if ib else f"net.{nic}.{counter}"
+            if name not in totals:
+                totals[name] = 0.0
+                rows.add("sample", "ib" if ib else "net", name, start, value=0.0,
+                         unit="packets" if "packets" in counter else "bytes")
+            totals[name] += _amount(float(value), unit, end - start)
+            rows.add("sample", "ib" if ib else "net", name, end, value=totals[name],
+                     unit="packets" if "packets" in counter else "bytes")
         n += 1
     return n
