@@ -56,6 +56,8 @@ def main() -> None:
                     help="largest size also written as Kineto JSON (JSON is slow to write)")
     ap.add_argument("--hta-python", help="a Python with holistictraceanalysis installed")
     ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--ranks", type=int, default=4,
+                    help="ranks the events are spread over (one Kineto file per rank)")
     ap.add_argument("--tiny", action="store_true")
     a = ap.parse_args()
     sizes = [int(float(x)) for x in ("2e4" if a.tiny else a.sizes).split(",")]
@@ -63,7 +65,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for n in sizes:
             arrow = Path(tmp) / f"t{n}.arrow"
-            events = synth.write_arrow(arrow, n)
+            events = synth.write_arrow(arrow, n, a.ranks)
             g = measure([PY, "-m", "gputrace", "analyze", "--json", str(arrow)], a.timeout)
             if g.get("rc") != 0:
                 raise SystemExit(f"gputrace analyze failed at {n}: {g}")
@@ -71,7 +73,7 @@ def main() -> None:
             sz = [f"{events:.2g}", f"{arrow.stat().st_size / events:.1f}"]
             if n <= a.json_max:
                 jdir = Path(tmp) / f"k{n}"
-                synth.write_kineto(jdir, n)
+                synth.write_kineto(jdir, n, a.ranks)
                 jbytes = sum(f.stat().st_size for f in jdir.iterdir())
                 gz = 0
                 for f in jdir.iterdir():
@@ -96,7 +98,7 @@ def main() -> None:
             size_rows.append(sz)
             arrow.unlink()
     print(table("Analysis: gputrace analyze --json vs HTA (comm-comp overlap + temporal "
-                "breakdown), same events, 4 ranks",
+                f"breakdown), same events, {a.ranks} ranks",
                 ["events", "gputrace", "peak RSS", "HTA", "HTA RSS", "time ratio", "RSS ratio"],
                 speed))
     print()

@@ -13,6 +13,7 @@ import pyarrow.compute as pc
 import pytest
 
 from gputrace.trace import load
+from gputrace.trace.reader import open_by_rank
 from tests.conftest import GPUTRACE, run_gputrace
 
 
@@ -125,9 +126,14 @@ def test_two_python_children_with_ranks_merge_into_one_trace(tmp_path):
         fwd = [r for r in spans if r["rank"] == rank and r["cat"] == "forward"]
         assert len(fwd) == 4 and all(r["layer"] == 1 for r in fwd)
     assert tr.metadata["ranks"] == [0, 1]
-    # the merged file is sorted by time and the shard directory is gone
-    starts = tr.table.column("start_ns").to_pylist()
-    assert starts == sorted(starts)
+    # the merged file is sorted by (rank, time), one rank per record batch, and the shard
+    # directory is gone
+    keys = list(zip(tr.table.column("rank").to_pylist(), tr.table.column("start_ns").to_pylist(),
+                    strict=True))
+    assert keys == sorted(keys)
+    ranked = open_by_rank(out)
+    assert ranked is not None and ranked.ranks == [-1, 0, 1]
+    assert sum(len(ranked.columns(r)["kind"]) for r in ranked.ranks) == tr.table.num_rows
     assert [f for f in os.listdir(tmp_path) if f.endswith(".shards")] == []
 
 

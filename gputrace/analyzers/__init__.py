@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,21 +136,44 @@ def _replay_findings(rp: Replay | None, world: int) -> list[Finding]:
                     f"{best.exposed_s * 1e3:.1f} ms of comm after backward.")]
 
 
+def _frames(trace: Any, consume: bool) -> Iterator[fr.Frame]:
+    """The trace's frames: one per rank when it can be read rank by rank (RankedTrace),
+    else one for the whole table."""
+    if hasattr(trace, "columns") and hasattr(trace, "groups"):
+        ranked = any(r >= 0 for r in trace.groups)
+        for r in trace.ranks:
+            cols = trace.columns(r)
+            # unranked spans beside ranked ones belong to launchers (torchrun): dropped
+            yield fr.build(cols, trace.metadata, drop_unranked=ranked and r < 0)
+            del cols
+    elif consume:
+        cols = {c: trace.table.column(c) for c in trace.table.column_names}
+        trace.table = None
+        yield fr.build(cols, trace.metadata)
+    else:
+        yield fr.build(trace.table, trace.metadata)
+
+
 def analyze(trace: Any, *, skip: int | None = None, gpus: Sequence[int] = (2, 4, 8, 16),
             link_bytes_per_s: float | None = None, shared_io: bool = False,
             what_if: Sequence[Scenario] = (), consume: bool = False) -> Analysis:
-    """Analyze a loaded trace (gputrace.trace.Trace); `what_if` adds replay scenarios.
-    `consume` hands the trace's table over (trace.table becomes None), so its columns are
-    freed one by one as they are converted: the command line's peak memory."""
-    if consume:
-        cols = {c: trace.table.column(c) for c in trace.table.column_names}
-        trace.table = None
-        f = fr.build(cols, trace.metadata)
-        del cols
-    else:
-        f = fr.build(trace.table, trace.metadata)
-    if not f.ranks:
+    """Analyze a loaded trace (gputrace.trace.Trace, or a RankedTrace read one rank at a
+    time); `what_if` adds replay scenarios. `consume` hands a Trace's table over
+    (trace.table becomes None), so its columns are freed one by one as they are converted:
+    the command line's peak memory."""
+    steps: dict[int, RankSteps] = {}
+    extra: dict[int, list[Finding]] = {}
+    parts: list[dict[str, fr.Samples]] = []
+    for f in _frames(trace, consume):
+        for r in list(f.ranks):
+            sp = f.ranks.pop(r)     # each rank's spans are freed once it is summarized
+            steps[r] = analyze_rank(sp)
+            extra[r] = _extra_findings(sp, steps[r])
+            del sp
+        parts.append(f.samples)
+    if not steps:
         raise NothingToAnalyze("the trace has no spans (no iterations or phases) to analyze")
+    samples = fr.merge_samples(parts)
     probe = trace.metadata.get("probe") if isinstance(trace.metadata, dict) else None
     if link_bytes_per_s is None and isinstance(probe, dict):
         for key in ("allreduce_bus", "ib", "p2p"):
@@ -158,9 +181,8 @@ def analyze(trace: Any, *, skip: int | None = None, gpus: Sequence[int] = (2, 4,
             if isinstance(v, dict) and isinstance(v.get("bytes_per_s"), (int, float)):
                 link_bytes_per_s = float(v["bytes_per_s"])
                 break
-    world = max(len(f.ranks), int(trace.metadata.get("world_size") or 0)
+    world = max(len(steps), int(trace.metadata.get("world_size") or 0)
                 if isinstance(trace.metadata.get("world_size"), int) else 0, 1)
-    steps = {r: analyze_rank(sp) for r, sp in f.ranks.items()}
     sels = {}
     skipped = {}
     for r, rs in steps.items():
@@ -178,20 +200,20 @@ def analyze(trace: Any, *, skip: int | None = None, gpus: Sequence[int] = (2, 4,
         comm = _overlap(rs.comm, sel)
         io = _overlap(rs.io, sel)
         bw = None
-        if f.samples and sel.size:
+        if samples and sel.size:
             lo = int(rs.iterations.start[sel[0]])
             hi = int(rs.iterations.end[sel[-1]])
-            bw = analyze_bandwidth(f.samples, lo, hi, int(sel.size),
+            bw = analyze_bandwidth(samples, lo, hi, int(sel.size),
                                    io["total_s"] * sel.size, probe)
         rp = replay(rs, sel, model, world, gpus, link_bytes_per_s, what_if)
-        extra = {"findings": _extra_findings(f.ranks[r], rs) + _replay_findings(rp, world)}
+        more = {"findings": extra[r] + _replay_findings(rp, world)}
         w = waits.get(r)
         out[r] = RankAnalysis(
             rank=r, iterations=int(rs.iterations.start.size), warmup_skipped=skipped[r],
             synthetic_iterations=rs.iterations.synthetic,
             breakdown={k: _stat(rs.terms[k][sel]) for k in TERMS},
             comm=comm, io=io, model=model, speedup=sp_, bandwidth=bw,
-            findings=find(model, comm, io, bw, extra),
+            findings=find(model, comm, io, bw, more),
             comm_wait_s=w[0] if w else None, comm_transfer_s=w[1] if w else None,
             replay=rp)
     slowest = max(out, key=lambda r: out[r].breakdown["t_iter"].mean)

@@ -128,10 +128,12 @@ class Frame:
 
 
 def build(table: pa.Table | dict[str, pa.ChunkedArray],
-          metadata: dict[str, object] | None = None) -> Frame:
+          metadata: dict[str, object] | None = None, drop_unranked: bool = False) -> Frame:
     """The frame of a table, or of a dict of its columns: a dict is emptied as the columns
     are converted, so the caller that hands over its only reference to them never holds
-    the table and its numpy copy at once."""
+    the table and its numpy copy at once. Spans without a rank are dropped when they stand
+    beside ranked ones (launchers such as torchrun), here or, with `drop_unranked`, in
+    another part of the same trace."""
     cols = table if isinstance(table, dict) else {c: table.column(c) for c in table.column_names}
     del table
     n_all = len(cols["kind"])
@@ -144,11 +146,12 @@ def build(table: pa.Table | dict[str, pa.ChunkedArray],
     del keep
     ranks: dict[int, Spans] = {}
     is_span = kind_codes == span_code
+    if is_span.any() and drop_unranked:
+        is_span &= _np(cols["rank"], -1, np.int32) >= 0
     if is_span.any():
         rank_all = _np(cols.pop("rank"), -1, np.int32)
         present = np.unique(rank_all[is_span])
         if present.size > 1 and -1 in present:
-            # unranked spans beside ranked ones belong to launchers (torchrun): drop them
             is_span &= rank_all >= 0
         sel = np.flatnonzero(is_span)
         # one permutation puts each rank's spans together: per-rank arrays are views
@@ -212,3 +215,18 @@ def build(table: pa.Table | dict[str, pa.ChunkedArray],
                 key = nm if d < 0 else f"{nm}@{d}"  # per-GPU counters stay apart
                 samples[key] = Samples(t[idx], v[idx], units[idx[0]] or "")
     return Frame(ranks, samples, dict(metadata or {}))
+
+
+def merge_samples(parts: list[dict[str, Samples]]) -> dict[str, Samples]:
+    """The samples of several frames of one trace, as one frame of the whole would hold."""
+    out: dict[str, Samples] = {}
+    for part in parts:
+        for key, s in part.items():
+            have = out.get(key)
+            if have is None:
+                out[key] = s
+                continue
+            t = np.concatenate([have.t, s.t])
+            order = np.argsort(t, kind="stable")
+            out[key] = Samples(t[order], np.concatenate([have.value, s.value])[order], have.unit)
+    return out

@@ -88,10 +88,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
 
-def load_trace(paths: Sequence[str]):  # type: ignore[no-untyped-def]
+def load_trace(paths: Sequence[str], by_rank: bool = False):  # type: ignore[no-untyped-def]
     """Load a trace for a command, turning every unreadable input into one line (exit 2).
 
-    Kineto JSON and Nsight Systems SQLite files are imported on the fly."""
+    Kineto JSON and Nsight Systems SQLite files are imported on the fly. With `by_rank`, one
+    intact trace file written one rank per batch comes back as a RankedTrace, read one rank
+    at a time by its consumer."""
     import os
 
     import pyarrow as pa
@@ -101,11 +103,16 @@ def load_trace(paths: Sequence[str]):  # type: ignore[no-untyped-def]
         # it a while, which on a 1e7-event trace adds ~40% to the peak
         pa.set_memory_pool(pa.system_memory_pool())
     from gputrace.importers import ImportFailed, import_paths, is_foreign
-    from gputrace.trace.reader import load
+    from gputrace.trace.reader import load, open_by_rank
     from gputrace.trace.schema import TraceFormatError
 
     try:
-        trace = import_paths(list(paths)) if is_foreign(list(paths)) else load(*paths)
+        foreign = is_foreign(list(paths))
+        ranked = open_by_rank(paths[0]) if by_rank and len(paths) == 1 and not foreign \
+            else None
+        if ranked is not None:
+            return ranked
+        trace = import_paths(list(paths)) if foreign else load(*paths)
     except ImportFailed as e:
         raise CommandError(str(e)) from None
     except TraceFormatError as e:

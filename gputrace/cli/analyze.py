@@ -69,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
 
     from gputrace.analyzers import NothingToAnalyze, analyze
     from gputrace.cli import load_trace
+    from gputrace.trace.reader import RankUnreadable
 
     try:
         gpus = [int(x) for x in args.gpus.split(",") if x.strip()]
@@ -79,10 +80,15 @@ def run(args: argparse.Namespace) -> int:
             from None
     link = parse_bandwidth(args.link_bandwidth) if args.link_bandwidth else None
     what_if = [parse_what_if(w) for w in args.what_if]
-    trace = load_trace(args.trace)
+    trace = load_trace(args.trace, by_rank=True)
+    kw = dict(skip=args.skip, gpus=gpus, link_bytes_per_s=link, shared_io=args.shared_io,
+              what_if=what_if, consume=True)
     try:
-        a = analyze(trace, skip=args.skip, gpus=gpus, link_bytes_per_s=link,
-                    shared_io=args.shared_io, what_if=what_if, consume=True)
+        try:
+            a = analyze(trace, **kw)
+        except RankUnreadable:   # read it whole instead, recovering every complete batch
+            trace = load_trace(args.trace)
+            a = analyze(trace, **kw)
     except NothingToAnalyze as e:
         raise CommandError(f"{' '.join(args.trace)}: {e}") from None
     except (UnicodeDecodeError, ArrowInvalid) as e:

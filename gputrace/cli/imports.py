@@ -20,7 +20,7 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from gputrace.cli import load_trace
     from gputrace.importers import ImportFailed, is_foreign
-    from gputrace.trace.writer import write_trace
+    from gputrace.trace.writer import write_by_rank
 
     try:
         if not is_foreign(args.files):
@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     trace = load_trace(args.files)
     tmp = f"{args.output}.tmp{os.getpid()}"
     try:
-        write_trace(tmp, trace.metadata, table=trace.table)
+        write_by_rank(tmp, trace.metadata, trace.table)
         os.replace(tmp, args.output)
     except OSError as e:
         if os.path.exists(tmp):

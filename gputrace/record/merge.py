@@ -10,7 +10,7 @@ from typing import Any
 import pyarrow.compute as pc
 
 from gputrace.trace.reader import collector_weight, load, merge_metadata
-from gputrace.trace.writer import write_trace
+from gputrace.trace.writer import write_by_rank
 
 
 @dataclass
@@ -25,15 +25,14 @@ class MergeResult:
 
 def merge_shards(shard_dir: str, out: str, top: dict[str, Any] | None = None,
                  remove: bool = True) -> MergeResult:
-    """Read every shard in shard_dir (recovering truncated ones), sort by time, write `out`.
+    """Read every shard in shard_dir (recovering truncated ones), write `out` sorted by rank
+    and time, one rank per record batch (analysis then reads one rank at a time).
 
     `top` overrides top-level metadata (the recording process's view of the run).
     The shard directory is removed only after the merged file is safely in place.
     """
     trace = load(shard_dir, skip_unreadable=True)
     table = trace.table
-    if table.num_rows:
-        table = table.take(pc.sort_indices(table, [("start_ns", "ascending")]))
     md = merge_metadata(trace.metadata.get("shards") or [trace.metadata])
     if top:
         md.update({k: v for k, v in top.items() if k != "collectors"})
@@ -47,7 +46,7 @@ def merge_shards(shard_dir: str, out: str, top: dict[str, Any] | None = None,
         md["recovered"] = trace.warnings
     tmp = f"{out}.tmp-{os.getpid()}"
     try:
-        write_trace(tmp, md, table=table)
+        write_by_rank(tmp, md, table)
         os.replace(tmp, out)
     except BaseException:
         if os.path.exists(tmp):

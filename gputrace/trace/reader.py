@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from gputrace.trace.schema import TraceFormatError, conform, read_metadata
 
@@ -125,6 +126,72 @@ def load(*paths: str | os.PathLike[str], skip_unreadable: bool = False) -> Trace
     table = pa.concat_tables(tables, promote_options="permissive")
     md = merge_metadata([p.metadata for p in parts])
     return Trace(table, md, files, warnings)
+
+
+class RankUnreadable(TraceFormatError):
+    """A RankedTrace's batches of one rank cannot be read; `load` recovers what it can."""
+
+
+class RankedTrace:
+    """One intact trace file whose record batches each hold a single rank (as `record` and
+    `import` write them): its ranks are read one at a time, so a consumer holds one rank's
+    rows at once, not the whole run's."""
+
+    def __init__(self, path: str, reader: pa.ipc.RecordBatchFileReader,
+                 metadata: dict[str, Any], groups: dict[int, list[int]]) -> None:
+        self.metadata = metadata
+        self.sources = [path]
+        self.warnings: list[str] = []
+        self.groups = groups          # rank -> its record batches
+        self._reader = reader
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted(self.groups)
+
+    def columns(self, rank: int) -> dict[str, pa.ChunkedArray]:
+        """One rank's rows as columns (a dict the caller may empty as it converts them)."""
+        rd = self._reader
+        try:
+            table = pa.Table.from_batches([rd.get_batch(i) for i in self.groups[rank]],
+                                          schema=rd.schema)
+            table.validate(full=True)
+            table = conform(table)
+        except (pa.ArrowException, OSError, ValueError) as e:
+            raise RankUnreadable(f"{self.sources[0]}: rank {rank} is damaged ({e})") from None
+        return {c: table.column(c) for c in table.column_names}
+
+
+def open_by_rank(path: str | os.PathLike[str]) -> RankedTrace | None:
+    """The file as a RankedTrace, or None when it cannot be read rank by rank (a directory,
+    a truncated file, or batches that mix ranks: `load` reads those whole)."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, "rb") as f:
+            if not f.read(8).startswith(MAGIC):
+                return None
+        buf = pa.memory_map(path).read_buffer()
+        rd = pa.ipc.open_file(buf)
+        md = read_metadata(rd.schema)
+        at = rd.schema.get_field_index("rank")
+        if at < 0:
+            return None
+        only = pa.ipc.open_file(buf, options=pa.ipc.IpcReadOptions(included_fields=[at]))
+        groups: dict[int, list[int]] = {}
+        for i in range(only.num_record_batches):
+            col = only.get_batch(i).column(0)
+            if col.null_count:
+                return None
+            lo, hi = pc.min_max(col).values()
+            if lo.as_py() != hi.as_py():
+                return None
+            if lo.as_py() is not None:
+                groups.setdefault(int(lo.as_py()), []).append(i)
+    except (TraceFormatError, pa.ArrowException, OSError, ValueError):
+        return None
+    return RankedTrace(path, rd, md, groups)
 
 
 def collector_weight(info: Any) -> int:

@@ -166,3 +166,24 @@ def write_trace(path: str | os.PathLike[str], metadata: dict[str, Any],
         w.close()
     if w.error:
         raise OSError(w.error)
+
+
+def write_by_rank(path: str | os.PathLike[str], metadata: dict[str, Any],
+                  table: pa.Table) -> None:
+    """Write a whole trace sorted by (rank, start) with no record batch holding two ranks,
+    so a reader can take one rank at a time (`trace.reader.open_by_rank`)."""
+    import numpy as np
+
+    if table.num_rows:
+        table = table.sort_by([("rank", "ascending"), ("start_ns", "ascending")])
+    rank = table.column("rank").to_numpy(zero_copy_only=False) if table.num_rows else None
+    w = TraceWriter(path, metadata)
+    try:
+        if rank is not None:
+            cuts = np.concatenate(([0], np.flatnonzero(np.diff(rank)) + 1, [rank.size]))
+            for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
+                w.write_table(table.slice(int(lo), int(hi - lo)))
+    finally:
+        w.close()
+    if w.error:
+        raise OSError(w.error)
