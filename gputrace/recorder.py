@@ -221,6 +221,15 @@ class Recorder:
                            self.pid if pid is None else pid, tid, device, stream, step, layer,
                            nbytes, src_kind, dst_kind, corr, args))
 
+    def peek_spans(self) -> list[tuple[Any, ...]]:
+        """The spans not yet flushed, left in place (a copy; appends may race it)."""
+        for _ in range(8):
+            try:
+                return list(self._spans)
+            except RuntimeError:   # appended to while copied: try again
+                continue
+        return []
+
     def add_rows(self, rows: list[Row]) -> None:
         self._rows.extend(rows)
 

@@ -9,12 +9,14 @@ from gputrace import recorder as _recorder
 
 
 def instrument(model: Any = None, optimizer: Any = None, loader: Any = None,
-               session: Any = None) -> str:
+               session: Any = None, gpu_timeline: str | None = "auto") -> str:
     """Install gputrace's global torch hooks on the session's recorder (or the current one).
 
     The hooks are global (every module, optimizer and DataLoader), so `model`, `optimizer`
     and `loader` are optional; a model given here has its layers numbered now, in
-    registration order, instead of at its first forward. Returns the collector status.
+    registration order, instead of at its first forward. `gpu_timeline` ("auto", "cupti",
+    "kineto", or None for none) starts the GPU kernel/copy timeline as `record
+    --gpu-timeline` does, unless one runs already. Returns the torch collector's status.
     """
     rec = session.recorder if session is not None else _recorder.current()
     if rec is None:
@@ -24,6 +26,12 @@ def instrument(model: Any = None, optimizer: Any = None, loader: Any = None,
 
     status = torch_collector.auto_instrument(rec)
     rec.set_collector("torch", status)
+    if gpu_timeline is not None and "cupti" not in rec.metadata.get("collectors", {}):
+        import torch
+
+        from gputrace.record.inprocess import gpu_timeline as start_gpu_timeline
+
+        start_gpu_timeline(rec, torch, gpu_timeline)
     if model is not None and torch_collector._installed is not None:
         for m in model.modules():
             torch_collector._installed.layer_for(m)

@@ -16,6 +16,9 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hz", type=float, default=100.0, help="system sampling rate (100)")
     p.add_argument("--collectors", default=",".join(ALL_COLLECTORS),
                    help=f"comma-separated subset of {','.join(ALL_COLLECTORS)}")
+    p.add_argument("--gpu-timeline", choices=("auto", "cupti", "kineto"), default="auto",
+                   help="where GPU kernels and copies come from: CUPTI (cupti-python), "
+                   "torch.profiler's Kineto, or auto: CUPTI, else Kineto when torch has CUDA")
     p.add_argument("--redact-argv", action="store_true",
                    help="keep only program and flag names of argv in the trace")
     p.add_argument("--kill-after", type=float, default=10.0, metavar="S",
@@ -33,7 +36,8 @@ def run(args: argparse.Namespace) -> int:
     opts = RecordOptions(
         command=cmd, output=args.output, hz=args.hz,
         collectors=[c.strip() for c in args.collectors.split(",") if c.strip()],
-        force=args.force, redact_argv=args.redact_argv, kill_after_s=args.kill_after,
+        force=args.force, redact_argv=args.redact_argv, gpu_timeline=args.gpu_timeline,
+        kill_after_s=args.kill_after,
         quiet=args.quiet)
     try:
         return record(opts).exit_code

@@ -273,8 +273,9 @@ class CuptiCollector:
                 r.rank, r.pid, -1, -1, -1, -1, -1, None, None, None, None, args, None)
 
 
-def start(recorder: Any) -> CuptiCollector | None:
-    """Start CUPTI in this process if it can run; otherwise say why in one line and go on."""
+def start(recorder: Any, quiet: bool = False) -> CuptiCollector | None:
+    """Start CUPTI in this process if it can run; otherwise say why in one line (unless
+    `quiet`: a fallback is tried next) and go on. The reason is the collector's status."""
     status = availability()
     if status != "ok":
         recorder.set_collector("cupti", status)
@@ -288,6 +289,7 @@ def start(recorder: Any) -> CuptiCollector | None:
         if "MULTIPLE_SUBSCRIBERS" in reason.upper() or "subscriber" in reason.lower():
             reason += " (another profiler, e.g. torch.profiler or nsys, holds CUPTI)"
         recorder.set_collector("cupti", f"unavailable: {reason}")
-        print(f"gputrace: cupti: unavailable: {reason}; GPU kernels are not recorded",
-              file=sys.stderr)
+        if not quiet:
+            print(f"gputrace: cupti: unavailable: {reason}; GPU kernels are not recorded",
+                  file=sys.stderr)
         return None

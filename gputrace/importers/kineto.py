@@ -6,6 +6,7 @@ import gzip
 import math
 import os
 import re
+from collections.abc import Sequence
 from typing import IO, Any
 
 import ijson
@@ -76,13 +77,18 @@ def rank_of(path: str, dist: Any) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def read(path: str, rank: int, rows: Rows) -> dict[str, Any]:
-    """Append one Kineto file's events to `rows` as `rank`; return what the file says of itself."""
+def read(path: str, rank: int, rows: Rows, *, phases: Sequence[tuple[Any, int, int, str]] = (),
+         iters: Sequence[tuple[int, int, int]] = (), gpu_only: bool = False) -> dict[str, Any]:
+    """Append one Kineto file's events to `rows` as `rank`; return what the file says of itself.
+
+    `phases` ((pid, tid), start, end, cat) and `iters` (start, end, step) add ranges known
+    from elsewhere (gputrace's own spans) for attributing GPU work to the range of its
+    launch; `gpu_only` leaves out the file's CPU-side ranges."""
     launch: dict[int, tuple[Any, int]] = {}          # correlation -> ((pid, tid), t)
     gpu_rows: list[tuple[int, int]] = []              # (row, correlation)
     fixed: set[int] = set()
-    phases: list[tuple[Any, int, int, str]] = []
-    iters: list[tuple[int, int, int]] = []
+    phases = list(phases)
+    iters = list(iters)
     counts = {"events": 0, "skipped": 0}
     try:
         base = _top_level(path, "baseTimeNanoseconds")
@@ -137,7 +143,7 @@ def read(path: str, rank: int, rows: Rows) -> dict[str, Any]:
                     if "ynchronize" in name:
                         rows.add("span", "sync", name, start, end, rank=rank, pid=pid, tid=tid)
                 elif cat in ("cpu_op", "user_annotation", "python_function", "operator",
-                             "gpu_user_annotation"):
+                             "gpu_user_annotation") and not gpu_only:
                     ph, step = phase_of(name)
                     device = _int(args.get("device", pid)) if cat == "gpu_user_annotation" \
                         else -1

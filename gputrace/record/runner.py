@@ -48,6 +48,7 @@ class RecordOptions:
     redact_argv: bool = False
     kill_after_s: float = 10.0
     quiet: bool = False
+    gpu_timeline: str = "auto"     # auto | cupti | kineto
 
 
 @dataclass
@@ -175,6 +176,8 @@ def record(opts: RecordOptions) -> RecordResult:
     if bad:
         raise RecordError(f"unknown collector(s) {', '.join(bad)}; "
                           f"choose from {', '.join(ALL_COLLECTORS)}")
+    if opts.gpu_timeline not in ("auto", "cupti", "kineto"):
+        raise RecordError(f"--gpu-timeline is auto, cupti or kineto, not {opts.gpu_timeline!r}")
     if not (0 < opts.hz <= 10_000):
         raise RecordError("--hz must be between 0 and 10000")
     output = opts.output
@@ -192,6 +195,7 @@ def record(opts: RecordOptions) -> RecordResult:
     embed_probe(md)
     rec = Recorder(os.path.join(shard_dir, "record.arrow"), md, clock=clock).start()
     env = child_env(shard_dir, opts.redact_argv)
+    env["GPUTRACE_GPU_TIMELINE"] = opts.gpu_timeline
     for name in IN_PROCESS_COLLECTORS:
         if name not in opts.collectors:
             env[f"GPUTRACE_NO_{name.upper()}"] = "1"

@@ -199,7 +199,7 @@ def collector_weight(info: Any) -> int:
     if not isinstance(info, dict):
         return -1
     status = str(info.get("status", ""))
-    return 2 if status == "ok" else 1 if status.startswith("unavailable") else 0
+    return 2 if status.startswith("ok") else 1 if status.startswith("unavailable") else 0
 
 
 def merge_metadata(shards: list[dict[str, Any]]) -> dict[str, Any]:

@@ -1,0 +1,207 @@
+"""GPU timeline from torch.profiler (Kineto) when CUPTI cannot be used directly.
+
+The fallback for jobs where cupti-python is missing or does not match the CUDA that torch
+was built with: Kineto ships inside torch and always matches it. It runs one profiler
+session with only the CUDA activity (kernels, memcpy, memset, CUDA runtime calls; no CPU
+operator events, no shapes, no stacks) from the moment the job imports torch until it
+exits, or until the job starts a profiler of its own: gputrace's session then stops first
+and says so in one line, so the job's own profiling works as it would without gputrace.
+
+Kineto keeps its records until the session stops, so they reach the trace at that point
+(not every second as with CUPTI). They are converted by the Kineto importer, with each
+kernel, memcpy and memset attributed to the innermost gputrace phase open on the
+launching thread at launch (runtime call matched by correlation id), NCCL kernels as
+`comm`: the same rows the CUPTI collector writes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import sys
+import tempfile
+import threading
+from typing import Any
+
+_active: KinetoCollector | None = None
+
+
+def availability(torch: Any) -> str:
+    """'ok', or 'unavailable: <one-line reason>'."""
+    try:
+        from torch.profiler import ProfilerActivity, supported_activities
+    except Exception as e:  # noqa: BLE001 - a torch without the profiler
+        return f"unavailable: torch.profiler cannot be imported ({e})"
+    if not torch.cuda.is_available():
+        return "unavailable: torch sees no CUDA device"
+    if ProfilerActivity.CUDA not in supported_activities():
+        return "unavailable: this torch's profiler has no CUDA activity"
+    return "ok"
+
+
+class KinetoCollector:
+    name = "kineto"
+
+    def __init__(self, recorder: Any, torch: Any, activities: list[Any] | None = None) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        self.torch = torch
+        self.recorder = recorder
+        self.pid = os.getpid()
+        self.activities = activities or [ProfilerActivity.CUDA]
+        self.prof = profile(activities=self.activities, record_shapes=False,
+                            profile_memory=False, with_stack=False)
+        self.phases: list[tuple[Any, int, int, str]] = []
+        self.iters: list[tuple[int, int, int]] = []
+        self.stopped = False
+        self.out: list[tuple[Any, ...]] = []      # converted rows for the next flush
+        self.lock = threading.Lock()
+        self.counts: dict[str, int] = {}
+        self.error: str | None = None
+
+    def start(self, reason: str) -> None:
+        global _active
+        self.prof.start()
+        _active = self
+        _yield_to_the_job(self.torch)
+        self.recorder.flush_hooks.append(self.on_flush)
+        # runs before torch's own exit handlers (registered earlier, at its import)
+        atexit.register(self.finish)
+        self.recorder.set_collector(
+            "cupti", f"ok: torch.profiler (Kineto) fallback, {reason}",
+            activities=[str(a).split(".")[-1] for a in self.activities],
+            delivery="when the profiler session stops (job exit, or the job's own profiler)")
+
+    # -- the recorder's flusher ---------------------------------------------------------------
+    def _take(self, spans: list[tuple[Any, ...]], phases: list[Any], iters: list[Any]) -> None:
+        from gputrace.importers.common import PHASES
+
+        key_pid = self.recorder.pid
+        for sp in spans:
+            cat, _, s, e, tid, step = sp[:6]
+            if cat == "iteration":
+                iters.append((s, e, step))
+            elif cat in PHASES:
+                phases.append(((key_pid, tid), s, e, cat))
+
+    def on_flush(self, spans: list[tuple[Any, ...]], final: bool) -> list[tuple[Any, ...]]:
+        with self.lock:
+            self._take(spans, self.phases, self.iters)
+        if final:
+            self.finish()
+        with self.lock:
+            rows, self.out = self.out, []
+        return rows
+
+    def finish(self) -> None:
+        """Stop the session (once, in the process that started it) and convert its records."""
+        global _active
+        with self.lock:
+            if self.stopped or os.getpid() != self.pid:
+                return
+            self.stopped = True
+            # spans the flusher has not drained yet still tell where launches were made
+            phases, iters = list(self.phases), list(self.iters)
+            self._take(self.recorder.peek_spans(), phases, iters)
+        if _active is self:
+            _active = None
+        rows: list[tuple[Any, ...]] = []
+        fd, path = tempfile.mkstemp(prefix="gputrace-kineto-", suffix=".json")
+        os.close(fd)
+        try:
+            self.prof.stop()
+            self.prof.export_chrome_trace(path)
+            rows = self.convert(path, phases, iters)
+        except Exception as e:  # noqa: BLE001 - never break the job at its exit
+            self.error = f"{type(e).__name__}: {e}".splitlines()[0]
+            print(f"gputrace: torch.profiler fallback: {self.error}; its GPU records are lost",
+                  file=sys.stderr)
+        finally:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        rows.append(self._summary())
+        with self.lock:
+            self.out.extend(rows)
+
+    def convert(self, path: str, phases: list[tuple[Any, int, int, str]],
+                iters: list[tuple[int, int, int]]) -> list[tuple[Any, ...]]:
+        """A Kineto JSON of this process -> trace rows attributed to gputrace's phases:
+        phases ((pid, tid), start, end, cat) and iterations (start, end, step)."""
+        from gputrace.importers import kineto
+        from gputrace.importers.common import Rows
+        from gputrace.trace.schema import COLUMN_NAMES
+
+        rows = Rows()
+        r = self.recorder
+        counts = kineto.read(path, r.rank, rows, phases=phases, iters=iters, gpu_only=True)
+        table = rows.table()
+        cols = [table.column(c).to_pylist() for c in COLUMN_NAMES]
+        at = {c: i for i, c in enumerate(COLUMN_NAMES)}
+        out = []
+        for row in zip(*cols, strict=True):
+            row = list(row)
+            row[at["host"]] = r.host
+            row[at["pid"]] = r.pid            # all of the session's records are this process's
+            out.append(tuple(row))
+            cat = row[at["cat"]]
+            self.counts[cat] = self.counts.get(cat, 0) + 1
+        self.counts["events_read"] = int(counts.get("events", 0))
+        return out
+
+    def _summary(self) -> tuple[Any, ...]:
+        r = self.recorder
+        args = {"records": self.counts, "source": "torch.profiler"}
+        if self.error:
+            args["error"] = self.error
+        return ("instant", "user", "cupti.summary", r.now_ns(), None, None, None, r.host,
+                r.rank, r.pid, -1, -1, -1, -1, -1, None, None, None, None, json.dumps(args),
+                None)
+
+
+def _yield_to_the_job(torch: Any) -> None:
+    """When the job starts a profiler of its own, stop gputrace's session first (Kineto runs
+    one session per process), once, and say so."""
+    cls = torch.autograd.profiler.profile
+    if getattr(cls._prepare_trace, "_gputrace", False):
+        return
+    inner = cls._prepare_trace
+
+    def _prepare_trace(self: Any, *a: Any, **kw: Any) -> Any:
+        col = _active
+        if col is not None and self is not getattr(col.prof, "profiler", None):
+            print("gputrace: the job starts its own torch.profiler; the gputrace fallback "
+                  "session stops here (GPU records after this point are the job's)",
+                  file=sys.stderr)
+            col.finish()
+        return inner(self, *a, **kw)
+
+    _prepare_trace._gputrace = True  # type: ignore[attr-defined]
+    cls._prepare_trace = _prepare_trace
+
+
+def start(recorder: Any, torch: Any, reason: str, force_cpu: bool = False) -> KinetoCollector | None:
+    """Start the fallback if torch can profile CUDA here; otherwise say why and go on.
+
+    `force_cpu` runs the same session with the CPU activity on a machine without a GPU
+    (its operator events are not kept): the whole path, minus GPU records, for tests."""
+    status = "ok" if force_cpu else availability(torch)
+    if status != "ok":
+        recorder.set_collector("cupti", f"{status} (torch.profiler fallback; {reason})")
+        return None
+    try:
+        acts = None
+        if force_cpu:
+            from torch.profiler import ProfilerActivity
+            acts = [ProfilerActivity.CPU]
+        col = KinetoCollector(recorder, torch, acts)
+        col.start(reason)
+        return col
+    except Exception as e:  # noqa: BLE001 - a profiler already running, ...
+        why = f"{type(e).__name__}: {e}".splitlines()[0]
+        recorder.set_collector("cupti", f"unavailable: torch.profiler fallback failed: {why}")
+        print(f"gputrace: torch.profiler fallback unavailable: {why}; GPU kernels are not "
+              "recorded", file=sys.stderr)
+        return None

@@ -1,0 +1,139 @@
+"""The torch.profiler (Kineto) fallback for GPU timelines when CUPTI cannot be used directly.
+
+On this machine torch has no CUDA, so the conversion is checked on a real Kineto trace of a
+GPU job (../shared/data), and the session's life in a recorded job (start at torch import,
+stop at exit or when the job starts its own profiler, export, import) with Kineto's CPU
+activity, whose operator events the fallback leaves out.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import sys
+import textwrap
+
+import pytest
+
+from gputrace.trace import load
+from tests.conftest import run_gputrace
+
+torch = pytest.importorskip("torch")
+
+WINDOW = 2_000_000   # ns
+
+
+def test_kineto_records_become_rows_attributed_to_gputrace_phases(shared_data, tmp_path):
+    from torch.profiler import ProfilerActivity
+
+    from gputrace.collectors.kineto import KinetoCollector
+    from gputrace.recorder import Recorder, base_metadata
+    from gputrace.trace.schema import COLUMN_NAMES
+
+    src = shared_data / "kineto/nccl_data.json.gz"
+    d = json.load(gzip.open(src))
+    base = d.get("baseTimeNanoseconds", 0)
+    ev = [e for e in d["traceEvents"] if e.get("ph") == "X"]
+
+    def ns(e):
+        return round(e["ts"] * 1000) + base
+
+    runtime = {e["args"]["correlation"]: e for e in ev if e.get("cat") == "cuda_runtime"
+               and "correlation" in e.get("args", {})}
+    lo = min(ns(e) for e in runtime.values())
+    hi = max(ns(e) for e in runtime.values())
+    # gputrace phases on every launching thread: forward and backward windows in turn
+    phases = []
+    for key in {(e["pid"], e["tid"]) for e in runtime.values()}:
+        for k, t in enumerate(range(lo, hi + 1, WINDOW)):
+            phases.append((key, t, t + WINDOW - 1, ("forward", "backward")[k % 2]))
+    gpu = [e for e in ev if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    expected = {}
+    for e in gpu:
+        launch = runtime.get(e["args"].get("correlation"))
+        if e["cat"] == "kernel" and e["name"].lower().startswith("nccl"):
+            ph = "comm"
+        elif launch is None:
+            ph = None
+        else:
+            ph = ("forward", "backward")[(ns(launch) - lo) // WINDOW % 2]
+        expected[(ns(e), e["name"])] = ph
+
+    rec = Recorder(str(tmp_path / "unused.arrow"), base_metadata("process"))
+    col = KinetoCollector(rec, torch, [ProfilerActivity.CPU])
+    rows = [dict(zip(COLUMN_NAMES, r, strict=True)) for r in
+            col.convert(str(src), phases, [(lo, hi, 7)])]
+    by_cat = {c: sum(r["cat"] == c for r in rows) for c in {r["cat"] for r in rows}}
+    kernels = sum(e["cat"] == "kernel" for e in gpu)
+    assert by_cat["kernel"] + by_cat["comm"] == kernels
+    assert by_cat["memcpy"] == sum(e["cat"] == "gpu_memcpy" for e in gpu)
+    assert by_cat["memset"] == sum(e["cat"] == "gpu_memset" for e in gpu)
+    assert set(by_cat) <= {"kernel", "comm", "memcpy", "memset", "sync"}   # no CPU ops
+    got = {(r["start_ns"], r["name"]): r["phase"] for r in rows if r["cat"] != "sync"}
+    assert got == expected
+    assert sum(v in ("forward", "backward") for v in got.values()) > kernels // 2
+    assert {r["host"] for r in rows} == {rec.host} and {r["pid"] for r in rows} == {rec.pid}
+    launched = [r for r in rows if r["cat"] != "sync" and r["phase"] not in (None, "comm")]
+    assert {r["step"] for r in launched} == {7}
+    assert col.counts["events_read"] == len(d["traceEvents"])
+
+
+SCRIPT = """
+    import sys
+    import torch
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def train(n):
+        for _ in range(n):
+            loss = model(torch.randn(32, 64)).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    train(5)
+    if len(sys.argv) > 1:   # the job's own profiler, after gputrace's session started
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU]) as p:
+            train(3)
+        p.export_chrome_trace(sys.argv[1])
+    print("trained")
+"""
+
+
+@pytest.mark.parametrize("own_profiler", [False, True])
+def test_fallback_session_in_a_recorded_job(tmp_path, own_profiler):
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    out, own = tmp_path / "t.arrow", tmp_path / "own.json"
+    env = dict(os.environ, GPUTRACE_KINETO_CPU="1")
+    p = run_gputrace("record", "-q", "--gpu-timeline", "kineto", "-o", str(out), "--",
+                     sys.executable, str(script), *([str(own)] if own_profiler else []),
+                     env=env)
+    assert p.returncode == 0, p.stderr
+    assert "trained" in p.stdout
+    tr = load(out)
+    status = tr.metadata["collectors"]["cupti"]["status"]
+    assert status.startswith("ok: torch.profiler (Kineto) fallback"), status
+    rows = tr.table.to_pylist()
+    summary = [r for r in rows if r["name"] == "cupti.summary"]
+    assert len(summary) == 1
+    args = json.loads(summary[0]["args"])
+    assert args["source"] == "torch.profiler" and "error" not in args, args
+    assert args["records"]["events_read"] > 0           # the session's export was read
+    assert not [r for r in rows if r["cat"] in ("kernel", "memcpy")]   # CPU ops left out
+    assert sum(r["cat"] == "iteration" for r in rows) == (8 if own_profiler else 5)
+    if own_profiler:
+        assert "starts its own torch.profiler" in p.stderr
+        ops = [e for e in json.loads(own.read_text())["traceEvents"]
+               if e.get("cat") == "cpu_op" and e.get("name") == "aten::linear"]
+        assert len(ops) == 3 * 2                      # the job's own profile is whole
+    else:
+        assert "own torch.profiler" not in p.stderr
+
+
+def test_bad_gpu_timeline_is_one_line(tmp_path):
+    p = run_gputrace("record", "--gpu-timeline", "nsys", "--", sys.executable, "-c", "1")
+    assert p.returncode == 2 and p.stderr.strip().count("\n") == 0
+    assert "Traceback" not in p.stderr
