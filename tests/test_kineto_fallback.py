@@ -137,3 +137,33 @@ def test_bad_gpu_timeline_is_one_line(tmp_path):
     p = run_gputrace("record", "--gpu-timeline", "nsys", "--", sys.executable, "-c", "1")
     assert p.returncode == 2 and p.stderr.strip().count("\n") == 0
     assert "Traceback" not in p.stderr
+
+
+def test_harness_session_starts_the_fallback_through_instrument(tmp_path):
+    """`gputrace.torch.instrument(gpu_timeline=...)` inside a Session, as a harness does."""
+    job = tmp_path / "harness.py"
+    out = tmp_path / "s.arrow"
+    job.write_text(textwrap.dedent(f"""
+        import torch
+        import gputrace
+        import gputrace.torch as gt
+        model = torch.nn.Linear(16, 4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with gputrace.Session({str(out)!r}, sampler=False) as s:
+            print(gt.instrument(model, opt, gpu_timeline="kineto"))
+            for _ in range(4):
+                loss = model(torch.randn(8, 16)).sum()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+    """))
+    import subprocess
+    p = subprocess.run([sys.executable, str(job)], capture_output=True, text=True,
+                       env=dict(os.environ, GPUTRACE_KINETO_CPU="1"), timeout=120)
+    assert p.returncode == 0, p.stderr
+    tr = load(out)
+    assert tr.metadata["collectors"]["cupti"]["status"].startswith("ok: torch.profiler")
+    rows = tr.table.to_pylist()
+    summary = [json.loads(r["args"]) for r in rows if r["name"] == "cupti.summary"]
+    assert len(summary) == 1 and summary[0]["records"]["events_read"] > 0
+    assert sum(r["cat"] == "iteration" for r in rows) == 4

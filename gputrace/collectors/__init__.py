@@ -2,7 +2,8 @@
 
 System collectors (host, infiniband, nvml) are sampled from outside the training process:
 by `gputrace record` itself, or by the sampler subprocess of an embedded Session.
-In-process collectors (torch, cupti, ranges) only record spans.
+In-process collectors (torch, cupti or its torch.profiler fallback kineto, ranges) only record
+spans.
 """
 
 from __future__ import annotations
