@@ -167,3 +167,33 @@ def test_harness_session_starts_the_fallback_through_instrument(tmp_path):
     summary = [json.loads(r["args"]) for r in rows if r["name"] == "cupti.summary"]
     assert len(summary) == 1 and summary[0]["records"]["events_read"] > 0
     assert sum(r["cat"] == "iteration" for r in rows) == 4
+
+
+@pytest.mark.gpu
+def test_gpu_kernels_and_copies_from_the_fallback(tmp_path):
+    """On a GPU: kernels and pinned/pageable H2D copies through Kineto, attributed to phases."""
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA here")
+    script = tmp_path / "copy.py"
+    script.write_text(
+        "import torch, gputrace\n"
+        "x = torch.empty(64 << 20, dtype=torch.uint8)\n"
+        "xp = x.pin_memory()\n"
+        "for k in range(5):\n"
+        "    with gputrace.phase('h2d'):\n"
+        "        a = x.to('cuda'); b = xp.to('cuda', non_blocking=True)\n"
+        "        torch.cuda.synchronize()\n"
+        "    with gputrace.phase('forward'):\n"
+        "        (a.float() * 2).sum().item()\n")
+    out = tmp_path / "k.arrow"
+    p = run_gputrace("record", "--gpu-timeline", "kineto", "-o", str(out), "--",
+                     sys.executable, str(script), timeout=300)
+    assert p.returncode == 0, p.stderr
+    tr = load(out)
+    assert tr.metadata["collectors"]["cupti"]["status"].startswith("ok: torch.profiler")
+    rows = tr.table.to_pylist()
+    cp = [r for r in rows if r["cat"] == "memcpy" and r["dst_kind"] == "device"
+          and (r["bytes"] or 0) >= 64 << 20]
+    assert {r["src_kind"] for r in cp} == {"pinned", "pageable"}
+    assert all(r["phase"] == "h2d" for r in cp)
+    assert any(r["cat"] == "kernel" and r["phase"] == "forward" for r in rows)
