@@ -14,6 +14,7 @@ from gputrace.analyzers.findings import Finding, find
 from gputrace.analyzers.model import ModelResult, Speedup, build_model, speedup
 from gputrace.analyzers.replay import MIB, Replay, Scenario, replay
 from gputrace.analyzers.steps import TERMS, RankSteps, analyze_rank, warmup_skip
+from gputrace.trace.reader import RankedTrace
 
 
 class NothingToAnalyze(Exception):
@@ -139,7 +140,7 @@ def _replay_findings(rp: Replay | None, world: int) -> list[Finding]:
 def _frames(trace: Any, consume: bool) -> Iterator[fr.Frame]:
     """The trace's frames: one per rank when it can be read rank by rank (RankedTrace),
     else one for the whole table."""
-    if hasattr(trace, "columns") and hasattr(trace, "groups"):
+    if isinstance(trace, RankedTrace):
         ranked = any(r >= 0 for r in trace.groups)
         for r in trace.ranks:
             cols = trace.columns(r)
