@@ -89,7 +89,10 @@ def _on_torch(torch: ModuleType) -> None:
         print(f"gputrace: torch {status}", file=sys.stderr)
     rec.set_collector("torch", status)
     if os.environ.get("GPUTRACE_NO_CUPTI") != "1":
-        gpu_timeline(rec, torch, os.environ.get("GPUTRACE_GPU_TIMELINE", "auto"))
+        try:
+            gpu_timeline(rec, torch, os.environ.get("GPUTRACE_GPU_TIMELINE", "auto"))
+        except Exception as e:  # a torch without pieces (torch.cuda, ...): never break the job
+            rec.set_collector("cupti", f"unavailable: {type(e).__name__}: {e}".splitlines()[0])
     if "multiprocessing" in sys.modules:
         _register_mp_finalizer()
 
