@@ -29,7 +29,7 @@ def instrument(model: Any = None, optimizer: Any = None, loader: Any = None,
     if gpu_timeline is not None and "cupti" not in rec.metadata.get("collectors", {}):
         import torch
 
-        from gputrace.record.inprocess import gpu_timeline as start_gpu_timeline
+        from gputrace.collectors import start_gpu_timeline
 
         start_gpu_timeline(rec, torch, gpu_timeline)
     if model is not None and torch_collector._installed is not None:

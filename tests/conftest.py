@@ -23,6 +23,22 @@ def run_gputrace(*args: str, cwd: str | os.PathLike[str] | None = None, timeout:
     return p
 
 
+def write_h2d_job(path: Path, mib: int) -> Path:
+    """A CUDA job for the gpu-marked tests: pageable and pinned H2D copies of `mib` MiB in
+    an `h2d` phase, then a kernel in a `forward` phase, five times."""
+    path.write_text(
+        "import torch, gputrace\n"
+        f"x = torch.empty({mib} << 20, dtype=torch.uint8)\n"
+        "xp = x.pin_memory()\n"
+        "for k in range(5):\n"
+        "    with gputrace.phase('h2d'):\n"
+        "        a = x.to('cuda'); b = xp.to('cuda', non_blocking=True)\n"
+        "        torch.cuda.synchronize()\n"
+        "    with gputrace.phase('forward'):\n"
+        "        (a.float() * 2).sum().item()\n")
+    return path
+
+
 @pytest.fixture(scope="session", autouse=True)
 def probe_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Probe results go to a per-session directory, never the user's cache, so traces

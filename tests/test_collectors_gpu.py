@@ -18,6 +18,7 @@ from gputrace.collectors import Sampler, Unavailable
 from gputrace.collectors.cupti import Converter, CuptiCollector
 from gputrace.collectors.nvml import NvmlCollector
 from gputrace.recorder import Recorder
+from tests.conftest import write_h2d_job
 from tests.fakes.cupti import ActivityFlag, ActivityMemcpyKind, ActivityMemoryKind, FakeCupti
 from tests.fakes.pynvml import FakeNvml
 
@@ -222,17 +223,7 @@ def test_gpu_real_kernels_and_pinned_faster_than_pageable(tmp_path):
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA here")
-    script = tmp_path / "copy.py"
-    script.write_text(
-        "import torch, gputrace\n"
-        "x = torch.empty(256 << 20, dtype=torch.uint8)\n"
-        "xp = x.pin_memory()\n"
-        "for k in range(5):\n"
-        "    with gputrace.phase('h2d'):\n"
-        "        a = x.to('cuda'); b = xp.to('cuda', non_blocking=True)\n"
-        "        torch.cuda.synchronize()\n"
-        "    with gputrace.phase('forward'):\n"
-        "        (a.float() * 2).sum().item()\n")
+    script = write_h2d_job(tmp_path / "copy.py", 256)
     out = tmp_path / "gpu.arrow"
     p = subprocess.run([sys.executable, "-m", "gputrace", "record", "-o", str(out), "--",
                         sys.executable, str(script)], capture_output=True, text=True,

@@ -17,7 +17,7 @@ import textwrap
 import pytest
 
 from gputrace.trace import load
-from tests.conftest import run_gputrace
+from tests.conftest import run_gputrace, write_h2d_job
 
 torch = pytest.importorskip("torch")
 
@@ -174,17 +174,7 @@ def test_gpu_kernels_and_copies_from_the_fallback(tmp_path):
     """On a GPU: kernels and pinned/pageable H2D copies through Kineto, attributed to phases."""
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA here")
-    script = tmp_path / "copy.py"
-    script.write_text(
-        "import torch, gputrace\n"
-        "x = torch.empty(64 << 20, dtype=torch.uint8)\n"
-        "xp = x.pin_memory()\n"
-        "for k in range(5):\n"
-        "    with gputrace.phase('h2d'):\n"
-        "        a = x.to('cuda'); b = xp.to('cuda', non_blocking=True)\n"
-        "        torch.cuda.synchronize()\n"
-        "    with gputrace.phase('forward'):\n"
-        "        (a.float() * 2).sum().item()\n")
+    script = write_h2d_job(tmp_path / "copy.py", 64)
     out = tmp_path / "k.arrow"
     p = run_gputrace("record", "--gpu-timeline", "kineto", "-o", str(out), "--",
                      sys.executable, str(script), timeout=300)

@@ -146,13 +146,12 @@ def build(table: pa.Table | dict[str, pa.ChunkedArray],
     del keep
     ranks: dict[int, Spans] = {}
     is_span = kind_codes == span_code
-    if is_span.any() and drop_unranked:
-        is_span &= _np(cols["rank"], -1, np.int32) >= 0
-    if is_span.any():
-        rank_all = _np(cols.pop("rank"), -1, np.int32)
+    rank_all = _np(cols.pop("rank"), -1, np.int32) if is_span.any() else None
+    if rank_all is not None:
         present = np.unique(rank_all[is_span])
-        if present.size > 1 and -1 in present:
+        if drop_unranked or (present.size > 1 and -1 in present):
             is_span &= rank_all >= 0
+    if rank_all is not None and is_span.any():
         sel = np.flatnonzero(is_span)
         # one permutation puts each rank's spans together: per-rank arrays are views
         order = sel[np.argsort(rank_all[sel], kind="stable")]

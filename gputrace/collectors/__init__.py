@@ -8,6 +8,7 @@ spans.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -61,6 +62,35 @@ def in_process_status(name: str) -> str:
         from gputrace.collectors.cupti import availability
         return availability()
     return f"unavailable: unknown collector {name!r}"
+
+
+def start_gpu_timeline(rec: Any, torch: Any, mode: str) -> None:
+    """GPU kernels and copies in this process: CUPTI directly (mode auto, cupti), else
+    torch.profiler's Kineto (auto when CUPTI cannot be used and torch has CUDA; kineto).
+    Whatever goes wrong (a torch without torch.cuda, ...) becomes the collector's status;
+    the job never breaks."""
+    from gputrace.collectors import cupti
+
+    try:
+        if mode in ("auto", "cupti") and cupti.start(rec, quiet=mode == "auto") is not None:
+            return
+        if mode not in ("auto", "kineto"):
+            return
+        why = str(rec.metadata.get("collectors", {}).get("cupti", {}).get("status", ""))
+        cpu = os.environ.get("GPUTRACE_KINETO_CPU") == "1"
+        if mode == "auto":
+            if cupti.HELD_ELSEWHERE in why:   # another profiler, which Kineto would meet too
+                print(f"gputrace: cupti: {why}; GPU kernels are not recorded", file=sys.stderr)
+                return
+            if not cpu and not torch.cuda.is_available():
+                return                         # no GPU work to record
+        from gputrace.collectors import kineto
+
+        reason = "asked for (--gpu-timeline kineto)" if mode == "kineto" else f"CUPTI: {why}"
+        if kineto.start(rec, torch, reason, force_cpu=cpu) is not None and mode == "auto":
+            print(f"gputrace: GPU kernels come from torch.profiler ({reason})", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001
+        rec.set_collector("cupti", f"unavailable: {type(e).__name__}: {e}".splitlines()[0])
 
 
 class Sampler:

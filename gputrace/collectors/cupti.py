@@ -20,6 +20,7 @@ import time
 from collections import defaultdict, deque
 from typing import Any
 
+HELD_ELSEWHERE = "(another profiler, e.g. torch.profiler or nsys, holds CUPTI)"
 HOLD_FLUSHES = 4          # a record waits at most this many flushes for its phase to close
 
 
@@ -287,7 +288,7 @@ def start(recorder: Any, quiet: bool = False) -> CuptiCollector | None:
     except Exception as e:  # noqa: BLE001 - CUPTI taken by another tool, CUDA mismatch, ...
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         if "MULTIPLE_SUBSCRIBERS" in reason.upper() or "subscriber" in reason.lower():
-            reason += " (another profiler, e.g. torch.profiler or nsys, holds CUPTI)"
+            reason += f" {HELD_ELSEWHERE}"
         recorder.set_collector("cupti", f"unavailable: {reason}")
         if not quiet:
             print(f"gputrace: cupti: unavailable: {reason}; GPU kernels are not recorded",

@@ -303,18 +303,19 @@ def _nic_metrics(db: _Db, rows: Rows, offset: int) -> int:
         low = metric.lower()
         ib = low.startswith("ib:")
         key = low.split(":", 1)[1].strip() if ib else low
+        # IPoIB/RoCE ("IPoIB: Bytes sent") match no counter: part of the port's IB bytes
         counter = (_IB_COUNTERS if ib else _NET_COUNTERS).get(key)
-        if counter is None or ":" in low and not ib:   # IPoIB/RoCE: part of the port's IB bytes
+        n += 1
+        if counter is None:
             rows.add("sample", "net", f"nic.{nic}.{port}.{_slug(metric)}", end,
                      value=float(value), unit=unit)
-        else:
-            name = f"ib.{nic}.{port}.{counter}" if ib else f"net.{nic}.{counter}"
-            if name not in totals:
-                totals[name] = 0.0
-                rows.add("sample", "ib" if ib else "net", name, start, value=0.0,
-                         unit="packets" if "packets" in counter else "bytes")
-            totals[name] += _amount(float(value), unit, end - start)
-            rows.add("sample", "ib" if ib else "net", name, end, value=totals[name],
-                     unit="packets" if "packets" in counter else "bytes")
-        n += 1
+            continue
+        cat = "ib" if ib else "net"
+        name = f"ib.{nic}.{port}.{counter}" if ib else f"net.{nic}.{counter}"
+        kind = "packets" if "packets" in counter else "bytes"
+        if name not in totals:
+            totals[name] = 0.0
+            rows.add("sample", cat, name, start, value=0.0, unit=kind)
+        totals[name] += _amount(float(value), unit, end - start)
+        rows.add("sample", cat, name, end, value=totals[name], unit=kind)
     return n

@@ -89,36 +89,11 @@ def _on_torch(torch: ModuleType) -> None:
         print(f"gputrace: torch {status}", file=sys.stderr)
     rec.set_collector("torch", status)
     if os.environ.get("GPUTRACE_NO_CUPTI") != "1":
-        try:
-            gpu_timeline(rec, torch, os.environ.get("GPUTRACE_GPU_TIMELINE", "auto"))
-        except Exception as e:  # a torch without pieces (torch.cuda, ...): never break the job
-            rec.set_collector("cupti", f"unavailable: {type(e).__name__}: {e}".splitlines()[0])
+        from gputrace.collectors import start_gpu_timeline
+
+        start_gpu_timeline(rec, torch, os.environ.get("GPUTRACE_GPU_TIMELINE", "auto"))
     if "multiprocessing" in sys.modules:
         _register_mp_finalizer()
-
-
-def gpu_timeline(rec: _recorder.Recorder, torch: ModuleType, mode: str) -> None:
-    """GPU kernels and copies: CUPTI directly (auto, cupti), else torch.profiler's Kineto
-    (auto when CUPTI cannot be used and torch has CUDA; kineto)."""
-    from gputrace.collectors import cupti
-
-    if mode in ("auto", "cupti") and cupti.start(rec, quiet=mode == "auto") is not None:
-        return
-    if mode not in ("auto", "kineto"):
-        return
-    why = str(rec.metadata.get("collectors", {}).get("cupti", {}).get("status", ""))
-    cpu = os.environ.get("GPUTRACE_KINETO_CPU") == "1"
-    if mode == "auto":
-        if "holds CUPTI" in why:       # another profiler, which Kineto would meet too
-            print(f"gputrace: cupti: {why}; GPU kernels are not recorded", file=sys.stderr)
-            return
-        if not cpu and not torch.cuda.is_available():
-            return                     # no GPU work to record
-    from gputrace.collectors import kineto
-
-    reason = "asked for (--gpu-timeline kineto)" if mode == "kineto" else f"CUPTI: {why}"
-    if kineto.start(rec, torch, reason, force_cpu=cpu) is not None and mode == "auto":
-        print(f"gputrace: GPU kernels come from torch.profiler ({reason})", file=sys.stderr)
 
 
 class _HookedLoader(importlib.abc.Loader):
