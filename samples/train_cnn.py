@@ -27,7 +27,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 PRESETS: dict[str, dict[str, object]] = {
     # compute-heavy convolutions, small gradients in several buckets: comm hidden (Case 1)
-    "case1": dict(width=48, fc_hidden=64, fc_layers=1, bucket_cap_mb=0.1, batch_size=32,
+    "case1": dict(width=48, fc_hidden=64, fc_layers=1, bucket_cap_mb=0.2, batch_size=48,
                   image_size=64, workers=2),
     # large fully-connected layers near the output, small buckets: comm exposed (Case 2)
     "case2": dict(width=8, fc_hidden=2048, fc_layers=2, bucket_cap_mb=1.0, batch_size=16,
