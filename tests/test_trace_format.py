@@ -159,3 +159,55 @@ def test_merge_skips_a_shard_killed_before_its_schema(tmp_path):
     r = merge_shards(str(d), str(tmp_path / "m.arrow"))
     assert r.rows == 2 and any("b.arrow: skipped" in w for w in r.warnings)
     assert load(tmp_path / "m.arrow").num_rows == 2
+
+
+def test_rank_at_a_time_reads_every_column_and_analyzes_like_the_whole(tmp_path):
+    from gputrace.analyzers import analyze
+    from gputrace.report.json import to_dict
+    from gputrace.trace.reader import open_by_rank
+    from gputrace.trace.writer import write_by_rank
+    from tests.tracebuilder import Builder, ddp_iterations
+
+    b = Builder()
+    for r in range(3):
+        ddp_iterations(b, [((4, 3), 42, 60), ((2, 1), 72, 88)], rank=r, shift=r * 0.5)
+    for i in range(20):
+        b.sample("proc.read_bytes", i * 30, i * 4096)
+    whole = load(b.write(tmp_path / "mixed.arrow"))
+    p = tmp_path / "by_rank.arrow"
+    write_by_rank(p, whole.metadata, whole.table)
+    ranked = open_by_rank(p)
+    assert ranked is not None and ranked.ranks == [-1, 0, 1, 2]
+    t = load(p).table
+    for r in ranked.ranks:
+        want = t.filter(pa.compute.equal(t.column("rank"), r))
+        cols = ranked.columns(r)
+        for c in COLUMN_NAMES:   # popped in schema order, read two at a time
+            assert cols.pop(c).to_pylist() == want.column(c).to_pylist(), (r, c)
+        assert len(cols) == 0 and ranked.rows[r] == want.num_rows
+    assert to_dict(analyze(open_by_rank(p))) == to_dict(analyze(load(p)))
+
+
+def test_rank_at_a_time_defaults_columns_an_older_file_lacks(tmp_path):
+    from gputrace.analyzers import analyze
+    from gputrace.trace.reader import open_by_rank
+
+    md = {METADATA_KEY: json.dumps({"format": "gputrace-trace", "version": 1}).encode()}
+    p = tmp_path / "old.arrow"
+    sch = pa.schema([("kind", pa.string()), ("cat", pa.string()), ("name", pa.string()),
+                     ("start_ns", pa.int64()), ("end_ns", pa.int64()), ("rank", pa.int32())],
+                    metadata=md)
+    with pa.OSFile(str(p), "wb") as f, pa.ipc.new_file(f, sch) as w:
+        for r in (0, 1):
+            w.write_table(pa.table({"kind": ["span"] * 2, "cat": ["iteration", "forward"],
+                                    "name": ["it", "f"], "start_ns": [0, 10],
+                                    "end_ns": [100, 60], "rank": [r, r]}, schema=sch))
+    ranked = open_by_rank(p)
+    assert ranked is not None and ranked.ranks == [0, 1]
+    cols = ranked.columns(1)
+    assert cols.pop("cat").to_pylist() == ["iteration", "forward"]
+    assert cols.pop("layer").to_pylist() == [-1, -1]       # missing: the v1 default
+    assert cols.pop("phase").to_pylist() == [None, None]
+    a = analyze(open_by_rank(p))
+    assert sorted(a.ranks) == [0, 1]
+    assert a.ranks[1].breakdown["t_f"].mean == pytest.approx(50e-9)

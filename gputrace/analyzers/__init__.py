@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -137,13 +138,30 @@ def _replay_findings(rp: Replay | None, world: int) -> list[Finding]:
                     f"{best.exposed_s * 1e3:.1f} ms of comm after backward.")]
 
 
+def _give_back() -> None:
+    """Hand the heap's free pages back to the OS (glibc's malloc_trim; a no-op elsewhere),
+    so that one rank's freed arrays do not stay in the process beside the next rank's."""
+    global _trim
+    if _trim is None:
+        try:
+            _trim = ctypes.CDLL(None).malloc_trim
+        except (OSError, AttributeError):
+            _trim = False
+    if _trim:
+        _trim(0)
+
+
+_trim: Any = None
+
+
 def _frames(trace: Any, consume: bool) -> Iterator[fr.Frame]:
     """The trace's frames: one per rank when it can be read rank by rank (RankedTrace),
     else one for the whole table."""
     if isinstance(trace, RankedTrace):
         ranked = any(r >= 0 for r in trace.groups)
         for r in trace.ranks:
-            cols = trace.columns(r)
+            _give_back()
+            cols = trace.columns(r, fr.COLUMNS)
             # unranked spans beside ranked ones belong to launchers (torchrun): dropped
             yield fr.build(cols, trace.metadata, drop_unranked=ranked and r < 0)
             del cols

@@ -4,10 +4,20 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+
+if TYPE_CHECKING:
+    from gputrace.trace.reader import RankColumns
+
+
+# the trace columns a frame is built from, in the order `build` converts them
+COLUMNS = ("kind", "rank", "cat", "name", "start_ns", "end_ns", "pid", "tid", "device", "step",
+           "layer", "bytes", "args", "src_kind", "dst_kind", "phase", "value", "unit")
+_SAMPLE_COLUMNS = ("name", "device", "start_ns", "value", "unit")
 
 
 def _codes(col: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, list[str]]:
@@ -33,7 +43,9 @@ def _codes(col: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, list[str]]:
 
 
 def _np(col: pa.ChunkedArray, fill: int | float = -1, dtype: type = np.int64) -> np.ndarray:
-    return col.fill_null(fill).to_numpy().astype(dtype, copy=False)
+    if col.null_count:
+        col = col.fill_null(fill)
+    return col.to_numpy().astype(dtype, copy=False)
 
 
 @dataclass
@@ -67,6 +79,13 @@ class Spans:
         if m is None:
             code = self.cats.index(cat) if cat in self.cats else -2
             m = self._mask_cache[cat] = self.cat == code
+        return m
+
+    def lasting(self) -> np.ndarray:
+        """Mask of the spans that end after they start."""
+        m = self._mask_cache.get("\0lasting")
+        if m is None:
+            m = self._mask_cache["\0lasting"] = self.end > self.start
         return m
 
     def kind_is(self, which: str, kind: str) -> np.ndarray:
@@ -127,26 +146,38 @@ class Frame:
     metadata: dict[str, object]
 
 
-def build(table: pa.Table | dict[str, pa.ChunkedArray],
+def build(table: pa.Table | dict[str, pa.ChunkedArray] | RankColumns,
           metadata: dict[str, object] | None = None, drop_unranked: bool = False) -> Frame:
-    """The frame of a table, or of a dict of its columns: a dict is emptied as the columns
-    are converted, so the caller that hands over its only reference to them never holds
-    the table and its numpy copy at once. Spans without a rank are dropped when they stand
+    """The frame of a table, or of a dict of its columns, or of a RankColumns that reads
+    each column as it is asked for: a dict is emptied as the columns are converted, so the
+    caller that hands over its only reference to them never holds the table and its numpy
+    copy at once. Spans without a rank are dropped when they stand
     beside ranked ones (launchers such as torchrun), here or, with `drop_unranked`, in
     another part of the same trace."""
-    cols = table if isinstance(table, dict) else {c: table.column(c) for c in table.column_names}
+    cols = table if not isinstance(table, pa.Table) else \
+        {c: table.column(c) for c in table.column_names}
     del table
-    n_all = len(cols["kind"])
-    kind_codes, kinds = _codes(cols.pop("kind"))
+    kind_col = cols.pop("kind")
+    n_all = len(kind_col)
+    kind_codes, kinds = _codes(kind_col)
+    del kind_col
     span_code = kinds.index("span") if "span" in kinds else -2
     sample_code = kinds.index("sample") if "sample" in kinds else -2
-    keep = pa.array(kind_codes == sample_code)   # samples are few: filter them first
-    smp = pa.table({c: cols[c].filter(keep) for c in ("name", "device", "start_ns", "value",
-                                                      "unit")})
-    del keep
+    is_sample = kind_codes == sample_code
+    keep = pa.array(is_sample) if is_sample.any() else None
+    del is_sample
+    smp: dict[str, pa.ChunkedArray] = {}
+
+    def pop(name: str) -> pa.ChunkedArray:
+        """A column, handed over; its sample rows (few) are put aside first."""
+        c = cols.pop(name)
+        if keep is not None and name in _SAMPLE_COLUMNS:
+            smp[name] = c.filter(keep)
+        return c
+
     ranks: dict[int, Spans] = {}
     is_span = kind_codes == span_code
-    rank_all = _np(cols.pop("rank"), -1, np.int32) if is_span.any() else None
+    rank_all = _np(pop("rank"), -1, np.int32) if is_span.any() else None
     if rank_all is not None:
         present = np.unique(rank_all[is_span])
         if drop_unranked or (present.size > 1 and -1 in present):
@@ -154,15 +185,17 @@ def build(table: pa.Table | dict[str, pa.ChunkedArray],
     if rank_all is not None and is_span.any():
         sel = np.flatnonzero(is_span)
         # one permutation puts each rank's spans together: per-rank arrays are views
-        order = sel[np.argsort(rank_all[sel], kind="stable")]
+        rs = rank_all[sel]
+        order = sel if (rs[1:] >= rs[:-1]).all() else sel[np.argsort(rs, kind="stable")]
+        del rs
         rank = rank_all[order]
         del rank_all, sel
 
         def col(name: str, fill: int, dtype: type) -> np.ndarray:
-            return _np(cols.pop(name), fill, dtype)[order]
+            return _np(pop(name), fill, dtype)[order]
 
         def codes(name: str) -> tuple[np.ndarray, list[str]]:
-            c, values = _codes(cols.pop(name))
+            c, values = _codes(pop(name))
             return c[order], values
 
         cat, cats = codes("cat")
@@ -175,9 +208,9 @@ def build(table: pa.Table | dict[str, pa.ChunkedArray],
         device = col("device", -1, np.int16)
         step = col("step", -1, np.int32)
         layer = col("layer", -1, np.int32)
-        nbytes = cols.pop("bytes").cast(pa.float64()).fill_null(np.nan).to_numpy()[order]
-        args = cols.pop("args").take(pa.array(order))
-        mem = pa.chunked_array(cols.pop("src_kind").chunks + cols.pop("dst_kind").chunks)
+        nbytes = pop("bytes").cast(pa.float64()).fill_null(np.nan).to_numpy()[order]
+        args = pop("args").take(pa.array(order))
+        mem = pa.chunked_array(pop("src_kind").chunks + pop("dst_kind").chunks)
         mem_codes, mem_kinds = _codes(mem)
         del mem
         srck, dstk = mem_codes[:n_all][order], mem_codes[n_all:][order]
@@ -199,13 +232,17 @@ def build(table: pa.Table | dict[str, pa.ChunkedArray],
                 args=args.slice(int(lo), int(hi) - int(lo)), src_kind=srck[sl],
                 dst_kind=dstk[sl], mem_kinds=mem_kinds, phase=phase[sl], phases=phases)
     samples: dict[str, Samples] = {}
+    if keep is not None:
+        for c in _SAMPLE_COLUMNS:
+            if c not in smp:
+                pop(c)
     cols.clear()
-    if smp.num_rows:
-        name, names = _codes(smp.column("name"))
-        dev = _np(smp.column("device"), -1, np.int32)
-        t = _np(smp.column("start_ns"), 0)
-        v = smp.column("value").fill_null(np.nan).to_numpy()
-        units = smp.column("unit").cast(pa.string()).to_pylist()
+    if smp:
+        name, names = _codes(smp["name"])
+        dev = _np(smp["device"], -1, np.int32)
+        t = _np(smp["start_ns"], 0)
+        v = smp["value"].fill_null(np.nan).to_numpy()
+        units = smp["unit"].cast(pa.string()).to_pylist()
         order = np.argsort(t, kind="stable")
         for code, nm in enumerate(names):
             sel = order[name[order] == code]

@@ -16,35 +16,41 @@ Union = tuple[np.ndarray, np.ndarray]
 EMPTY: Union = (np.zeros(0, np.int64), np.zeros(0, np.int64))
 
 
-def union(starts: np.ndarray, ends: np.ndarray) -> Union:
-    """Merge intervals into a sorted, disjoint union (touching intervals merge)."""
+def union(starts: np.ndarray, ends: np.ndarray, own: bool = False) -> Union:
+    """Merge intervals into a sorted, disjoint union (touching intervals merge). `own`:
+    the arrays are the caller's throwaway copies, and may be worked on in place."""
     starts = np.asarray(starts, dtype=np.int64)
     ends = np.asarray(ends, dtype=np.int64)
     keep = ends > starts
-    starts, ends = starts[keep], ends[keep]
+    if not keep.all():
+        starts, ends, own = starts[keep], ends[keep], True
+    del keep
     if starts.size == 0:
         return EMPTY
     if starts.size > 1 and not (starts[1:] >= starts[:-1]).all():
         order = np.argsort(starts, kind="stable")  # spans usually come sorted already
-        s, e = starts[order], ends[order]
+        s, e, own = starts[order], ends[order], True
+        del order
     else:
         s, e = starts, ends
-    run_end = np.maximum.accumulate(e)
+    run_end = np.maximum.accumulate(e, out=e if own else None)
     # a new merged interval begins where a start lies beyond every earlier end
     new = np.empty(s.size, dtype=bool)
     new[0] = True
-    new[1:] = s[1:] > run_end[:-1]
+    np.greater(s[1:], run_end[:-1], out=new[1:])
     idx = np.flatnonzero(new)
+    del new
     out_s = s[idx]
-    last = np.append(idx[1:] - 1, s.size - 1)
-    out_e = run_end[last]
-    return out_s, out_e
+    idx[:-1] = idx[1:] - 1     # each interval's last member
+    idx[-1] = s.size - 1
+    return out_s, run_end[idx]
 
 
 def merge(*unions: Union) -> Union:
     if not unions:
         return EMPTY
-    return union(np.concatenate([u[0] for u in unions]), np.concatenate([u[1] for u in unions]))
+    return union(np.concatenate([u[0] for u in unions]), np.concatenate([u[1] for u in unions]),
+                 own=True)
 
 
 def total(u: Union) -> int:
@@ -82,7 +88,7 @@ def _combine(a: Union, b: Union, keep_b: bool) -> Union:
     mid = pts[:-1]
     in_b = _covered(b, mid)
     keep = _covered(a, mid) & (in_b if keep_b else ~in_b)
-    return union(pts[:-1][keep], pts[1:][keep])
+    return union(pts[:-1][keep], pts[1:][keep], own=True)
 
 
 def intersect(a: Union, b: Union) -> Union:

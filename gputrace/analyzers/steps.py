@@ -127,7 +127,8 @@ def find_iterations(sp: Spans) -> Iterations:
 
 
 def _u(sp: Spans, mask: np.ndarray) -> ov.Union:
-    return ov.union(sp.start[mask], sp.end[mask])
+    m = mask & sp.lasting()   # one copy of the spans that last, worked on in place
+    return ov.union(sp.start[m], sp.end[m], own=True)
 
 
 def _sorted_rows(sp: Spans, mask: np.ndarray, it_of: np.ndarray, n: int

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from gputrace.trace.schema import TraceFormatError, conform, read_metadata
+from gputrace.trace.schema import (
+    COLUMN_NAMES,
+    DEFAULTS,
+    TraceFormatError,
+    conform,
+    read_metadata,
+)
 
 MAGIC = b"ARROW1"
 
@@ -137,29 +143,80 @@ class RankedTrace:
     `import` write them): its ranks are read one at a time, so a consumer holds one rank's
     rows at once, not the whole run's."""
 
-    def __init__(self, path: str, reader: pa.ipc.RecordBatchFileReader,
-                 metadata: dict[str, Any], groups: dict[int, list[int]]) -> None:
+    def __init__(self, path: str, source: pa.NativeFile, schema: pa.Schema,
+                 metadata: dict[str, Any], groups: dict[int, list[int]],
+                 rows: dict[int, int]) -> None:
         self.metadata = metadata
         self.sources = [path]
         self.warnings: list[str] = []
         self.groups = groups          # rank -> its record batches
-        self._reader = reader
+        self.rows = rows              # rank -> its rows
+        self._source = source
+        self._fields = {f.name: i for i, f in enumerate(schema)}
+        self._readers: dict[int, pa.ipc.RecordBatchFileReader] = {}
 
     @property
     def ranks(self) -> list[int]:
         return sorted(self.groups)
 
-    def columns(self, rank: int) -> dict[str, pa.ChunkedArray]:
-        """One rank's rows as columns (a dict the caller may empty as it converts them)."""
-        rd = self._reader
+    def columns(self, rank: int, only: Sequence[str] | None = None) -> RankColumns:
+        """One rank's columns (every v1 column, or those in `only`), each read from the
+        file only when it is asked for."""
+        return RankColumns(self, rank, COLUMN_NAMES if only is None else only)
+
+    def read_columns(self, rank: int, names: Sequence[str]) -> dict[str, pa.ChunkedArray]:
+        """Some columns of one rank's batches: only their buffers are read and
+        decompressed; a v1 column the file lacks takes its default."""
+        at = tuple(sorted(self._fields[n] for n in names if n in self._fields))
         try:
-            table = pa.Table.from_batches([rd.get_batch(i) for i in self.groups[rank]],
-                                          schema=rd.schema)
-            table.validate(full=True)
-            table = conform(table)
+            table = pa.table({"_": pa.nulls(self.rows[rank])})
+            if at:
+                rd = self._readers.get(at)
+                if rd is None:
+                    opts = pa.ipc.IpcReadOptions(included_fields=list(at))
+                    rd = self._readers[at] = pa.ipc.open_file(self._source, options=opts)
+                table = pa.Table.from_batches([rd.get_batch(i) for i in self.groups[rank]],
+                                              schema=rd.schema)
+                table.validate(full=True)
+            table = conform(table, names)
         except (pa.ArrowException, OSError, ValueError) as e:
             raise RankUnreadable(f"{self.sources[0]}: rank {rank} is damaged ({e})") from None
-        return {c: table.column(c) for c in table.column_names}
+        return {n: table.column(n) for n in names}
+
+
+class RankColumns:
+    """One rank's columns, read from the file as they are popped, two at a time in the
+    order given (so that Arrow decompresses two at once): a consumer that pops each in
+    turn and converts it holds about two columns' Arrow buffers at once, never the whole
+    rank's."""
+
+    def __init__(self, trace: RankedTrace, rank: int, names: Sequence[str]) -> None:
+        self._trace, self._rank = trace, rank
+        self._names = [n for n in names if n in DEFAULTS]
+        self._read: dict[str, pa.ChunkedArray] = {}
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._names))
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def pop(self, name: str) -> pa.ChunkedArray:
+        if name not in self._names:
+            raise KeyError(name)
+        if name not in self._read:
+            after = self._names[self._names.index(name) + 1:]
+            pair = [name] + [n for n in after if n not in self._read][:1]
+            self._read.update(self._trace.read_columns(self._rank, pair))
+        self._names.remove(name)
+        return self._read.pop(name)
+
+    def clear(self) -> None:
+        self._names.clear()
+        self._read.clear()
 
 
 def open_by_rank(path: str | os.PathLike[str]) -> RankedTrace | None:
@@ -172,7 +229,9 @@ def open_by_rank(path: str | os.PathLike[str]) -> RankedTrace | None:
         with open(path, "rb") as f:
             if not f.read(8).startswith(MAGIC):
                 return None
-        buf = pa.memory_map(path).read_buffer()
+        # read, not mapped: a mapped file's pages would stay in the process as each rank
+        # is read, and count in its memory
+        buf = pa.OSFile(path)
         rd = pa.ipc.open_file(buf)
         md = read_metadata(rd.schema)
         at = rd.schema.get_field_index("rank")
@@ -180,6 +239,7 @@ def open_by_rank(path: str | os.PathLike[str]) -> RankedTrace | None:
             return None
         only = pa.ipc.open_file(buf, options=pa.ipc.IpcReadOptions(included_fields=[at]))
         groups: dict[int, list[int]] = {}
+        rows: dict[int, int] = {}
         for i in range(only.num_record_batches):
             col = only.get_batch(i).column(0)
             if col.null_count:
@@ -189,9 +249,12 @@ def open_by_rank(path: str | os.PathLike[str]) -> RankedTrace | None:
                 return None
             if lo.as_py() is not None:
                 groups.setdefault(int(lo.as_py()), []).append(i)
+                rows[int(lo.as_py())] = rows.get(int(lo.as_py()), 0) + len(col)
     except (TraceFormatError, pa.ArrowException, OSError, ValueError):
         return None
-    return RankedTrace(path, rd, md, groups)
+    ranked = RankedTrace(path, buf, rd.schema, md, groups, rows)
+    ranked._readers[at] = only
+    return ranked
 
 
 def collector_weight(info: Any) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import Any
 
 import pyarrow as pa
@@ -81,11 +82,15 @@ def read_metadata(sch: pa.Schema) -> dict[str, Any]:
     return md
 
 
-def conform(table: pa.Table) -> pa.Table:
-    """Give a table every v1 column in order (missing ones take their default); keep extras."""
+def conform(table: pa.Table, only: Iterable[str] | None = None) -> pa.Table:
+    """Give a table every v1 column in order (missing ones take their default); keep extras.
+    With `only`, just those v1 columns (and no extras)."""
     n = table.num_rows
+    want = None if only is None else set(only)
     cols, names = [], []
     for name, typ, _, default in COLUMNS:
+        if want is not None and name not in want:
+            continue
         if name in table.column_names:
             col = table.column(name)
             if col.type != typ:
@@ -96,7 +101,7 @@ def conform(table: pa.Table) -> pa.Table:
                 pa.chunked_array([], typ)
         cols.append(col)
         names.append(name)
-    for name in table.column_names:
+    for name in table.column_names if want is None else ():
         if name not in DEFAULTS:
             cols.append(table.column(name))
             names.append(name)
