@@ -65,7 +65,6 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import pyarrow as pa
     from pyarrow import ArrowInvalid
 
     from gputrace.analyzers import NothingToAnalyze, analyze
@@ -81,9 +80,6 @@ def run(args: argparse.Namespace) -> int:
             from None
     link = parse_bandwidth(args.link_bandwidth) if args.link_bandwidth else None
     what_if = [parse_what_if(w) for w in args.what_if]
-    # Arrow's buffers from malloc, where numpy's arrays are too: what one frees, the other
-    # reuses (Arrow's own allocator would keep a freed rank's pages beside numpy's heap)
-    pa.set_memory_pool(pa.system_memory_pool())
     trace = load_trace(args.trace, by_rank=True)
     kw = dict(skip=args.skip, gpus=gpus, link_bytes_per_s=link, shared_io=args.shared_io,
               what_if=what_if, consume=True)
