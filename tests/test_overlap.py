@@ -22,11 +22,15 @@ def cover(s, e, horizon=300):
 @settings(max_examples=300, deadline=None)
 @given(intervals)
 def test_union_is_sorted_disjoint_and_covers_the_same_points(iv):
+    before = (iv[0].copy(), iv[1].copy())
     u = ov.union(*iv)
     assert np.all(u[0][1:] > u[1][:-1])  # disjoint, not touching
     assert np.all(u[1] > u[0])
     assert np.array_equal(cover(*u), cover(*iv))
     assert ov.total(u) == cover(*iv).sum()
+    assert all(np.array_equal(a, b) for a, b in zip(iv, before, strict=True))  # untouched
+    owned = ov.union(iv[0].copy(), iv[1].copy(), own=True)   # worked on in place: same union
+    assert all(np.array_equal(a, b) for a, b in zip(owned, u, strict=True))
 
 
 @settings(max_examples=300, deadline=None)

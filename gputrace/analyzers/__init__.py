@@ -138,6 +138,9 @@ def _replay_findings(rp: Replay | None, world: int) -> list[Finding]:
                     f"{best.exposed_s * 1e3:.1f} ms of comm after backward.")]
 
 
+_trim: Any = None     # glibc's malloc_trim, once looked up (False: none here)
+
+
 def _give_back() -> None:
     """Hand the heap's free pages back to the OS (glibc's malloc_trim; a no-op elsewhere),
     so that one rank's freed arrays do not stay in the process beside the next rank's."""
@@ -149,9 +152,6 @@ def _give_back() -> None:
             _trim = False
     if _trim:
         _trim(0)
-
-
-_trim: Any = None
 
 
 def _frames(trace: Any, consume: bool) -> Iterator[fr.Frame]:

@@ -151,9 +151,9 @@ def build(table: pa.Table | dict[str, pa.ChunkedArray] | RankColumns,
     """The frame of a table, or of a dict of its columns, or of a RankColumns that reads
     each column as it is asked for: a dict is emptied as the columns are converted, so the
     caller that hands over its only reference to them never holds the table and its numpy
-    copy at once. Spans without a rank are dropped when they stand
-    beside ranked ones (launchers such as torchrun), here or, with `drop_unranked`, in
-    another part of the same trace."""
+    copy at once. Spans without a rank are dropped when they stand beside ranked ones
+    (launchers such as torchrun), here or, with `drop_unranked`, in another part of the
+    same trace."""
     cols = table if not isinstance(table, pa.Table) else \
         {c: table.column(c) for c in table.column_names}
     del table

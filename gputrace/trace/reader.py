@@ -169,7 +169,6 @@ class RankedTrace:
         decompressed; a v1 column the file lacks takes its default."""
         at = tuple(sorted(self._fields[n] for n in names if n in self._fields))
         try:
-            table = pa.table({"_": pa.nulls(self.rows[rank])})
             if at:
                 rd = self._readers.get(at)
                 if rd is None:
@@ -178,6 +177,8 @@ class RankedTrace:
                 table = pa.Table.from_batches([rd.get_batch(i) for i in self.groups[rank]],
                                               schema=rd.schema)
                 table.validate(full=True)
+            else:   # only columns the file lacks: the rank's row count is all they need
+                table = pa.table({"_": pa.nulls(self.rows[rank])})
             table = conform(table, names)
         except (pa.ArrowException, OSError, ValueError) as e:
             raise RankUnreadable(f"{self.sources[0]}: rank {rank} is damaged ({e})") from None
