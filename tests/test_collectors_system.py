@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from gputrace.collectors import Sampler, Unavailable
@@ -107,3 +108,23 @@ def test_sampler_runs_at_its_rate_and_drops_a_broken_collector(capsys):
     assert 50 <= len(sink.rows) <= 130
     assert "stopped: RuntimeError: device fell off the bus" == s.failed["broken"]
     assert capsys.readouterr().err.count("device fell off the bus") == 1
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="Linux /proc only")
+def test_held_proc_files_read_what_psutil_reads_and_fail_once_the_process_is_gone():
+    from gputrace.collectors.host import _ProcFiles
+
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                             stdin=subprocess.PIPE)
+    try:
+        files = _ProcFiles(child.pid)
+        p = psutil.Process(child.pid)
+        mine = files.read()
+        io, ct = p.io_counters(), p.cpu_times()
+        assert mine[:4] == (io.read_bytes, io.write_bytes, io.read_chars, io.write_chars)
+        assert abs(mine[4] - (ct.user + ct.system)) <= 0.02
+    finally:
+        child.communicate(b"")
+    with pytest.raises(OSError):   # reaped: the held files never read another process
+        files.read()
+    files.close()
