@@ -16,7 +16,9 @@ from pathlib import Path
 
 from common import PY, machine, median, run, table
 
-MODES = ("plain", "gputrace", "torch.profiler")
+# "hooks only": gputrace's in-process instrumentation without the system sampler, to tell
+# the two costs apart
+MODES = ("plain", "gputrace", "hooks only", "torch.profiler")
 
 
 def command(mode: str, ranks: int, iterations: int, out: Path, trace: Path) -> list[str]:
@@ -29,8 +31,9 @@ def command(mode: str, ranks: int, iterations: int, out: Path, trace: Path) -> l
         job = [PY, *job]
     if mode == "torch.profiler":
         job.append("--torch-profiler")
-    if mode == "gputrace":
-        return [PY, "-m", "gputrace", "record", "-o", str(trace), "--", *job]
+    if mode in ("gputrace", "hooks only"):
+        only = ["--collectors", "torch"] if mode == "hooks only" else []
+        return [PY, "-m", "gputrace", "record", "-q", *only, "-o", str(trace), "--", *job]
     return job
 
 
@@ -50,19 +53,19 @@ def main() -> None:
             for r in range(a.rounds):
                 for m in MODES:
                     out = Path(tmp) / f"{m}-{ranks}-{r}.json"
-                    run(command(m, ranks, a.iterations, out, Path(tmp) / f"{m}-{ranks}-{r}.arrow"))
+                    trace = Path(tmp) / f"{m.replace(' ', '-')}-{ranks}-{r}.arrow"
+                    run(command(m, ranks, a.iterations, out, trace))
                     times = json.loads(out.read_text())
                     per_mode[m].extend(times[3:] if len(times) > 4 else times)
             base = median(per_mode["plain"])
-            rows.append([f"{ranks} process{'es' if ranks > 1 else ''}",
-                         f"{base * 1e3:.1f} ms",
-                         f"{median(per_mode['gputrace']) * 1e3:.1f} ms",
-                         f"{median(per_mode['gputrace']) / base:.3f}x",
-                         f"{median(per_mode['torch.profiler']) * 1e3:.1f} ms",
-                         f"{median(per_mode['torch.profiler']) / base:.3f}x"])
+            row = [f"{ranks} process{'es' if ranks > 1 else ''}", f"{base * 1e3:.1f} ms"]
+            for m in MODES[1:]:
+                row += [f"{median(per_mode[m]) * 1e3:.1f} ms", f"{median(per_mode[m]) / base:.3f}x"]
+            rows.append(row)
     print(table(f"Recording overhead: median iteration of samples/train_cnn.py --preset case1, "
                 f"{a.iterations} iterations x {a.rounds} alternating rounds",
-                ["job", "plain", "gputrace", "ratio", "torch.profiler", "ratio"], rows))
+                ["job", "plain", "gputrace", "ratio", "hooks only", "ratio", "torch.profiler",
+                 "ratio"], rows))
     print(f"machine: {machine()}")
 
 
