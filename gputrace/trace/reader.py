@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -153,7 +153,7 @@ class RankedTrace:
         self.rows = rows              # rank -> its rows
         self._source = source
         self._fields = {f.name: i for i, f in enumerate(schema)}
-        self._readers: dict[int, pa.ipc.RecordBatchFileReader] = {}
+        self._readers: dict[tuple[int, ...], pa.ipc.RecordBatchFileReader] = {}
 
     @property
     def ranks(self) -> list[int]:
@@ -199,9 +199,6 @@ class RankColumns:
     def __contains__(self, name: object) -> bool:
         return name in self._names
 
-    def __iter__(self) -> Iterator[str]:
-        return iter(list(self._names))
-
     def __len__(self) -> int:
         return len(self._names)
 
@@ -245,17 +242,15 @@ def open_by_rank(path: str | os.PathLike[str]) -> RankedTrace | None:
             col = only.get_batch(i).column(0)
             if col.null_count:
                 return None
-            lo, hi = pc.min_max(col).values()
-            if lo.as_py() != hi.as_py():
+            lo, hi = (v.as_py() for v in pc.min_max(col).values())
+            if lo != hi:
                 return None
-            if lo.as_py() is not None:
-                groups.setdefault(int(lo.as_py()), []).append(i)
-                rows[int(lo.as_py())] = rows.get(int(lo.as_py()), 0) + len(col)
+            if lo is not None:
+                groups.setdefault(lo, []).append(i)
+                rows[lo] = rows.get(lo, 0) + len(col)
     except (TraceFormatError, pa.ArrowException, OSError, ValueError):
         return None
-    ranked = RankedTrace(path, buf, rd.schema, md, groups, rows)
-    ranked._readers[at] = only
-    return ranked
+    return RankedTrace(path, buf, rd.schema, md, groups, rows)
 
 
 def collector_weight(info: Any) -> int:
