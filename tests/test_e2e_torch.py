@@ -151,13 +151,21 @@ def test_replay_of_one_bucket_predicts_the_run_with_small_buckets(recorded, data
     assert len(d["units"]) == 1 and w["layers_known"]
     pred = next(s for s in w["scenarios"] if s["gpus"] == 2 and s["bucket_rule"] == "cap"
                 and s["bucket_bytes"] == 1 << 20)
-    measured_small = analysis(small)["model"]["measured_t_iter"]
-    assert pred["buckets"] == len(analysis(small)["units"])
+    ds = analysis(small)
+    measured_small = ds["model"]["measured_t_iter"]
+    assert pred["buckets"] == len(ds["units"])
     # smaller buckets overlap the large layers' all-reduce with backward: faster, as measured
     assert pred["t_iter"] < w["measured_t_iter"]
-    # two separate runs on this shared 2-core machine differ by up to ±15 % each, so the
-    # bound is the spread of two runs (a 25 % bound failed at 25.003 % in a clean clone)
-    assert abs(pred["t_iter"] / measured_small - 1) < 0.30, (pred, measured_small)
+    # The replay predicts at the speed of the run it replays; the other run, minutes later on
+    # this shared 2-core machine, may run 20 % slower throughout (seen in a clean-clone CI
+    # run). Forward and update do not depend on the buckets, so their ratio between the two
+    # runs brings the prediction to the second run's speed. The bound is the spread of two
+    # runs (a 25 % bound failed at 25.003 % before this scaling).
+    def fixed(a):
+        return a["breakdown"]["t_f"]["mean"] + a["breakdown"]["t_u"]["mean"]
+
+    speed = fixed(ds) / fixed(d)
+    assert abs(pred["t_iter"] * speed / measured_small - 1) < 0.30, (pred, speed, measured_small)
 
 
 def test_io_bound_sample_gets_an_input_bound_finding(recorded, data_dir):
