@@ -2,9 +2,10 @@
 
 For each size: the trace as gputrace Arrow and as Kineto JSON (what the PyTorch profiler
 writes, and what Holistic Trace Analysis reads); `gputrace analyze --json` time and peak RSS;
-with --hta-python, HTA's comm-comp overlap and temporal breakdown on the JSON; bytes per
-event of each format. Goals: 1e7 events in <= 5 s and <= 1.5 GB; >= 30x faster and >= 10x
-less memory than HTA; <= 10 B/event.
+`gputrace import` of the JSON, time and peak RSS; with --hta-python, HTA's comm-comp
+overlap and temporal breakdown on the JSON; bytes per event of each format. Goals: 1e7
+events in <= 5 s and <= 1.5 GB; >= 30x faster and >= 10x less memory than HTA;
+<= 10 B/event.
 
     python bench/analysis.py [--sizes 1e5,1e6,1e7] [--json-max 1e6] [--hta-python PY] [--tiny]
 
@@ -61,7 +62,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true")
     a = ap.parse_args()
     sizes = [int(float(x)) for x in ("2e4" if a.tiny else a.sizes).split(",")]
-    speed, size_rows = [], []
+    speed, size_rows, imports = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         for n in sizes:
             arrow = Path(tmp) / f"t{n}.arrow"
@@ -82,6 +83,15 @@ def main() -> None:
                     gz += Path(f"{f}.gz").stat().st_size
                     Path(f"{f}.gz").unlink()
                 sz += [f"{jbytes / events:.1f}", f"{gz / events:.1f}"]
+                m = measure([PY, "-m", "gputrace", "import", str(jdir), "-o",
+                             str(Path(tmp) / "imported.arrow")], a.timeout)
+                if m.get("rc") != 0:
+                    raise SystemExit(f"gputrace import failed at {n}: {m}")
+                imports.append([f"{events:.2g}", f"{m['wall_s']:.1f} s",
+                                fmt_bytes(m["peak_rss_bytes"]), fmt_bytes(jbytes),
+                                f"{m['peak_rss_bytes'] / jbytes:.2f}",
+                                f"{m['peak_rss_bytes'] / events:.0f}"])
+                (Path(tmp) / "imported.arrow").unlink()
                 if a.hta_python:
                     h = measure([a.hta_python, "-c", HTA_SCRIPT, str(jdir)], a.timeout)
                     if h.get("rc") == 0:
@@ -104,6 +114,11 @@ def main() -> None:
     print()
     print(table("Trace size, bytes per event", ["events", "gputrace .arrow", "Kineto JSON",
                                                 "JSON.gz"], size_rows))
+    if imports:
+        print()
+        print(table("Import: gputrace import of the Kineto JSON (streamed)",
+                    ["events", "time", "peak RSS", "JSON text", "RSS / JSON", "RSS B/event"],
+                    imports))
     print(f"machine: {machine()}")
     if not a.hta_python:
         print("HTA columns empty: pass --hta-python to compare (see the module docstring)")

@@ -165,6 +165,36 @@ def test_kineto_kernels_are_attributed_to_the_phase_of_their_launch(shared_data,
     assert {4, 5, 6} <= steps
 
 
+def test_launches_are_matched_within_their_process_and_the_later_call_stands():
+    """Correlation ids restart in every process (nsys); a GPU row takes its own process's call,
+    the later one where an id was called twice, and none where no call has its id."""
+    from gputrace.importers.common import Launches, Rows
+
+    calls = Launches()
+    calls.call(1, 7, 1, 10, 100)
+    calls.call(2, 7, 2, 20, 200)
+    calls.call(1, 7, 1, 11, 150)
+    calls.call(1, None, 1, 12, 160)        # no correlation: not a launch anyone can match
+    calls.gpu(0, 1, 7)
+    calls.gpu(1, 2, 7)
+    calls.gpu(2, 2, 8)
+    calls.gpu(3, 3, 7)
+    at, found = calls.matched()
+    assert dict(zip(at.tolist(), map(tuple, found[:, 2:].tolist()), strict=True)) == \
+        {0: (1, 11, 150), 1: (2, 20, 200)}
+
+    rows = Rows(chunk=2)                   # patches cross batch boundaries
+    for i in range(5):
+        rows.add("span", "kernel", f"k{i % 2}", i, i + 1)
+    rows.set_many("phase", [1, 3], ["forward", "backward"])
+    rows.set_many("phase", [3], ["update"])
+    rows.set_many("step", [0, 4], [7, 8])
+    t = rows.table()
+    assert t.column("phase").to_pylist() == [None, "forward", None, "update", None]
+    assert t.column("step").to_pylist() == [7, -1, -1, -1, 8]
+    assert t.column("name").to_pylist() == ["k0", "k1", "k0", "k1", "k0"]
+
+
 def test_a_breakdown_from_gpu_time(shared_data):
     a = _analyze(shared_data / "kineto/control.json.gz")
     b = a["breakdown"]

@@ -69,10 +69,13 @@ def is_foreign(paths: list[str]) -> bool:
 
 def import_paths(paths: list[str]):  # type: ignore[no-untyped-def]
     """Import Kineto JSON files (one per rank, or directories of them) and nsys exports."""
+    import pyarrow.compute as pc
+
     from gputrace.importers import kineto, nsys
     from gputrace.importers.common import Rows
     from gputrace.trace.reader import Trace
     from gputrace.trace.schema import conform
+    from gputrace.trace.writer import by_rank
 
     rows = Rows()
     sources: list[dict[str, Any]] = []
@@ -124,14 +127,14 @@ def import_paths(paths: list[str]):  # type: ignore[no-untyped-def]
     table = rows.table()
     if table.num_rows == 0:
         raise ImportFailed(f"{' '.join(paths)}: no events to import")
-    table = table.sort_by([("start_ns", "ascending")])
-    table = conform(table)
+    table = by_rank(conform(table))       # as write_by_rank keeps it: no second sort there
+    start = table.column("start_ns")
     start = table.column("start_ns")
     ranks = sorted({int(r) for r in table.column("rank").unique().to_pylist() if r >= 0})
     md: dict[str, Any] = {
         "format": "gputrace-trace", "version": 1, "role": "import",
         "host": "", "imported": sources, "ranks": ranks,
         "world_size": max(worlds) if worlds else len(ranks),
-        "start": {"realtime_ns": int(start[0].as_py()) if len(start) else 0},
+        "start": {"realtime_ns": int(pc.min(start).as_py()) if len(start) else 0},
     }
     return Trace(table, md, [os.path.abspath(p) for p in paths], warnings)

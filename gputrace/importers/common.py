@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import re
+from array import array
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
-from gputrace.trace.schema import COLUMN_NAMES, COLUMNS, DEFAULTS, DICT_COLUMNS
+from gputrace.trace.schema import COLUMN_NAMES, COLUMNS, DEFAULTS
 
 PHASES = ("io", "h2d", "forward", "backward", "update", "comm")
 
@@ -81,12 +83,9 @@ class Rows:
         self.batches: list[pa.RecordBatch] = []
         self._cols: list[list[Any]] = [[] for _ in COLUMN_NAMES]
         self.count = 0
-        self._patches: dict[str, dict[int, Any]] = {}
+        self._patches: dict[str, list[tuple[np.ndarray, Any]]] = {}
         self._base = tuple(DEFAULTS[n] for n in COLUMN_NAMES)
-        self._schema = pa.schema([
-            pa.field(n, pa.string() if n in DICT_COLUMNS else t, nullable=True)
-            for n, t, _, _ in COLUMNS
-        ])
+        self._schema = pa.schema([pa.field(n, t, nullable=True) for n, t, _, _ in COLUMNS])
 
     def add(self, kind: str, cat: str, name: str, start: int, end: int | None = None,
             **cols: Any) -> int:
@@ -102,15 +101,24 @@ class Rows:
             self._seal()
         return self.count - 1
 
-    def set(self, row: int, column: str, value: Any) -> None:
-        """Change one value of a row already added (applied when the table is built)."""
-        self._patches.setdefault(column, {})[row] = value
+    def set_many(self, column: str, rows: np.ndarray, values: Sequence[Any]) -> None:
+        """Change `column` of rows already added (applied when the table is built; where a row
+        is set twice, the later value stands)."""
+        if len(rows):
+            self._patches.setdefault(column, []).append((np.asarray(rows, np.int64), values))
+
+    @staticmethod
+    def _array(values: list[Any], typ: pa.DataType) -> pa.Array:
+        if pa.types.is_dictionary(typ):   # names repeat: held dictionary-encoded
+            return pa.array(values, pa.string()).cast(typ)
+        return pa.array(values, typ)
 
     def _seal(self) -> None:
         if not self._cols[0]:
             return
         try:
-            arrays = [pa.array(c, f.type) for c, f in zip(self._cols, self._schema, strict=True)]
+            arrays = [self._array(c, f.type) for c, f in zip(self._cols, self._schema,
+                                                              strict=True)]
         except (pa.ArrowInvalid, OverflowError, TypeError) as e:
             raise ImportFailed(f"a value does not fit the trace format: {e}") from None
         self.batches.append(pa.RecordBatch.from_arrays(arrays, schema=self._schema))
@@ -119,12 +127,24 @@ class Rows:
     def table(self) -> pa.Table:
         self._seal()
         t = pa.Table.from_batches(self.batches, schema=self._schema)
-        for column, patch in self._patches.items():
+        self.batches = []
+        for column, parts in self._patches.items():
+            idx = np.concatenate([p[0] for p in parts])
+            vals = np.concatenate([np.asarray(p[1], dtype=object) for p in parts])
+            order = np.argsort(idx, kind="stable")
+            idx, vals = idx[order], vals[order]
+            last = np.append(idx[1:] != idx[:-1], True)      # the later of two sets stands
+            idx, vals = idx[last], vals[last]
             i = t.schema.get_field_index(column)
-            values = t.column(i).to_pylist()
-            for r, v in patch.items():
-                values[r] = v
-            t = t.set_column(i, t.schema.field(i), pa.array(values, t.schema.field(i).type))
+            field = t.schema.field(i)
+            col = t.column(i).combine_chunks()
+            if pa.types.is_dictionary(field.type):
+                col = col.cast(field.type.value_type)
+            mask = np.zeros(len(col), dtype=bool)
+            mask[idx] = True
+            col = pc.replace_with_mask(col, pa.array(mask), self._array(list(vals), col.type))
+            t = t.set_column(i, field, col.cast(field.type))
+        self._patches = {}
         return t
 
 
@@ -197,21 +217,65 @@ def launch_context(phases: list[tuple[Any, int, int, str]], iters: list[tuple[in
     return [phases[w][3] if w >= 0 else None for w in which], steps
 
 
+class Launches:
+    """Where imported GPU work was launched from, kept in flat int64 arrays rather than
+    dicts of tuples (a few hundred bytes less per event while a file is parsed).
+
+    `call(scope, corr, pid, tid, t)`: a launching API call; `gpu(row, scope, corr)`: a GPU row
+    made by the call with that correlation id. `scope` tells apart processes whose ids may
+    clash (nsys: the pid; one Kineto file: 0). Where one id is called twice, the later stands.
+    """
+
+    def __init__(self) -> None:
+        self.calls = array("q")
+        self.work = array("q")
+
+    def call(self, scope: int, corr: Any, pid: int, tid: int, t: int) -> None:
+        if isinstance(corr, int) and 0 <= corr < 2**63:      # else: no correlation
+            self.calls.extend((scope, corr, pid, tid, t))
+
+    def gpu(self, row: int, scope: int, corr: Any) -> None:
+        if isinstance(corr, int) and 0 <= corr < 2**63:
+            self.work.extend((row, scope, corr))
+
+    def matched(self) -> tuple[np.ndarray, np.ndarray]:
+        """(GPU row indices, their calls as rows of (scope, corr, pid, tid, t))."""
+        calls = np.frombuffer(self.calls, np.int64).reshape(-1, 5) if self.calls else \
+            np.empty((0, 5), np.int64)
+        work = np.frombuffer(self.work, np.int64).reshape(-1, 3) if self.work else \
+            np.empty((0, 3), np.int64)
+        at, found = [], []
+        for scope in np.unique(work[:, 1]):
+            c = calls[calls[:, 0] == scope]
+            c = c[np.argsort(c[:, 1], kind="stable")]
+            if not len(c):
+                continue
+            later = np.append(c[1:, 1] != c[:-1, 1], True)       # of equal ids, the last
+            c = c[later]
+            w = work[work[:, 1] == scope]
+            k = np.clip(np.searchsorted(c[:, 1], w[:, 2]), 0, len(c) - 1)
+            hit = c[k, 1] == w[:, 2]
+            at.append(w[hit, 0])
+            found.append(c[k[hit]])
+        if not at:
+            return np.empty(0, np.int64), np.empty((0, 5), np.int64)
+        return np.concatenate(at), np.concatenate(found)
+
+
 def attribute_launches(rows: Rows, phases: list[tuple[Any, int, int, str]],
-                       iters: list[tuple[int, int, int]], launch: dict[Any, tuple[Any, int]],
-                       gpu_rows: list[tuple[int, Any]], fixed: set[int] = frozenset()) -> None:
+                       iters: list[tuple[int, int, int]], launches: Launches,
+                       fixed: set[int] = frozenset()) -> None:
     """Give every imported GPU row the phase and step its launch was made in.
 
-    launch: correlation -> (thread key, launch time); gpu_rows: (row index, correlation);
-    fixed: rows whose phase is already known (NCCL kernels are comm wherever launched).
+    phases key threads by (pid, tid); fixed: rows whose phase is already known (NCCL kernels
+    are comm wherever launched).
     """
-    found = [(r, launch[c]) for r, c in gpu_rows if c in launch]
-    if not found:
+    at, calls = launches.matched()
+    if not len(at):
         return
-    phase, steps = launch_context(phases, iters, [x[1][0] for x in found],
-                                  [x[1][1] for x in found])
-    for (r, _), ph, st in zip(found, phase, steps, strict=True):
-        if ph is not None and r not in fixed:
-            rows.set(r, "phase", ph)
-        if st >= 0:
-            rows.set(r, "step", int(st))
+    threads = list(zip(calls[:, 2].tolist(), calls[:, 3].tolist(), strict=True))
+    phase, steps = launch_context(phases, iters, threads, calls[:, 4])
+    ph = np.array(phase, dtype=object)
+    keep = (ph != None) & ~np.isin(at, np.fromiter(fixed, np.int64, len(fixed)))  # noqa: E711
+    rows.set_many("phase", at[keep], ph[keep])
+    rows.set_many("step", at[steps >= 0], steps[steps >= 0])

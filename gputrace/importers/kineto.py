@@ -13,6 +13,7 @@ import ijson
 
 from gputrace.importers.common import (
     ImportFailed,
+    Launches,
     Rows,
     attribute_launches,
     is_nccl,
@@ -84,8 +85,7 @@ def read(path: str, rank: int, rows: Rows, *, phases: Sequence[tuple[Any, int, i
     `phases` ((pid, tid), start, end, cat) and `iters` (start, end, step) add ranges known
     from elsewhere (gputrace's own spans) for attributing GPU work to the range of its
     launch; `gpu_only` leaves out the file's CPU-side ranges."""
-    launch: dict[int, tuple[Any, int]] = {}          # correlation -> ((pid, tid), t)
-    gpu_rows: list[tuple[int, int]] = []              # (row, correlation)
+    launches = Launches()
     fixed: set[int] = set()
     phases = list(phases)
     iters = list(iters)
@@ -136,10 +136,10 @@ def read(path: str, rank: int, rows: Rows, *, phases: Sequence[tuple[Any, int, i
                         i = rows.add("span", "memset", name, start, end,
                                      bytes=nb if nb >= 0 else None, **common)
                     if corr >= 0:
-                        gpu_rows.append((i, corr))
+                        launches.gpu(i, 0, corr)
                 elif cat in ("cuda_runtime", "cuda_driver", "runtime"):
                     if corr >= 0:
-                        launch[corr] = ((pid, tid), start)
+                        launches.call(0, corr, pid, tid, start)
                     if "ynchronize" in name:
                         rows.add("span", "sync", name, start, end, rank=rank, pid=pid, tid=tid)
                 elif cat in ("cpu_op", "user_annotation", "python_function", "operator",
@@ -167,5 +167,5 @@ def read(path: str, rank: int, rows: Rows, *, phases: Sequence[tuple[Any, int, i
         raise ImportFailed(f"cannot decompress or read: {e}") from None
     if counts["events"] == 0:
         raise ImportFailed("no 'traceEvents' in it: not a Kineto/Chrome trace")
-    attribute_launches(rows, phases, iters, launch, gpu_rows, fixed)
+    attribute_launches(rows, phases, iters, launches, fixed)
     return counts

@@ -9,6 +9,7 @@ from typing import Any
 
 from gputrace.importers.common import (
     ImportFailed,
+    Launches,
     Rows,
     attribute_launches,
     is_nccl,
@@ -146,14 +147,13 @@ def read(path: str, rows: Rows) -> dict[str, Any]:
                 phases.append(((pid, tid), start, end, ph))
         counts["nvtx_ranges"] = n
 
-    launch: dict[Any, tuple[Any, int]] = {}
+    launches = Launches()
     if _need(db, "CUPTI_ACTIVITY_KIND_RUNTIME", {"start", "globalTid", "correlationId"}):
         for s, gtid, corr in db.rows(
                 "SELECT start, globalTid, correlationId FROM CUPTI_ACTIVITY_KIND_RUNTIME"):
             pid = _pid(gtid)
-            launch[(pid, corr)] = ((pid, _tid(gtid)), _int(s, "runtime start") + offset)
+            launches.call(pid, corr, pid, _tid(gtid), _int(s, "runtime start") + offset)
 
-    gpu_rows: list[tuple[int, Any]] = []
     fixed: set[int] = set()
     kcols = {"start", "end", "deviceId", "streamId", "correlationId", "globalPid",
              "demangledName", "shortName"}
@@ -170,7 +170,7 @@ def read(path: str, rows: Rows) -> dict[str, Any]:
                          + offset, _int(e, "kernel end") + offset, rank=rank_of.get(pid, -1),
                          pid=pid, device=_small(dev), stream=_small(stream), corr=corr,
                          phase="comm" if nccl else None)
-            gpu_rows.append((i, (pid, corr)))
+            launches.gpu(i, pid, corr)
             if nccl:
                 fixed.add(i)
             n += 1
@@ -195,7 +195,7 @@ def read(path: str, rows: Rows) -> dict[str, Any]:
                          rank=rank_of.get(pid, -1), pid=pid, device=_small(dev), stream=_small(stream),
                          corr=corr, bytes=nb, src_kind=_MEM_KIND.get(sk),
                          dst_kind=_MEM_KIND.get(dk), args=args)
-            gpu_rows.append((i, (pid, corr)))
+            launches.gpu(i, pid, corr)
             n += 1
         counts["memcpy"] = n
     if _need(db, "CUPTI_ACTIVITY_KIND_MEMSET", {"start", "end", "deviceId", "streamId",
@@ -208,7 +208,7 @@ def read(path: str, rows: Rows) -> dict[str, Any]:
             i = rows.add("span", "memset", "Memset", _int(s, "memset start") + offset,
                          _int(e, "memset end") + offset, rank=rank_of.get(pid, -1), pid=pid,
                          device=_small(dev), stream=_small(stream), corr=corr, bytes=nb)
-            gpu_rows.append((i, (pid, corr)))
+            launches.gpu(i, pid, corr)
             n += 1
         counts["memset"] = n
     if _need(db, "CUPTI_ACTIVITY_KIND_SYNCHRONIZATION", {"start", "end", "deviceId",
@@ -220,7 +220,7 @@ def read(path: str, rows: Rows) -> dict[str, Any]:
             rows.add("span", "sync", "synchronize", _int(s, "sync start") + offset,
                      _int(e, "sync end") + offset, rank=rank_of.get(pid, -1), pid=pid,
                      device=_small(dev), stream=_small(stream))
-    attribute_launches(rows, phases, iters, launch, gpu_rows, fixed)
+    attribute_launches(rows, phases, iters, launches, fixed)
     counts["gpu_metrics"] = _gpu_metrics(db, rows, offset)
     counts["nic_metrics"] = _nic_metrics(db, rows, offset)
     return {"counts": counts, "schema_version": version,

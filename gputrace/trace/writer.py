@@ -168,14 +168,26 @@ def write_trace(path: str | os.PathLike[str], metadata: dict[str, Any],
         raise OSError(w.error)
 
 
+def by_rank(table: pa.Table) -> pa.Table:
+    """The table sorted by (rank, start); as it is (no copy) when it already is."""
+    import numpy as np
+
+    if table.num_rows < 2:
+        return table
+    rank = np.diff(table.column("rank").to_numpy(zero_copy_only=False))
+    start = np.diff(table.column("start_ns").to_numpy(zero_copy_only=False))
+    if np.all((rank > 0) | ((rank == 0) & (start >= 0))):
+        return table
+    return table.sort_by([("rank", "ascending"), ("start_ns", "ascending")])
+
+
 def write_by_rank(path: str | os.PathLike[str], metadata: dict[str, Any],
                   table: pa.Table) -> None:
     """Write a whole trace sorted by (rank, start) with no record batch holding two ranks,
     so a reader can take one rank at a time (`trace.reader.open_by_rank`)."""
     import numpy as np
 
-    if table.num_rows:
-        table = table.sort_by([("rank", "ascending"), ("start_ns", "ascending")])
+    table = by_rank(table)
     rank = table.column("rank").to_numpy(zero_copy_only=False) if table.num_rows else None
     w = TraceWriter(path, metadata)
     try:
