@@ -110,13 +110,42 @@ def test_sampler_runs_at_its_rate_and_drops_a_broken_collector(capsys):
     assert capsys.readouterr().err.count("device fell off the bus") == 1
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice values are Linux's")
+def test_the_sampler_thread_runs_below_the_job_and_leaves_the_rest_of_its_process_alone():
+    from gputrace.collectors import SAMPLER_NICE
+
+    seen = []
+
+    class Probe:
+        name = "probe"
+
+        def sample(self, t):
+            seen.append(os.getpriority(os.PRIO_PROCESS, 0))   # this thread's nice on Linux
+            return []
+
+        def close(self):
+            pass
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    s = Sampler([Probe()], None, 200, time.time_ns)
+    s.start()
+    time.sleep(0.2)
+    s.stop()
+    # the first and last samples are taken by the caller of start() and stop()
+    assert seen[0] == seen[-1] == base
+    assert set(seen[1:-1]) == {min(base + SAMPLER_NICE, 19)} and len(seen) > 5
+    assert os.getpriority(os.PRIO_PROCESS, 0) == base
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="Linux /proc only")
 def test_held_proc_files_read_what_psutil_reads_and_fail_once_the_process_is_gone():
     from gputrace.collectors.host import _ProcFiles
 
-    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
-                             stdin=subprocess.PIPE)
+    child = subprocess.Popen([sys.executable, "-c", "print('ready', flush=True); "
+                              "import sys; sys.stdin.read()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
+        assert child.stdout.readline() == b"ready\n"     # started up: its counters stand still
         files = _ProcFiles(child.pid)
         p = psutil.Process(child.pid)
         mine = files.read()

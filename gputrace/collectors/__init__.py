@@ -93,6 +93,11 @@ def start_gpu_timeline(rec: Any, torch: Any, mode: str) -> None:
         rec.set_collector("cupti", f"unavailable: {type(e).__name__}: {e}".splitlines()[0])
 
 
+# The sampler thread runs below the job's priority: on a machine the job keeps busy, a sample
+# is taken a little late rather than taking a core from the job.
+SAMPLER_NICE = 10
+
+
 class Sampler:
     """Samples system collectors at a fixed rate on its own thread.
 
@@ -136,6 +141,10 @@ class Sampler:
             self._t_first = self._t_last
 
     def _run(self) -> None:
+        try:   # on Linux this thread only: the sample waits for a free core, not the job
+            os.nice(SAMPLER_NICE)
+        except OSError:
+            pass
         nxt = time.perf_counter()
         while True:
             nxt += self.period_s
