@@ -27,6 +27,22 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+def ratio_ci(runs: list[list[float]], base: list[list[float]], n: int = 2000,
+             seed: int = 0) -> tuple[float, float]:
+    """95 % bootstrap interval of median(runs) / median(base), resampling whole runs (the
+    iterations of one run share its machine state, so runs are the independent unit)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        a = [runs[i] for i in rng.integers(0, len(runs), len(runs))]
+        b = [base[i] for i in rng.integers(0, len(base), len(base))]
+        out.append(np.median(np.concatenate(a)) / np.median(np.concatenate(b)))
+    lo, hi = np.percentile(out, [2.5, 97.5])
+    return float(lo), float(hi)
+
+
 def table(title: str, header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True))  # noqa: E731

@@ -4,26 +4,29 @@ Runs alternate (plain, gputrace, torch.profiler, plain, ...) so drift on a share
 all three alike; each run reports its per-iteration times, and the table gives the median
 iteration after warm-up and the ratios to plain. Goal: gputrace <= 1.02x plain.
 
-    python bench/overhead.py [--iterations 40] [--rounds 3] [--tiny]
+    python bench/overhead.py [--iterations 40] [--rounds 3] [--ranks 1,2] [--sample-args ARGS]
+                             [--tiny]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import tempfile
 from pathlib import Path
 
-from common import PY, machine, median, run, table
+from common import PY, machine, median, ratio_ci, run, table
 
 # "hooks only": gputrace's in-process instrumentation without the system sampler, to tell
 # the two costs apart
 MODES = ("plain", "gputrace", "hooks only", "torch.profiler")
 
 
-def command(mode: str, ranks: int, iterations: int, out: Path, trace: Path) -> list[str]:
+def command(mode: str, ranks: int, iterations: int, out: Path, trace: Path,
+            extra: list[str]) -> list[str]:
     job = ["samples/train_cnn.py", "--preset", "case1", "--iterations", str(iterations),
-           "--times-json", str(out)]
+           "--times-json", str(out), *extra]
     if ranks > 1:
         job = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                str(ranks), *job]
@@ -42,6 +45,8 @@ def main() -> None:
     p.add_argument("--iterations", type=int, default=40)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--ranks", default="1,2", help="process counts to run (1 and/or 2)")
+    p.add_argument("--sample-args", default="",
+                   help="more options for samples/train_cnn.py, e.g. '--threads 1 --workers 1'")
     p.add_argument("--tiny", action="store_true", help="one quick round (keeps it working)")
     a = p.parse_args()
     if a.tiny:
@@ -49,23 +54,29 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for ranks in [int(x) for x in a.ranks.split(",")]:
-            per_mode: dict[str, list[float]] = {m: [] for m in MODES}
+            per_mode: dict[str, list[list[float]]] = {m: [] for m in MODES}
             for r in range(a.rounds):
                 for m in MODES:
                     out = Path(tmp) / f"{m}-{ranks}-{r}.json"
                     trace = Path(tmp) / f"{m.replace(' ', '-')}-{ranks}-{r}.arrow"
-                    run(command(m, ranks, a.iterations, out, trace))
+                    run(command(m, ranks, a.iterations, out, trace, shlex.split(a.sample_args)))
                     times = json.loads(out.read_text())
-                    per_mode[m].extend(times[3:] if len(times) > 4 else times)
-            base = median(per_mode["plain"])
+                    per_mode[m].append(times[3:] if len(times) > 4 else times)
+            pooled = {m: [t for run in runs for t in run] for m, runs in per_mode.items()}
+            base = median(pooled["plain"])
             row = [f"{ranks} process{'es' if ranks > 1 else ''}", f"{base * 1e3:.1f} ms"]
             for m in MODES[1:]:
-                row += [f"{median(per_mode[m]) * 1e3:.1f} ms", f"{median(per_mode[m]) / base:.3f}x"]
+                lo, hi = ratio_ci(per_mode[m], per_mode["plain"])
+                row += [f"{median(pooled[m]) * 1e3:.1f} ms",
+                        f"{median(pooled[m]) / base:.3f}x [{lo:.2f}, {hi:.2f}]"]
             rows.append(row)
     print(table(f"Recording overhead: median iteration of samples/train_cnn.py --preset case1, "
+                f"{a.sample_args + ', ' if a.sample_args else ''}"
                 f"{a.iterations} iterations x {a.rounds} alternating rounds",
                 ["job", "plain", "gputrace", "ratio", "hooks only", "ratio", "torch.profiler",
                  "ratio"], rows))
+    print("ratio [95 % interval]: bootstrap over whole runs; an interval that holds 1.0 is a "
+          "difference the runs cannot tell from noise")
     print(f"machine: {machine()}")
 
 
