@@ -129,7 +129,6 @@ def import_paths(paths: list[str]):  # type: ignore[no-untyped-def]
         raise ImportFailed(f"{' '.join(paths)}: no events to import")
     table = by_rank(conform(table))       # as write_by_rank keeps it: no second sort there
     start = table.column("start_ns")
-    start = table.column("start_ns")
     ranks = sorted({int(r) for r in table.column("rank").unique().to_pylist() if r >= 0})
     md: dict[str, Any] = {
         "format": "gputrace-trace", "version": 1, "role": "import",

@@ -127,7 +127,6 @@ class Rows:
     def table(self) -> pa.Table:
         self._seal()
         t = pa.Table.from_batches(self.batches, schema=self._schema)
-        self.batches = []
         for column, parts in self._patches.items():
             idx = np.concatenate([p[0] for p in parts])
             vals = np.concatenate([np.asarray(p[1], dtype=object) for p in parts])
@@ -144,7 +143,6 @@ class Rows:
             mask[idx] = True
             col = pc.replace_with_mask(col, pa.array(mask), self._array(list(vals), col.type))
             t = t.set_column(i, field, col.cast(field.type))
-        self._patches = {}
         return t
 
 

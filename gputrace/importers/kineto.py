@@ -135,11 +135,9 @@ def read(path: str, rank: int, rows: Rows, *, phases: Sequence[tuple[Any, int, i
                         nb = _int(args.get("bytes"))
                         i = rows.add("span", "memset", name, start, end,
                                      bytes=nb if nb >= 0 else None, **common)
-                    if corr >= 0:
-                        launches.gpu(i, 0, corr)
+                    launches.gpu(i, 0, corr)           # no correlation (-1): not matched
                 elif cat in ("cuda_runtime", "cuda_driver", "runtime"):
-                    if corr >= 0:
-                        launches.call(0, corr, pid, tid, start)
+                    launches.call(0, corr, pid, tid, start)
                     if "ynchronize" in name:
                         rows.add("span", "sync", name, start, end, rank=rank, pid=pid, tid=tid)
                 elif cat in ("cpu_op", "user_annotation", "python_function", "operator",
