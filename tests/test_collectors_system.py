@@ -137,6 +137,28 @@ def test_the_sampler_thread_runs_below_the_job_and_leaves_the_rest_of_its_proces
     assert os.getpriority(os.PRIO_PROCESS, 0) == base
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/diskstats"), reason="Linux /proc only")
+def test_held_system_files_read_what_psutil_reads():
+    """Disk, NIC and CPU counters from the held /proc files equal psutil's: every counter
+    lies between psutil's reads just before and just after, and CPU busy % is a percentage."""
+    from gputrace.collectors.host import _PsutilSystem, _SystemFiles
+
+    mine, ref = _SystemFiles(), _PsutilSystem()
+    try:
+        for _ in range(3):
+            before_d, before_n = ref.disks(), ref.nics()
+            got_d, got_n = mine.disks(), mine.nics()
+            after_d, after_n = ref.disks(), ref.nics()
+            for before, got, after in ((before_d, got_d, after_d), (before_n, got_n, after_n)):
+                assert [g[0] for g in got] == [b[0] for b in before] and got
+                for b, g, a in zip(before, got, after, strict=True):
+                    assert b[1] <= g[1] <= a[1] and b[2] <= g[2] <= a[2], (b, g, a)
+            time.sleep(0.05)
+            assert 0.0 <= mine.cpu_percent() <= 100.0
+    finally:
+        mine.close()
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="Linux /proc only")
 def test_held_proc_files_read_what_psutil_reads_and_fail_once_the_process_is_gone():
     from gputrace.collectors.host import _ProcFiles
