@@ -68,14 +68,16 @@ class _SystemFiles:
 
     def __init__(self) -> None:
         self.fds: list[int] = []
+        self._cpu: tuple[int, int] | None = None
         try:
             for path in ("/proc/stat", "/proc/diskstats", "/proc/net/dev"):
                 self.fds.append(os.open(path, os.O_RDONLY))
-        except OSError:
+            self.cpu_percent()      # also checks that each reads as expected
+            self.disks()
+            self.nics()
+        except (OSError, ValueError, IndexError):
             self.close()
             raise
-        self._cpu: tuple[int, int] | None = None
-        self.cpu_percent()
 
     def cpu_percent(self) -> float:
         f = os.pread(self.fds[0], 256, 0).split(b"\n", 1)[0].split()
@@ -159,11 +161,7 @@ class HostCollector:
         self.max_procs = 0
         try:
             self.system: _SystemFiles | _PsutilSystem = _SystemFiles()
-            self.system.disks()
-            self.system.nics()
-        except (OSError, ValueError, IndexError):
-            if isinstance(getattr(self, "system", None), _SystemFiles):
-                self.system.close()
+        except (OSError, ValueError, IndexError):   # no /proc, or not laid out as Linux's
             self.system = _PsutilSystem()
         self.has_disks = bool(self.system.disks())
         self.has_nics = bool(self.system.nics())
