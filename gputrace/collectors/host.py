@@ -21,34 +21,43 @@ _PROC_FIELDS = ("read_bytes", "write_bytes", "read_chars", "write_chars")
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-class _ProcFiles:
-    """A process's /proc/<pid>/io and /proc/<pid>/stat held open (Linux): each sample is
-    one pread of each, not psutil's opens and parsing. An open /proc file stays bound to
-    its process, so a reused pid can never be read in its place."""
+class _HeldFiles:
+    """/proc files held open (Linux) and read with one pread each per sample, not psutil's
+    opens and parsing; none is left open when one cannot be opened."""
 
-    def __init__(self, pid: int) -> None:
-        self.io = os.open(f"/proc/{pid}/io", os.O_RDONLY)
+    def __init__(self, *paths: str) -> None:
+        self.fds: list[int] = []
         try:
-            self.stat = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
+            for path in paths:
+                self.fds.append(os.open(path, os.O_RDONLY))
         except OSError:
-            os.close(self.io)
+            self.close()
             raise
 
-    def read(self) -> tuple[float, ...]:
-        """(read_bytes, write_bytes, read_chars, write_chars, cpu seconds); OSError once
-        the process is gone."""
-        io = dict(line.split(b": ") for line in os.pread(self.io, 512, 0).splitlines())
-        stat = os.pread(self.stat, 1024, 0)
-        f = stat[stat.rindex(b")") + 2:].split()   # fields from the 3rd (state) on
-        return (float(io[b"read_bytes"]), float(io[b"write_bytes"]), float(io[b"rchar"]),
-                float(io[b"wchar"]), (int(f[11]) + int(f[12])) / _TICK)  # utime + stime
-
     def close(self) -> None:
-        for fd in (self.io, self.stat):
+        for fd in self.fds:
             try:
                 os.close(fd)
             except OSError:
                 pass
+        self.fds = []
+
+
+class _ProcFiles(_HeldFiles):
+    """A process's /proc/<pid>/io and /proc/<pid>/stat. An open /proc file stays bound to
+    its process, so a reused pid can never be read in its place."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(f"/proc/{pid}/io", f"/proc/{pid}/stat")
+
+    def read(self) -> tuple[float, ...]:
+        """(read_bytes, write_bytes, read_chars, write_chars, cpu seconds); OSError once
+        the process is gone."""
+        io = dict(line.split(b": ") for line in os.pread(self.fds[0], 512, 0).splitlines())
+        stat = os.pread(self.fds[1], 1024, 0)
+        f = stat[stat.rindex(b")") + 2:].split()   # fields from the 3rd (state) on
+        return (float(io[b"read_bytes"]), float(io[b"write_bytes"]), float(io[b"rchar"]),
+                float(io[b"wchar"]), (int(f[11]) + int(f[12])) / _TICK)  # utime + stime
 
 
 def _pread_all(fd: int, size: int) -> bytes:
@@ -60,19 +69,16 @@ def _pread_all(fd: int, size: int) -> bytes:
         size *= 4
 
 
-class _SystemFiles:
-    """/proc/stat, /proc/diskstats and /proc/net/dev held open (Linux): each sample reads
-    them with one pread each instead of psutil's opens and parsing (machine-wide counters
+class _SystemFiles(_HeldFiles):
+    """/proc/stat, /proc/diskstats and /proc/net/dev (machine-wide counters through psutil
     were most of a sample's cost). Values are what psutil gives: disk bytes as 512-byte
     sectors, NIC byte counters, CPU busy % over the interval."""
 
     def __init__(self) -> None:
-        self.fds: list[int] = []
+        super().__init__("/proc/stat", "/proc/diskstats", "/proc/net/dev")
         self._cpu: tuple[int, int] | None = None
         try:
-            for path in ("/proc/stat", "/proc/diskstats", "/proc/net/dev"):
-                self.fds.append(os.open(path, os.O_RDONLY))
-            self.cpu_percent()      # also checks that each reads as expected
+            self.cpu_percent()      # checks that each reads as expected
             self.disks()
             self.nics()
         except (OSError, ValueError, IndexError):
@@ -105,14 +111,6 @@ class _SystemFiles:
             f = rest.split()
             out.append((name.strip().decode(), float(f[8]), float(f[0])))   # sent, received
         return out
-
-    def close(self) -> None:
-        for fd in self.fds:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self.fds = []
 
 
 class _PsutilSystem:

@@ -73,6 +73,14 @@ def is_nccl(name: str) -> bool:
     return name.lower().startswith("nccl")
 
 
+def _later_stands(keys: np.ndarray) -> np.ndarray:
+    """Indices of the last occurrence of each key, in key order (of two entries with one
+    key, the later stands)."""
+    order = np.argsort(keys, kind="stable")
+    k = keys[order]
+    return order[np.append(k[1:] != k[:-1], True)]
+
+
 class Rows:
     """Column lists that become Arrow batches every `chunk` rows (memory ~ the output)."""
 
@@ -130,10 +138,8 @@ class Rows:
         for column, parts in self._patches.items():
             idx = np.concatenate([p[0] for p in parts])
             vals = np.concatenate([np.asarray(p[1], dtype=object) for p in parts])
-            order = np.argsort(idx, kind="stable")
-            idx, vals = idx[order], vals[order]
-            last = np.append(idx[1:] != idx[:-1], True)      # the later of two sets stands
-            idx, vals = idx[last], vals[last]
+            pick = _later_stands(idx)
+            idx, vals = idx[pick], vals[pick]
             i = t.schema.get_field_index(column)
             field = t.schema.field(i)
             col = t.column(i).combine_chunks()
@@ -228,12 +234,16 @@ class Launches:
         self.calls = array("q")
         self.work = array("q")
 
+    @staticmethod
+    def _known(corr: Any) -> bool:
+        return isinstance(corr, int) and 0 <= corr < 2**63      # else: no correlation
+
     def call(self, scope: int, corr: Any, pid: int, tid: int, t: int) -> None:
-        if isinstance(corr, int) and 0 <= corr < 2**63:      # else: no correlation
+        if self._known(corr):
             self.calls.extend((scope, corr, pid, tid, t))
 
     def gpu(self, row: int, scope: int, corr: Any) -> None:
-        if isinstance(corr, int) and 0 <= corr < 2**63:
+        if self._known(corr):
             self.work.extend((row, scope, corr))
 
     def matched(self) -> tuple[np.ndarray, np.ndarray]:
@@ -245,11 +255,9 @@ class Launches:
         at, found = [], []
         for scope in np.unique(work[:, 1]):
             c = calls[calls[:, 0] == scope]
-            c = c[np.argsort(c[:, 1], kind="stable")]
             if not len(c):
                 continue
-            later = np.append(c[1:, 1] != c[:-1, 1], True)       # of equal ids, the last
-            c = c[later]
+            c = c[_later_stands(c[:, 1])]
             w = work[work[:, 1] == scope]
             k = np.clip(np.searchsorted(c[:, 1], w[:, 2]), 0, len(c) - 1)
             hit = c[k, 1] == w[:, 2]
