@@ -179,3 +179,47 @@ def test_held_proc_files_read_what_psutil_reads_and_fail_once_the_process_is_gon
     with pytest.raises(OSError):   # reaped: the held files never read another process
         files.read()
     files.close()
+
+
+@pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children"),
+                    reason="needs /proc/<pid>/task/<tid>/children")
+def test_the_tree_walk_finds_what_psutil_finds_children_of_any_thread_and_their_children():
+    from gputrace.collectors.host import _descendants
+
+    # the main thread starts a child that starts its own; another, live thread starts one more
+    parent = subprocess.Popen([sys.executable, "-c", """
+import subprocess, sys, threading
+sleeper = [sys.executable, "-c", "import sys; sys.stdin.read()"]
+kids = [subprocess.Popen([sys.executable, "-c",
+        "import subprocess, sys; subprocess.run(sys.argv[1:], stdin=sys.stdin)", *sleeper],
+        stdin=subprocess.PIPE)]
+done = threading.Event()
+def other():   # a live thread's children are listed under that thread, not the process
+    kids.append(subprocess.Popen(sleeper, stdin=subprocess.PIPE))
+    done.wait()
+t = threading.Thread(target=other)
+t.start()
+while len(kids) < 2:
+    pass
+print("ready", flush=True)
+sys.stdin.read()
+for k in kids:
+    k.stdin.close(); k.wait()
+done.set()
+"""], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert parent.stdout.readline() == b"ready\n"
+        deadline = time.time() + 20
+        while time.time() < deadline:   # the grandchild starts a moment after its parent
+            want = {parent.pid} | {p.pid for p in psutil.Process(parent.pid).children(True)}
+            if len(want) == 4:
+                break
+            time.sleep(0.05)
+        assert len(want) == 4
+        assert set(_descendants(parent.pid)) == want
+        c = HostCollector(parent.pid, "h")
+        c.sample(0)
+        assert {pid for pid, _ in c._procs} == want and c.max_procs == 4
+    finally:
+        parent.communicate(b"")
+    assert _descendants(parent.pid) == [parent.pid]   # gone: nothing below it is listed

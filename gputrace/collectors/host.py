@@ -113,6 +113,41 @@ class _SystemFiles(_HeldFiles):
         return out
 
 
+def _read(path: str) -> bytes:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.read(fd, 65536)
+    finally:
+        os.close(fd)
+
+
+def _descendants(root: int) -> list[int]:
+    """root and every process below it, from /proc/<pid>/task/<tid>/children: a few small
+    reads per process of the tree, where psutil's children() reads every process on the
+    machine (a GPU node runs hundreds)."""
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:   # gone
+            continue
+        for tid in tids:
+            try:
+                todo.extend(int(x) for x in _read(f"/proc/{pid}/task/{tid}/children").split())
+            except OSError:
+                continue
+    return out
+
+
+def _process(pid: int) -> psutil.Process | None:
+    try:
+        return psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return None
+
+
 class _PsutilSystem:
     """The same counters through psutil, where there is no /proc."""
 
@@ -137,8 +172,8 @@ class _PsutilSystem:
 class HostCollector:
     name = "host"
 
-    # finding the tree's processes scans every process on the machine (~1 ms per 70): done
-    # 4 times a second, not every sample; one found late still brings its whole count
+    # the tree's processes are looked for 4 times a second, not every sample; one found late
+    # still brings its whole count
     def __init__(self, root_pid: int, host: str, tree_refresh_s: float = 0.25) -> None:
         try:
             self.root = psutil.Process(root_pid)
@@ -155,6 +190,8 @@ class HostCollector:
         self._last: dict[tuple[int, float], tuple[float, ...]] = {}
         self._dead = [0.0] * 5  # read_bytes, write_bytes, read_chars, write_chars, cpu_s
         self._tree_t = -1.0
+        # Linux with CONFIG_PROC_CHILDREN (the usual kernels): the tree is walked from its root
+        self._proc_children = os.path.exists(f"/proc/{root_pid}/task/{root_pid}/children")
         self._cpu_prev: tuple[float, float] | None = None
         self.max_procs = 0
         try:
@@ -169,14 +206,21 @@ class HostCollector:
                 "disks": self.has_disks, "nics": self.has_nics}
 
     def _refresh_tree(self) -> None:
-        try:
-            procs = [self.root, *self.root.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            procs = []
-        seen = {}
-        for p in procs:
+        if self._proc_children:
+            known = {key[0]: p for key, p in self._procs.items()}
+            found = [known[pid] if pid in known else _process(pid)
+                     for pid in _descendants(self.root_pid)]
+        else:   # psutil finds children by reading every process on the machine
             try:
-                seen[(p.pid, p.create_time())] = p
+                found = [self.root, *self.root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                found = []
+        seen = {}
+        for p in found:
+            if p is None:
+                continue
+            try:
+                seen[(p.pid, p.create_time())] = p   # psutil keeps a Process's create time
             except psutil.NoSuchProcess:
                 continue
         for key in list(self._procs):
