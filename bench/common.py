@@ -29,16 +29,18 @@ def median(xs: list[float]) -> float:
 
 def ratio_ci(runs: list[list[float]], base: list[list[float]], n: int = 2000,
              seed: int = 0) -> tuple[float, float]:
-    """95 % bootstrap interval of median(runs) / median(base), resampling whole runs (the
-    iterations of one run share its machine state, so runs are the independent unit)."""
+    """95 % bootstrap interval of median(runs) / median(base). runs[i] and base[i] ran in the
+    same round, side by side, so rounds are resampled as pairs: drift of the machine that
+    both runs of a round saw cancels in the ratio. The run, not the iteration, is the unit
+    (the iterations of one run share its machine state)."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(n):
-        a = [runs[i] for i in rng.integers(0, len(runs), len(runs))]
-        b = [base[i] for i in rng.integers(0, len(base), len(base))]
-        out.append(np.median(np.concatenate(a)) / np.median(np.concatenate(b)))
+        pick = rng.integers(0, len(runs), len(runs))
+        out.append(np.median(np.concatenate([runs[i] for i in pick]))
+                   / np.median(np.concatenate([base[i] for i in pick])))
     lo, hi = np.percentile(out, [2.5, 97.5])
     return float(lo), float(hi)
 
