@@ -6,7 +6,10 @@ table gives the median iteration after warm-up and the ratios to plain, with a 9
 from resampling rounds. Goal: gputrace <= 1.02x plain.
 
     python bench/overhead.py [--iterations 40] [--rounds 3] [--ranks 1,2] [--sample-args ARGS]
-                             [--modes plain,gputrace,...] [--tiny]
+                             [--modes plain,gputrace,...] [--save PATH] [--tiny]
+
+With --save, every run's iteration times are kept in PATH as they come; run again with the
+same PATH (and the same job) to add rounds to those already there.
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ def main() -> None:
                    help="more options for samples/train_cnn.py, e.g. '--threads 1 --workers 1'")
     p.add_argument("--modes", default=",".join(MODES),
                    help=f"modes to run (plain always runs): {', '.join(MODES)}")
+    p.add_argument("--save", type=Path,
+                   help="keep the runs in this JSON file, and add to the rounds it holds")
     p.add_argument("--tiny", action="store_true", help="one quick round (keeps it working)")
     a = p.parse_args()
     unknown = set(a.modes.split(",")) - set(MODES)
@@ -61,13 +66,21 @@ def main() -> None:
     modes = ["plain", *(m for m in MODES[1:] if m in a.modes.split(","))]
     if a.tiny:
         a.iterations, a.rounds = 6, 1
+    job = {"iterations": a.iterations, "sample_args": a.sample_args, "modes": modes}
+    saved = json.loads(a.save.read_text()) if a.save and a.save.exists() else {"job": job}
+    if saved["job"] != job:
+        p.error(f"{a.save} holds runs of another job ({saved['job']}); name another file")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for ranks in [int(x) for x in a.ranks.split(",")]:
-            per_mode: dict[str, list[list[float]]] = {m: [] for m in modes}
-            order = random.Random(ranks)
-            sampler = [0.0, 0.0]   # CPU and wall seconds of gputrace record's own process
-            for r in range(a.rounds):
+            kept = saved.setdefault(str(ranks), {"runs": {m: [] for m in modes},
+                                                 "sampler": [0.0, 0.0]})
+            # CPU and wall seconds of gputrace record's own process
+            per_mode: dict[str, list[list[float]]] = kept["runs"]
+            sampler = kept["sampler"]
+            first = len(per_mode["plain"])
+            for r in range(first, first + a.rounds):
+                order = random.Random(f"{ranks}-{r}")
                 for m in order.sample(modes, len(modes)):
                     out = Path(tmp) / f"{m}-{ranks}-{r}.json"
                     trace = Path(tmp) / f"{m.replace(' ', '-')}-{ranks}-{r}.arrow"
@@ -78,9 +91,12 @@ def main() -> None:
                         sampler[0] += s["cpu_s"]
                         sampler[1] += s["wall_s"]
                     per_mode[m].append(times[3:] if len(times) > 4 else times)
+                if a.save:
+                    a.save.write_text(json.dumps(saved))
             pooled = {m: [t for run in runs for t in run] for m, runs in per_mode.items()}
             base = median(pooled["plain"])
-            row = [f"{ranks} process{'es' if ranks > 1 else ''}", f"{base * 1e3:.1f} ms"]
+            row = [f"{ranks} process{'es' if ranks > 1 else ''}", str(len(per_mode["plain"])),
+                   f"{base * 1e3:.1f} ms"]
             for m in modes[1:]:
                 lo, hi = ratio_ci(per_mode[m], per_mode["plain"])
                 row += [f"{median(pooled[m]) * 1e3:.1f} ms",
@@ -90,8 +106,8 @@ def main() -> None:
             rows.append(row)
     print(table(f"Recording overhead: median iteration of samples/train_cnn.py --preset case1, "
                 f"{a.sample_args + ', ' if a.sample_args else ''}"
-                f"{a.iterations} iterations x {a.rounds} rounds",
-                ["job", "plain", *(h for m in modes[1:] for h in (m, "ratio")),
+                f"{a.iterations} iterations a run",
+                ["job", "rounds", "plain", *(h for m in modes[1:] for h in (m, "ratio")),
                  *(["record's CPU"] if "gputrace" in modes else [])], rows))
     print("ratio [95 % interval]: bootstrap over rounds (the runs of a round as a pair); an "
           "interval that holds 1.0 is a difference the runs cannot tell from noise")

@@ -14,10 +14,18 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script", ["analysis.py", "sampler.py", "overhead.py"])
-def test_benchmark_runs_tiny(script):
+def test_benchmark_runs_tiny(script, tmp_path):
     args = [sys.executable, str(BENCH / script), "--tiny"]
     if script == "overhead.py":
-        args += ["--ranks", "1"]
+        args += ["--ranks", "1", "--save", str(tmp_path / "runs.json")]
     p = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=BENCH.parent)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "machine:" in p.stdout and "x" in p.stdout
+    if script == "overhead.py":   # the kept runs give the same table again, with no new run
+        again = subprocess.run([sys.executable, str(BENCH / script), "--iterations", "6",
+                                "--rounds", "0", *args[3:]],
+                               capture_output=True, text=True, timeout=600, cwd=BENCH.parent)
+        assert again.returncode == 0, again.stderr[-2000:]
+        table = [line for line in p.stdout.splitlines() if line.startswith("1 process")]
+        assert table and table == [line for line in again.stdout.splitlines()
+                                   if line.startswith("1 process")]
