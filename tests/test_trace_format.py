@@ -211,3 +211,33 @@ def test_rank_at_a_time_defaults_columns_an_older_file_lacks(tmp_path):
     a = analyze(open_by_rank(p))
     assert sorted(a.ranks) == [0, 1]
     assert a.ranks[1].breakdown["t_f"].mean == pytest.approx(50e-9)
+
+
+def test_merge_takes_each_rank_from_every_shard_that_holds_it_sorted_and_loses_nothing(tmp_path):
+    from gputrace.record.merge import merge_shards
+    from gputrace.trace.reader import open_by_rank
+    from tests.tracebuilder import Builder
+
+    d = tmp_path / "shards"
+    d.mkdir()
+    a, b, rec = Builder(), Builder(), Builder()
+    for k in range(5):   # rank 0's process and rank 1's, interleaved in time
+        a.span("forward", 10 * k + 1, 10 * k + 4, rank=0, pid=10)
+        b.span("forward", 10 * k + 2, 10 * k + 6, rank=1, pid=11)
+        rec.sample("proc.read_bytes", 10 * k, k * 4096.0)   # the recording process: rank -1
+    rec.span("io", 3, 5, rank=0, pid=12)   # a loader worker's row in the recorder's shard
+    a.write(d / "a.arrow", rank=0)
+    b.write(d / "b.arrow", rank=1)
+    rec.write(d / "rec.arrow", role="record")
+    whole = load(d)
+    r = merge_shards(str(d), str(tmp_path / "m.arrow"))
+    assert r.rows == whole.num_rows == 16 and r.shards == 3
+    assert r.rows_by_cat == {"forward": 10, "host": 5, "io": 1}
+    merged = load(tmp_path / "m.arrow").table
+    keys = list(zip(merged.column("rank").to_pylist(), merged.column("start_ns").to_pylist(),
+                    strict=True))
+    assert keys == sorted(keys)
+    assert sorted(merged.to_pylist(), key=str) == sorted(whole.table.to_pylist(), key=str)
+    ranked = open_by_rank(tmp_path / "m.arrow")
+    assert ranked is not None and ranked.rows == {-1: 5, 0: 6, 1: 5}
+    assert not d.exists()

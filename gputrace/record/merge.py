@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.compute as pc
 
-from gputrace.trace.reader import collector_weight, load, merge_metadata
-from gputrace.trace.writer import write_by_rank
+from gputrace.trace.reader import collector_weight, index_shards, merge_metadata
+from gputrace.trace.writer import TraceWriter, by_rank
 
 
 @dataclass
@@ -28,12 +30,13 @@ def merge_shards(shard_dir: str, out: str, top: dict[str, Any] | None = None,
     """Read every shard in shard_dir (recovering truncated ones), write `out` sorted by rank
     and time, one rank per record batch (analysis then reads one rank at a time).
 
-    `top` overrides top-level metadata (the recording process's view of the run).
-    The shard directory is removed only after the merged file is safely in place.
+    Ranks are merged one at a time, each from the shards that hold it, so memory follows
+    the largest rank, not the whole run. `top` overrides top-level metadata (the recording
+    process's view of the run). The shard directory is removed only after the merged file
+    is safely in place.
     """
-    trace = load(shard_dir, skip_unreadable=True)
-    table = trace.table
-    md = merge_metadata(trace.metadata.get("shards") or [trace.metadata])
+    shards, warnings = index_shards(shard_dir)
+    md = merge_metadata([s.metadata for s in shards])
     if top:
         md.update({k: v for k, v in top.items() if k != "collectors"})
         collectors = dict(md.get("collectors") or {})
@@ -42,19 +45,33 @@ def merge_shards(shard_dir: str, out: str, top: dict[str, Any] | None = None,
             if name not in collectors or collector_weight(info) > collector_weight(collectors[name]):
                 collectors[name] = info
         md["collectors"] = collectors
-    if trace.warnings:
-        md["recovered"] = trace.warnings
+    if warnings:
+        md["recovered"] = warnings
     tmp = f"{out}.tmp-{os.getpid()}"
+    by_cat: Counter[str] = Counter()
+    rows = 0
     try:
-        write_by_rank(tmp, md, table)
+        w = TraceWriter(tmp, md)
+        try:
+            for rank in sorted(set().union(*(s.ranks for s in shards))):
+                parts = [s.read(rank) for s in shards if rank in s.ranks]
+                table = by_rank(pa.concat_tables(parts, promote_options="permissive"))
+                del parts
+                w.write_table(table)
+                rows += table.num_rows
+                for c in pc.value_counts(table.column("cat").cast(pa.string())
+                                         .combine_chunks()) if table.num_rows else []:
+                    by_cat[c["values"].as_py()] += c["counts"].as_py()
+                del table
+        finally:
+            w.close()
+        if w.error:
+            raise OSError(w.error)
         os.replace(tmp, out)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    counts = pc.value_counts(table.column("cat").cast("string").combine_chunks()) \
-        if table.num_rows else []
-    by_cat = {c["values"].as_py(): c["counts"].as_py() for c in counts}
     if remove:
         shutil.rmtree(shard_dir, ignore_errors=True)
-    return MergeResult(out, table.num_rows, len(trace.sources), md, by_cat, trace.warnings)
+    return MergeResult(out, rows, len(shards), md, dict(by_cat), warnings)

@@ -40,7 +40,8 @@ class _Part:
     warning: str | None
 
 
-def _read_one(path: str) -> _Part:
+def _read_one(path: str, only: Sequence[str] | None = None) -> _Part:
+    """One file as a table (`only`: just those v1 columns, the others' buffers unread)."""
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:
@@ -53,12 +54,21 @@ def _read_one(path: str) -> _Part:
         buf = pa.memory_map(path).read_buffer()
     except (OSError, pa.ArrowException) as e:
         raise TraceFormatError(f"cannot read {path}: {e}") from None
+
+    def options(schema: pa.Schema) -> pa.ipc.IpcReadOptions | None:
+        if only is None:
+            return None
+        return pa.ipc.IpcReadOptions(
+            included_fields=[i for i, f in enumerate(schema) if f.name in only])
+
     try:
         rd = pa.ipc.open_file(buf)
         md = read_metadata(rd.schema)
+        if only is not None:
+            rd = pa.ipc.open_file(buf, options=options(rd.schema))
         table = rd.read_all()
         table.validate(full=True)   # offsets, dictionary indices, UTF-8
-        return _Part(conform(table), md, None)
+        return _Part(conform(table, only), md, None)
     except TraceFormatError:
         raise
     except (pa.ArrowException, OSError, ValueError):
@@ -67,10 +77,12 @@ def _read_one(path: str) -> _Part:
     batches: list[pa.RecordBatch] = []
     try:
         stream = pa.ipc.open_stream(buf.slice(8))
+        md = read_metadata(stream.schema)
+        if only is not None:
+            stream = pa.ipc.open_stream(buf.slice(8), options=options(stream.schema))
     except (pa.ArrowException, OSError, ValueError) as e:
         raise TraceFormatError(f"{path} is truncated before its schema; nothing to recover "
                                f"({e})") from None
-    md = read_metadata(stream.schema)
     try:
         for b in stream:
             b.validate(full=True)   # a corrupt batch ends what can be recovered
@@ -80,7 +92,7 @@ def _read_one(path: str) -> _Part:
     table = pa.Table.from_batches(batches, schema=stream.schema)
     warning = (f"{path} was not closed (killed run?) or is damaged: recovered {len(batches)} complete "
                f"batches, {table.num_rows} rows, of {size} bytes")
-    return _Part(conform(table), md, warning)
+    return _Part(conform(table, only), md, warning)
 
 
 def _expand(paths: Iterable[str | os.PathLike[str]]) -> list[str]:
@@ -104,6 +116,24 @@ def _expand(paths: Iterable[str | os.PathLike[str]]) -> list[str]:
     return out
 
 
+def _read_all(paths: Sequence[str | os.PathLike[str]], skip_unreadable: bool,
+              only: Sequence[str] | None = None) -> tuple[list[str], list[_Part], list[str]]:
+    """The files (of paths, directories expanded) that could be read, what was read of each,
+    and the warnings."""
+    parts, read, skipped = [], [], []
+    for f in _expand(paths):
+        try:
+            parts.append(_read_one(f, only))
+            read.append(f)
+        except TraceFormatError as e:
+            if not skip_unreadable:
+                raise
+            skipped.append(f"{os.path.basename(f)}: skipped, nothing readable in it ({e})")
+    if not parts:
+        raise TraceFormatError(f"nothing readable in {' '.join(map(str, paths))}")
+    return read, parts, [p.warning for p in parts if p.warning] + skipped
+
+
 def load(*paths: str | os.PathLike[str], skip_unreadable: bool = False) -> Trace:
     """Load one trace file, several shards, or a directory of shards, as one table.
 
@@ -112,26 +142,39 @@ def load(*paths: str | os.PathLike[str], skip_unreadable: bool = False) -> Trace
     `skip_unreadable` (merging a run's shards), a file with nothing readable in it — a
     process killed while writing its header — is left out with a warning instead.
     """
-    files = _expand(paths)
-    parts, read, skipped = [], [], []
-    for f in files:
-        try:
-            parts.append(_read_one(f))
-            read.append(f)
-        except TraceFormatError as e:
-            if not skip_unreadable:
-                raise
-            skipped.append(f"{os.path.basename(f)}: skipped, nothing readable in it ({e})")
-    if not parts:
-        raise TraceFormatError(f"nothing readable in {' '.join(map(str, paths))}")
-    files = read
-    warnings = [p.warning for p in parts if p.warning] + skipped
+    files, parts, warnings = _read_all(paths, skip_unreadable)
     if len(parts) == 1:
         return Trace(parts[0].table, parts[0].metadata, files, warnings)
     tables = [p.table for p in parts]
     table = pa.concat_tables(tables, promote_options="permissive")
     md = merge_metadata([p.metadata for p in parts])
     return Trace(table, md, files, warnings)
+
+
+@dataclass
+class Shard:
+    path: str
+    metadata: dict[str, Any]
+    ranks: set[int]          # the ranks its rows hold
+
+    def read(self, rank: int) -> pa.Table:
+        """Its rows of one rank (recovered as far as they can be, as `load` does)."""
+        table = _read_one(self.path).table
+        if self.ranks != {rank}:
+            table = table.filter(pc.equal(_ranks(table), rank))
+        return table
+
+
+def _ranks(table: pa.Table) -> pa.ChunkedArray:
+    return pc.fill_null(table.column("rank"), -1)   # no rank given: the v1 default
+
+
+def index_shards(path: str | os.PathLike[str]) -> tuple[list[Shard], list[str]]:
+    """The readable shards in a directory, each with the ranks its rows hold (only their
+    rank columns are read), and the warnings `load(path, skip_unreadable=True)` gives."""
+    files, parts, warnings = _read_all([path], True, only=("rank",))
+    return [Shard(f, p.metadata, set(_ranks(p.table).unique().to_pylist()))
+            for f, p in zip(files, parts, strict=True)], warnings
 
 
 class RankUnreadable(TraceFormatError):
