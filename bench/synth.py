@@ -90,12 +90,18 @@ NAMES = ["", *[f"void kernel_{i}<float>(float*, int)" for i in range(1, 40)],
          "pcie.rx_bytes"]
 
 
-def write_arrow(path: Path, events: int, ranks: int = 4) -> int:
+def write_arrow(path: Path, events: int, ranks: int = 4, shards: bool = False) -> int:
+    """The events as one trace file; with `shards`, `path` is a directory that gets one file
+    per rank in small batches, as a recording's processes leave them before the merge."""
     iters = shape(events, ranks)
-    w = TraceWriter(path, {"host": "bench", "world_size": ranks, "role": "record"})
+    md = {"host": "bench", "world_size": ranks, "role": "record"}
+    w = None if shards else TraceWriter(path, md)
+    batch = 1 << 16 if shards else 1 << 20
     n = 0
     host_names = {0: "iteration", 1: "io", 3: "forward", 4: "backward", 5: "update"}
     for r in range(ranks):
+        if shards:
+            w = TraceWriter(path / f"rank{r}.arrow", dict(md, role="process", rank=r))
         e = rank_events(r, iters)
         cat = np.array(CATS, dtype=object)[e["cat"]]
         phase = np.array(PHASES + [None] * 3, dtype=object)[np.clip(e["phase"], 0, 9)]
@@ -105,8 +111,8 @@ def write_arrow(path: Path, events: int, ranks: int = 4) -> int:
         name[host] = [host_names[c] for c in e["cat"][host]]
         kind = np.where(e["kind"] == 1, "sample", "span").astype(object)
         nb = e["bytes"]
-        for lo in range(0, e["start"].size, 1 << 20):
-            sl = slice(lo, lo + (1 << 20))
+        for lo in range(0, e["start"].size, batch):
+            sl = slice(lo, lo + batch)
             m = e["start"][sl].size
             d = {
                 "kind": kind[sl], "cat": cat[sl], "name": name[sl], "start_ns": e["start"][sl],
@@ -130,7 +136,10 @@ def write_arrow(path: Path, events: int, ranks: int = 4) -> int:
             w.write_table(pa.Table.from_arrays(arrays, schema=pa.schema(
                 [pa.field(nm, a.type) for (nm, _, _, _), a in zip(COLUMNS, arrays, strict=True)])))
             n += m
-    w.close()
+        if shards:
+            w.close()
+    if not shards:
+        w.close()
     return n
 
 
