@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shlex
 import tempfile
@@ -47,6 +48,28 @@ def command(mode: str, ranks: int, iterations: int, out: Path, trace: Path,
     return job
 
 
+def accounting(costs: list[tuple[str, float, float, float]], tiny: bool) -> str:
+    """gputrace's own work beside the job, counted rather than told from noisy wall times:
+    spans recorded per iteration times what one costs the loop (bench/hookcost.py), and the
+    recording process's CPU as a share of the machine's cores."""
+    args = ["--iterations", "50", "--blocks", "3"] if tiny else []
+    _, p = run([PY, str(Path(__file__).parent / "hookcost.py"), *args])
+    per_span = max(json.loads(p.stdout)["us_per_span"] or 0.0, 0.0) * 1e-6
+    cores = os.cpu_count() or 1
+    rows = []
+    for job, per_iter, base, rec_cpu in costs:
+        hooks = per_iter * per_span / base
+        rows.append([job, f"{per_iter:.1f}", f"{per_iter * per_span * 1e3:.2f} ms",
+                     f"{100 * hooks:.2f}%", f"{100 * rec_cpu / cores:.2f}%",
+                     f"{1 + hooks + rec_cpu / cores:.3f}x"])
+    return (table(f"Cost accounting: {per_span * 1e6:.1f} us per recorded span "
+                  f"(bench/hookcost.py), recording process over {cores} cores",
+                  ["job", "spans/iter", "hooks/iter", "of plain iter", "record's share",
+                   "bound"], rows)
+            + "\nbound: the slowdown if every microsecond of gputrace's work delayed the job "
+              "on a machine whose every core it keeps busy")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--iterations", type=int, default=40)
@@ -71,13 +94,15 @@ def main() -> None:
     if saved["job"] != job:
         p.error(f"{a.save} holds runs of another job ({saved['job']}); name another file")
     rows = []
+    costs = []   # (job, spans per iteration, plain iteration s, record's CPU per wall s)
     with tempfile.TemporaryDirectory() as tmp:
         for ranks in [int(x) for x in a.ranks.split(",")]:
+            # "sampler": CPU and wall seconds of gputrace record's own process; "spans":
+            # spans recorded and iterations, over all processes
             kept = saved.setdefault(str(ranks), {"runs": {m: [] for m in modes},
-                                                 "sampler": [0.0, 0.0]})
-            # CPU and wall seconds of gputrace record's own process
+                                                 "sampler": [0.0, 0.0], "spans": [0, 0]})
             per_mode: dict[str, list[list[float]]] = kept["runs"]
-            sampler = kept["sampler"]
+            sampler, spans = kept["sampler"], kept.setdefault("spans", [0, 0])
             first = len(per_mode["plain"])
             for r in range(first, first + a.rounds):
                 order = random.Random(f"{ranks}-{r}")
@@ -87,9 +112,13 @@ def main() -> None:
                     run(command(m, ranks, a.iterations, out, trace, shlex.split(a.sample_args)))
                     times = json.loads(out.read_text())
                     if m == "gputrace":
-                        s = gputrace.load(trace).metadata["sampler"]
-                        sampler[0] += s["cpu_s"]
-                        sampler[1] += s["wall_s"]
+                        tr = gputrace.load(trace)
+                        sampler[0] += tr.metadata["sampler"]["cpu_s"]
+                        sampler[1] += tr.metadata["sampler"]["wall_s"]
+                        kind = tr.table.column("kind").cast("string").to_numpy(False)
+                        cat = tr.table.column("cat").cast("string").to_numpy(False)
+                        spans[0] += int((kind == "span").sum())
+                        spans[1] += int((cat == "iteration").sum())
                     per_mode[m].append(times[3:] if len(times) > 4 else times)
                 if a.save:
                     a.save.write_text(json.dumps(saved))
@@ -103,6 +132,8 @@ def main() -> None:
                         f"{median(pooled[m]) / base:.3f}x [{lo:.2f}, {hi:.2f}]"]
             if "gputrace" in modes:
                 row.append(f"{100 * sampler[0] / sampler[1]:.1f}% of a core")
+                costs.append((row[0], spans[0] / max(spans[1], 1), base,
+                              sampler[0] / sampler[1]))
             rows.append(row)
     print(table(f"Recording overhead: median iteration of samples/train_cnn.py --preset case1, "
                 f"{a.sample_args + ', ' if a.sample_args else ''}"
@@ -114,6 +145,9 @@ def main() -> None:
     if "gputrace" in modes:
         print("record's CPU: the recording process (sampler, writer, start-up) beside the job, "
               "CPU seconds over its wall time")
+    if costs:
+        print()
+        print(accounting(costs, a.tiny))
     print(f"machine: {machine()}")
 
 

@@ -1,0 +1,68 @@
+"""What one recorded span costs the training loop: gputrace's PyTorch hooks and its flush
+thread, timed on a model so small that the framework, not compute, fills each iteration.
+
+Runs the same loop (forward, backward, optimizer step of --layers tiny Linear layers, one
+thread) plain, then with `gputrace.torch.instrument` on an in-process Session, taking the
+fastest of --blocks blocks of --iterations each; the difference over the spans recorded per
+iteration is the cost of a span. Prints JSON. The fastest block is the one least disturbed
+by the rest of a shared machine, which makes this far steadier than timing a real model.
+
+    python bench/hookcost.py [--layers 20] [--iterations 300] [--blocks 9]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=20)
+    ap.add_argument("--iterations", type=int, default=300)
+    ap.add_argument("--blocks", type=int, default=9)
+    a = ap.parse_args()
+
+    import torch
+
+    import gputrace
+    import gputrace.torch
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(a.layers)])
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(2, 4)
+
+    def block() -> float:
+        t = time.perf_counter()
+        for _ in range(a.iterations):
+            opt.zero_grad()
+            model(x).sum().backward()
+            opt.step()
+        return (time.perf_counter() - t) / a.iterations
+
+    block()   # warm-up
+    plain = min(block() for _ in range(a.blocks))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "t.arrow")
+        with gputrace.Session(path, sampler=False) as s:
+            gputrace.torch.instrument(session=s, gpu_timeline=None)
+            block()
+            timed = min(block() for _ in range(a.blocks))
+        table = gputrace.load(path).table
+    its = table.filter(table.column("cat").cast("string").to_numpy(zero_copy_only=False)
+                       == "iteration").num_rows
+    spans = table.filter(table.column("kind").cast("string").to_numpy(zero_copy_only=False)
+                         == "span").num_rows
+    per_iter = spans / max(its, 1)
+    print(json.dumps({"plain_us": plain * 1e6, "instrumented_us": timed * 1e6,
+                      "spans_per_iteration": per_iter,
+                      "us_per_span": (timed - plain) * 1e6 / per_iter if per_iter else None}))
+
+
+if __name__ == "__main__":
+    main()
