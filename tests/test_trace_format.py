@@ -229,15 +229,20 @@ def test_merge_takes_each_rank_from_every_shard_that_holds_it_sorted_and_loses_n
     a.write(d / "a.arrow", rank=0)
     b.write(d / "b.arrow", rank=1)
     rec.write(d / "rec.arrow", role="record")
+    md = {METADATA_KEY: json.dumps({"format": "gputrace-trace", "version": 1}).encode()}
+    old = pa.table({"kind": ["span"], "cat": ["user"], "name": ["x"], "start_ns": [7]}
+                   ).replace_schema_metadata(md)
+    with pa.OSFile(str(d / "old.arrow"), "wb") as f, pa.ipc.new_file(f, old.schema) as w:
+        w.write_table(old)    # a file with no rank column: its row is rank -1's
     whole = load(d)
     r = merge_shards(str(d), str(tmp_path / "m.arrow"))
-    assert r.rows == whole.num_rows == 16 and r.shards == 3
-    assert r.rows_by_cat == {"forward": 10, "host": 5, "io": 1}
+    assert r.rows == whole.num_rows == 17 and r.shards == 4
+    assert r.rows_by_cat == {"forward": 10, "host": 5, "io": 1, "user": 1}
     merged = load(tmp_path / "m.arrow").table
     keys = list(zip(merged.column("rank").to_pylist(), merged.column("start_ns").to_pylist(),
                     strict=True))
     assert keys == sorted(keys)
     assert sorted(merged.to_pylist(), key=str) == sorted(whole.table.to_pylist(), key=str)
     ranked = open_by_rank(tmp_path / "m.arrow")
-    assert ranked is not None and ranked.rows == {-1: 5, 0: 6, 1: 5}
+    assert ranked is not None and ranked.rows == {-1: 6, 0: 6, 1: 5}
     assert not d.exists()

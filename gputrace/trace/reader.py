@@ -56,10 +56,9 @@ def _read_one(path: str, only: Sequence[str] | None = None) -> _Part:
         raise TraceFormatError(f"cannot read {path}: {e}") from None
 
     def options(schema: pa.Schema) -> pa.ipc.IpcReadOptions | None:
-        if only is None:
-            return None
-        return pa.ipc.IpcReadOptions(
-            included_fields=[i for i, f in enumerate(schema) if f.name in only])
+        at = [i for i, f in enumerate(schema) if f.name in only] if only is not None else []
+        # none of them in the file: read it whole, which gives the row count their defaults need
+        return pa.ipc.IpcReadOptions(included_fields=at) if at else None
 
     try:
         rd = pa.ipc.open_file(buf)
