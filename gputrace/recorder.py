@@ -8,7 +8,7 @@ import socket
 import sys
 import threading
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from gputrace.clock import Clock
@@ -146,10 +146,7 @@ class Recorder:
                       f"{type(e).__name__}: {e}", file=sys.stderr)
         if not spans and not rows:
             return
-        h, r, p = self.host, self.rank, self.pid
-        full = [("span", c, n, s, e, None, None, h, r, p, tid, -1, -1, st, ly, b, None, None,
-                 None, a) for (c, n, s, e, tid, st, ly, b, a) in spans]
-        full.extend(rows)
+        full = _columns(spans, rows, self.host, self.rank, self.pid)
         with self._write:
             if self._writer is None:
                 if self._closed and not full:
@@ -162,7 +159,7 @@ class Recorder:
                     print(f"gputrace: cannot create {self.path}: {e.strerror or e}; "
                           "this process records nothing", file=sys.stderr)
                     self._writer = _DeadWriter()
-            self._writer.write_rows(full)
+            self._writer.write_columns(full)
             self.rows_written = self._writer.rows_written
 
     def close(self) -> None:
@@ -273,6 +270,24 @@ class Recorder:
 
     def step_done(self) -> None:
         self.close_iteration(self.clock.now_ns())
+
+
+def _columns(spans: list[tuple[Any, ...]], rows: list[Row], host: str, rank: int,
+             pid: int) -> list[Sequence[Any]]:
+    """Spans (cat, name, start, end, tid, step, layer, bytes, args) and full rows as the
+    schema's columns: the spans' constant columns are filled whole, not row by row."""
+    n = len(spans)
+    c, nm, s, e, tid, st, ly, b, a = zip(*spans, strict=True) if n else ((),) * 9
+    none = (None,) * n
+    cols: list[Sequence[Any]] = [
+        ("span",) * n, c, nm, s, e, none, none, (host,) * n, (rank,) * n, (pid,) * n, tid,
+        (-1,) * n, (-1,) * n, st, ly, b, none, none, none, a]
+    if rows:   # rows may leave out trailing extension columns (null), or carry them
+        width = max(len(cols), *(len(r) for r in rows))
+        cols += [none] * (width - len(cols))
+        rows = [r if len(r) == width else tuple(r) + (None,) * (width - len(r)) for r in rows]
+        cols = [(*x, *y) for x, y in zip(cols, zip(*rows, strict=True), strict=True)]
+    return cols
 
 
 def _drain(d: deque[Any]) -> list[Any]:

@@ -29,22 +29,9 @@ class _DictEncoder:
         self.values: list[str] = [""]
 
     def encode(self, col: Sequence[str | None]) -> pa.DictionaryArray:
-        index, values = self.index, self.values
-        out: list[int | None] = []
-        append = out.append
-        for v in col:
-            if v is None:
-                append(None)
-                continue
-            i = index.get(v)
-            if i is None:
-                i = index[v] = len(values)
-                values.append(v)
-            append(i)
-        return pa.DictionaryArray.from_arrays(
-            pa.array(out, pa.int32()), pa.array(values, pa.string())
-        )
-
+        """Encode Python strings (None: null); codes are given in order of first appearance,
+        as `encode_arrow` gives them."""
+        return self.encode_arrow(pa.array(col, pa.string()))
 
     def encode_arrow(self, col: pa.Array | pa.ChunkedArray) -> pa.DictionaryArray:
         """Encode a string column against the growing dictionary (vectorized: only the
@@ -105,7 +92,14 @@ class TraceWriter:
         if any(len(r) != width for r in rows):
             # rows may leave out trailing extension columns (null)
             rows = [tuple(r) + (None,) * (width - len(r)) for r in rows]
-        columns = list(zip(*rows, strict=True))
+        self.write_columns(list(zip(*rows, strict=True)))
+
+    def write_columns(self, columns: Sequence[Sequence[Any]]) -> None:
+        """One batch from Python sequences, one per column in schema order, of equal length
+        (trailing extension columns may be left out: null)."""
+        if not columns or not len(columns[0]) or self._writer is None:
+            return
+        columns = [*columns, *[(None,) * len(columns[0])] * (len(COLUMNS) - len(columns))]
         arrays = []
         for (name, typ, _, _), col in zip(COLUMNS, columns, strict=True):
             if name in DICT_COLUMNS:
