@@ -282,11 +282,12 @@ def _columns(spans: list[tuple[Any, ...]], rows: list[Row], host: str, rank: int
     cols: list[Sequence[Any]] = [
         ("span",) * n, c, nm, s, e, none, none, (host,) * n, (rank,) * n, (pid,) * n, tid,
         (-1,) * n, (-1,) * n, st, ly, b, none, none, none, a]
-    if rows:   # rows may leave out trailing extension columns (null), or carry them
-        width = max(len(cols), *(len(r) for r in rows))
-        cols += [none] * (width - len(cols))
-        rows = [r if len(r) == width else tuple(r) + (None,) * (width - len(r)) for r in rows]
-        cols = [(*x, *y) for x, y in zip(cols, zip(*rows, strict=True), strict=True)]
+    if rows:
+        from gputrace.trace.writer import row_columns
+
+        more = row_columns(rows)   # every schema column: the spans' extensions are null
+        cols += [none] * (len(more) - len(cols))
+        cols = [(*x, *y) for x, y in zip(cols, more, strict=True)]
     return cols
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,7 +13,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from gputrace.trace.reader import collector_weight, index_shards, merge_metadata
-from gputrace.trace.writer import TraceWriter, by_rank
+from gputrace.trace.writer import by_rank, write_ranks
 
 
 @dataclass
@@ -50,23 +51,21 @@ def merge_shards(shard_dir: str, out: str, top: dict[str, Any] | None = None,
     tmp = f"{out}.tmp-{os.getpid()}"
     by_cat: Counter[str] = Counter()
     rows = 0
+
+    def ranks() -> Iterator[pa.Table]:
+        nonlocal rows
+        for rank in sorted(set().union(*(s.ranks for s in shards))):
+            table = by_rank(pa.concat_tables([s.read(rank) for s in shards if rank in s.ranks],
+                                             promote_options="permissive"))
+            rows += table.num_rows
+            for c in pc.value_counts(table.column("cat").cast(pa.string())
+                                     .combine_chunks()) if table.num_rows else []:
+                by_cat[c["values"].as_py()] += c["counts"].as_py()
+            yield table
+            del table
+
     try:
-        w = TraceWriter(tmp, md)
-        try:
-            for rank in sorted(set().union(*(s.ranks for s in shards))):
-                parts = [s.read(rank) for s in shards if rank in s.ranks]
-                table = by_rank(pa.concat_tables(parts, promote_options="permissive"))
-                del parts
-                w.write_table(table)
-                rows += table.num_rows
-                for c in pc.value_counts(table.column("cat").cast(pa.string())
-                                         .combine_chunks()) if table.num_rows else []:
-                    by_cat[c["values"].as_py()] += c["counts"].as_py()
-                del table
-        finally:
-            w.close()
-        if w.error:
-            raise OSError(w.error)
+        write_ranks(tmp, md, ranks())
         os.replace(tmp, out)
     except BaseException:
         if os.path.exists(tmp):

@@ -86,13 +86,8 @@ class TraceWriter:
         self._writer = None
 
     def write_rows(self, rows: Sequence[Row]) -> None:
-        if not rows or self._writer is None:
-            return
-        width = len(COLUMNS)
-        if any(len(r) != width for r in rows):
-            # rows may leave out trailing extension columns (null)
-            rows = [tuple(r) + (None,) * (width - len(r)) for r in rows]
-        self.write_columns(list(zip(*rows, strict=True)))
+        if rows:
+            self.write_columns(row_columns(rows))
 
     def write_columns(self, columns: Sequence[Sequence[Any]]) -> None:
         """One batch from Python sequences, one per column in schema order, of equal length
@@ -146,6 +141,14 @@ class TraceWriter:
             self._fail(e)
 
 
+def row_columns(rows: Sequence[Row]) -> list[tuple[Any, ...]]:
+    """Rows as the schema's columns; rows may leave out trailing extension columns (null)."""
+    width = len(COLUMNS)
+    if any(len(r) != width for r in rows):
+        rows = [tuple(r) + (None,) * (width - len(r)) for r in rows]
+    return list(zip(*rows, strict=True))
+
+
 def write_trace(path: str | os.PathLike[str], metadata: dict[str, Any],
                 rows: Iterable[Row] = (), table: pa.Table | None = None) -> None:
     """Write a whole trace at once (tests, importers, merges)."""
@@ -175,21 +178,31 @@ def by_rank(table: pa.Table) -> pa.Table:
     return table.sort_by([("rank", "ascending"), ("start_ns", "ascending")])
 
 
-def write_by_rank(path: str | os.PathLike[str], metadata: dict[str, Any],
-                  table: pa.Table) -> None:
-    """Write a whole trace sorted by (rank, start) with no record batch holding two ranks,
-    so a reader can take one rank at a time (`trace.reader.open_by_rank`)."""
-    import numpy as np
-
-    table = by_rank(table)
-    rank = table.column("rank").to_numpy(zero_copy_only=False) if table.num_rows else None
+def write_ranks(path: str | os.PathLike[str], metadata: dict[str, Any],
+                tables: Iterable[pa.Table]) -> None:
+    """Write a trace from tables of one rank each, in rank order, sorted by start: no record
+    batch holds two ranks, so a reader can take one rank at a time
+    (`trace.reader.open_by_rank`). Raises OSError where the file could not be written."""
     w = TraceWriter(path, metadata)
     try:
-        if rank is not None:
-            cuts = np.concatenate(([0], np.flatnonzero(np.diff(rank)) + 1, [rank.size]))
-            for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
-                w.write_table(table.slice(int(lo), int(hi - lo)))
+        for table in tables:
+            w.write_table(table)
+            del table   # one rank held at a time, not this one beside the next
     finally:
         w.close()
     if w.error:
         raise OSError(w.error)
+
+
+def write_by_rank(path: str | os.PathLike[str], metadata: dict[str, Any],
+                  table: pa.Table) -> None:
+    """Write a whole trace sorted by (rank, start), one rank per record batch."""
+    import numpy as np
+
+    table = by_rank(table)
+    cuts: Any = []
+    if table.num_rows:
+        rank = table.column("rank").to_numpy(zero_copy_only=False)
+        cuts = np.concatenate(([0], np.flatnonzero(np.diff(rank)) + 1, [rank.size]))
+    write_ranks(path, metadata, (table.slice(int(lo), int(hi - lo))
+                                 for lo, hi in zip(cuts[:-1], cuts[1:], strict=True)))
