@@ -19,6 +19,11 @@ if TYPE_CHECKING:  # pyarrow is imported only when a process first writes
 T = TypeVar("T")
 
 _native_tid = threading.get_native_id
+# pthread_self(): GPU tools name threads by it. CUPTI's runtime records carry its low 32 bits
+# (unsigned), Kineto's JSON the same bits as a signed int32 for threads it has not mapped.
+_pthread_id = threading.get_ident
+PTHREAD_MASK = 0xFFFFFFFF
+_PHASE_CATS = frozenset(("io", "h2d", "forward", "backward", "update", "comm"))
 
 # Environment variables a trace may keep; everything else stays out (secrets live there).
 ENV_ALLOWLIST = (
@@ -102,6 +107,11 @@ class Recorder:
         self.flush_interval_s = flush_interval_s
         self.step = 0            # index of the current (or next) iteration
         self._iter_start: int | None = None
+        self._iter_live = False  # a phase was recorded since the open iteration began
+        # native TID -> low 32 bits of pthread_self, for every thread that recorded a span
+        self.threads: dict[int, int] = {}
+        # called with the time at close(), before the last open iteration is settled
+        self.close_hooks: list[Any] = []
         # deques: append and popleft are atomic, so a flush never loses a racing append
         self._spans: deque[tuple[Any, ...]] = deque()
         self._rows: deque[Row] = deque()
@@ -165,7 +175,16 @@ class Recorder:
     def close(self) -> None:
         if self._closed:
             return
-        self.close_iteration(self.clock.now_ns())
+        t = self.clock.now_ns()
+        for hook in list(self.close_hooks):
+            try:
+                hook(t)
+            except Exception as e:  # noqa: BLE001 - a collector bug must not lose the trace
+                print(f"gputrace: {getattr(hook, '__qualname__', hook)} failed at exit: "
+                      f"{type(e).__name__}: {e}", file=sys.stderr)
+        if self._iter_live:
+            self.close_iteration(t)
+        self._iter_start = None   # opened where the last one ended, and nothing since
         self._closed = True
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
@@ -188,6 +207,8 @@ class Recorder:
         self.metadata = dict(self.metadata, pid=self.pid, role="process")
         self._spans, self._rows = deque(), deque()
         self.flush_hooks = []   # the parent's GPU subscriptions do not carry over a fork
+        self.close_hooks = []
+        self.threads = {}
         self._swap, self._write = threading.Lock(), threading.Lock()
         self._writer = None
         self._closed = False
@@ -205,8 +226,22 @@ class Recorder:
              step: int | None = None, tid: int | None = None) -> None:
         if isinstance(args, dict):
             args = json.dumps(args, separators=(",", ":"))
-        self._spans.append((cat, name, start_ns, end_ns, _native_tid() if tid is None else tid,
+        if tid is None:
+            tid = _native_tid()
+            if tid not in self.threads:
+                self._new_thread(tid)
+        if cat in _PHASE_CATS:
+            self._iter_live = True
+        self._spans.append((cat, name, start_ns, end_ns, tid,
                             self.step if step is None else step, layer, nbytes, args))
+
+    def _new_thread(self, tid: int) -> None:
+        """Once per thread: how GPU tools name it (pthread_self), kept for matching their
+        launch records to this thread's phases, and written as a `gputrace.thread` row."""
+        pt = _pthread_id() & PTHREAD_MASK
+        self.threads[tid] = pt
+        self.row("instant", "user", "gputrace.thread", self.clock.now_ns(), tid=tid,
+                 args=json.dumps({"pthread_id": pt, "name": threading.current_thread().name}))
 
     def row(self, kind: str, cat: str, name: str, start_ns: int, end_ns: int | None = None,
             value: float | None = None, unit: str | None = None, *, pid: int | None = None,
@@ -243,13 +278,21 @@ class Recorder:
     def open_iteration(self, t_ns: int) -> None:
         if self._iter_start is None:
             self._iter_start = t_ns
+            self._iter_live = False
 
-    def close_iteration(self, t_ns: int) -> None:
+    def close_iteration(self, t_ns: int, name: str = "iteration", reopen: bool = False) -> None:
+        """End the open iteration at t_ns (`name`: `iteration`, or `inference` for a batch
+        that trained nothing). `reopen`: the next one begins here (iterations tile the loop;
+        one that sees no span before the recording ends is dropped)."""
         start, self._iter_start = self._iter_start, None
-        if start is None:
-            return
-        self.span("iteration", "iteration", start, t_ns, step=self.step)
-        self.step += 1
+        if start is not None:
+            self.span("iteration", name, start, t_ns, step=self.step)
+            self.step += 1
+        if reopen:
+            self.open_iteration(t_ns)
+
+    def drop_iteration(self) -> None:
+        self._iter_start = None
 
     def iterate(self, iterable: Iterable[T], name: str = "next") -> Iterator[T]:
         """Yield items; time spent waiting for each is an `io` span inside its iteration."""
@@ -257,8 +300,12 @@ class Recorder:
         now = self.clock.now_ns
         while True:
             t0 = now()
-            if self._iter_start is not None:  # the loop did not call step(): next() is one
+            if self._iter_start is not None and self._iter_live:
+                # the loop did not call step(): asking for the next item ends the iteration
                 self.close_iteration(t0)
+            # it begins when the loop asks for its batch (also after a step(): nothing
+            # happened since, the loop only came back for the next item)
+            self._iter_start = None
             self.open_iteration(t0)
             try:
                 item = next(it)
@@ -269,7 +316,7 @@ class Recorder:
             yield item
 
     def step_done(self) -> None:
-        self.close_iteration(self.clock.now_ns())
+        self.close_iteration(self.clock.now_ns(), reopen=True)
 
 
 def _columns(spans: list[tuple[Any, ...]], rows: list[Row], host: str, rank: int,

@@ -3,11 +3,19 @@
 Installed by the `record` bootstrap right after the job imports torch (or by
 `gputrace.torch.instrument` in a harness). It uses only cheap, global hooks:
 
-- iteration / update: global optimizer step pre/post hooks (any loop shape);
+- iteration: iterations tile the loop. With a DataLoader one begins when the loop asks for
+  the batch that follows an optimizer step; without one, where the previous one ended (the
+  optimizer step's end); the first begins at the loop's first batch request or forward.
+  Several forward/backward passes per optimizer step (gradient accumulation) are one
+  iteration. A batch that only runs forward (evaluation) is an `inference` iteration. A loop
+  that never calls an optimizer has an iteration per forward/backward pass.
+- update: global optimizer step pre/post hooks (any loop shape);
 - io: the wait in `DataLoader.__next__` on the loop's thread (exposed I/O), and each batch's
   fetch in the loader's workers (total I/O work);
 - forward: global module forward pre/post hooks; a span per module that owns parameters,
-  `layer` 1..L in execution order from the input side, plus one span for the outermost call;
+  `layer` 1..L in execution order from the input side, plus one span for the outermost call,
+  and one (`loss`) from the last outermost call's end to the backward (the loss computed
+  outside the model is part of the forward pass);
 - backward: `torch.autograd.backward` entry/exit, and per layer the end of its last
   parameter's gradient accumulation (post-accumulate-grad hooks), with `bytes` = the bytes
   of the gradients the layer produces (what its all-reduce would move; replay uses it);
@@ -49,22 +57,12 @@ class _State:
         self.grad_last: dict[int, int] = {}
         self.update_t0 = 0
         self.last_bwd_end = 0
-        self.optimizer_seen = False
-        self.forward_since_open = False
-        self.loop_tid: int | None = None
+        self.last_fwd_end = 0                     # end of the last outermost forward
+        self.loss_from = 0                        # a forward ended since the last backward
+        self.its = _Iterations(rec)
         self.ddp_hooked: set[int] = set()
         self.notes: list[str] = []
         self.lock = threading.Lock()
-
-    # -- iterations ----------------------------------------------------------------------
-    def batch_requested(self, t: int) -> None:
-        rec = self.rec
-        if rec._iter_start is not None and not self.optimizer_seen and self.forward_since_open:
-            # no optimizer.step seen: the next batch request ends the iteration
-            rec.close_iteration(t)
-        if rec._iter_start is None:
-            rec.open_iteration(t)
-            self.forward_since_open = False
 
     # -- forward -------------------------------------------------------------------------
     def layer_for(self, module: torch.nn.Module) -> int:
@@ -95,12 +93,9 @@ class _State:
     def forward_pre(self, module: torch.nn.Module, args: Any) -> None:
         t = self.now()
         if self.depth == 0:
-            if self.rec._iter_start is None:
-                self.rec.open_iteration(t)
-                self.forward_since_open = False
+            self.its.forward(t, torch.is_grad_enabled())
             self.root_t0 = t
             self.root_name = type(module).__name__
-            self.forward_since_open = True
             self._maybe_hook_ddp(module)
         self.depth += 1
         if self.layer_for(module):
@@ -116,6 +111,7 @@ class _State:
         self.depth = max(self.depth - 1, 0)
         if self.depth == 0:
             self.rec.span("forward", self.root_name, self.root_t0, t)
+            self.last_fwd_end = self.loss_from = t
 
     # -- backward ------------------------------------------------------------------------
     def grad_ready(self, param: torch.Tensor) -> None:
@@ -137,7 +133,12 @@ class _State:
 
     def backward_enter(self) -> None:
         if self.bwd_depth == 0:
-            self.bwd_t0 = self.last_mark = self.now()
+            self.bwd_t0 = self.last_mark = t = self.now()
+            if self.loss_from and self.depth == 0:
+                # the loss (and its scaling) between the model's forward and this backward
+                self.rec.span("forward", "loss", self.loss_from, t)
+            self.loss_from = 0
+            self.its.backward()
         self.bwd_depth += 1
 
     def backward_exit(self) -> None:
@@ -154,7 +155,7 @@ class _State:
                           layer=layer, nbytes=self.layer_grad_bytes.get(layer))
             start = end
         self.rec.span("backward", "backward", self.bwd_t0, t)
-        self.last_bwd_end = t
+        self.last_bwd_end = self.its.last_bwd = t
         self.last_mark = 0
 
     # -- update --------------------------------------------------------------------------
@@ -163,11 +164,11 @@ class _State:
 
     def step_post(self, opt: Any, args: Any, kwargs: Any) -> None:
         t = self.now()
-        self.optimizer_seen = True
         # With a closure, forward and backward run inside step(): update starts after them.
         start = max(self.update_t0, self.last_bwd_end if self.last_bwd_end <= t else 0)
         self.rec.span("update", type(opt).__name__, start, t)
-        self.rec.close_iteration(t)
+        self.loss_from = 0
+        self.its.stepped(t)
 
     # -- DDP communication ---------------------------------------------------------------
     def _maybe_hook_ddp(self, module: torch.nn.Module) -> None:
@@ -210,6 +211,102 @@ class _State:
         return timed
 
 
+class _Iterations:
+    """Where the loop's iterations begin and end, from what the hooks see: batch requests,
+    outermost forwards (with or without grad), backward passes and optimizer steps.
+
+    A micro-batch is what runs between two boundaries (batch requests; without a loader,
+    outermost forwards). An iteration ends with the micro-batch whose optimizer step ran
+    (at the next batch request with a loader, so the logging after the step belongs to it;
+    at the step's end without one). Until the first optimizer step it is not known whether
+    one will come: the boundaries seen so far wait, and become one iteration (accumulation)
+    at the first step, or one iteration each (a loop with no optimizer) when the run ends."""
+
+    def __init__(self, rec: Recorder) -> None:
+        self.rec = rec
+        self.loader = False          # the loop asks a DataLoader for batches
+        self.seen_step = False       # an optimizer step ran in this process
+        self.pending: list[int] = []  # boundaries before the first step
+        self.last_bwd = 0
+        self._reset()
+        rec.close_hooks.append(self.finish)
+
+    def _reset(self) -> None:
+        self.fwd = self.grad_fwd = self.bwd = self.step = False   # in this micro-batch
+        self.step_end = 0
+
+    def _boundary(self, t: int) -> None:
+        """A micro-batch ends at t; what it ran decides whether an iteration ends too."""
+        rec = self.rec
+        if rec._iter_start is None:
+            rec.open_iteration(t)
+        elif self.step:          # (with a loader: without one the step closed it)
+            rec.close_iteration(t, reopen=True)
+        elif self.fwd and not self.bwd and not self.grad_fwd:
+            # forward only, without grad: an evaluation batch, not a training iteration
+            self._flush_pending()
+            rec.close_iteration(t, name="inference", reopen=True)
+        elif self.bwd and not self.seen_step:
+            self.pending.append(t)
+        else:
+            return      # accumulating gradients, or nothing ran: the micro-batch goes on
+        self._reset()
+
+    def _flush_pending(self) -> None:
+        """No optimizer step came: every waiting boundary ends an iteration of its own."""
+        rec = self.rec
+        for b in self.pending:
+            if rec._iter_start is not None and b > rec._iter_start:
+                rec.close_iteration(b, reopen=True)
+        self.pending = []
+
+    def batch(self, t: int) -> None:
+        self.loader = True
+        self._boundary(t)
+
+    def exhausted(self) -> None:
+        """The loader ran out: an iteration opened by that request, with nothing in it,
+        is none (the next epoch's first request opens the next)."""
+        if self.rec._iter_start is not None and not self.rec._iter_live:
+            self.rec.drop_iteration()
+
+    def forward(self, t: int, grad: bool) -> None:
+        if self.rec._iter_start is None:
+            self.rec.open_iteration(t)
+        elif not self.loader and self.bwd and not self.seen_step:
+            # without a loader (and no optimizer yet) a forward after a backward begins a
+            # micro-batch: a boundary that the first step, or the run's end, settles
+            self._boundary(t)
+        self.fwd = True
+        self.grad_fwd = self.grad_fwd or grad
+
+    def backward(self) -> None:
+        self.bwd = True
+
+    def stepped(self, t: int) -> None:
+        if not self.seen_step:
+            self.seen_step = True
+            self.pending = []    # the passes before the first step accumulated into it
+        self.step = True
+        self.step_end = t
+        if self.rec._iter_start is None:
+            self.rec.open_iteration(t)
+        if not self.loader:
+            self.rec.close_iteration(t, reopen=True)
+            self._reset()
+
+    def finish(self, t: int) -> None:
+        rec = self.rec
+        if rec._iter_start is None:
+            return
+        if self.step and self.loader:
+            rec.close_iteration(self.step_end)
+        elif self.pending or (self.bwd and not self.seen_step):
+            self._flush_pending()
+            rec.close_iteration(self.last_bwd or t)
+        rec.drop_iteration()   # what follows the last step is no iteration
+
+
 def _ddp_class() -> Any:
     try:
         from torch.nn.parallel import DistributedDataParallel
@@ -246,20 +343,19 @@ def _patch_dataloader(state: _State) -> None:
     import torch.utils.data._utils.fetch as fetch
     import torch.utils.data.dataloader as dl
 
-    rec = state.rec
     now = state.now
     orig_next = dl._BaseDataLoaderIter.__next__
 
     def __next__(self: Any) -> Any:
         t0 = now()
-        state.batch_requested(t0)
+        state.its.batch(t0)
         try:
-            return orig_next(self)
+            out = orig_next(self)
         except StopIteration:
-            rec._iter_start = None  # the loop ends: no iteration was started
+            state.its.exhausted()
             raise
-        finally:
-            rec.span("io", "DataLoader.__next__", t0, now())
+        state.rec.span("io", "DataLoader.__next__", t0, now())
+        return out
 
     dl._BaseDataLoaderIter.__next__ = __next__
 
@@ -302,7 +398,10 @@ def auto_instrument(rec: Recorder) -> str:
     """Install the hooks once per process; returns the collector status line."""
     global _installed
     if _installed is not None:
-        _installed.rec = rec
+        if _installed.rec is not rec:
+            _installed.rec = rec
+            _installed.now = rec.clock.now_ns
+            _installed.its = _Iterations(rec)
         return "ok"
     state = _State(rec)
     _installed = state

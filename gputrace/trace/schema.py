@@ -38,6 +38,9 @@ COLUMNS: list[tuple[str, pa.DataType, bool, Any]] = [
     ("args", pa.string(), True, None),
     # extension: the phase a GPU kernel/memcpy is attributed to (its launch's enclosing range)
     ("phase", _DICT, True, None),
+    # extension: when the host call that launched a GPU record was made (trace clock, ns);
+    # a GPU record belongs to the iteration holding its launch, wherever it ran in time
+    ("launch_ns", pa.int64(), True, None),
 ]
 COLUMN_NAMES = [c[0] for c in COLUMNS]
 DICT_COLUMNS = frozenset(n for n, t, _, _ in COLUMNS if pa.types.is_dictionary(t))

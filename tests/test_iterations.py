@@ -1,0 +1,142 @@
+"""Iterations tile the loop and phases match the loop's own clock: a real CPU training loop
+(tests/jobs/timed_loop.py) times itself with perf_counter, is recorded by `gputrace record`
+or profiled by torch.profiler, and gputrace's per-iteration breakdown is compared with what
+the loop measured, iteration by iteration."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from gputrace import load  # noqa: E402
+from gputrace.analyzers.frame import build  # noqa: E402
+from gputrace.analyzers.steps import analyze_rank  # noqa: E402
+from gputrace.importers import import_paths  # noqa: E402
+from tests.conftest import run_gputrace  # noqa: E402
+
+JOB = str(Path(__file__).resolve().parent / "jobs" / "timed_loop.py")
+pytestmark = pytest.mark.slow
+
+
+def run_job(tmp_path: Path, *args: str, record: bool = True):  # type: ignore[no-untyped-def]
+    truth_path, out = tmp_path / "truth.json", tmp_path / "t.arrow"
+    if record:
+        p = run_gputrace("record", "-q", "-o", str(out), "--", sys.executable, JOB,
+                         str(truth_path), *args, timeout=300)
+        assert p.returncode == 0, p.stderr
+    else:
+        import subprocess
+        subprocess.run([sys.executable, JOB, str(truth_path), *args], check=True, timeout=300)
+    return json.loads(truth_path.read_text()), out
+
+
+def per_iteration(trace):  # type: ignore[no-untyped-def]
+    (sp,) = build(trace.table, trace.metadata).ranks.values()
+    return analyze_rank(sp)
+
+
+def matched(rs, truth):  # type: ignore[no-untyped-def]
+    """Each truth step with the analyzed iteration that overlaps it most."""
+    lo, hi = rs.iterations.start, rs.iterations.end
+    pairs = []
+    for i, t in enumerate(truth):
+        ov = np.minimum(hi, t["end"]) - np.maximum(lo, t["start"])
+        k = int(np.argmax(ov))
+        if ov[k] > 0.5 * (t["end"] - t["start"]):
+            pairs.append((i, k))
+    return pairs
+
+
+def compare(rs, truth, pairs, terms, tol):  # type: ignore[no-untyped-def]
+    """Iteration by iteration (warm-up left out): gputrace's figure over the loop's own. The
+    median ratio is held to the tolerance: both clocks see a preemption inside a phase the
+    same, one at its edge (this machine is shared) moves a single iteration, not the run."""
+    pairs = pairs[3:]
+    assert len(pairs) >= 8
+    for term, keys in terms.items():
+        got = np.array([rs.terms[term][k] for _, k in pairs])
+        want = np.array([(truth[i]["end"] - truth[i]["start"]) / 1e9 if term == "t_iter"
+                         else sum(truth[i][x] for x in keys) for i, _ in pairs])
+        rel = tol if term != "t_iter" else 0.05
+        ratio = float(np.median(got / want))
+        assert abs(ratio - 1) <= rel, (term, ratio, got.tolist(), want.tolist())
+
+
+def test_iterations_tile_a_loop_without_a_loader(tmp_path):
+    truth, out = run_job(tmp_path, "--steps", "24")
+    tr = load(out)
+    its = sorted((r for r in tr.table.to_pylist() if r["cat"] == "iteration"),
+                 key=lambda r: r["start_ns"])
+    assert [r["step"] for r in its] == list(range(24))
+    assert {r["name"] for r in its} == {"iteration"}
+    # the copy, zero_grad, logging and sleep between two steps all belong to one
+    assert all(a["end_ns"] == b["start_ns"] for a, b in zip(its, its[1:], strict=False))
+    rs = per_iteration(tr)
+    pairs = matched(rs, truth)
+    # one iteration = the loop's own iteration: from one optimizer step's end to the next
+    durs = np.diff([t["end"] for t in truth]) / 1e9
+    assert float(np.median(rs.terms["t_iter"][4:])) == pytest.approx(
+        float(np.median(durs[3:])), rel=0.05)
+    compare(rs, truth, pairs, {"t_f": ["forward"], "t_b": ["backward"], "t_u": ["update"]},
+            0.15)
+    # what runs between phases (the copy, zero_grad, logging) is time in no phase, not lost
+    other = float(np.median(rs.terms["t_other"][4:]))
+    want = float(np.median([t["other"] + t["h2d"] for t in truth[4:]]))
+    assert other == pytest.approx(want, rel=0.5, abs=5e-4)
+
+
+def test_gradient_accumulation_is_one_iteration_per_optimizer_step(tmp_path):
+    truth, out = run_job(tmp_path, "--loader", "--accumulate", "4", "--steps", "12")
+    tr = load(out)
+    its = [r for r in tr.table.to_pylist() if r["cat"] == "iteration"]
+    assert len(its) == 12 and {r["name"] for r in its} == {"iteration"}
+    rs = per_iteration(tr)
+    pairs = matched(rs, truth)
+    assert len(pairs) == 12
+    # boundaries are the batch requests that follow a step: the loop's own iteration
+    # (step end to step end) is the same length in the steady state
+    durs = np.diff([t["end"] for t in truth]) / 1e9
+    assert float(np.median(rs.terms["t_iter"][4:])) == pytest.approx(
+        float(np.median(durs[3:])), rel=0.05)
+    compare(rs, truth, pairs, {"t_io": ["io"], "t_f": ["forward"], "t_b": ["backward"]}, 0.15)
+
+
+def test_evaluation_batches_are_not_training_iterations(tmp_path):
+    truth, out = run_job(tmp_path, "--loader", "--eval-every", "4", "--steps", "12")
+    rows = load(out).table.to_pylist()
+    names = [r["name"] for r in sorted(rows, key=lambda r: r["start_ns"])
+             if r["cat"] == "iteration"]
+    assert names.count("iteration") == 12
+    # three evaluation batches after steps 4, 8 and 12; the run's very last batch has no
+    # next request to end it and is left out
+    assert names.count("inference") == 3 + 3 + 2
+    assert names[4:7] == ["inference"] * 3 and names[7] == "iteration"
+    p = run_gputrace("analyze", str(out), "--json", check=True)
+    assert json.loads(p.stdout)["iterations"]["count"] == 12
+
+
+def test_a_loop_without_an_optimizer_has_an_iteration_per_pass(tmp_path):
+    truth, out = run_job(tmp_path, "--no-optimizer", "--steps", "10")
+    its = [r for r in load(out).table.to_pylist() if r["cat"] == "iteration"]
+    assert len(its) == 10
+
+
+def test_torch_profiler_trace_of_a_cpu_loop_has_every_phase(tmp_path):
+    """A trace PyTorch made itself (CPU only, no module ranges): forward and backward are
+    found from its operators, and match the loop's own clock."""
+    prof = tmp_path / "prof.json"
+    truth, _ = run_job(tmp_path, "--loader", "--steps", "16", "--profile", str(prof),
+                       record=False)
+    tr = import_paths([str(prof)])
+    rs = per_iteration(tr)
+    pairs = matched(rs, truth)
+    compare(rs, truth, pairs, {"t_iter": [], "t_io": ["io"], "t_f": ["forward"],
+                               "t_b": ["backward"], "t_u": ["update"]}, 0.15)
+    rows = tr.table.to_pylist()
+    assert any(r["name"] == "forward (inferred)" for r in rows)
