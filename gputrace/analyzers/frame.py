@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 
 # the trace columns a frame is built from, in the order `build` converts them
 COLUMNS = ("kind", "rank", "cat", "name", "start_ns", "end_ns", "pid", "tid", "device", "step",
-           "layer", "bytes", "args", "src_kind", "dst_kind", "phase", "value", "unit")
+           "layer", "bytes", "args", "src_kind", "dst_kind", "phase", "launch_ns", "value",
+           "unit")
 _SAMPLE_COLUMNS = ("name", "device", "start_ns", "value", "unit")
 
 
@@ -71,6 +72,7 @@ class Spans:
     mem_kinds: list[str]
     phase: np.ndarray               # attributed-phase codes (-1 null) into `phases`
     phases: list[str]
+    launch: np.ndarray              # GPU records: host time of their launch (-1 unknown)
     _mask_cache: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
 
     def of(self, cat: str) -> np.ndarray:
@@ -219,6 +221,8 @@ def build(table: pa.Table | dict[str, pa.ChunkedArray] | RankColumns,
             phase, phases = codes("phase")
         else:
             phase, phases = np.full(order.size, -1, np.int32), []
+        launch = col("launch_ns", -1, np.int64) if "launch_ns" in cols else \
+            np.full(order.size, -1, np.int64)
         cuts = np.flatnonzero(np.diff(rank)) + 1
         bounds = np.concatenate(([0], cuts, [rank.size]))
         for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
@@ -230,7 +234,8 @@ def build(table: pa.Table | dict[str, pa.ChunkedArray] | RankColumns,
                 start=start[sl], end=end[sl], pid=pid[sl], tid=tid[sl],
                 device=device[sl], step=step[sl], layer=layer[sl], nbytes=nbytes[sl],
                 args=args.slice(int(lo), int(hi) - int(lo)), src_kind=srck[sl],
-                dst_kind=dstk[sl], mem_kinds=mem_kinds, phase=phase[sl], phases=phases)
+                dst_kind=dstk[sl], mem_kinds=mem_kinds, phase=phase[sl], phases=phases,
+                launch=launch[sl])
     samples: dict[str, Samples] = {}
     if keep is not None:
         for c in _SAMPLE_COLUMNS:

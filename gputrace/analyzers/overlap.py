@@ -120,3 +120,71 @@ def hidden_under(activity: Union, cover: Union, lo: np.ndarray, hi: np.ndarray) 
     # |A and B| = |A| + |B| - |A or B| in every window: one merge instead of an intersection
     hid = np.maximum(tot + measure(cover, lo, hi) - measure(merge(activity, cover), lo, hi), 0.0)
     return Hidden(tot / 1e9, hid / 1e9, (tot - hid) / 1e9)
+
+
+def _grouped(start: np.ndarray, end: np.ndarray, group: np.ndarray
+             ) -> tuple[Union, np.ndarray, int, int] | None:
+    """The union of each group's intervals, the groups laid end to end on one axis (each
+    shifted by its index times the whole time range) so that one union does them all:
+    (pieces on that axis, each piece's group, base, stride); None when nothing is given."""
+    m = (group >= 0) & (end > start)
+    if not m.any():
+        return None
+    s, e, g = start[m].astype(np.int64), end[m].astype(np.int64), group[m].astype(np.int64)
+    base = int(s.min())
+    stride = int(e.max()) - base + 1
+    if stride * (int(g.max()) + 1) >= 2**62:     # too long a range to lay out: group by group
+        parts = [(union(s[g == k], e[g == k]), k) for k in np.unique(g).tolist()]
+        ps = np.concatenate([u[0] - base + k * stride for u, k in parts])
+        pe = np.concatenate([u[1] - base + k * stride for u, k in parts])
+        return (ps, pe), ps // stride, base, stride
+    off = g * stride - base
+    u = union(s + off, e + off, own=True)
+    return u, u[0] // stride, base, stride
+
+
+def grouped_measure(start: np.ndarray, end: np.ndarray, group: np.ndarray, n: int
+                    ) -> np.ndarray:
+    """Length of the union of each group's intervals, for groups 0..n-1 (-1: none):
+    per-iteration time of records that belong to an iteration by their launch, wherever
+    they ran (not clipped to any window)."""
+    got = _grouped(start, end, group)
+    if got is None:
+        return np.zeros(n)
+    (s, e), g, _, _ = got
+    return np.bincount(g, weights=(e - s).astype(np.float64), minlength=n)[:n]
+
+
+def grouped_hidden(start: np.ndarray, end: np.ndarray, group: np.ndarray, n: int,
+                   cover: Union) -> Hidden:
+    """Per group, total / hidden / exposed seconds of the union of its intervals against
+    `cover` (a union on the real time axis): comm hidden under compute on a GPU timeline."""
+    got = _grouped(start, end, group)
+    if got is None:
+        z = np.zeros(n)
+        return Hidden(z, z.copy(), z.copy())
+    (s, e), g, base, stride = got
+    shift = g * stride - base
+    hid_piece = measure(cover, s - shift, e - shift)
+    tot = np.bincount(g, weights=(e - s).astype(np.float64), minlength=n)[:n]
+    hid = np.bincount(g, weights=hid_piece, minlength=n)[:n]
+    return Hidden(tot / 1e9, hid / 1e9, (tot - hid) / 1e9)
+
+
+def runs(start: np.ndarray, end: np.ndarray, group: np.ndarray, lane: np.ndarray,
+         label: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The runs of consecutive intervals with one label, in start order within each
+    (group, lane): (start, end, group, label) of each run, from its first start to its last
+    end. On a GPU a run is the time a phase held the device, idle gaps between its kernels
+    (the host launching them) included, as CUDA events around the phase would give."""
+    m = group >= 0
+    s, e, g, ln, lb = start[m], end[m], group[m], lane[m], label[m]
+    if not s.size:
+        z = np.zeros(0, np.int64)
+        return z, z.copy(), z.copy(), z.copy()
+    order = np.lexsort((s, ln, g))
+    s, e, g, ln, lb = s[order], e[order], g[order], ln[order], lb[order]
+    new = np.ones(s.size, dtype=bool)
+    new[1:] = (g[1:] != g[:-1]) | (ln[1:] != ln[:-1]) | (lb[1:] != lb[:-1])
+    first = np.flatnonzero(new)
+    return s[first], np.maximum.reduceat(e, first), g[first], lb[first]

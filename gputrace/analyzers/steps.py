@@ -79,13 +79,14 @@ def _rows_in(it: np.ndarray, sel: np.ndarray, n: int) -> np.ndarray:
     return np.flatnonzero(m[it])
 
 
-def _layer_ends(sp: Spans, mask: np.ndarray, it_of: np.ndarray, n: int) -> LayerEnds:
+def _layer_ends(sp: Spans, mask: np.ndarray, it_of: np.ndarray, n: int,
+                end: np.ndarray) -> LayerEnds:
     li = np.flatnonzero(mask)
-    li = li[np.lexsort((sp.end[li], sp.layer[li], it_of[li]))]   # latest end last
+    li = li[np.lexsort((end[li], sp.layer[li], it_of[li]))]   # latest end last
     it, ly = it_of[li], sp.layer[li]
     last = np.r_[(it[1:] != it[:-1]) | (ly[1:] != ly[:-1]), True] if li.size else \
         np.zeros(0, dtype=bool)
-    return LayerEnds(it[last], ly[last], sp.end[li][last], n)
+    return LayerEnds(it[last], ly[last], end[li][last], n)
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,11 @@ def warmup_skip(n: int, skip: int | None = None) -> int:
 
 def find_iterations(sp: Spans) -> Iterations:
     m = sp.of("iteration")
+    if "inference" in sp.names:
+        # batches that trained nothing (evaluation) are left out when training ones exist
+        train = m & (sp.name != sp.names.index("inference"))
+        if train.any():
+            m = train
     if m.any():
         idx = np.flatnonzero(m)
         idx = idx[np.argsort(sp.start[idx], kind="stable")]
@@ -178,27 +184,72 @@ def analyze_rank(sp: Spans) -> RankSteps:
     work_m = io_m & ~on_loop
     work = _u(sp, work_m)
     bwd_m = sp.of("backward")
-    per_layer = bwd_m & (sp.layer >= 1)
+    per_layer = bwd_m & (sp.layer >= 1) & (sp.device < 0)
     sized = np.flatnonzero(per_layer & ~np.isnan(sp.nbytes))
     ly_sized, first = np.unique(sp.layer[sized], return_index=True)
     layer_bytes = dict(zip(ly_sized.tolist(), sp.nbytes[sized][first].tolist(), strict=True))
     gpu = sp.on_gpu()
     host_comm = sp.of("comm") & (sp.device < 0)
+
+    # which iteration each span belongs to: host spans by their start, GPU records by their
+    # launch (a kernel runs long after the host launched it, maybe in the next iteration)
+    at = sp.start
+    launched = gpu & (sp.launch >= 0)
+    if launched.any():
+        at = np.where(launched, sp.launch, sp.start)
+    it_of = np.searchsorted(lo, at, side="right") - 1
+    inside = (it_of >= 0) & (at < hi[np.clip(it_of, 0, n - 1)])
+    group = np.where(inside, it_of, -1)
+    sec = 1e9
+    t_iter = (hi - lo) / sec
+    layer_end = sp.end
     if gpu.any():
-        # GPU trace: phases are GPU time, kernels attributed to the range of their launch
+        # GPU trace: each phase's time is the GPU time of the records launched in it, in
+        # the iteration of their launch, wherever they ran
         gcomm = gpu & sp.of("comm")
-        kern = gpu & ~gcomm
         to_dev = (sp.kind_is("src", "pageable") | sp.kind_is("src", "pinned")) & \
             sp.kind_is("dst", "device")
-        h2d = _u(sp, kern & ((sp.of("memcpy") & to_dev) | sp.in_phase("h2d")))
-        fwd = _u(sp, kern & sp.in_phase("forward"))
-        bwd_gpu = kern & sp.in_phase("backward")
-        bwd = _u(sp, bwd_gpu)
-        upd = _u(sp, kern & sp.in_phase("update"))
+        h2d_m = gpu & ~gcomm & ((sp.of("memcpy") & to_dev) | sp.in_phase("h2d"))
+        comp = gpu & ~gcomm & ~h2d_m
+        label = np.full(sp.start.size, 3, dtype=np.int64)      # 3: launched in no phase
+        for k, ph in enumerate(("forward", "backward", "update")):
+            label[sp.in_phase(ph)] = k
+        ci = np.flatnonzero(comp)
+        rs_, re_, rg, rl = ov.runs(sp.start[ci], sp.end[ci], group[ci],
+                                   sp.device[ci].astype(np.int64), label[ci])
+        ext = np.zeros((n, 4))
+        np.add.at(ext, (rg, rl), (re_ - rs_) / sec)
+        hi_ = np.flatnonzero(h2d_m)
+        t_h2d = ov.grouped_measure(sp.start[hi_], sp.end[hi_], group[hi_], n) / sec
         comm_m = gcomm if gcomm.any() else host_comm
-        compute = _u(sp, kern)
-        bwd_m = bwd_gpu | bwd_m
-        per_layer = np.zeros_like(per_layer)  # per-layer backward spans are host-side only
+        compute = _u(sp, gpu & ~gcomm)
+        if gcomm.any():
+            c = np.flatnonzero(gcomm)
+            comm_h = ov.grouped_hidden(sp.start[c], sp.end[c], group[c], n, compute)
+        else:
+            comm = _u(sp, comm_m)
+            comm_h = ov.hidden_under(comm, compute, lo, hi)
+        terms = {"t_iter": t_iter, "t_io": ov.measure(wait, lo, hi) / sec, "t_h2d": t_h2d,
+                 "t_f": ext[:, 0], "t_b": ext[:, 1], "t_u": ext[:, 2],
+                 "t_comm": comm_h.total_s}
+        # the device time of the iteration's work in some phase: its phases' runs, copies
+        # and comm, each instant once (streams run side by side)
+        ph_run = rl < 3
+        cm = np.flatnonzero(gcomm)
+        busy = ov.grouped_measure(
+            np.concatenate([rs_[ph_run], sp.start[hi_], sp.start[cm]]),
+            np.concatenate([re_[ph_run], sp.end[hi_], sp.end[cm]]),
+            np.concatenate([rg[ph_run], group[hi_], group[cm]]), n) / sec
+        # not clipped: a host iteration that ran ahead of the device is shorter than the
+        # work launched in it (negative here), the one that waits for it longer; the mean
+        # is the time in no phase
+        terms["t_other"] = t_iter - terms["t_io"] - busy
+        # a layer's gradient is ready when the GPU has run what was launched for it: the
+        # last backward record launched while the host computed that layer's backward
+        bwd_gpu = comp & (label == 1)
+        layer_end = _gpu_layer_ends(sp, per_layer, bwd_gpu)
+        back = bwd_gpu
+        back_start, back_end = sp.start, sp.end
     else:
         h2d = _u(sp, sp.of("h2d"))
         fwd = _u(sp, sp.of("forward"))
@@ -206,43 +257,40 @@ def analyze_rank(sp: Spans) -> RankSteps:
         upd = _u(sp, sp.of("update"))
         comm_m = sp.of("comm")
         compute = ov.merge(h2d, fwd, bwd, upd)
-    comm = _u(sp, comm_m)
-    sec = 1e9
-    terms = {
-        "t_iter": (hi - lo) / sec,
-        "t_io": ov.measure(wait, lo, hi) / sec,
-        "t_h2d": ov.measure(h2d, lo, hi) / sec,
-        "t_f": ov.measure(fwd, lo, hi) / sec,
-        "t_b": ov.measure(bwd, lo, hi) / sec,
-        "t_u": ov.measure(upd, lo, hi) / sec,
-        "t_comm": ov.measure(comm, lo, hi) / sec,
-    }
-    covered = ov.measure(ov.merge(wait, compute, comm), lo, hi) / sec
-    terms["t_other"] = np.maximum(terms["t_iter"] - covered, 0.0)
-    comm_h = ov.hidden_under(comm, compute, lo, hi)
+        comm = _u(sp, comm_m)
+        terms = {
+            "t_iter": t_iter,
+            "t_io": ov.measure(wait, lo, hi) / sec,
+            "t_h2d": ov.measure(h2d, lo, hi) / sec,
+            "t_f": ov.measure(fwd, lo, hi) / sec,
+            "t_b": ov.measure(bwd, lo, hi) / sec,
+            "t_u": ov.measure(upd, lo, hi) / sec,
+            "t_comm": ov.measure(comm, lo, hi) / sec,
+        }
+        covered = ov.measure(ov.merge(wait, compute, comm), lo, hi) / sec
+        terms["t_other"] = np.maximum(terms["t_iter"] - covered, 0.0)
+        comm_h = ov.hidden_under(comm, compute, lo, hi)
+        # backward's own work: per-layer spans where known (the outer autograd call also
+        # waits for DDP's last all-reduce, so its end is not the end of the gradients)
+        back = per_layer if per_layer.any() else bwd_m
+        back_start, back_end = sp.start, sp.end
     io_total = ov.measure(ov.merge(wait, work), lo, hi) / sec
     io_exposed = terms["t_io"]
     io_h = ov.Hidden(io_total, np.maximum(io_total - io_exposed, 0.0), io_exposed)
-
-    # which iteration each span falls in (by its start)
-    it_of = np.searchsorted(lo, sp.start, side="right") - 1
-    inside = (it_of >= 0) & (sp.start < hi[np.clip(it_of, 0, n - 1)])
 
     layer_bs: list[dict[int, float]] = [dict() for _ in range(n)]
     for i in np.flatnonzero(per_layer & inside):
         k, ly = int(it_of[i]), int(sp.layer[i])
         layer_bs[k][ly] = layer_bs[k].get(ly, 0.0) + (sp.end[i] - sp.start[i]) / sec
-    # backward's own work: per-layer spans where known (the outer autograd call also waits
-    # for DDP's last all-reduce, so its end is not the end of the gradient computation)
-    bi = np.flatnonzero((per_layer if per_layer.any() else bwd_m) & inside)
+    bi = np.flatnonzero(back & inside)
     big = np.iinfo(np.int64).max
     bstart = np.full(n, big, dtype=np.int64)
     bend = np.full(n, -1, dtype=np.int64)
-    np.minimum.at(bstart, it_of[bi], sp.start[bi])
-    np.maximum.at(bend, it_of[bi], sp.end[bi])
+    np.minimum.at(bstart, it_of[bi], back_start[bi])
+    np.maximum.at(bend, it_of[bi], back_end[bi])
     bstart[bstart == big] = -1
 
-    ends = _layer_ends(sp, per_layer & inside, it_of, n)
+    ends = _layer_ends(sp, per_layer & inside, it_of, n, layer_end)
     units = _units(sp, comm_m & inside, host_comm & ~comm_m & inside, it_of, n, ends)
 
     fetch = np.flatnonzero(work_m)
@@ -253,3 +301,26 @@ def analyze_rank(sp: Spans) -> RankSteps:
     upd_n = np.searchsorted(hu[0], hi, "left") - np.searchsorted(hu[1], lo, "right")
     return RankSteps(sp.rank, its, terms, comm_h, io_h, units, layer_bs, ends, layer_bytes,
                      bstart, bend, np.array([fetch_s]), workers, upd_n)
+
+
+def _gpu_layer_ends(sp: Spans, per_layer: np.ndarray, bwd_gpu: np.ndarray) -> np.ndarray:
+    """The end of each span, except the host's per-layer backward spans: for those, the GPU
+    end of the backward records launched while they ran (the layer's gradients exist when
+    the GPU has computed them, not when the host launched the work)."""
+    out = sp.end
+    li = np.flatnonzero(per_layer)
+    gi = np.flatnonzero(bwd_gpu & (sp.launch >= 0))
+    if not li.size or not gi.size:
+        return out
+    gi = gi[np.argsort(sp.launch[gi], kind="stable")]
+    lt, ge = sp.launch[gi], sp.end[gi]
+    a = np.searchsorted(lt, sp.start[li], "left")
+    b = np.searchsorted(lt, sp.end[li], "right")
+    has = b > a
+    out = sp.end.copy()
+    if has.any():
+        # max over each [a, b): reduceat over the pairs laid side by side, every other one
+        pairs = np.column_stack((a[has], b[has])).ravel()
+        top = np.maximum.reduceat(np.append(ge, ge[-1]), pairs)[::2]
+        out[li[has]] = top
+    return out

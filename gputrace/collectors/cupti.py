@@ -4,7 +4,12 @@ In the training process. CUPTI hands over filled buffers on its own thread; the 
 queues them. The recorder's flusher (every 0.5 s) asks CUPTI to flush, converts the queued
 records into trace rows and attributes each GPU record to the innermost gputrace phase that
 was open on the launching thread when the launch call began (runtime API record, matched by
-correlation id). NCCL kernels become `comm` spans.
+correlation id), or, when none was open there, on the training loop's thread (autograd's
+device threads launch the backward while the loop waits in it). CUPTI names the launching
+thread by the low 32 bits of its pthread_self, not by its native TID: the recorder's map of
+the two (`Recorder.threads`) joins them. NCCL kernels become `comm` spans; a host-to-device
+copy launched in no phase is `h2d`. Each row keeps its launch time (`launch_ns`): it belongs
+to the iteration of its launch, wherever it ran.
 
 The conversion (`Converter`) is independent of CUPTI itself: it reads records by attribute
 name, with kinds from the module given, so a fake record source drives the same code.
@@ -22,6 +27,10 @@ from typing import Any
 
 HELD_ELSEWHERE = "(another profiler, e.g. torch.profiler or nsys, holds CUPTI)"
 HOLD_FLUSHES = 4          # a record waits at most this many flushes for its phase to close
+# A launch's GPU record comes in a later buffer than its API record when the GPU lags: an
+# API record waits this many flushes for its GPU record (calls with none, e.g. cudaMalloc,
+# are dropped then)
+LAUNCH_KEEP_FLUSHES = 16
 
 
 def availability() -> str:
@@ -39,7 +48,7 @@ class Converter:
     """CUPTI activity records -> trace rows, with phase and step attribution."""
 
     def __init__(self, cupti: Any, *, host: str, rank: int, pid: int,
-                 offset_ns: int = 0) -> None:
+                 offset_ns: int = 0, threads: dict[int, int] | None = None) -> None:
         K = cupti.ActivityKind
         self.kind_kernel = {int(K.CONCURRENT_KERNEL), int(K.KERNEL)}
         self.kind_memcpy = {int(K.MEMCPY)}
@@ -64,11 +73,17 @@ class Converter:
         from gputrace.importers import common
 
         self._common = common
-        self.launch: dict[int, tuple[int, int]] = {}           # corr -> (thread, start)
+        self.launch: dict[int, tuple[int, int]] = {}   # corr -> (CUPTI thread id, start)
+        self._launch_age: deque[list[int]] = deque([[]])  # corrs, by the flush they came in
         self.pending: deque[tuple[int, Any]] = deque()          # (flush count, record)
         self.phases: dict[int, list[tuple[int, int, str]]] = defaultdict(list)
         self.watermark: dict[int, int] = {}                     # thread -> last phase end
         self.iters: list[tuple[int, int, int]] = []
+        # native TID -> low 32 bits of pthread_self (the recorder's, kept up to date by it)
+        self.threads: dict[int, int] = threads if threads is not None else {}
+        self._native: dict[int, int] = {}                       # its inverse
+        self.loop_tid: int | None = None                        # the thread of iterations
+        self.iter_mark = -1                                     # last iteration end seen
         self.markers: dict[int, tuple[str, int, str | None]] = {}
         self.flushes = 0
         self.counts: dict[str, int] = defaultdict(int)
@@ -80,6 +95,8 @@ class Converter:
             cat, _, s, e, tid, step = sp[:6]
             if cat == "iteration":
                 self.iters.append((s, e, step))
+                self.loop_tid = tid
+                self.iter_mark = max(self.iter_mark, e)
             elif cat in self._common.PHASES:
                 self.phases[tid].append((s, e, cat))
                 if e > self.watermark.get(tid, 0):
@@ -89,20 +106,43 @@ class Converter:
         for r in records:
             k = int(r.kind)
             if k in self.kind_api:
-                self.launch[int(r.correlation_id)] = (int(r.thread_id), int(r.start) + self.offset)
+                corr = int(r.correlation_id)
+                self.launch[corr] = (int(r.thread_id), int(r.start) + self.offset)
+                self._launch_age[-1].append(corr)
             else:
                 self.pending.append((self.flushes, r))
 
     # -- conversion ----------------------------------------------------------------------------
+    def native_tid(self, cupti_thread: int) -> int:
+        """The native TID of a thread CUPTI names by its pthread id (itself if unknown)."""
+        n = self._native.get(cupti_thread)
+        if n is None:
+            if len(self._native) != len(self.threads):
+                self._native = {pt: tid for tid, pt in list(self.threads.items())}
+                n = self._native.get(cupti_thread)
+        return cupti_thread if n is None else n
+
+    def _loop(self) -> int | None:
+        if self.loop_tid is not None:
+            return self.loop_tid
+        if self.phases:
+            return max(self.phases, key=lambda t: len(self.phases[t]))
+        return None
+
     def drain(self, final: bool = False) -> list[tuple[Any, ...]]:
         """Rows for every record whose launching phase is known (or that waited long enough)."""
         self.flushes += 1
         ready: list[Any] = []
         keep: deque[tuple[int, Any]] = deque()
+        loop = self._loop()
         for born, r in self.pending:
             corr = getattr(r, "correlation_id", None)
             launch = self.launch.get(int(corr)) if corr is not None else None
-            settled = launch is not None and launch[1] <= self.watermark.get(launch[0], -1)
+            # known once the ranges that could hold the launch have closed: the loop
+            # thread's (which encloses the others' in time), else the launching thread's
+            # (and the iteration holding it, for its step)
+            settled = launch is not None and launch[1] <= min(self.iter_mark, self.watermark.get(
+                loop if loop is not None else self.native_tid(launch[0]), -1))
             if final or settled or self.flushes - born >= HOLD_FLUSHES or \
                     int(r.kind) in self.kind_marker:
                 ready.append(r)
@@ -112,32 +152,42 @@ class Converter:
         gpu = [r for r in ready if int(r.kind) not in self.kind_marker]
         rows = self._gpu_rows(gpu)
         rows.extend(self._marker_rows([r for r in ready if int(r.kind) in self.kind_marker]))
+        for r in gpu:       # a launch makes one GPU record: its call is no longer needed
+            corr = getattr(r, "correlation_id", None)
+            if corr is not None:
+                self.launch.pop(int(corr), None)
         self._forget()
         return rows
 
-    def _attribution(self, records: list[Any]) -> tuple[list[str | None], list[int]]:
+    def _attribution(self, records: list[Any]
+                     ) -> tuple[list[str | None], list[int], list[int | None]]:
         phase: list[str | None] = [None] * len(records)
         step = [-1] * len(records)
+        launched: list[int | None] = [None] * len(records)
         known = []
         for i, r in enumerate(records):
             corr = getattr(r, "correlation_id", None)
             la = self.launch.get(int(corr)) if corr is not None else None
             if la is not None:
-                known.append((i, la))
+                known.append((i, self.native_tid(la[0]), la[1]))
+                launched[i] = la[1]
         if not known:
-            return phase, step
+            return phase, step, launched
         phases = [(tid, s, e, c) for tid, lst in self.phases.items() for s, e, c in lst]
-        ph, st = self._common.launch_context(phases, self.iters, [la[0] for _, la in known],
-                                             [la[1] for _, la in known])
-        for (i, _), p, k in zip(known, ph, st, strict=True):
+        loop = self._loop()
+        keys = [k for _, k, _ in known]
+        fallback = {k: loop for k in set(keys) if loop is not None and k != loop}
+        ph, st = self._common.launch_context(phases, self.iters, keys,
+                                             [t for _, _, t in known], fallback)
+        for (i, _, _), p, k in zip(known, ph, st, strict=True):
             phase[i], step[i] = p, int(k)
-        return phase, step
+        return phase, step, launched
 
     def _gpu_rows(self, records: list[Any]) -> list[tuple[Any, ...]]:
-        phase, step = self._attribution(records)
+        phase, step, launched = self._attribution(records)
         h, rank, pid, off = self.host, self.rank, self.pid, self.offset
         rows = []
-        for r, ph, st in zip(records, phase, step, strict=True):
+        for r, ph, st, la in zip(records, phase, step, launched, strict=True):
             k = int(r.kind)
             s, e = int(r.start) + off, int(r.end) + off
             dev = int(getattr(r, "device_id", -1))
@@ -149,23 +199,25 @@ class Converter:
                 self.counts["comm" if nccl else "kernel"] += 1
                 rows.append(("span", "comm" if nccl else "kernel", name, s, e, None, None, h,
                              rank, pid, -1, dev, stream, st, -1, None, None, None, corr, None,
-                             "comm" if nccl else ph))
+                             "comm" if nccl else ph, la))
             elif k in self.kind_memcpy:
                 kind = self.copy.get(int(r.copy_kind), "UNKNOWN")
                 src, dst = self.mem.get(int(r.src_kind)), self.mem.get(int(r.dst_kind))
+                if ph is None and dst == "device" and src in ("pageable", "pinned"):
+                    ph = "h2d"       # the batch's copy to the GPU, made outside any phase
                 self.counts["memcpy"] += 1
                 rows.append(("span", "memcpy", f"Memcpy {kind}", s, e, None, None, h, rank,
                              pid, -1, dev, stream, st, -1, int(r.bytes), src, dst, corr, None,
-                             ph))
+                             ph, la))
             elif k in self.kind_memset:
                 self.counts["memset"] += 1
                 rows.append(("span", "memset", "Memset", s, e, None, None, h, rank, pid, -1,
-                             dev, stream, st, -1, int(r.bytes), None, None, corr, None, ph))
+                             dev, stream, st, -1, int(r.bytes), None, None, corr, None, ph, la))
             elif k in self.kind_sync:
                 self.counts["sync"] += 1
                 rows.append(("span", "sync", "synchronize", s, e, None, None, h, rank, pid,
                              -1, -1, stream if stream < 2**31 else -1, st, -1, None, None,
-                             None, corr, None, None))
+                             None, corr, None, None, la))
         return rows
 
     def _marker_rows(self, records: list[Any]) -> list[tuple[Any, ...]]:
@@ -181,7 +233,7 @@ class Converter:
             if flags & self.flag_instant:
                 rows.append(("instant", "user", str(r.name), ts, None, None, None, h, rank,
                              pid, -1, -1, -1, -1, -1, None, None, None, None,
-                             json.dumps({"domain": domain}) if domain else None, None))
+                             json.dumps({"domain": domain}) if domain else None, None, None))
             elif flags & self.flag_start:
                 self.markers[int(r.id)] = (str(r.name), ts, domain)
             elif int(r.id) in self.markers:
@@ -189,19 +241,31 @@ class Converter:
                 self.counts["nvtx"] += 1
                 rows.append(("span", "user", name, start, ts, None, None, h, rank, pid, -1,
                              -1, -1, -1, -1, None, None, None, None,
-                             json.dumps({"domain": domain}) if domain else None, None))
+                             json.dumps({"domain": domain}) if domain else None, None, None))
         return rows
 
     def _forget(self) -> None:
-        """Drop launch and phase history no pending record can need any more."""
-        if self.pending:
-            return
-        self.launch.clear()
+        """Drop launch and phase history no record can need any more."""
+        self._launch_age.append([])
+        while len(self._launch_age) > LAUNCH_KEEP_FLUSHES:
+            for corr in self._launch_age.popleft():
+                self.launch.pop(corr, None)
+        # ranges older than any launch still waiting for its GPU record
+        oldest = min((t for _, t in self.launch.values()), default=None) if self.launch \
+            else None
         for tid, lst in self.phases.items():
             if len(lst) > 256:
-                self.phases[tid] = lst[-256:]
+                cut = len(lst) - 256
+                if oldest is not None:   # ranges are appended as they close, ends in order
+                    while cut > 0 and lst[cut - 1][1] >= oldest:
+                        cut -= 1
+                self.phases[tid] = lst[cut:]
         if len(self.iters) > 64:
-            self.iters = self.iters[-64:]
+            cut = len(self.iters) - 64
+            if oldest is not None:
+                while cut > 0 and self.iters[cut - 1][1] >= oldest:
+                    cut -= 1
+            self.iters = self.iters[cut:]
 
 
 class CuptiCollector:
@@ -222,7 +286,8 @@ class CuptiCollector:
         # CUPTI's timestamps are CLOCK_REALTIME ns on Linux; convert only if they are not
         offset = now - ts if abs(now - ts) > 1_000_000_000 else 0
         self.converter = Converter(cupti, host=recorder.host, rank=recorder.rank,
-                                   pid=recorder.pid, offset_ns=offset)
+                                   pid=recorder.pid, offset_ns=offset,
+                                   threads=recorder.threads)
         self.kinds: list[Any] = []
 
     def start(self) -> None:

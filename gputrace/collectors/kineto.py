@@ -54,6 +54,7 @@ class KinetoCollector:
                             profile_memory=False, with_stack=False)
         self.phases: list[tuple[Any, int, int, str]] = []
         self.iters: list[tuple[int, int, int]] = []
+        self.loop_tid: int | None = None        # the thread that records iterations
         self.stopped = False
         self.out: list[tuple[Any, ...]] = []      # converted rows for the next flush
         self.lock = threading.Lock()
@@ -82,6 +83,7 @@ class KinetoCollector:
             cat, _, s, e, tid, step = sp[:6]
             if cat == "iteration":
                 iters.append((s, e, step))
+                self.loop_tid = tid
             elif cat in PHASES:
                 phases.append(((key_pid, tid), s, e, cat))
 
@@ -136,7 +138,15 @@ class KinetoCollector:
 
         rows = Rows()
         r = self.recorder
-        counts = kineto.read(path, r.rank, rows, phases=phases, iters=iters, gpu_only=True)
+        # Kineto names threads it saw no operator on (all of them, with only the CUDA
+        # activity on) by their pthread id: the recorder knows which native TID that is
+        threads = {pt: tid for tid, pt in list(r.threads.items())}
+        loop = self.loop_tid
+        if loop is None and phases:
+            loop = max({p[0][1] for p in phases}, key=lambda t: sum(p[0][1] == t for p in phases))
+        loops = {r.pid: (r.pid, loop)} if loop is not None else None
+        counts = kineto.read(path, r.rank, rows, phases=phases, iters=iters, gpu_only=True,
+                             threads=threads, loops=loops)
         table = rows.table()
         cols = [table.column(c).to_pylist() for c in COLUMN_NAMES]
         at = {c: i for i, c in enumerate(COLUMN_NAMES)}

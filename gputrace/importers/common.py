@@ -153,17 +153,33 @@ class Rows:
 
 
 def attribute(phase_key: Sequence[Any], phase_start: np.ndarray, phase_end: np.ndarray,
-              launch_key: Sequence[Any], launch_t: np.ndarray) -> np.ndarray:
+              launch_key: Sequence[Any], launch_t: np.ndarray,
+              fallback: dict[Any, Any] | None = None) -> np.ndarray:
     """For each launch, the index of the innermost phase range open on the same thread at the
     launch time (the range that started last among those enclosing it), or -1.
 
     Keys name threads (e.g. (pid, tid)). Ranges on one thread nest, as NVTX push/pop and
-    PyTorch's record_function do.
+    PyTorch's record_function do. `fallback` maps a thread to the one it works for: a launch
+    in no range of its own thread takes the range open on that one at the time (autograd's
+    device threads launch the backward while the loop's thread waits in it).
     """
-    out = np.full(len(launch_t), -1, dtype=np.int64)
     by_key: dict[Any, list[int]] = defaultdict(list)
     for i, k in enumerate(phase_key):
         by_key[k].append(i)
+    out = _attribute(by_key, phase_start, phase_end, launch_key, launch_t)
+    if fallback:
+        miss = [i for i in np.flatnonzero(out < 0).tolist()
+                if fallback.get(launch_key[i], launch_key[i]) != launch_key[i]]
+        if miss:
+            again = _attribute(by_key, phase_start, phase_end,
+                               [fallback[launch_key[i]] for i in miss], launch_t[miss])
+            out[miss] = again
+    return out
+
+
+def _attribute(by_key: dict[Any, list[int]], phase_start: np.ndarray, phase_end: np.ndarray,
+               launch_key: Sequence[Any], launch_t: np.ndarray) -> np.ndarray:
+    out = np.full(len(launch_t), -1, dtype=np.int64)
     launches: dict[Any, list[int]] = defaultdict(list)
     for i, k in enumerate(launch_key):
         if k in by_key:
@@ -204,15 +220,18 @@ def iteration_of(iter_start: np.ndarray, iter_end: np.ndarray, iter_step: np.nda
 
 
 def launch_context(phases: list[tuple[Any, int, int, str]], iters: list[tuple[int, int, int]],
-                   keys: Sequence[Any], times: Sequence[int]) -> tuple[list[str | None], np.ndarray]:
+                   keys: Sequence[Any], times: Sequence[int],
+                   fallback: dict[Any, Any] | None = None
+                   ) -> tuple[list[str | None], np.ndarray]:
     """Phase and step each launch (thread key, time) was made in.
 
-    phases: (thread key, start, end, cat) of phase ranges; iters: (start, end, step).
-    Returns the innermost phase open on the launching thread (or None) and the step of the
-    iteration window holding the launch (or -1)."""
+    phases: (thread key, start, end, cat) of phase ranges; iters: (start, end, step);
+    fallback: as `attribute`. Returns the innermost phase open on the launching thread (or
+    on the thread it works for) or None, and the step of the iteration window holding the
+    launch (or -1)."""
     t = np.asarray(times, dtype=np.int64)
     which = attribute([p[0] for p in phases], np.array([p[1] for p in phases], np.int64),
-                      np.array([p[2] for p in phases], np.int64), keys, t)
+                      np.array([p[2] for p in phases], np.int64), keys, t, fallback)
     if iters:
         it = np.array(iters, dtype=np.int64)
         steps = iteration_of(it[:, 0], it[:, 1], it[:, 2], t)
@@ -268,20 +287,134 @@ class Launches:
         return np.concatenate(at), np.concatenate(found)
 
 
+def loop_threads(phases: list[tuple[Any, int, int, str]], iters_by_thread: dict[Any, int]
+                 ) -> dict[int, Any]:
+    """pid -> the (pid, tid) of its training loop: the thread that holds the iterations,
+    else the one with the most phase ranges."""
+    counts: dict[Any, int] = defaultdict(int)
+    for key, _, _, _ in phases:
+        counts[key] += 1
+    loops: dict[int, Any] = {}
+    for table in (counts, iters_by_thread):   # iterations win over phase counts
+        for key, _n in sorted(table.items(), key=lambda kv: kv[1]):
+            loops[key[0]] = key
+    return loops
+
+
 def attribute_launches(rows: Rows, phases: list[tuple[Any, int, int, str]],
                        iters: list[tuple[int, int, int]], launches: Launches,
-                       fixed: set[int] = frozenset()) -> None:
-    """Give every imported GPU row the phase and step its launch was made in.
+                       fixed: set[int] = frozenset(), loops: dict[int, Any] | None = None,
+                       h2d_rows: set[int] = frozenset()) -> None:
+    """Give every imported GPU row the phase and step its launch was made in, and the launch
+    time (`launch_ns`).
 
     phases key threads by (pid, tid); fixed: rows whose phase is already known (NCCL kernels
-    are comm wherever launched).
+    are comm wherever launched); loops: pid -> (pid, tid) of its loop thread, whose open
+    range a launch on another thread with none of its own takes; h2d_rows: host-to-device
+    copies, `h2d` when launched in no phase.
     """
     at, calls = launches.matched()
     if not len(at):
         return
     threads = list(zip(calls[:, 2].tolist(), calls[:, 3].tolist(), strict=True))
-    phase, steps = launch_context(phases, iters, threads, calls[:, 4])
+    fallback = None
+    if loops:
+        fallback = {k: loops[k[0]] for k in set(threads) if k[0] in loops}
+    phase, steps = launch_context(phases, iters, threads, calls[:, 4], fallback)
     ph = np.array(phase, dtype=object)
+    if h2d_rows:
+        copy = np.isin(at, np.fromiter(h2d_rows, np.int64, len(h2d_rows)))
+        ph[copy & (ph == None)] = "h2d"  # noqa: E711
     keep = (ph != None) & ~np.isin(at, np.fromiter(fixed, np.int64, len(fixed)))  # noqa: E711
     rows.set_many("phase", at[keep], ph[keep])
     rows.set_many("step", at[steps >= 0], steps[steps >= 0])
+    rows.set_many("launch_ns", at, calls[:, 4])
+
+
+# -- the phases of a PyTorch loop from the order of its operators ---------------------------
+# What a host range is, for finding forward and backward in traces that do not name them
+# (torch.profiler without module ranges): kinds of ranges on a thread.
+OP, IO, UPDATE, ZERO_GRAD, BACKWARD, COPY, STEP = range(7)
+_COPY_OPS = frozenset(("aten::to", "aten::_to_copy", "aten::copy_", "aten::pin_memory",
+                       "aten::_pin_memory", "cudaMemcpyAsync", "aten::empty_like"))
+
+
+def op_kind(name: str, phase: str | None) -> int:
+    """The kind of a host range (see OP ... STEP) from its name and phase_of's answer."""
+    if phase == "iteration":
+        return STEP
+    if phase == "io":
+        return IO
+    if phase == "update":
+        return UPDATE
+    if phase == "backward":
+        return BACKWARD
+    if name.startswith("Optimizer.zero_grad"):
+        return ZERO_GRAD
+    if name in _COPY_OPS:
+        return COPY
+    return OP
+
+
+class HostOps:
+    """The host ranges of a trace as flat arrays (pid, tid, start, end, kind), kept while a
+    file is parsed to find the loop's forward and backward passes afterwards."""
+
+    def __init__(self) -> None:
+        self.data = array("q")
+
+    def add(self, pid: int, tid: int, start: int, end: int, kind: int) -> None:
+        self.data.extend((pid, tid, start, end, kind))
+
+    def infer(self, loops: dict[int, Any]) -> list[tuple[Any, int, int, str]]:
+        """Forward and backward ranges on each process's loop thread, from the order of its
+        operators: a backward pass is a run of autograd's backward functions (on any thread
+        of the process); its forward runs on the loop thread from the first operator after
+        the last batch wait, optimizer call, backward pass or iteration start (leading
+        copies of the batch excluded) to the backward's start. Returns (key, start, end,
+        cat) with key = the loop's (pid, tid)."""
+        if not self.data or not loops:
+            return []
+        a = np.frombuffer(self.data, np.int64).reshape(-1, 5)
+        out: list[tuple[Any, int, int, str]] = []
+        for pid, key in loops.items():
+            mine = a[a[:, 0] == pid]
+            bwd = mine[mine[:, 4] == BACKWARD]
+            own = mine[mine[:, 1] == key[1]]
+            # top-level ranges of the loop thread (a range inside another is part of it);
+            # iteration ranges enclose everything and only mark boundaries
+            steps = own[own[:, 4] == STEP]
+            own = own[own[:, 4] != STEP]
+            own = own[np.lexsort((-own[:, 3], own[:, 2]))]
+            top = np.ones(len(own), dtype=bool)
+            if len(own):
+                reach = np.maximum.accumulate(own[:, 3])
+                top[1:] = own[1:, 2] >= reach[:-1]
+            own = own[top & (own[:, 4] != BACKWARD)]
+            marks = [(int(s), int(e), int(k)) for s, e, k in own[:, 2:5].tolist()]
+            marks += [(int(s), int(s), STEP) for s in steps[:, 2].tolist()]
+            marks += [(int(s), int(e), BACKWARD) for s, e in bwd[:, 2:4].tolist()]
+            marks.sort()
+            first: int | None = None     # the forward's first operator
+            run: list[int] | None = None  # [start, end] of the backward pass being read
+            for s, e, k in marks:
+                if k == BACKWARD:
+                    if run is None:
+                        if first is not None:
+                            out.append((key, first, s, "forward"))
+                        run, first = [s, e], None
+                    else:
+                        run[1] = max(run[1], e)
+                    continue
+                if run is not None:
+                    if s < run[1]:
+                        continue           # the loop thread's own work inside the pass
+                    out.append((key, run[0], run[1], "backward"))
+                    run = None
+                if k in (IO, UPDATE, ZERO_GRAD, STEP):
+                    first = None
+                elif k == OP and first is None:
+                    first = s
+            if run is not None:
+                out.append((key, run[0], run[1], "backward"))
+        return out

@@ -12,12 +12,15 @@ from typing import IO, Any
 import ijson
 
 from gputrace.importers.common import (
+    HostOps,
     ImportFailed,
     Launches,
     Rows,
     attribute_launches,
     is_nccl,
+    loop_threads,
     memcpy_kinds,
+    op_kind,
     phase_of,
 )
 
@@ -78,17 +81,32 @@ def rank_of(path: str, dist: Any) -> int | None:
     return int(m.group(1)) if m else None
 
 
+_PTHREAD_MASK = 0xFFFFFFFF
+
+
 def read(path: str, rank: int, rows: Rows, *, phases: Sequence[tuple[Any, int, int, str]] = (),
-         iters: Sequence[tuple[int, int, int]] = (), gpu_only: bool = False) -> dict[str, Any]:
+         iters: Sequence[tuple[int, int, int]] = (), gpu_only: bool = False,
+         threads: dict[int, int] | None = None, loops: dict[int, Any] | None = None
+         ) -> dict[str, Any]:
     """Append one Kineto file's events to `rows` as `rank`; return what the file says of itself.
 
     `phases` ((pid, tid), start, end, cat) and `iters` (start, end, step) add ranges known
     from elsewhere (gputrace's own spans) for attributing GPU work to the range of its
-    launch; `gpu_only` leaves out the file's CPU-side ranges."""
+    launch; `gpu_only` leaves out the file's CPU-side ranges. `threads` maps pthread ids
+    (low 32 bits) to native TIDs: Kineto names a launching thread it saw no operator on by
+    the low 32 bits of its pthread_self, as a signed int. `loops`: pid -> (pid, tid) of the
+    training loop's thread (found from the file's iterations or phases when not given).
+
+    Where the file does not name forward and backward (torch.profiler without module
+    ranges), they are found from the order of the loop thread's operators (see
+    `HostOps.infer`) and written as `forward`/`backward` spans named `... (inferred)`."""
     launches = Launches()
     fixed: set[int] = set()
+    h2d: set[int] = set()
     phases = list(phases)
     iters = list(iters)
+    iter_threads: dict[Any, int] = {}
+    ops = HostOps()
     counts = {"events": 0, "skipped": 0}
     try:
         base = _top_level(path, "baseTimeNanoseconds")
@@ -131,12 +149,16 @@ def read(path: str, rank: int, rows: Rows, *, phases: Sequence[tuple[Any, int, i
                         nb = _int(args.get("bytes"))
                         i = rows.add("span", "memcpy", name, start, end, src_kind=src,
                                      dst_kind=dst, bytes=nb if nb >= 0 else None, **common)
+                        if dst == "device" and src in ("pageable", "pinned"):
+                            h2d.add(i)
                     else:
                         nb = _int(args.get("bytes"))
                         i = rows.add("span", "memset", name, start, end,
                                      bytes=nb if nb >= 0 else None, **common)
                     launches.gpu(i, 0, corr)           # no correlation (-1): not matched
                 elif cat in ("cuda_runtime", "cuda_driver", "runtime"):
+                    if threads and tid & _PTHREAD_MASK in threads:
+                        tid = threads[tid & _PTHREAD_MASK]
                     launches.call(0, corr, pid, tid, start)
                     if "ynchronize" in name:
                         rows.add("span", "sync", name, start, end, rank=rank, pid=pid, tid=tid)
@@ -147,10 +169,14 @@ def read(path: str, rank: int, rows: Rows, *, phases: Sequence[tuple[Any, int, i
                         else -1
                     if device >= 0:
                         ph = None  # GPU-side copies of CPU ranges: keep as user spans
-                    elif ph == "iteration":
-                        iters.append((start, end, step))
-                    elif ph is not None:
-                        phases.append(((pid, tid), start, end, ph))
+                    else:
+                        if cat != "python_function":   # Python frames enclose everything
+                            ops.add(pid, tid, start, end, op_kind(name, ph))
+                        if ph == "iteration":
+                            iters.append((start, end, step))
+                            iter_threads[(pid, tid)] = iter_threads.get((pid, tid), 0) + 1
+                        elif ph is not None:
+                            phases.append(((pid, tid), start, end, ph))
                     rows.add("span", ph or "user", name, start, end, rank=rank,
                              pid=pid if device < 0 else -1, tid=tid if device < 0 else -1,
                              device=device, step=step,
@@ -165,5 +191,11 @@ def read(path: str, rank: int, rows: Rows, *, phases: Sequence[tuple[Any, int, i
         raise ImportFailed(f"cannot decompress or read: {e}") from None
     if counts["events"] == 0:
         raise ImportFailed("no 'traceEvents' in it: not a Kineto/Chrome trace")
-    attribute_launches(rows, phases, iters, launches, fixed)
+    if loops is None:
+        loops = loop_threads(phases, iter_threads)
+    inferred = ops.infer(loops)
+    for (pid, tid), s, e, cat in inferred:
+        rows.add("span", cat, f"{cat} (inferred)", s, e, rank=rank, pid=pid, tid=tid)
+    counts["inferred_phases"] = len(inferred)
+    attribute_launches(rows, phases + inferred, iters, launches, fixed, loops, h2d)
     return counts

@@ -13,6 +13,7 @@ from gputrace.importers.common import (
     Rows,
     attribute_launches,
     is_nccl,
+    loop_threads,
     phase_of,
 )
 
@@ -115,6 +116,7 @@ def read(path: str, rows: Rows) -> dict[str, Any]:
     domains: dict[int, str] = {}
     phases: list[tuple[Any, int, int, str]] = []
     iters: list[tuple[int, int, int]] = []
+    iter_threads: dict[Any, int] = {}
     if _need(db, "NVTX_EVENTS", {"start", "end", "eventType", "text", "textId", "globalTid",
                                  "domainId"}):
         for dom, text in db.rows(f"SELECT domainId, text FROM NVTX_EVENTS "
@@ -143,6 +145,7 @@ def read(path: str, rows: Rows) -> dict[str, Any]:
                      step=step, args=args)
             if end is not None and ph == "iteration":
                 iters.append((start, end, step if step >= 0 else len(iters)))
+                iter_threads[(pid, tid)] = iter_threads.get((pid, tid), 0) + 1
             elif end is not None and ph is not None:
                 phases.append(((pid, tid), start, end, ph))
         counts["nvtx_ranges"] = n
@@ -155,6 +158,7 @@ def read(path: str, rows: Rows) -> dict[str, Any]:
             launches.call(pid, corr, pid, _tid(gtid), _int(s, "runtime start") + offset)
 
     fixed: set[int] = set()
+    h2d: set[int] = set()
     kcols = {"start", "end", "deviceId", "streamId", "correlationId", "globalPid",
              "demangledName", "shortName"}
     if _need(db, "CUPTI_ACTIVITY_KIND_KERNEL", kcols):
@@ -195,6 +199,8 @@ def read(path: str, rows: Rows) -> dict[str, Any]:
                          rank=rank_of.get(pid, -1), pid=pid, device=_small(dev), stream=_small(stream),
                          corr=corr, bytes=nb, src_kind=_MEM_KIND.get(sk),
                          dst_kind=_MEM_KIND.get(dk), args=args)
+            if _MEM_KIND.get(dk) == "device" and _MEM_KIND.get(sk) in ("pageable", "pinned"):
+                h2d.add(i)
             launches.gpu(i, pid, corr)
             n += 1
         counts["memcpy"] = n
@@ -220,7 +226,8 @@ def read(path: str, rows: Rows) -> dict[str, Any]:
             rows.add("span", "sync", "synchronize", _int(s, "sync start") + offset,
                      _int(e, "sync end") + offset, rank=rank_of.get(pid, -1), pid=pid,
                      device=_small(dev), stream=_small(stream))
-    attribute_launches(rows, phases, iters, launches, fixed)
+    attribute_launches(rows, phases, iters, launches, fixed, loop_threads(phases, iter_threads),
+                       h2d)
     counts["gpu_metrics"] = _gpu_metrics(db, rows, offset)
     counts["nic_metrics"] = _nic_metrics(db, rows, offset)
     return {"counts": counts, "schema_version": version,

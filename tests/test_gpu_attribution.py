@@ -1,0 +1,239 @@
+"""GPU records belong to the phase and iteration of their launch, checked on the CPU with a
+device played out in real time (tests/fakes/cupti.py: records as a real GPU gives them:
+pthread ids instead of native TIDs, correlation ids interleaved across threads, kernels that
+run an iteration or more after the host launched them, pageable copies that hold the host).
+
+The loop under test is a real multi-threaded Python loop recorded by the real recorder and
+CUPTI collector (its flusher converting records every 0.5 s while the loop runs); its truth
+is what the device ran, labelled by the loop at each launch, and the loop's own clock.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import gputrace
+from gputrace import load
+from gputrace.analyzers import analyze
+from gputrace.collectors.cupti import CuptiCollector
+from gputrace.recorder import Recorder, set_current
+from tests.fakes.cupti import FakeCupti, FakeDevice, pthread_id
+
+MS = 1_000_000
+
+
+class Tagged(FakeDevice):
+    """The device, with the loop's iteration index kept beside each record it ran."""
+
+    def __init__(self, cu: FakeCupti) -> None:
+        super().__init__(cu)
+        self.tag = -1
+        self.tags: list[int] = []
+
+    def _enqueue(self, label, dur_ns, stream, after=0):  # type: ignore[no-untyped-def]
+        out = super()._enqueue(label, dur_ns, stream, after)
+        self.tags.append(self.tag)
+        return out
+
+
+class Worker(threading.Thread):
+    """A thread that launches work for the loop while the loop waits (as autograd's device
+    thread launches the backward, or a comm thread NCCL's all-reduces)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name=name, daemon=True)
+        self.jobs: queue.Queue = queue.Queue()
+        self.start()
+
+    def run(self) -> None:
+        while True:
+            fn, done = self.jobs.get()
+            fn()
+            done.set()
+
+    def call(self, fn) -> threading.Event:  # type: ignore[no-untyped-def]
+        done = threading.Event()
+        self.jobs.put((fn, done))
+        return done
+
+
+def training_loop(dev: Tagged, iters: int, pinned: bool, sync_every: int) -> list[int]:
+    """A data-parallel-like loop: the batch copied to the device outside any phase, forward
+    launched by the loop thread, backward by another thread while the loop waits in its
+    backward phase, one NCCL all-reduce per two layers launched by a comm thread as their
+    gradients are done, the update after the last. Returns the loop's own boundaries."""
+    autograd, comm = Worker("autograd-device"), Worker("comm")
+    bounds = [time.time_ns()]
+    for k in range(iters):
+        dev.tag = k
+        with gputrace.phase("io"):
+            time.sleep(0.0003)
+        dev.h2d(8 << 20, pinned=pinned, label="h2d")
+        with gputrace.phase("forward"):
+            for i in range(6):
+                dev.kernel(f"fwd_gemm_{i}", int(0.3 * MS), "forward")
+        sent: list[threading.Event] = []
+
+        def backward(sent: list[threading.Event] = sent) -> None:
+            for i in range(6):
+                end = dev.kernel(f"bwd_gemm_{i}", int(0.6 * MS), "backward")
+                if i % 2 == 1:
+                    sent.append(comm.call(lambda end=end: dev.kernel(
+                        "ncclDevKernel_AllReduce_Sum_f32_RING_LL", int(0.5 * MS), "comm",
+                        stream=13, after=end)))
+
+        with gputrace.phase("backward"):
+            autograd.call(backward).wait()
+            for s in sent:
+                s.wait()
+        with gputrace.phase("update"):
+            for _ in range(3):
+                dev.kernel("sgd_update", int(0.1 * MS), "update", after=max(
+                    e for lb, _, e in dev.ran if lb == "comm"))
+        if (k + 1) % sync_every == 0:
+            dev.synchronize()
+        gputrace.step()
+        bounds.append(time.time_ns())
+    dev.synchronize()
+    return bounds
+
+
+def _union_len(iv: list[tuple[int, int]]) -> int:
+    tot, end = 0, None
+    for s, e in sorted(iv):
+        if end is None or s > end:
+            tot += e - s
+            end = e
+        elif e > end:
+            tot += e - end
+            end = e
+    return tot
+
+
+def _intersect_len(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> int:
+    return _union_len(a) + _union_len(b) - _union_len(a + b)
+
+
+def device_truth(dev: Tagged, iters: int) -> dict[str, np.ndarray]:
+    """Per iteration (of launch): each phase's time on the device, first start to last end,
+    and comm total and hidden under everything else the device ran."""
+    ran = list(zip(dev.tags, dev.ran, strict=True))
+    cover = [(s, e) for _, (lb, s, e) in ran if lb != "comm"]
+    out = {k: np.zeros(iters) for k in ("h2d", "forward", "backward", "update", "comm",
+                                         "hidden")}
+    for k in range(iters):
+        for ph in ("h2d", "forward", "backward", "update"):
+            iv = [(s, e) for t, (lb, s, e) in ran if t == k and lb == ph]
+            out[ph][k] = (max(e for _, e in iv) - min(s for s, _ in iv)) / 1e9
+        cm = [(s, e) for t, (lb, s, e) in ran if t == k and lb == "comm"]
+        out["comm"][k] = _union_len(cm) / 1e9
+        out["hidden"][k] = _intersect_len(cm, cover) / 1e9
+    return out
+
+
+def record_loop(tmp_path, iters: int, pinned: bool, sync_every: int):  # type: ignore[no-untyped-def]
+    cu = FakeCupti(clock_offset_ns=0)
+    dev = Tagged(cu)
+    rec = Recorder(str(tmp_path / "gpu.arrow"), {"host": "h", "rank": 0})
+    col = CuptiCollector(rec, cupti=cu)
+    col.start()
+    rec.start()          # the flusher converts CUPTI's buffers while the loop runs
+    set_current(rec)
+    try:
+        bounds = training_loop(dev, iters, pinned, sync_every)
+    finally:
+        set_current(None)
+        rec.close()
+    return load(tmp_path / "gpu.arrow"), dev, bounds, rec
+
+
+@pytest.mark.parametrize("pinned,sync_every", [(True, 5), (False, 1)])
+def test_gpu_records_take_the_phase_and_iteration_of_their_launch(tmp_path, pinned, sync_every):
+    iters = 30
+    tr, dev, bounds, rec = record_loop(tmp_path, iters, pinned, sync_every)
+    rows = tr.table.to_pylist()
+
+    # the records are as a real GPU gives them: threads named unlike their native TIDs,
+    # correlation ids interleaved across threads, work run after the host moved on
+    assert set(rec.threads) and all(pt != tid for tid, pt in rec.threads.items())
+    cu_threads = dev.cu.threads_seen                     # loop, autograd and comm threads
+    assert len(cu_threads) == 3 and not cu_threads & set(rec.threads)
+    gpu = [r for r in rows if r["cat"] in ("kernel", "memcpy", "comm")]
+    assert len(gpu) == len(dev.ran)
+    its = sorted((r for r in rows if r["cat"] == "iteration"), key=lambda r: r["start_ns"])
+    assert [r["step"] for r in its] == list(range(iters))
+    late = [r for r in gpu if r["start_ns"] >= its[min(r["step"] + 1, iters - 1)]["start_ns"]
+            and r["step"] + 1 < iters]
+    if pinned:   # the host runs ahead: many records run in a later host iteration
+        assert len(late) > len(gpu) // 4, len(late)
+
+    # every record has the phase it was launched in, and the step of its launch
+    labels = {(s, e): (lb, t) for t, (lb, s, e) in zip(dev.tags, dev.ran, strict=True)}
+    for r in gpu:
+        lb, t = labels[(r["start_ns"], r["end_ns"])]
+        assert r["phase"] == lb, (r["name"], r["phase"], lb)
+        assert r["step"] == t and r["launch_ns"] is not None
+        assert its[t]["start_ns"] <= r["launch_ns"] <= its[t]["end_ns"]
+
+    # the breakdown is the device's own time per phase, per launching iteration
+    a = analyze(tr)
+    ra = a.main
+    truth = device_truth(dev, iters)
+    sel = slice(ra.warmup_skipped, iters)
+    b = ra.breakdown
+    for term, ph in (("t_h2d", "h2d"), ("t_f", "forward"), ("t_b", "backward"),
+                     ("t_u", "update"), ("t_comm", "comm")):
+        want = float(np.mean(truth[ph][sel]))
+        assert b[term].mean == pytest.approx(want, rel=0.02), (term, b[term].mean, want)
+    want_hidden = float(np.mean(truth["hidden"][sel]))
+    assert ra.comm["hidden_s"] == pytest.approx(want_hidden, rel=0.05, abs=2e-5)
+    assert ra.comm["exposed_s"] == pytest.approx(float(np.mean(truth["comm"][sel]))
+                                                 - want_hidden, rel=0.05, abs=2e-5)
+    own = np.diff(bounds)[sel] / 1e9
+    assert b["t_iter"].mean == pytest.approx(float(np.mean(own)), rel=0.02)
+    # every phase the loop has is found: nothing left over beyond the host's own gaps
+    assert b["t_other"].mean < 0.25 * b["t_iter"].mean
+
+
+def test_launches_join_their_own_threads_ranges_through_the_pthread_id():
+    """A prefetching thread copies the next batch in its own `h2d` range while the loop
+    runs its forward. CUPTI names both threads by pthread id: joined to their native TIDs
+    through the recorder's thread map, the copy is h2d and the loop's kernel forward;
+    without the map both would fall to the loop's range."""
+    from gputrace.collectors.cupti import Converter
+    from tests.fakes.cupti import ActivityMemcpyKind, ActivityMemoryKind
+
+    cu = FakeCupti()
+    rec = Recorder("/nonexistent/unused.arrow", {"host": "h"})
+    t0 = rec.now_ns()
+    rec.span("forward", "forward", t0, t0 + 10 * MS)
+    c_loop = cu.launch(None, t0 + 5 * MS)
+
+    def prefetch() -> None:
+        rec.span("h2d", "prefetch", t0 + 2 * MS, t0 + 4 * MS)
+        c = cu.launch(None, t0 + 3 * MS)
+        cu.memcpy(c, t0 + 20 * MS, t0 + 21 * MS, 1 << 20, ActivityMemcpyKind.HTOD,
+                  ActivityMemoryKind.PINNED, ActivityMemoryKind.DEVICE, stream=9)
+
+    th = threading.Thread(target=prefetch)
+    th.start()
+    th.join()
+    cu.kernel(c_loop, "gemm", t0 + 30 * MS, t0 + 31 * MS)     # runs after both ranges closed
+    spans = list(rec._spans)
+    assert len(rec.threads) == 2 and not set(rec.threads.values()) & set(rec.threads)
+    assert pthread_id() == rec.threads[threading.get_native_id()]
+
+    def phases(conv: Converter) -> dict[str, tuple[str | None, int]]:
+        conv.add_spans(spans)
+        conv.feed(list(cu.queued))
+        return {r[1]: (r[20], r[21]) for r in conv.drain(final=True) if r[1] != "user"}
+
+    got = phases(Converter(cu, host="h", rank=0, pid=1, threads=rec.threads))
+    assert got == {"kernel": ("forward", t0 + 5 * MS), "memcpy": ("h2d", t0 + 3 * MS)}
+    blind = phases(Converter(cu, host="h", rank=0, pid=1))
+    assert blind["memcpy"][0] == "forward"
