@@ -20,6 +20,8 @@ import pytest
 import gputrace
 from gputrace import load
 from gputrace.analyzers import analyze
+from gputrace.analyzers.frame import build
+from gputrace.analyzers.steps import analyze_rank
 from gputrace.collectors.cupti import CuptiCollector
 from gputrace.recorder import Recorder, set_current
 from tests.fakes.cupti import FakeCupti, FakeDevice, pthread_id
@@ -62,21 +64,28 @@ class Worker(threading.Thread):
         return done
 
 
-def training_loop(dev: Tagged, iters: int, pinned: bool, sync_every: int) -> list[int]:
+def training_loop(dev: Tagged, iters: int, pinned: bool, sync_every: int
+                  ) -> tuple[list[int], dict[str, np.ndarray]]:
     """A data-parallel-like loop: the batch copied to the device outside any phase, forward
     launched by the loop thread, backward by another thread while the loop waits in its
     backward phase, one NCCL all-reduce per two layers launched by a comm thread as their
-    gradients are done, the update after the last. Returns the loop's own boundaries."""
+    gradients are done, the update after the last. Returns the loop's own boundaries and
+    its truth: CUDA events recorded as the host enters and leaves each phase."""
     autograd, comm = Worker("autograd-device"), Worker("comm")
     bounds = [time.time_ns()]
+    ev = {k: np.zeros(iters) for k in ("h2d", "forward", "backward", "update")}
     for k in range(iters):
         dev.tag = k
         with gputrace.phase("io"):
             time.sleep(0.0003)
+        e0 = dev.event()
         dev.h2d(8 << 20, pinned=pinned, label="h2d")
+        ev["h2d"][k] = (dev.event() - e0) / 1e9
         with gputrace.phase("forward"):
+            e0 = dev.event()
             for i in range(6):
                 dev.kernel(f"fwd_gemm_{i}", int(0.3 * MS), "forward")
+            ev["forward"][k] = (dev.event() - e0) / 1e9
         sent: list[threading.Event] = []
 
         def backward(sent: list[threading.Event] = sent) -> None:
@@ -88,19 +97,23 @@ def training_loop(dev: Tagged, iters: int, pinned: bool, sync_every: int) -> lis
                         stream=13, after=end)))
 
         with gputrace.phase("backward"):
+            e0 = dev.event()
             autograd.call(backward).wait()
             for s in sent:
                 s.wait()
+            ev["backward"][k] = (dev.event() - e0) / 1e9
         with gputrace.phase("update"):
+            dev.wait_for(13)          # the update waits for the all-reduces on the device
+            e0 = dev.event()
             for _ in range(3):
-                dev.kernel("sgd_update", int(0.1 * MS), "update", after=max(
-                    e for lb, _, e in dev.ran if lb == "comm"))
+                dev.kernel("sgd_update", int(0.1 * MS), "update")
+            ev["update"][k] = (dev.event() - e0) / 1e9
         if (k + 1) % sync_every == 0:
             dev.synchronize()
         gputrace.step()
         bounds.append(time.time_ns())
     dev.synchronize()
-    return bounds
+    return bounds, ev
 
 
 def _union_len(iv: list[tuple[int, int]]) -> int:
@@ -119,17 +132,23 @@ def _intersect_len(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> int:
     return _union_len(a) + _union_len(b) - _union_len(a + b)
 
 
-def device_truth(dev: Tagged, iters: int) -> dict[str, np.ndarray]:
-    """Per iteration (of launch): each phase's time on the device, first start to last end,
-    and comm total and hidden under everything else the device ran."""
+SLACK_S = 1e-4
+
+
+def _close(got: np.ndarray, want: np.ndarray, rel: float = 0.05) -> bool:
+    """Per iteration within 5 % of the CUDA-event truth, for the median iteration. The
+    events of a loop played out on a shared CPU carry the host's scheduling (an event
+    recorded on an idle device completes at the host's time): 0.1 ms of slack for that."""
+    return float(np.median(np.abs(got - want) - rel * want)) <= SLACK_S
+
+
+def comm_truth(dev: Tagged, iters: int) -> dict[str, np.ndarray]:
+    """Per iteration (of launch): comm on the device, total and hidden under everything
+    else the device ran."""
     ran = list(zip(dev.tags, dev.ran, strict=True))
     cover = [(s, e) for _, (lb, s, e) in ran if lb != "comm"]
-    out = {k: np.zeros(iters) for k in ("h2d", "forward", "backward", "update", "comm",
-                                         "hidden")}
+    out = {k: np.zeros(iters) for k in ("comm", "hidden")}
     for k in range(iters):
-        for ph in ("h2d", "forward", "backward", "update"):
-            iv = [(s, e) for t, (lb, s, e) in ran if t == k and lb == ph]
-            out[ph][k] = (max(e for _, e in iv) - min(s for s, _ in iv)) / 1e9
         cm = [(s, e) for t, (lb, s, e) in ran if t == k and lb == "comm"]
         out["comm"][k] = _union_len(cm) / 1e9
         out["hidden"][k] = _intersect_len(cm, cover) / 1e9
@@ -145,17 +164,17 @@ def record_loop(tmp_path, iters: int, pinned: bool, sync_every: int):  # type: i
     rec.start()          # the flusher converts CUPTI's buffers while the loop runs
     set_current(rec)
     try:
-        bounds = training_loop(dev, iters, pinned, sync_every)
+        bounds, events = training_loop(dev, iters, pinned, sync_every)
     finally:
         set_current(None)
         rec.close()
-    return load(tmp_path / "gpu.arrow"), dev, bounds, rec
+    return load(tmp_path / "gpu.arrow"), dev, bounds, events, rec
 
 
 @pytest.mark.parametrize("pinned,sync_every", [(True, 5), (False, 1)])
 def test_gpu_records_take_the_phase_and_iteration_of_their_launch(tmp_path, pinned, sync_every):
     iters = 30
-    tr, dev, bounds, rec = record_loop(tmp_path, iters, pinned, sync_every)
+    tr, dev, bounds, events, rec = record_loop(tmp_path, iters, pinned, sync_every)
     rows = tr.table.to_pylist()
 
     # the records are as a real GPU gives them: threads named unlike their native TIDs,
@@ -180,16 +199,24 @@ def test_gpu_records_take_the_phase_and_iteration_of_their_launch(tmp_path, pinn
         assert r["step"] == t and r["launch_ns"] is not None
         assert its[t]["start_ns"] <= r["launch_ns"] <= its[t]["end_ns"]
 
-    # the breakdown is the device's own time per phase, per launching iteration
+    # the breakdown is the device's time per phase, per launching iteration, as CUDA
+    # events around each phase measure it
     a = analyze(tr)
     ra = a.main
-    truth = device_truth(dev, iters)
+    truth = comm_truth(dev, iters)
     sel = slice(ra.warmup_skipped, iters)
     b = ra.breakdown
+    (sp,) = build(tr.table).ranks.values()
+    per_it = analyze_rank(sp).terms
     for term, ph in (("t_h2d", "h2d"), ("t_f", "forward"), ("t_b", "backward"),
-                     ("t_u", "update"), ("t_comm", "comm")):
-        want = float(np.mean(truth[ph][sel]))
-        assert b[term].mean == pytest.approx(want, rel=0.02), (term, b[term].mean, want)
+                     ("t_u", "update")):
+        # iteration by iteration: a preemption of the host between a copy's end and the
+        # event after it (this machine is shared) moves one iteration's truth, not all
+        assert _close(per_it[term][sel], events[ph][sel]), (term, per_it[term][sel],
+                                                            events[ph][sel])
+        want = float(np.mean(events[ph][sel]))
+        assert b[term].mean == pytest.approx(want, rel=0.15), (term, b[term].mean, want)
+    assert b["t_comm"].mean == pytest.approx(float(np.mean(truth["comm"][sel])), rel=0.02)
     want_hidden = float(np.mean(truth["hidden"][sel]))
     assert ra.comm["hidden_s"] == pytest.approx(want_hidden, rel=0.05, abs=2e-5)
     assert ra.comm["exposed_s"] == pytest.approx(float(np.mean(truth["comm"][sel]))
@@ -237,3 +264,44 @@ def test_launches_join_their_own_threads_ranges_through_the_pthread_id():
     assert got == {"kernel": ("forward", t0 + 5 * MS), "memcpy": ("h2d", t0 + 3 * MS)}
     blind = phases(Converter(cu, host="h", rank=0, pid=1))
     assert blind["memcpy"][0] == "forward"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args", [[], ["--accumulate", "2", "--loader"]])
+def test_torch_auto_instrumentation_on_a_device_that_runs_behind(tmp_path, args):
+    """PyTorch's hooks give the phases, CUPTI-shaped records the device time: forward
+    kernels launched in modules, the loss outside them, backward in autograd functions,
+    the update in the optimizer's step, the batch's copy before the forward."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("torch")
+    job = Path(__file__).resolve().parent / "jobs" / "fake_gpu_torch.py"
+    out, tp = tmp_path / "t.arrow", tmp_path / "truth.json"
+    steps = 16
+    p = subprocess.run([sys.executable, str(job), str(out), str(tp), "--steps", str(steps),
+                        *args], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    got = json.loads(tp.read_text())
+    truth, events = got["ran"], got["events"]
+    rows = load(out).table.to_pylist()
+    its = [r for r in rows if r["cat"] == "iteration"]
+    assert len(its) == steps and {r["name"] for r in its} == {"iteration"}
+    gpu = {(r["start_ns"], r["end_ns"]): r for r in rows
+           if r["cat"] in ("kernel", "memcpy", "memset")}
+    assert len(gpu) == len(truth)
+    for _t, lb, s, e in truth:
+        assert gpu[(s, e)]["phase"] == lb, (gpu[(s, e)]["name"], gpu[(s, e)]["phase"], lb)
+    tr = load(out)
+    ra = analyze(tr).main
+    (sp,) = build(tr.table).ranks.values()
+    per_it = analyze_rank(sp).terms
+    sel = slice(ra.warmup_skipped, steps)
+    for term, ph in (("t_h2d", "h2d"), ("t_f", "forward"), ("t_b", "backward"),
+                     ("t_u", "update")):
+        want = np.array([e[ph] for e in events])[sel] / 1e9
+        assert _close(per_it[term][sel], want), (term, per_it[term][sel], want)
+    # the host's own gaps only (zero_grad, the loop): every phase is found
+    assert np.median(per_it["t_other"][sel]) < 0.1 * np.median(per_it["t_iter"][sel])

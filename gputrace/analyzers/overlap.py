@@ -172,19 +172,38 @@ def grouped_hidden(start: np.ndarray, end: np.ndarray, group: np.ndarray, n: int
 
 
 def runs(start: np.ndarray, end: np.ndarray, group: np.ndarray, lane: np.ndarray,
-         label: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+         label: np.ndarray
+         ) -> tuple[np.ndarray, ...]:
     """The runs of consecutive intervals with one label, in start order within each
-    (group, lane): (start, end, group, label) of each run, from its first start to its last
-    end. On a GPU a run is the time a phase held the device, idle gaps between its kernels
-    (the host launching them) included, as CUDA events around the phase would give."""
-    m = group >= 0
+    (group, lane): (start, end, group, label, index of its first interval, index of its
+    last) of each run, from its first start to its last end. On a GPU a run is the time a
+    phase held the device, idle gaps between its kernels (the host launching them)
+    included."""
+    m = np.flatnonzero(group >= 0)
     s, e, g, ln, lb = start[m], end[m], group[m], lane[m], label[m]
     if not s.size:
         z = np.zeros(0, np.int64)
-        return z, z.copy(), z.copy(), z.copy()
+        return z, z.copy(), z.copy(), z.copy(), z.copy(), z.copy()
     order = np.lexsort((s, ln, g))
-    s, e, g, ln, lb = s[order], e[order], g[order], ln[order], lb[order]
+    s, e, g, ln, lb, m = s[order], e[order], g[order], ln[order], lb[order], m[order]
     new = np.ones(s.size, dtype=bool)
     new[1:] = (g[1:] != g[:-1]) | (ln[1:] != ln[:-1]) | (lb[1:] != lb[:-1])
     first = np.flatnonzero(new)
-    return s[first], np.maximum.reduceat(e, first), g[first], lb[first]
+    last = np.append(first[1:] - 1, s.size - 1)
+    return s[first], np.maximum.reduceat(e, first), g[first], lb[first], m[first], m[last]
+
+
+def busy_before(start: np.ndarray, end: np.ndarray, lane: np.ndarray, t: np.ndarray,
+                t_lane: np.ndarray) -> np.ndarray:
+    """For each time t on its lane: the latest end among the intervals of that lane that
+    started before t (the lane's busy until then), or -1."""
+    out = np.full(t.size, -1, dtype=np.int64)
+    for ln in np.unique(t_lane).tolist():
+        mine = lane == ln
+        s, e = start[mine], end[mine]
+        order = np.argsort(s, kind="stable")
+        s, reach = s[order], np.maximum.accumulate(e[order]) if s.size else e
+        want = t_lane == ln
+        i = np.searchsorted(s, t[want], side="left") - 1
+        out[want] = np.where(i >= 0, reach[np.maximum(i, 0)], -1) if s.size else -1
+    return out

@@ -215,8 +215,10 @@ def analyze_rank(sp: Spans) -> RankSteps:
         for k, ph in enumerate(("forward", "backward", "update")):
             label[sp.in_phase(ph)] = k
         ci = np.flatnonzero(comp)
-        rs_, re_, rg, rl = ov.runs(sp.start[ci], sp.end[ci], group[ci],
-                                   sp.device[ci].astype(np.int64), label[ci])
+        dev = sp.device.astype(np.int64)
+        rs_, re_, rg, rl, rfirst, rlast = ov.runs(sp.start[ci], sp.end[ci], group[ci],
+                                                  dev[ci], label[ci])
+        rs_, re_ = _run_bounds(sp, rs_, re_, rl, ci[rfirst], ci[rlast], gpu, dev)
         ext = np.zeros((n, 4))
         np.add.at(ext, (rg, rl), (re_ - rs_) / sec)
         hi_ = np.flatnonzero(h2d_m)
@@ -301,6 +303,38 @@ def analyze_rank(sp: Spans) -> RankSteps:
     upd_n = np.searchsorted(hu[0], hi, "left") - np.searchsorted(hu[1], lo, "right")
     return RankSteps(sp.rank, its, terms, comm_h, io_h, units, layer_bs, ends, layer_bytes,
                      bstart, bend, np.array([fetch_s]), workers, upd_n)
+
+
+def _run_bounds(sp: Spans, start: np.ndarray, end: np.ndarray, label: np.ndarray,
+                first: np.ndarray, last: np.ndarray, device_work: np.ndarray,
+                dev: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where each phase run begins and ends on the device, as CUDA events recorded when
+    the host entered and left the phase would mark them: it begins when the host entered
+    the phase's range (its host spans, merged) or, if the device was still busy then, when
+    it became free, never after its first record; it ends when the later of its last record
+    and the host's leaving the range. A loop the host holds back (launch-bound) then counts
+    the device's waits for the host inside the phase, as the events do, not as time in no
+    phase; a loop that runs ahead of the device gets its device time."""
+    s_out, e_out = start.copy(), end.copy()
+    w = np.flatnonzero(device_work)
+    for lb, cat in enumerate(("forward", "backward", "update")):
+        u = _u(sp, sp.of(cat) & (sp.device < 0))
+        if not u[0].size:
+            continue
+        for idx, out, is_start in ((first, s_out, True), (last, e_out, False)):
+            m = (label == lb) & (sp.launch[idx] >= 0)
+            if not m.any():
+                continue
+            t = sp.launch[idx[m]]
+            j = np.searchsorted(u[0], t, side="right") - 1
+            inside = (j >= 0) & (t <= u[1][np.maximum(j, 0)])
+            if is_start:
+                entered = np.where(inside, u[0][np.maximum(j, 0)], start[m])
+                free = ov.busy_before(sp.start[w], sp.end[w], dev[w], start[m], dev[idx[m]])
+                out[m] = np.minimum(start[m], np.maximum(entered, free))
+            else:
+                out[m] = np.maximum(end[m], np.where(inside, u[1][np.maximum(j, 0)], end[m]))
+    return s_out, e_out
 
 
 def _gpu_layer_ends(sp: Spans, per_layer: np.ndarray, bwd_gpu: np.ndarray) -> np.ndarray:

@@ -182,11 +182,14 @@ class FakeDevice:
         return self.cu.get_timestamp()
 
     def _wait_until(self, t: int) -> None:
+        """Hold the host until device time t, as a blocking CUDA call returns: promptly
+        (sleeps overshoot by 0.1 ms or more: the last stretch spins)."""
         while True:
             d = t - self.now()
             if d <= 0:
                 return
-            time.sleep(d / 1e9)
+            if d > 300_000:
+                time.sleep((d - 200_000) / 1e9)
 
     def _enqueue(self, label: str, dur_ns: int, stream: int, after: int = 0
                  ) -> tuple[int, int, int]:
@@ -232,3 +235,15 @@ class FakeDevice:
             until = max(self.free.values(), default=t)
         self._wait_until(until)
         self.cu.sync(corr, t, max(until, self.now()))
+
+    def event(self, stream: int = 7) -> int:
+        """cudaEventRecord now: the device time the event completes (when the stream
+        reaches it), as cudaEventElapsedTime reads it."""
+        t = self.now()
+        with self.lock:
+            return max(t + self.latency, self.free.get(stream, 0))
+
+    def wait_for(self, other: int, stream: int = 7) -> None:
+        """cudaStreamWaitEvent: `stream` goes on once `other` has run what it was given."""
+        with self.lock:
+            self.free[stream] = max(self.free.get(stream, 0), self.free.get(other, 0))
