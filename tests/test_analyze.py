@@ -132,6 +132,25 @@ def test_speedup_points_and_eq12(tmp_path):
     assert sp.allreduce_efficiency == pytest.approx(4e6 * 2 / (0.035 * 1e9))
 
 
+def test_speedup_is_not_made_up_when_compute_was_not_measured(tmp_path):
+    """Iterations and gradient comm but no forward or backward phase (a GPU trace whose
+    kernels were attributed to none): no speedup is predicted, and the report says why
+    rather than printing 0.00x."""
+    b = Builder()
+    for k in range(6):
+        b.span("iteration", k * 100, k * 100 + 100, step=k)
+        b.span("comm", k * 100 + 40, k * 100 + 60, name="allreduce", layer=0, step=k, tid=9,
+               nbytes=1_000_000, layers=[1])
+    path = b.write(tmp_path / "t.arrow", world_size=2)
+    sp = analyze(load(path)).main.speedup
+    assert sp.points == [] and "t_f and t_b not measured" in sp.unavailable
+    d = json.loads(run_gputrace("analyze", str(path), "--json", check=True).stdout)
+    assert d["speedup"]["points"] == [] and "not measured" in d["speedup"]["unavailable"]
+    out = run_gputrace("analyze", str(path), check=True).stdout
+    assert "Predicted speedup: not computed (t_f and t_b not measured" in out
+    assert "0.00x" not in out
+
+
 DESIGN_KEYS = {"format", "version", "iterations", "breakdown", "overlap", "model", "units",
                "speedup", "bandwidth", "findings", "ranks"}
 

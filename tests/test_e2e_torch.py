@@ -133,6 +133,12 @@ def test_ddp_case2_is_exposed(recorded, data_dir):
     assert abs(d["model"]["relative_error"]) < 0.15
     assert any(f["id"] == "comm_exposed" for f in d["findings"])
     assert sum(u["bytes"] for u in d["units"]) == grad_bytes("case2")
+    # eq. 11's speedup and the replay of the measured timeline agree at every GPU count
+    replayed = {s["gpus"]: s for s in d["what_if"]["scenarios"]
+                if s["bucket_rule"] == "measured" and s["bandwidth_x"] == 1}
+    assert d["speedup"]["points"] and d["speedup"]["unavailable"] is None
+    for p in d["speedup"]["points"]:
+        assert abs(replayed[p["gpus"]]["speedup"] / p["speedup"] - 1) < 0.10, (p, replayed)
 
 
 def test_replay_of_one_bucket_predicts_the_run_with_small_buckets(recorded, data_dir):

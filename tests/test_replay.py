@@ -62,7 +62,9 @@ def test_case2_trace_replays_to_the_hand_computed_timeline(tmp_path):
     assert rp.baseline_t_iter == pytest.approx((100 - 92 + 97.75) * MS)
     t = {o.scenario: o for o in rp.outcomes}
     assert t[Scenario(2)].t_iter == pytest.approx(100 * MS)
-    assert t[Scenario(2)].speedup == pytest.approx(2 * 87.25 / 100)
+    # one GPU: the measured iteration without its measured comm tail past backward (85 to
+    # 92 ms), as eq. 8-11 count it: 93 ms
+    assert t[Scenario(2)].speedup == pytest.approx(2 * 93 / 100)
     assert t[Scenario(4)].t_iter == pytest.approx((100 - 97.75 + 116.5) * MS)
     assert t[Scenario(2, 2.0)].t_iter == pytest.approx((100 - 97.75 + 91.375) * MS)
     # 2 MiB buckets: layers 4+3+2 (3 MB, ready at 70 ms: 70-108.25), then layer 1 (-121)

@@ -252,6 +252,7 @@ class Speedup:
     allreduce_efficiency: float | None
     link_bytes_per_s: float | None
     grad_bytes: float
+    unavailable: str | None = None      # why no speedup is predicted (a term not measured)
 
 
 def speedup(m: ModelResult, world_size: int, gpus: Sequence[int],
@@ -294,8 +295,13 @@ def speedup(m: ModelResult, world_size: int, gpus: Sequence[int],
     overlapped = not (m.strategy == "sequential" or not comm_units)
     equation = "8" if not overlapped else ("9" if m.strategy == "wfbp" else "11")
     pts = []
-    if t_io_1 + t_gpu <= 0:
-        assumptions.append("no measured compute or I/O time: nothing to scale")
+    unavailable = None
+    missing = [k for k in ("t_f", "t_b") if t[k] <= 0]
+    if missing:
+        # a speedup from an iteration whose compute was not seen would be meaningless
+        unavailable = (f"{' and '.join(missing)} not measured: the trace has no forward/"
+                       "backward phases (or no GPU record was attributed to one), so eq. "
+                       f"{equation} has no compute to scale")
         gpus = []
     for N in gpus:
         io_n = t_io_1 * (N if shared_io else 1)
@@ -318,4 +324,5 @@ def speedup(m: ModelResult, world_size: int, gpus: Sequence[int],
     eff = None
     if link_bytes_per_s and measured_comm > 0 and grad_bytes > 0:
         eff = eq12(grad_bytes * n, measured_comm, link_bytes_per_s)
-    return Speedup(equation, n, pts, assumptions, eff, link_bytes_per_s, grad_bytes)
+    return Speedup(equation, n, pts, assumptions, eff, link_bytes_per_s, grad_bytes,
+                   unavailable)

@@ -235,7 +235,9 @@ def replay(rs: RankSteps, sel: np.ndarray, m: ModelResult, world: int, gpus: Seq
     scenarios += [s for s in (Scenario(x.gpus or ref, x.bandwidth_x, x.bucket_bytes)
                               for x in extra) if s not in scenarios]
     outcomes = []
-    one_gpu = m.measured_t_iter - base_tail + b_end   # the same iteration with no comm
+    # the same iteration with no comm: the measured one without its measured tail past
+    # backward (the replay's own error stays out of the one-GPU time, as in eq. 8-11)
+    one_gpu = m.measured_t_iter - measured_tail + b_end
     for s in scenarios:
         if s.bucket_bytes is not None and not layers_known:
             continue

@@ -49,6 +49,7 @@ def rank_dict(ra: RankAnalysis) -> dict[str, Any]:
             "assumptions": list(sp.assumptions),
             "points": [{"gpus": p.gpus, "speedup": p.speedup, "efficiency": p.efficiency,
                         "t_iter": p.t_iter, "t_comm": p.t_comm} for p in sp.points],
+            "unavailable": sp.unavailable,
         },
         "bandwidth": {} if bw is None else {
             "window_s": bw.window_s,

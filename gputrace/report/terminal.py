@@ -161,6 +161,8 @@ def render(a: Analysis, rank: int | None = None, file: IO[str] | None = None,
     for n in m.notes:
         con.print(f"  [dim]{escape(n)}[/]")
     sp = ra.speedup
+    if sp.unavailable:
+        con.print(f"Predicted speedup: not computed ({escape(sp.unavailable)})")
     if sp.points:
         st = Table(title=f"Predicted speedup (eq. {sp.equation}, from {sp.world_size} "
                    f"rank{'s' if sp.world_size != 1 else ''})", title_justify="left",
