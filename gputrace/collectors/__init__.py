@@ -60,7 +60,11 @@ def in_process_status(name: str) -> str:
         return "not used: the job did not import torch"
     if name == "cupti":
         from gputrace.collectors.cupti import availability
-        return availability()
+        why = availability()
+        # a guess from outside: only a process of the job that started a GPU timeline
+        # (CUPTI itself, or torch.profiler's) says which source ran
+        return "not used: no process of the job started a GPU timeline" if why == "ok" \
+            else why
     return f"unavailable: unknown collector {name!r}"
 
 

@@ -306,7 +306,8 @@ class CuptiCollector:
             c.activity_enable(k)
             self.kinds.append(k)
         self.recorder.flush_hooks.append(self.on_flush)
-        self.recorder.set_collector("cupti", "ok", clock_offset_ns=self.converter.offset,
+        self.recorder.set_collector("cupti", "ok", source="cupti",
+                                    clock_offset_ns=self.converter.offset,
                                     kinds=[getattr(k, "name", str(k)) for k in self.kinds])
 
     def on_flush(self, spans: list[tuple[Any, ...]], final: bool) -> list[tuple[Any, ...]]:

@@ -70,7 +70,7 @@ class KinetoCollector:
         # runs before torch's own exit handlers (registered earlier, at its import)
         atexit.register(self.finish)
         self.recorder.set_collector(
-            "cupti", f"ok: torch.profiler (Kineto) fallback, {reason}",
+            "cupti", f"ok: torch.profiler (Kineto) fallback, {reason}", source="torch.profiler",
             activities=[str(a).split(".")[-1] for a in self.activities],
             delivery="when the profiler session stops (job exit, or the job's own profiler)")
 
