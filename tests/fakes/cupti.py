@@ -218,14 +218,20 @@ class FakeDevice:
         self.cu.kernel(corr, name, start, end, stream=stream)
         return end
 
-    def h2d(self, nbytes: int, pinned: bool, label: str = "", stream: int = 7) -> int:
+    def h2d(self, nbytes: int, pinned: bool, label: str = "", stream: int = 7,
+            events: list[tuple[int, int]] | None = None) -> int:
+        """A copy to the device; `events` gets (start, end) of CUDA events recorded right
+        before and after the call (what a loop timing its copy would read)."""
         bw = PINNED_BYTES_PER_S if pinned else PAGEABLE_BYTES_PER_S
+        e0 = self.event(stream)
         corr, start, end = self._enqueue(label, int(nbytes / bw * 1e9), stream)
         self.cu.memcpy(corr, start, end, nbytes, ActivityMemcpyKind.HTOD,
                        ActivityMemoryKind.PINNED if pinned else ActivityMemoryKind.PAGEABLE,
                        ActivityMemoryKind.DEVICE, stream=stream)
         if not pinned:                             # pageable: staged, the caller waits
             self._wait_until(end)
+        if events is not None:
+            events.append((e0, self.event(stream)))
         return end
 
     def synchronize(self) -> None:

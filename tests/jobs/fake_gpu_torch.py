@@ -65,7 +65,7 @@ class Layer(torch.nn.Linear):
 class SGD(torch.optim.SGD):
     def step(self, closure=None):  # type: ignore[no-untyped-def]
         for _ in range(2):
-            dev.kernel("sgd_update", int(0.2 * MS), "update")
+            dev.kernel("sgd_update", int(1.0 * MS), "update")
         return super().step(closure)
 
 
@@ -94,9 +94,9 @@ def main() -> None:
             ev = dict.fromkeys(("h2d", "forward", "backward", "update"), 0)
             for _ in range(a.accumulate):
                 x, y = next(batches)
-                e0 = dev.event()
-                dev.h2d(4 << 20, pinned=False, label="h2d")     # x.to("cuda")
-                e1 = dev.event()
+                copy: list[tuple[int, int]] = []
+                dev.h2d(4 << 20, pinned=False, label="h2d", events=copy)  # x.to("cuda")
+                e0, e1 = copy[0]
                 out = model(x)
                 dev.kernel("cross_entropy", int(0.1 * MS), "forward")
                 loss = torch.nn.functional.cross_entropy(out, y) / a.accumulate
