@@ -24,6 +24,7 @@ from gputrace.analyzers.frame import build
 from gputrace.analyzers.steps import analyze_rank
 from gputrace.collectors.cupti import CuptiCollector
 from gputrace.recorder import Recorder, set_current
+from gputrace.trace.schema import COLUMN_NAMES
 from tests.fakes.cupti import FakeCupti, FakeDevice, pthread_id
 
 MS = 1_000_000
@@ -225,6 +226,26 @@ def test_gpu_records_take_the_phase_and_iteration_of_their_launch(tmp_path, pinn
     assert b["t_iter"].mean == pytest.approx(float(np.mean(own)), rel=0.02)
     # every phase the loop has is found: nothing left over beyond the host's own gaps
     assert b["t_other"].mean < 0.25 * b["t_iter"].mean
+
+
+def test_a_dump_of_the_collectors_input_replays_to_what_it_wrote(tmp_path, monkeypatch):
+    """GPUTRACE_CUPTI_DUMP keeps what the collector received (spans, records, the thread
+    map); replayed through the conversion it gives the rows the live recording wrote: the
+    way real GPU records become CPU test fixtures."""
+    from tests.truth import replay_cupti_dump
+
+    dump = tmp_path / "dump.jsonl.gz"
+    monkeypatch.setenv("GPUTRACE_CUPTI_DUMP", str(dump))
+    tr, dev, *_ = record_loop(tmp_path, 12, True, 4)
+
+    def key(r):  # type: ignore[no-untyped-def]
+        return (r[1], r[2], r[3], r[4], r[20], r[21])
+
+    live = sorted(key(tuple(r[c] for c in COLUMN_NAMES)) for r in tr.table.to_pylist()
+                  if r["cat"] in ("kernel", "memcpy", "comm"))
+    again = sorted(key(r) for r in replay_cupti_dump(dump) if r[1] in ("kernel", "memcpy",
+                                                                         "comm"))
+    assert len(live) == len(dev.ran) and live == again
 
 
 def test_launches_join_their_own_threads_ranges_through_the_pthread_id():

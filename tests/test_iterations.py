@@ -15,10 +15,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from gputrace import load  # noqa: E402
-from gputrace.analyzers.frame import build  # noqa: E402
-from gputrace.analyzers.steps import analyze_rank  # noqa: E402
 from gputrace.importers import import_paths  # noqa: E402
 from tests.conftest import run_gputrace  # noqa: E402
+from tests.truth import compare, matched, per_iteration  # noqa: E402
 
 JOB = str(Path(__file__).resolve().parent / "jobs" / "timed_loop.py")
 pytestmark = pytest.mark.slow
@@ -34,38 +33,6 @@ def run_job(tmp_path: Path, *args: str, record: bool = True):  # type: ignore[no
         import subprocess
         subprocess.run([sys.executable, JOB, str(truth_path), *args], check=True, timeout=300)
     return json.loads(truth_path.read_text()), out
-
-
-def per_iteration(trace):  # type: ignore[no-untyped-def]
-    (sp,) = build(trace.table, trace.metadata).ranks.values()
-    return analyze_rank(sp)
-
-
-def matched(rs, truth):  # type: ignore[no-untyped-def]
-    """Each truth step with the analyzed iteration that overlaps it most."""
-    lo, hi = rs.iterations.start, rs.iterations.end
-    pairs = []
-    for i, t in enumerate(truth):
-        ov = np.minimum(hi, t["end"]) - np.maximum(lo, t["start"])
-        k = int(np.argmax(ov))
-        if ov[k] > 0.5 * (t["end"] - t["start"]):
-            pairs.append((i, k))
-    return pairs
-
-
-def compare(rs, truth, pairs, terms, tol):  # type: ignore[no-untyped-def]
-    """Iteration by iteration (warm-up left out): gputrace's figure over the loop's own. The
-    median ratio is held to the tolerance: both clocks see a preemption inside a phase the
-    same, one at its edge (this machine is shared) moves a single iteration, not the run."""
-    pairs = pairs[3:]
-    assert len(pairs) >= 8
-    for term, keys in terms.items():
-        got = np.array([rs.terms[term][k] for _, k in pairs])
-        want = np.array([(truth[i]["end"] - truth[i]["start"]) / 1e9 if term == "t_iter"
-                         else sum(truth[i][x] for x in keys) for i, _ in pairs])
-        rel = tol if term != "t_iter" else 0.05
-        ratio = float(np.median(got / want))
-        assert abs(ratio - 1) <= rel, (term, ratio, got.tolist(), want.tolist())
 
 
 def test_iterations_tile_a_loop_without_a_loader(tmp_path):

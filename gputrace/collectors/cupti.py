@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import json
+import os
 import sys
 import time
 from collections import defaultdict, deque
@@ -268,6 +269,46 @@ class Converter:
             self.iters = self.iters[cut:]
 
 
+# what the converter reads of a record: a dump keeps these, as CUPTI gave them
+RECORD_FIELDS = ("kind", "correlation_id", "thread_id", "process_id", "start", "end", "name",
+                 "device_id", "stream_id", "bytes", "copy_kind", "src_kind", "dst_kind",
+                 "flags", "flags_", "timestamp", "id", "domain", "cbid")
+
+
+class Dump:
+    """GPUTRACE_CUPTI_DUMP=PATH: every flush's spans and CUPTI records, as the collector
+    received them, one JSON line each (gzip), with the thread map and the enums' values:
+    real records to replay through the same conversion on a machine without a GPU."""
+
+    def __init__(self, path: str, cupti: Any, threads: dict[int, int], offset: int) -> None:
+        import gzip
+
+        self.f = gzip.open(path, "wt")
+        self.threads = threads
+        enums = {e: {n: int(v) for n, v in getattr(cupti, e).__members__.items()}
+                 for e in ("ActivityKind", "ActivityMemoryKind", "ActivityMemcpyKind",
+                           "ActivityFlag") if hasattr(cupti, e)}
+        self._line({"enums": enums, "clock_offset_ns": offset, "pid": os.getpid()})
+
+    def _line(self, obj: dict[str, Any]) -> None:
+        self.f.write(json.dumps(obj, default=str) + "\n")
+
+    def write(self, spans: list[tuple[Any, ...]], batches: list[list[Any]], final: bool) -> None:
+        def fields(r: Any) -> dict[str, Any]:
+            out = {}
+            for k in RECORD_FIELDS:
+                v = getattr(r, k, None)
+                if v is not None:
+                    out[k] = v if isinstance(v, (int, float, str)) else int(v) \
+                        if hasattr(v, "__int__") else str(v)
+            return out
+
+        self._line({"spans": [list(sp) for sp in spans], "threads": dict(self.threads),
+                    "batches": [[fields(r) for r in b] for b in batches], "final": final})
+        if final:
+            self.f.close()
+
+
 class CuptiCollector:
     """Subscribes to CUPTI activity in this process and feeds the recorder's flusher."""
 
@@ -289,6 +330,8 @@ class CuptiCollector:
                                    pid=recorder.pid, offset_ns=offset,
                                    threads=recorder.threads)
         self.kinds: list[Any] = []
+        path = os.environ.get("GPUTRACE_CUPTI_DUMP")
+        self.dump = Dump(path, cupti, recorder.threads, offset) if path else None
 
     def start(self) -> None:
         c = self.cupti
@@ -314,8 +357,12 @@ class CuptiCollector:
         self.cupti.activity_flush_all(1 if final else 0)
         conv = self.converter
         conv.add_spans(spans)
+        batches = []
         while self.queue:
-            conv.feed(self.queue.popleft())
+            batches.append(self.queue.popleft())
+            conv.feed(batches[-1])
+        if self.dump is not None:
+            self.dump.write(spans, batches, final)
         rows = conv.drain(final)
         if final:
             rows.append(self.stop())

@@ -114,6 +114,9 @@ class KinetoCollector:
         try:
             self.prof.stop()
             self.prof.export_chrome_trace(path)
+            keep = os.environ.get("GPUTRACE_KINETO_KEEP")
+            if keep:
+                self._keep(path, keep, phases, iters)
             rows = self.convert(path, phases, iters)
         except Exception as e:  # noqa: BLE001 - never break the job at its exit
             self.error = f"{type(e).__name__}: {e}".splitlines()[0]
@@ -127,6 +130,20 @@ class KinetoCollector:
         rows.append(self._summary())
         with self.lock:
             self.out.extend(rows)
+
+    def _keep(self, path: str, keep: str, phases: list[Any], iters: list[Any]) -> None:
+        """GPUTRACE_KINETO_KEEP=PATH: the session's Kineto JSON as torch exported it, and
+        beside it (PATH.context.json) what its conversion is given: real records to replay
+        through the same conversion on a machine without a GPU."""
+        import shutil
+
+        shutil.copyfile(path, keep)
+        r = self.recorder
+        with open(keep + ".context.json", "w") as f:
+            json.dump({"pid": r.pid, "rank": r.rank, "loop_tid": self.loop_tid,
+                       "threads": {str(k): v for k, v in r.threads.items()},
+                       "phases": [[list(p[0]), p[1], p[2], p[3]] for p in phases],
+                       "iters": [list(i) for i in iters]}, f)
 
     def convert(self, path: str, phases: list[tuple[Any, int, int, str]],
                 iters: list[tuple[int, int, int]]) -> list[tuple[Any, ...]]:
