@@ -23,10 +23,19 @@ def run_gputrace(*args: str, cwd: str | os.PathLike[str] | None = None, timeout:
     return p
 
 
+def job_file(path: Path) -> Path:
+    """A path for a job script, refused if its name is a standard-library module's: the
+    script's directory comes first on sys.path, and `copy.py` there breaks `import copy`
+    in everything the job imports."""
+    if path.stem in sys.stdlib_module_names:
+        raise ValueError(f"{path.name} would shadow the standard library's {path.stem}")
+    return path
+
+
 def write_h2d_job(path: Path, mib: int) -> Path:
     """A CUDA job for the gpu-marked tests: pageable and pinned H2D copies of `mib` MiB in
     an `h2d` phase, then a kernel in a `forward` phase, five times."""
-    path.write_text(
+    job_file(path).write_text(
         "import torch, gputrace\n"
         f"x = torch.empty({mib} << 20, dtype=torch.uint8)\n"
         "xp = x.pin_memory()\n"

@@ -223,7 +223,7 @@ def test_gpu_real_kernels_and_pinned_faster_than_pageable(tmp_path):
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA here")
-    script = write_h2d_job(tmp_path / "copy.py", 256)
+    script = write_h2d_job(tmp_path / "h2d_job.py", 256)
     out = tmp_path / "gpu.arrow"
     p = subprocess.run([sys.executable, "-m", "gputrace", "record", "-o", str(out), "--",
                         sys.executable, str(script)], capture_output=True, text=True,

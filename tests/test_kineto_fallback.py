@@ -174,7 +174,7 @@ def test_gpu_kernels_and_copies_from_the_fallback(tmp_path):
     """On a GPU: kernels and pinned/pageable H2D copies through Kineto, attributed to phases."""
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA here")
-    script = write_h2d_job(tmp_path / "copy.py", 64)
+    script = write_h2d_job(tmp_path / "h2d_job.py", 64)
     out = tmp_path / "k.arrow"
     p = run_gputrace("record", "--gpu-timeline", "kineto", "-o", str(out), "--",
                      sys.executable, str(script), timeout=300)

@@ -247,3 +247,19 @@ def test_merge_takes_each_rank_from_every_shard_that_holds_it_sorted_and_loses_n
     ranked = open_by_rank(tmp_path / "m.arrow")
     assert ranked is not None and ranked.rows == {-1: 6, 0: 6, 1: 5}
     assert not d.exists()
+
+
+def test_no_test_job_shadows_a_standard_library_module():
+    """Job scripts the tests write land first on their job's sys.path: one named like a
+    standard-library module (a `copy.py` did) breaks the job's imports on a GPU machine."""
+    import re
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    names = set()
+    for f in here.rglob("*.py"):
+        names |= set(re.findall(r'/ "([A-Za-z_][A-Za-z0-9_]*)\.py"', f.read_text()))
+        if f.parent.name == "jobs":
+            names.add(f.stem)
+    assert names and not names & set(sys.stdlib_module_names), names & set(sys.stdlib_module_names)
