@@ -187,3 +187,62 @@ def test_gpu_kernels_and_copies_from_the_fallback(tmp_path):
     assert {r["src_kind"] for r in cp} == {"pinned", "pageable"}
     assert all(r["phase"] == "h2d" for r in cp)
     assert any(r["cat"] == "kernel" and r["phase"] == "forward" for r in rows)
+
+
+def test_fallback_joins_kinetos_pthread_ids_to_the_native_tids_of_phases(shared_data,
+                                                                         tmp_path):
+    """With only the CUDA activity on, Kineto sees no operator on any thread and names each
+    launching thread by the low 32 bits of its pthread_self, as a signed int (as it does in
+    real traces for threads without operators: tid -549452224 in nccl_data). The fallback
+    joins them to the native TIDs gputrace's phases carry through the recorder's map."""
+    from torch.profiler import ProfilerActivity
+
+    from gputrace.collectors.kineto import KinetoCollector
+    from gputrace.recorder import Recorder, base_metadata
+    from gputrace.trace.schema import COLUMN_NAMES
+
+    src = shared_data / "kineto/nccl_data.json.gz"
+    d = json.load(gzip.open(src))
+    ev = [e for e in d["traceEvents"] if e.get("ph") == "X"]
+    assert any(e.get("cat") == "cuda_runtime" and e["tid"] < 0 for e in ev)
+    base = d.get("baseTimeNanoseconds", 0)
+    runtime = [e for e in ev if e.get("cat") == "cuda_runtime"]
+    native = sorted({e["tid"] for e in runtime if e["tid"] > 0})
+    # pthread ids of those threads (one above 2**31: a negative int32 in the JSON)
+    pthread = {tid: [0xA246B140, 0x5C9FF640, 0x7A1FE700][i] for i, tid in enumerate(native)}
+
+    def signed(v):
+        return v - (1 << 32) if v >= 1 << 31 else v
+
+    for e in runtime:
+        if e["tid"] in pthread:
+            e["tid"] = signed(pthread[e["tid"]])
+    path = tmp_path / "cuda_only.json"
+    path.write_text(json.dumps(d))
+    lo = min(round(e["ts"] * 1000) + base for e in runtime)
+    hi = max(round(e["ts"] * 1000) + base for e in runtime)
+    pid = runtime[0]["pid"]
+    phases = [((pid, native[0]), lo, hi, "forward"),           # the loop thread's range
+              ((pid, native[1]), lo, (lo + hi) // 2, "backward")]
+    rec = Recorder(str(tmp_path / "unused.arrow"), base_metadata("process"))
+    rec.pid = pid
+    rec.threads.update(pthread)
+    col = KinetoCollector(rec, torch, [ProfilerActivity.CPU])
+    col.loop_tid = native[0]
+    rows = [dict(zip(COLUMN_NAMES, r, strict=True)) for r in
+            col.convert(str(path), phases, [(lo, hi, 3)])]
+    launched = [r for r in rows if r["cat"] in ("kernel", "memcpy", "memset")
+                and r["launch_ns"] is not None]
+    assert len(launched) > 100
+    got = {r["phase"] for r in launched}
+    assert None not in got and got >= {"forward", "backward"}
+    assert len(native) > 1
+    rec2 = Recorder(str(tmp_path / "u2.arrow"), base_metadata("process"))
+    rec2.pid = pid
+    blind = KinetoCollector(rec2, torch, [ProfilerActivity.CPU])
+    blind.loop_tid = native[0]
+    phases_blind = {r[20] for r in blind.convert(str(path), phases, [(lo, hi, 3)])
+                    if r[1] in ("kernel", "memcpy", "memset")}
+    # without the map every launch falls to the loop thread's range: the second thread's
+    # own backward range is never seen
+    assert "backward" not in phases_blind and "forward" in phases_blind
