@@ -128,6 +128,10 @@ def write_arrow(path: Path, events: int, ranks: int = 4, shards: bool = False) -
                 "dst_kind": np.where(e["cat"][sl] == 8, "device", None).astype(object),
                 "corr": pa.nulls(m, pa.int64()), "args": pa.nulls(m, pa.string()),
                 "phase": phase[sl],
+                # GPU records: launched 20 us before they ran (the analysis takes the
+                # iteration of the launch)
+                "launch_ns": pa.array(e["start"][sl] - 20_000,
+                                      mask=(e["device"][sl] < 0) | (e["kind"][sl] == 1)),
             }
             arrays = [pa.array(d[name], typ.value_type if pa.types.is_dictionary(typ) else typ)
                       if not isinstance(d[name], pa.Array) else d[name].cast(
