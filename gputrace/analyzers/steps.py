@@ -316,24 +316,29 @@ def _run_bounds(sp: Spans, start: np.ndarray, end: np.ndarray, label: np.ndarray
     the device's waits for the host inside the phase, as the events do, not as time in no
     phase; a loop that runs ahead of the device gets its device time."""
     s_out, e_out = start.copy(), end.copy()
+    known = (label < 3) & (sp.launch[first] >= 0)
+    if not known.any():
+        return s_out, e_out
     w = np.flatnonzero(device_work)
+    free = np.full(start.size, -1, dtype=np.int64)
+    free[known] = ov.busy_before(sp.start[w], sp.end[w], dev[w], start[known],
+                                 dev[first[known]])
     for lb, cat in enumerate(("forward", "backward", "update")):
         u = _u(sp, sp.of(cat) & (sp.device < 0))
         if not u[0].size:
             continue
-        for idx, out, is_start in ((first, s_out, True), (last, e_out, False)):
+        for idx, is_start in ((first, True), (last, False)):
             m = (label == lb) & (sp.launch[idx] >= 0)
             if not m.any():
                 continue
             t = sp.launch[idx[m]]
-            j = np.searchsorted(u[0], t, side="right") - 1
-            inside = (j >= 0) & (t <= u[1][np.maximum(j, 0)])
+            j = np.maximum(np.searchsorted(u[0], t, side="right") - 1, 0)
+            inside = (t >= u[0][j]) & (t <= u[1][j])
             if is_start:
-                entered = np.where(inside, u[0][np.maximum(j, 0)], start[m])
-                free = ov.busy_before(sp.start[w], sp.end[w], dev[w], start[m], dev[idx[m]])
-                out[m] = np.minimum(start[m], np.maximum(entered, free))
+                entered = np.where(inside, u[0][j], start[m])
+                s_out[m] = np.minimum(start[m], np.maximum(entered, free[m]))
             else:
-                out[m] = np.maximum(end[m], np.where(inside, u[1][np.maximum(j, 0)], end[m]))
+                e_out[m] = np.maximum(end[m], np.where(inside, u[1][j], end[m]))
     return s_out, e_out
 
 
