@@ -221,7 +221,8 @@ class FakeDevice:
     def h2d(self, nbytes: int, pinned: bool, label: str = "", stream: int = 7,
             events: list[tuple[int, int]] | None = None) -> int:
         """A copy to the device; `events` gets (start, end) of CUDA events recorded right
-        before and after the call (what a loop timing its copy would read)."""
+        before and after the call (what a loop timing its copy would read; the host returns
+        from the call when the copy is done, or at once for a pinned one)."""
         bw = PINNED_BYTES_PER_S if pinned else PAGEABLE_BYTES_PER_S
         e0 = self.event(stream)
         corr, start, end = self._enqueue(label, int(nbytes / bw * 1e9), stream)
@@ -231,7 +232,10 @@ class FakeDevice:
         if not pinned:                             # pageable: staged, the caller waits
             self._wait_until(end)
         if events is not None:
-            events.append((e0, self.event(stream)))
+            # the event after the call completes when the stream has run the copy (a host
+            # preempted on this shared machine between the call's return and the event
+            # would otherwise put its wait into the truth)
+            events.append((e0, end))
         return end
 
     def synchronize(self) -> None:

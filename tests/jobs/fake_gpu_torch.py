@@ -96,14 +96,15 @@ def main() -> None:
                 x, y = next(batches)
                 copy: list[tuple[int, int]] = []
                 dev.h2d(4 << 20, pinned=False, label="h2d", events=copy)  # x.to("cuda")
-                e0, e1 = copy[0]
+                e0, e_copied = copy[0]
+                e1 = dev.event()
                 out = model(x)
                 dev.kernel("cross_entropy", int(0.1 * MS), "forward")
                 loss = torch.nn.functional.cross_entropy(out, y) / a.accumulate
                 e2 = dev.event()
                 loss.backward()
                 e3 = dev.event()
-                ev["h2d"] += e1 - e0
+                ev["h2d"] += e_copied - e0
                 ev["forward"] += e2 - e1
                 ev["backward"] += e3 - e2
             e4 = dev.event()
