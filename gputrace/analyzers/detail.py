@@ -159,8 +159,10 @@ def iteration_timeline(sp: Spans, rs: RankSteps, k: int) -> IterationTimeline:
         stream = sp.stream if sp.stream is not None else np.full(sp.start.size, -1)
         idx = np.flatnonzero(gpu)
         phase_of = np.array(sp.phases + ["", ""])[sp.phase[idx]]   # code -1 -> ""
-        what = np.where(sp.of("comm")[idx], "comm",
-                        np.where(phase_of != "", phase_of, np.array(sp.cats)[sp.cat[idx]]))
+        to_dev = (sp.kind_is("src", "pageable") | sp.kind_is("src", "pinned")) & \
+            sp.kind_is("dst", "device") & sp.of("memcpy")       # as steps counts t_h2d
+        cat = np.where(to_dev[idx], "h2d", np.array(sp.cats)[sp.cat[idx]])
+        what = np.where(sp.of("comm")[idx], "comm", np.where(phase_of != "", phase_of, cat))
         for d, st in sorted(set(zip(sp.device[idx].tolist(), stream[idx].tolist(),
                                     strict=True))):
             lane = f"GPU {d}" + (f" stream {st}" if st >= 0 else "")
