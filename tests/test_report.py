@@ -84,20 +84,31 @@ def test_gpu_records_merge_per_stream_and_phase_into_few_bars(tmp_path):
     assert max(x.end_s for x in s7) == pytest.approx(0.040 - 0.040 / 5000 * 0.4)
 
 
-def test_bandwidth_over_time_splits_disk_and_page_cache(tmp_path):
-    b = ddp_iterations(Builder(), CASE2_UNITS, n=4)
-    for t in range(0, 401, 10):          # 1 MB from disk and 3 MB read() per 10 ms
+def with_counters(b: Builder) -> Builder:
+    """400 ms of samples: 1 MB from disk and 3 MB read() per 10 ms (so 2 MB from the page
+    cache), 0.5 MB received on eth0, nothing on lo."""
+    for t in range(0, 401, 10):
         b.sample("proc.read_bytes", t, t * 100_000)
         b.sample("proc.read_chars", t, t * 300_000)
         b.sample("net.eth0.recv_bytes", t, t * 50_000, cat="net")
-        b.sample("net.lo.recv_bytes", t, 7.0, cat="net")      # moved nothing
-    a = analyze(load(b.write(tmp_path / "t.arrow")), detail=True)
+        b.sample("net.lo.recv_bytes", t, 7.0, cat="net")
+    return b
+
+
+PROBE = {"results": {"disk_read": {"status": "ok", "bytes_per_s": 5e8},
+                     "cache_read": {"status": "ok", "bytes_per_s": 4e9}}}
+
+
+def test_bandwidth_over_time_splits_disk_and_page_cache(tmp_path):
+    b = with_counters(ddp_iterations(Builder(), CASE2_UNITS, n=4))
+    a = analyze(load(b.write(tmp_path / "t.arrow", probe=PROBE)), detail=True)
     series = {s.name: s for s in a.main.detail.bandwidth}
     assert list(series) == ["disk", "cache", "net.eth0.recv_bytes"]
     assert series["disk"].bytes_per_s == pytest.approx([100e6] * series["disk"].t_s.size)
     assert series["cache"].bytes_per_s == pytest.approx([200e6] * series["cache"].t_s.size)
     assert series["net.eth0.recv_bytes"].bytes_per_s.mean() == pytest.approx(50e6)
     assert series["disk"].t_s[-1] < 0.400
+    assert [s.peak_bytes_per_s for s in series.values()] == [5e8, 4e9, None]
 
 
 # -- the page ----------------------------------------------------------------------------
@@ -146,7 +157,7 @@ def test_page_is_self_contained_and_links_each_finding_to_its_chart(tmp_path):
     assert "comm_exposed" in ids
     assert 'data-finding="comm_exposed"' in page and \
         page.split('data-finding="comm_exposed"')[1].split("</li>")[0].count('href="#timeline"')
-    assert "comm-wait: waiting vs transferring needs comm units" in page   # one rank
+    assert "Comm per rank, waiting vs transferring: needs comm units that two" in page
 
 
 def test_page_does_not_grow_with_events(tmp_path):
@@ -217,7 +228,7 @@ CHART_STATE = """() => Object.fromEntries(Object.entries(window.gputraceViews).m
     items[k] = (items[k] || 0) + g.querySelectorAll('path, line').length; });
   const domain = n => { try { return v.scale(n).domain(); } catch (e) { return null; } };
   return [id, {width: box.width, height: box.height, items: items, colour: domain('color'),
-               y: domain('y')}];
+               y: domain('y'), dash: domain('strokeDash')}];
 }))"""
 
 
@@ -314,4 +325,18 @@ def test_imported_trace_report_in_chromium(browser, shared_data, tmp_path, sourc
     assert gpu_lanes, state["timeline"]["y"]           # kernels and copies per stream
     assert {"kernel", "comm", "memcpy", "forward", "backward"} & set(
         state["timeline"]["colour"])
+    page.close()
+
+
+def test_probed_peaks_beside_links_without_one_in_chromium(browser, tmp_path):
+    b = with_counters(ddp_iterations(Builder(), CASE2_UNITS, n=4))
+    path = b.write(tmp_path / "t.arrow", probe=PROBE)
+    page_path = tmp_path / "t.html"
+    run_gputrace("report", str(path), "-o", str(page_path), check=True)
+    state, page = open_in_browser(browser, page_path, tmp_path / "shots")
+    bw = state["bandwidth"]
+    assert bw["colour"] == ["disk", "cache", "net.eth0.recv_bytes"]
+    assert bw["dash"] == ["achieved", "probed peak"]
+    # achieved and peak lines of disk and cache in one panel, eth0 alone in the other
+    assert sum(n for k, n in bw["items"].items() if "layer_0" in k) == 5
     page.close()

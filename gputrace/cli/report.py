@@ -40,12 +40,15 @@ def check_output(path: str) -> None:
 
 def write(a, path: str, rank: int | None, traces: list[str]) -> str:  # type: ignore[no-untyped-def]
     """Write the page; the line that says where it is."""
+    from gputrace.report.html import ReportUnavailable
     from gputrace.report.html import write as write_html
 
     try:
         n = write_html(a, path, rank, " ".join(traces))
     except OSError as e:
         raise CommandError(f"cannot write {path}: {e}") from None
+    except ReportUnavailable as e:
+        raise CommandError(str(e)) from None
     return f"report: {path} ({n / 1e6:.2f} MB), open it in a browser"
 
 

@@ -258,38 +258,43 @@ def bandwidth(ra: RankAnalysis) -> Chart | None:
     d = ra.detail
     if d is None or not d.bandwidth:
         return None
-    probed = any(ls.peak_bytes_per_s for ls in d.bandwidth)
-    names, kinds, t, rate, peak = [], [], [], [], []
+    names: list[str] = []
+    kinds: list[str] = []
+    t: list[float] = []
+    rate: list[float | None] = []
+    what: list[str] = []
+
+    def add(name: str, times: list[float], values: list[float | None], label: str) -> None:
+        names.extend([name] * len(times))
+        kinds.extend([_link_kind(name)] * len(times))
+        t.extend(times)
+        rate.extend(values)
+        what.extend([label] * len(times))
+
     for ls in d.bandwidth:
-        n = ls.t_s.size
-        names += [ls.name] * n
-        kinds += [_link_kind(ls.name)] * n
-        t += [round(float(x), 4) for x in ls.t_s]
-        rate += [float(f"{v:.4g}") if math.isfinite(v) else None for v in ls.bytes_per_s]
-        peak += [ls.peak_bytes_per_s] * n
-    data, flat = _columns(link=names, kind=kinds, t=t, bytes_per_s=rate,
-                          **({"peak": peak} if probed else {}))
+        times = [round(float(x), 4) for x in ls.t_s]
+        add(ls.name, times, [float(f"{v:.4g}") if math.isfinite(v) else None
+                             for v in ls.bytes_per_s], "achieved")
+        if ls.peak_bytes_per_s:     # the peak as a second, flat line of the same link
+            add(ls.name, [times[0], times[-1]], [ls.peak_bytes_per_s] * 2, "probed peak")
+    data, flat = _columns(link=names, kind=kinds, t=t, bytes_per_s=rate, what=what)
     links = [ls.name for ls in d.bandwidth]
-    colour = {"field": "link", "type": "nominal", "sort": links,
-              "legend": {"title": None, "orient": "right"}}
+    lines = list(dict.fromkeys(what))
     layers: list[dict[str, Any]] = [
         {"mark": {"type": "line", "interpolate": "step-after"},
          "encoding": {"x": {"field": "t", "type": "quantitative",
                             "title": "s from the first iteration's start"},
                       "y": {"field": "bytes_per_s", "type": "quantitative", "title": "bytes/s",
                             "axis": {"format": "~s"}},
-                      "color": colour,
-                      "tooltip": [{"field": "link"}, {"field": "t", "format": ".2f"},
+                      "color": {"field": "link", "type": "nominal", "sort": links,
+                                "legend": {"title": None, "orient": "right"}},
+                      "strokeDash": {"field": "what", "type": "nominal", "sort": lines,
+                                     "scale": {"domain": lines,
+                                               "range": [[1, 0], [6, 4]][:len(lines)]},
+                                     "legend": {"title": None, "orient": "right"}},
+                      "tooltip": [{"field": "link"}, {"field": "what"},
+                                  {"field": "t", "format": ".2f"},
                                   {"field": "bytes_per_s", "format": "~s"}]}}]
-    if probed:
-        layers.append({
-            "transform": [{"filter": "isValid(datum.peak)"}],
-            "mark": {"type": "rule", "strokeDash": [6, 4]},
-            "encoding": {"y": {"field": "peak", "aggregate": "max", "type": "quantitative"},
-                         "color": colour,
-                         "tooltip": [{"field": "link"},
-                                     {"field": "peak", "aggregate": "max", "format": "~s",
-                                      "title": "probed peak (bytes/s)"}]}})
     s = d.series
     if s.warmup and s.warmup < s.start_ns.size:
         at = (int(s.start_ns[s.warmup]) - d.bandwidth_start_ns) / 1e9
@@ -300,7 +305,7 @@ def bandwidth(ra: RankAnalysis) -> Chart | None:
                               "title": None}},
             "spec": {"width": WIDTH - 160, "height": 120, "layer": layers},
             "resolve": {"scale": {"y": "independent"}}}
-    peak_note = ("dashed: the peak `gputrace probe` measured" if probed else
+    peak_note = ("dashed: the peak `gputrace probe` measured" if "probed peak" in lines else
                  "no probed peaks in this trace: run `gputrace probe` once on the host")
     return Chart("bandwidth", "Achieved bandwidth over time",
                  f"One panel per kind of link, each with its own scale ({peak_note}; dotted: "

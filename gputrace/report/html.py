@@ -20,16 +20,17 @@ from gputrace.report.terminal import PHASES, STRATEGY, headline
 VEGA_LITE = "6.4"      # the Vega-Lite version the specs are written for
 INSTALL = "the HTML report needs the report extra: pip install 'gputrace[report]'"
 
-NOT_DRAWN = {
-    "breakdown": "no iterations",
-    "timeline": "no spans in the median iteration",
-    "ranks": "no per-iteration figures",
-    "comm-wait": "waiting vs transferring needs comm units that two or more ranks share",
-    "bandwidth": "no byte counters were sampled (`gputrace record` samples them; imports "
-                 "rarely carry them)",
-    "speedup": "no measured compute or I/O time to scale",
-    "what-if": "nothing to replay: no comm measured and no link bandwidth known "
-               "(--link-bandwidth)",
+NOT_DRAWN = {    # chart id: (what it would show, why it is not drawn)
+    "breakdown": ("Time per iteration", "no iterations"),
+    "timeline": ("One iteration as a timeline", "no spans in the median iteration"),
+    "ranks": ("t_iter per rank and iteration", "no per-iteration figures"),
+    "comm-wait": ("Comm per rank, waiting vs transferring",
+                  "needs comm units that two or more ranks share"),
+    "bandwidth": ("Bandwidth over time", "no byte counters were sampled (`gputrace record` "
+                  "samples them; imported traces rarely carry them)"),
+    "speedup": ("Speedup vs GPU count", "no measured compute or I/O time to scale"),
+    "what-if": ("What if", "nothing to replay: no comm measured and no link bandwidth known "
+                "(--link-bandwidth)"),
 }
 
 CSS = """
@@ -84,7 +85,10 @@ def vega_script() -> str:
             return f.read()
     except OSError:
         pass
-    js = vl_convert.javascript_bundle(vl_version=VEGA_LITE)
+    try:
+        js = vl_convert.javascript_bundle(vl_version=VEGA_LITE)
+    except (ValueError, RuntimeError) as e:   # its JavaScript runtime failed
+        raise ReportUnavailable(f"vl-convert could not bundle Vega's JavaScript: {e}") from None
     try:   # a cache that cannot be written only costs the next report the bundling again
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
@@ -153,7 +157,8 @@ def render(a: Analysis, rank: int | None, script: str, source: str = "") -> str:
         body.append(f'<section id="{c.id}" class="chart"><h2>{_e(c.title)}</h2>'
                     f'<p class="caption">{_e(c.caption)}</p>'
                     f'<div class="vis" id="vis-{c.id}"></div></section>')
-    missing = [f"<li>{_e(k)}: {_e(why)}</li>" for k, why in NOT_DRAWN.items() if k not in drawn]
+    missing = [f"<li>{_e(what)}: {_e(why)}</li>" for k, (what, why) in NOT_DRAWN.items()
+               if k not in drawn]
     if missing:
         body.append(f'<h2>Not drawn</h2><ul class="missing">{"".join(missing)}</ul>')
     specs: dict[str, Any] = {c.id: c.spec for c in drawn.values()}
