@@ -291,7 +291,8 @@ def bandwidth(ra: RankAnalysis) -> Chart | None:
                       "strokeDash": {"field": "what", "type": "nominal", "sort": lines,
                                      "scale": {"domain": lines,
                                                "range": [[1, 0], [6, 4]][:len(lines)]},
-                                     "legend": {"title": None, "orient": "right"}},
+                                     "legend": {"title": None, "orient": "right"}
+                                     if len(lines) > 1 else None},
                       "tooltip": [{"field": "link"}, {"field": "what"},
                                   {"field": "t", "format": ".2f"},
                                   {"field": "bytes_per_s", "format": "~s"}]}}]
