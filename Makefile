@@ -3,8 +3,10 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+CHROMIUM := /usr/bin/chromium
+APT := DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 -q
 
-.PHONY: demo test lint clean
+.PHONY: demo test lint clean browser
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -15,13 +17,23 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/gputrace record -f -o demo.arrow -- $(BIN)/torchrun --standalone --nproc_per_node 2 \
 		samples/train_cnn.py --preset case2 --iterations 30
-	$(BIN)/gputrace analyze demo.arrow
+	$(BIN)/gputrace analyze demo.arrow --report demo-report.html
 
 lint: $(STAMP)
 	$(BIN)/ruff check gputrace tests samples bench
 
-test: lint
+# The HTML report's tests open it in Debian's Chromium, installed here when run as root.
+browser:
+	@if [ -x $(CHROMIUM) ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing chromium (apt-get) for the report's browser tests"; \
+		$(APT) install -y --no-install-recommends chromium >/dev/null 2>&1 || \
+		{ $(APT) update >/dev/null && $(APT) install -y --no-install-recommends chromium \
+			>/dev/null; } || echo "chromium could not be installed: browser tests will skip"; \
+	else echo "no $(CHROMIUM) and not root to install it: browser tests will skip"; fi
+
+test: lint browser
 	$(BIN)/python -m pytest -q
 
 clean:
-	rm -rf $(VENV) demo.arrow build *.egg-info
+	rm -rf $(VENV) demo.arrow demo-report.html build *.egg-info

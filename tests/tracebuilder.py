@@ -14,11 +14,11 @@ class Builder:
         self.rows: list[tuple] = []
 
     def span(self, cat, start_ms, end_ms, *, name=None, rank=0, pid=1, tid=1, step=-1,
-             layer=-1, nbytes=None, layers=None, src_kind=None):
+             layer=-1, nbytes=None, layers=None, src_kind=None, device=-1, stream=-1):
         args = json.dumps({"layers": layers}) if layers is not None else None
         self.rows.append(("span", cat, name or cat, int(start_ms * MS), int(end_ms * MS), None,
-                          None, "h", rank, pid, tid, -1, -1, step, layer, nbytes, src_kind,
-                          None, None, args))
+                          None, "h", rank, pid, tid, device, stream, step, layer, nbytes,
+                          src_kind, None, None, args))
         return self
 
     def sample(self, name, t_ms, value, unit="bytes", cat="host"):

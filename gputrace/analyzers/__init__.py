@@ -10,7 +10,14 @@ from typing import Any
 import numpy as np
 
 from gputrace.analyzers import frame as fr
-from gputrace.analyzers.bandwidth import Bandwidth, analyze_bandwidth
+from gputrace.analyzers.bandwidth import Bandwidth, analyze_bandwidth, bandwidth_series
+from gputrace.analyzers.detail import (
+    IterationTimeline,
+    RankDetail,
+    iteration_series,
+    iteration_timeline,
+    representative,
+)
 from gputrace.analyzers.findings import Finding, find
 from gputrace.analyzers.model import ModelResult, Speedup, build_model, speedup
 from gputrace.analyzers.replay import MIB, Replay, Scenario, replay
@@ -44,6 +51,7 @@ class RankAnalysis:
     comm_wait_s: float | None = None
     comm_transfer_s: float | None = None
     replay: Replay | None = None
+    detail: RankDetail | None = None    # per-iteration figures and a timeline, when asked for
 
 
 @dataclass(frozen=True)
@@ -175,19 +183,31 @@ def _frames(trace: Any, consume: bool) -> Iterator[fr.Frame]:
 
 def analyze(trace: Any, *, skip: int | None = None, gpus: Sequence[int] = (2, 4, 8, 16),
             link_bytes_per_s: float | None = None, shared_io: bool = False,
-            what_if: Sequence[Scenario] = (), consume: bool = False) -> Analysis:
+            what_if: Sequence[Scenario] = (), consume: bool = False,
+            detail: bool = False) -> Analysis:
     """Analyze a loaded trace (gputrace.trace.Trace, or a RankedTrace read one rank at a
     time); `what_if` adds replay scenarios. `consume` hands a Trace's table over
     (trace.table becomes None), so its columns are freed one by one as they are converted:
-    the command line's peak memory."""
+    the command line's peak memory. `detail` keeps, per rank, what a report draws
+    (RankAnalysis.detail): per-iteration figures, the timeline of a median iteration and
+    bandwidth over time."""
     steps: dict[int, RankSteps] = {}
     extra: dict[int, list[Finding]] = {}
     parts: list[dict[str, fr.Samples]] = []
+    sels: dict[int, np.ndarray] = {}
+    skipped: dict[int, int] = {}
+    timelines: dict[int, IterationTimeline | None] = {}
     for f in _frames(trace, consume):
         for r in list(f.ranks):
             sp = f.ranks.pop(r)     # each rank's spans are freed once it is summarized
-            steps[r] = analyze_rank(sp)
-            extra[r] = _extra_findings(sp, steps[r])
+            rs = steps[r] = analyze_rank(sp)
+            extra[r] = _extra_findings(sp, rs)
+            n = rs.iterations.start.size
+            skipped[r] = warmup_skip(n, skip)
+            sels[r] = np.arange(skipped[r], n)
+            if detail:
+                timelines[r] = iteration_timeline(sp, rs, representative(rs, sels[r])) \
+                    if n else None
             del sp
         parts.append(f.samples)
     if not steps:
@@ -202,13 +222,6 @@ def analyze(trace: Any, *, skip: int | None = None, gpus: Sequence[int] = (2, 4,
                 break
     world = max(len(steps), int(trace.metadata.get("world_size") or 0)
                 if isinstance(trace.metadata.get("world_size"), int) else 0, 1)
-    sels = {}
-    skipped = {}
-    for r, rs in steps.items():
-        n = rs.iterations.start.size
-        k = warmup_skip(n, skip)
-        skipped[r] = k
-        sels[r] = np.arange(k, n)
     waits = _comm_wait(steps, sels) if len(steps) > 1 else {}
     out: dict[int, RankAnalysis] = {}
     for r, rs in steps.items():
@@ -226,6 +239,11 @@ def analyze(trace: Any, *, skip: int | None = None, gpus: Sequence[int] = (2, 4,
                                    io["total_s"] * sel.size, probe)
         rp = replay(rs, sel, model, world, gpus, link_bytes_per_s, what_if)
         more = {"findings": extra[r] + _replay_findings(rp, world)}
+        rd = None
+        if detail:
+            lo, hi = int(rs.iterations.start[0]), int(rs.iterations.end[-1])
+            rd = RankDetail(iteration_series(rs, skipped[r]), timelines[r],
+                            bandwidth_series(samples, lo, hi, probe) if samples else [], lo)
         w = waits.get(r)
         out[r] = RankAnalysis(
             rank=r, iterations=int(rs.iterations.start.size), warmup_skipped=skipped[r],
@@ -234,6 +252,6 @@ def analyze(trace: Any, *, skip: int | None = None, gpus: Sequence[int] = (2, 4,
             comm=comm, io=io, model=model, speedup=sp_, bandwidth=bw,
             findings=find(model, comm, io, bw, more),
             comm_wait_s=w[0] if w else None, comm_transfer_s=w[1] if w else None,
-            replay=rp)
+            replay=rp, detail=rd)
     slowest = max(out, key=lambda r: out[r].breakdown["t_iter"].mean)
     return Analysis(out, slowest, world, dict(trace.metadata))

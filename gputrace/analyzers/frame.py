@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 # the trace columns a frame is built from, in the order `build` converts them
 COLUMNS = ("kind", "rank", "cat", "name", "start_ns", "end_ns", "pid", "tid", "device", "step",
            "layer", "bytes", "args", "src_kind", "dst_kind", "phase", "launch_ns", "value",
-           "unit")
+           "unit", "stream")
 _SAMPLE_COLUMNS = ("name", "device", "start_ns", "value", "unit")
 
 
@@ -74,6 +74,7 @@ class Spans:
     phases: list[str]
     launch: np.ndarray              # GPU records: host time of their launch (-1 unknown)
     _mask_cache: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+    stream: np.ndarray | None = None   # CUDA stream (-1 none); None when not read
 
     def of(self, cat: str) -> np.ndarray:
         """Boolean mask of the spans in a category."""
@@ -217,6 +218,7 @@ def build(table: pa.Table | dict[str, pa.ChunkedArray] | RankColumns,
         del mem
         srck, dstk = mem_codes[:n_all][order], mem_codes[n_all:][order]
         del mem_codes
+        stream = col("stream", -1, np.int32) if "stream" in cols else None
         if "phase" in cols:
             phase, phases = codes("phase")
         else:
@@ -235,7 +237,7 @@ def build(table: pa.Table | dict[str, pa.ChunkedArray] | RankColumns,
                 device=device[sl], step=step[sl], layer=layer[sl], nbytes=nbytes[sl],
                 args=args.slice(int(lo), int(hi) - int(lo)), src_kind=srck[sl],
                 dst_kind=dstk[sl], mem_kinds=mem_kinds, phase=phase[sl], phases=phases,
-                launch=launch[sl])
+                launch=launch[sl], stream=None if stream is None else stream[sl])
     samples: dict[str, Samples] = {}
     if keep is not None:
         for c in _SAMPLE_COLUMNS:

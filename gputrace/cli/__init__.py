@@ -37,6 +37,16 @@ def parse_bytes(text: str, what: str, per_second: bool = False) -> float:
     return value
 
 
+def output_name(src: str, suffix: str) -> str:
+    """A derived file's default name: the input's, its trace extension replaced."""
+    base = src.rstrip("/")
+    for ext in (".arrow", ".json.gz", ".json", ".sqlite"):
+        if base.endswith(ext):
+            base = base[: -len(ext)]
+            break
+    return base + suffix
+
+
 class Command(Protocol):
     HELP: str
 
@@ -46,10 +56,10 @@ class Command(Protocol):
 
 
 def _commands() -> dict[str, Command]:
-    from gputrace.cli import analyze, export, imports, info, probe, record
+    from gputrace.cli import analyze, export, imports, info, probe, record, report
 
     return {"record": record, "analyze": analyze, "info": info,  # type: ignore[dict-item]
-            "import": imports, "export": export, "probe": probe}
+            "import": imports, "export": export, "probe": probe, "report": report}
 
 
 class _Parser(argparse.ArgumentParser):

@@ -50,8 +50,16 @@ def parse_what_if(text: str):  # type: ignore[no-untyped-def]
 
 
 def prepare_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("trace", nargs="+", help="trace file(s), a directory of shards")
+    add_options(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--report", metavar="PATH", help="also write the HTML report there "
+                   "(as `gputrace report`)")
+
+
+def add_options(p: argparse.ArgumentParser) -> None:
+    """The inputs and model options that `analyze` and `report` share."""
+    p.add_argument("trace", nargs="+", help="trace file(s), a directory of shards, Kineto "
+                   "JSON or Nsight Systems SQLite")
     p.add_argument("--rank", type=int, help="show this rank (default: the slowest)")
     p.add_argument("--skip", type=int, help="warm-up iterations to leave out "
                    "(default: the first 10%% or 3)")
@@ -65,6 +73,31 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.report:
+        from gputrace.cli.report import check_output
+
+        check_output(args.report)
+    a = analysis(args, detail=bool(args.report))
+    if args.json:
+        from gputrace.report.json import to_dict
+
+        json.dump(to_dict(a, args.rank), sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        from gputrace.report.terminal import render
+
+        render(a, args.rank)
+    if args.report:
+        from gputrace.cli.report import write
+
+        sys.stdout.flush()
+        print(write(a, args.report, args.rank, args.trace), file=sys.stderr)
+    return 0
+
+
+def analysis(args: argparse.Namespace, detail: bool = False):  # type: ignore[no-untyped-def]
+    """The Analysis of the command's inputs under its options (add_options), every user
+    error a CommandError; `detail` keeps what the HTML report draws."""
     from pyarrow import ArrowInvalid
 
     from gputrace.analyzers import NothingToAnalyze, analyze
@@ -82,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     what_if = [parse_what_if(w) for w in args.what_if]
     trace = load_trace(args.trace, by_rank=True)
     kw = dict(skip=args.skip, gpus=gpus, link_bytes_per_s=link, shared_io=args.shared_io,
-              what_if=what_if, consume=True)
+              what_if=what_if, consume=True, detail=detail)
     try:
         try:
             a = analyze(trace, **kw)
@@ -96,13 +129,4 @@ def run(args: argparse.Namespace) -> int:
     if args.rank is not None and args.rank not in a.ranks:
         raise CommandError(f"no rank {args.rank} in the trace (ranks: "
                            f"{', '.join(map(str, sorted(a.ranks)))})")
-    if args.json:
-        from gputrace.report.json import to_dict
-
-        json.dump(to_dict(a, args.rank), sys.stdout, indent=1)
-        sys.stdout.write("\n")
-    else:
-        from gputrace.report.terminal import render
-
-        render(a, args.rank)
-    return 0
+    return a

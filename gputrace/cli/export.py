@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from gputrace.cli import CommandError
+from gputrace.cli import CommandError, output_name
 
 HELP = "export a trace as a Perfetto (protobuf) or Chrome Trace Event (JSON) timeline"
 
@@ -21,7 +21,8 @@ def run(args: argparse.Namespace) -> int:
     from gputrace.report import export
 
     trace = load_trace(args.trace)
-    out = args.output or _default_name(args.trace[0], args.format)
+    out = args.output or output_name(args.trace[0], ".pftrace" if args.format == "perfetto"
+                                     else ".trace.json")
     try:
         n = export.write(trace, out, args.format)
     except export.ExportUnavailable as e:
@@ -32,11 +33,3 @@ def run(args: argparse.Namespace) -> int:
           f"values; open it at https://ui.perfetto.dev")
     return 0
 
-
-def _default_name(src: str, fmt: str) -> str:
-    base = src.rstrip("/")
-    for ext in (".arrow", ".json.gz", ".json", ".sqlite"):
-        if base.endswith(ext):
-            base = base[: -len(ext)]
-            break
-    return base + (".pftrace" if fmt == "perfetto" else ".trace.json")

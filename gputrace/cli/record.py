@@ -24,6 +24,8 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kill-after", type=float, default=10.0, metavar="S",
                    help="SIGKILL the job S seconds after a forwarded signal (10)")
     p.add_argument("-q", "--quiet", action="store_true", help="no summary")
+    p.add_argument("--report", metavar="PATH",
+                   help="at the end, write the HTML report of the trace there")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
 
 
@@ -39,7 +41,21 @@ def run(args: argparse.Namespace) -> int:
         force=args.force, redact_argv=args.redact_argv, gpu_timeline=args.gpu_timeline,
         kill_after_s=args.kill_after,
         quiet=args.quiet)
+    if args.report:
+        from gputrace.cli.report import check_output
+
+        check_output(args.report)
     try:
-        return record(opts).exit_code
+        res = record(opts)
     except RecordError as e:
         raise CommandError(str(e)) from None
+    if args.report and res.output:
+        import sys
+
+        from gputrace.cli.report import report_of
+
+        try:   # the job's exit code stands whatever becomes of the report
+            print(report_of(res.output, args.report), file=sys.stderr)
+        except CommandError as e:
+            print(f"gputrace: no report: {e}", file=sys.stderr)
+    return res.exit_code

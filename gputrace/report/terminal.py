@@ -13,11 +13,11 @@ from gputrace.analyzers import Analysis, RankAnalysis
 from gputrace.analyzers.replay import MIB, Outcome, Replay, Scenario
 from gputrace.fmt import mb, rate
 
-_PHASES = (("t_io", "waiting for data (I/O)"), ("t_h2d", "host to device copies"),
+PHASES = (("t_io", "waiting for data (I/O)"), ("t_h2d", "host to device copies"),
            ("t_f", "forward"), ("t_b", "backward"), ("t_u", "update (optimizer)"),
            ("t_comm", "gradient comm (all of it)"), ("t_other", "in no phase"))
 
-_STRATEGY = {
+STRATEGY = {
     "sequential": "communication after backward (eq. 4/8)",
     "wfbp": "layer-wise overlap, update per layer (eq. 6/7/9)",
     "wfbp_update_after": "overlap with backward, update after all comm (eq. 10/11, as DDP)",
@@ -31,10 +31,10 @@ def _ms(s: float) -> str:
 def headline(ra: RankAnalysis) -> str:
     b = ra.breakdown
     t_iter = b["t_iter"].mean
-    parts = {k: b[k].mean for k, _ in _PHASES if k not in ("t_comm",)}
+    parts = {k: b[k].mean for k, _ in PHASES if k not in ("t_comm",)}
     parts["exposed comm"] = ra.comm["exposed_s"]
     top = max(parts, key=lambda k: parts[k])
-    names = dict(_PHASES)
+    names = dict(PHASES)
     top_name = names.get(top, top)
     m = ra.model
     if m.case == 1 and ra.comm["hidden_s"] < 0.5 * ra.comm["total_s"]:
@@ -114,7 +114,7 @@ def render(a: Analysis, rank: int | None = None, file: IO[str] | None = None,
     bt.add_column("mean", justify="right")
     bt.add_column("± std", justify="right", style="dim")
     bt.add_column("share", justify="right")
-    for key, label in (("t_iter", "iteration"),) + _PHASES:
+    for key, label in (("t_iter", "iteration"),) + PHASES:
         s = ra.breakdown[key]
         share = "" if key == "t_iter" or t_iter == 0 else f"{s.mean / t_iter:.0%}"
         bt.add_row(key, label, _ms(s.mean), _ms(s.std), share)
@@ -150,7 +150,7 @@ def render(a: Analysis, rank: int | None = None, file: IO[str] | None = None,
             con.print(f"({len(m.units) - 12} units not shown)")
         con.print(ut)
     con.print()
-    strategy = _STRATEGY.get(m.strategy, m.strategy) if ra.comm["total_s"] > 0 else \
+    strategy = STRATEGY.get(m.strategy, m.strategy) if ra.comm["total_s"] > 0 else \
         "single process, no gradient comm (eq. 1; eq. 4 with pipelined I/O)"
     con.print(f"[bold]Model[/]: {strategy}" + (f", Case {m.case}" if m.case else ""))
     con.print(f"  eq. {m.equation} predicts {_ms(m.predicted_t_iter)} per iteration; measured "

@@ -8,7 +8,8 @@ Each layer launches a forward kernel in its forward and a backward kernel in its
 (a custom autograd function); the loss is launched outside the model; the optimizer's step
 launches its kernels; the batch is copied to the device before the forward, outside any
 phase. TRUTH.json: every record the device ran, with the label of the phase it was launched
-in and the loop's step.
+in and the loop's step; per step, CUDA-event times of each phase, the wait for the batch
+(host), and the step's end (host).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -91,9 +93,11 @@ def main() -> None:
         events = []
         for k in range(a.steps):
             step_now[0] = k
-            ev = dict.fromkeys(("h2d", "forward", "backward", "update"), 0)
+            ev = dict.fromkeys(("h2d", "forward", "backward", "update", "io"), 0)
             for _ in range(a.accumulate):
+                t_io = time.perf_counter_ns()
                 x, y = next(batches)
+                ev["io"] += time.perf_counter_ns() - t_io
                 copy: list[tuple[int, int]] = []
                 dev.h2d(4 << 20, pinned=False, label="h2d", events=copy)  # x.to("cuda")
                 e0, e_copied = copy[0]
@@ -111,6 +115,7 @@ def main() -> None:
             opt.step()
             ev["update"] = dev.event() - e4
             opt.zero_grad()
+            ev["end"] = time.time_ns()
             events.append(ev)
         dev.synchronize()
     with open(a.truth, "w") as f:

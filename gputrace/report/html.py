@@ -1,0 +1,181 @@
+"""The HTML report: one self-contained page (Vega, Vega-Lite and vega-embed inline, data
+inline), opened from a file with no network and no server.
+
+`render` is pure; `vega_script` gets the JavaScript from vl-convert-python (the `report`
+extra), which bundles it in about 2 s, so the bundle is kept in gputrace's cache directory
+per vl-convert version."""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+import tempfile
+from typing import Any
+
+from gputrace.analyzers import Analysis, RankAnalysis
+from gputrace.report.charts import Chart, charts, evidence
+from gputrace.report.terminal import PHASES, STRATEGY, headline
+
+VEGA_LITE = "6.4"      # the Vega-Lite version the specs are written for
+INSTALL = "the HTML report needs the report extra: pip install 'gputrace[report]'"
+
+NOT_DRAWN = {    # chart id: (what it would show, why it is not drawn)
+    "breakdown": ("Time per iteration", "no iterations"),
+    "timeline": ("One iteration as a timeline", "no spans in the median iteration"),
+    "ranks": ("t_iter per rank and iteration", "no per-iteration figures"),
+    "comm-wait": ("Comm per rank, waiting vs transferring",
+                  "needs comm units that two or more ranks share"),
+    "bandwidth": ("Bandwidth over time", "no byte counters were sampled (`gputrace record` "
+                  "samples them; imported traces rarely carry them)"),
+    "speedup": ("Speedup vs GPU count", "no measured compute or I/O time to scale"),
+    "what-if": ("What if", "nothing to replay: no comm measured and no link bandwidth known "
+                "(--link-bandwidth)"),
+}
+
+CSS = """
+body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",sans-serif;color:#222;margin:0 auto;
+max-width:1000px;padding:16px 24px 48px}
+h1{font-size:22px;margin:8px 0 4px}h2{font-size:17px;margin:28px 0 2px}
+.headline{font-size:16px;font-weight:600;margin:6px 0}.meta,.caption{color:#555;margin:2px 0 8px}
+nav a{margin-right:12px}table{border-collapse:collapse;margin:6px 0}
+td,th{padding:2px 10px;text-align:right}td:nth-child(-n+2),th:nth-child(-n+2){text-align:left}
+th{border-bottom:1px solid #ccc;font-weight:600}
+.findings li{margin:4px 0}.sev{display:inline-block;min-width:70px;font-weight:600}
+.sev-high{color:#c0392b}.sev-moderate{color:#b7791f}.sev-info{color:#2c7a7b}
+.vis{min-height:40px}.missing{color:#777}
+"""
+
+EMBED = """
+const specs = %s;
+window.gputraceViews = {};
+const opts = {mode: "vega-lite", renderer: "svg", actions: false};
+Promise.all(Object.entries(specs).map(([id, spec]) =>
+  vegaEmbed("#vis-" + id, spec, opts).then(r => { window.gputraceViews[id] = r.view; })))
+  .then(() => { document.body.dataset.rendered = String(Object.keys(specs).length); })
+  .catch(e => { document.body.dataset.rendered = "error"; console.error(e); });
+"""
+
+
+class ReportUnavailable(Exception):
+    """The plotting extra is not installed."""
+
+
+def available() -> None:
+    """Raise ReportUnavailable (one line saying what to install) without vl-convert."""
+    try:
+        import vl_convert  # noqa: F401
+    except ImportError:
+        raise ReportUnavailable(INSTALL) from None
+
+
+def vega_script() -> str:
+    """Vega, Vega-Lite and vega-embed as one script defining `vegaEmbed`."""
+    available()
+    from importlib.metadata import version
+
+    import vl_convert
+
+    from gputrace.probe import cache_dir
+
+    path = os.path.join(cache_dir(), f"vega-embed-{version('vl-convert-python')}-"
+                                     f"vl{VEGA_LITE}.js")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError:
+        pass
+    try:
+        js = vl_convert.javascript_bundle(vl_version=VEGA_LITE)
+    except (ValueError, RuntimeError) as e:   # its JavaScript runtime failed
+        raise ReportUnavailable(f"vl-convert could not bundle Vega's JavaScript: {e}") from None
+    try:   # a cache that cannot be written only costs the next report the bundling again
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(js)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+    return js
+
+
+def _e(text: object) -> str:
+    return html.escape(str(text))
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.1f} ms"
+
+
+def _summary(a: Analysis, ra: RankAnalysis, source: str) -> list[str]:
+    from gputrace import __version__
+
+    m = ra.model
+    slowest = " (slowest)" if len(a.ranks) > 1 and ra.rank == a.slowest_rank else ""
+    out = [f'<p class="headline">{_e(headline(ra))}</p>',
+           f'<p class="meta">{_e(source)} &middot; rank {ra.rank} of {a.world_size}{slowest}'
+           f" &middot; {ra.iterations - ra.warmup_skipped} iterations analyzed, first "
+           f"{ra.warmup_skipped} skipped as warm-up &middot; gputrace {_e(__version__)}</p>"]
+    strategy = STRATEGY.get(m.strategy, m.strategy) if ra.comm["total_s"] > 0 else \
+        "single process, no gradient comm"
+    case = f", Case {m.case}" + (f" (C = {m.C})" if m.C is not None else "") if m.case else ""
+    out.append(f"<p>Model: {_e(strategy)}{_e(case)}; eq. {_e(m.equation)} predicts "
+               f"{_ms(m.predicted_t_iter)} per iteration against {_ms(m.measured_t_iter)} "
+               f"measured ({m.relative_error:+.1%}).</p>")
+    rows = "".join(f"<tr><td>{k}</td><td>{_e(label)}</td><td>{_ms(ra.breakdown[k].mean)}</td>"
+                   f"<td>{_ms(ra.breakdown[k].std)}</td></tr>"
+                   for k, label in (("t_iter", "iteration"), *PHASES))
+    out.append("<table><tr><th>term</th><th></th><th>mean</th><th>&plusmn; std</th></tr>"
+               f"{rows}</table>")
+    return out
+
+
+def _findings(ra: RankAnalysis, drawn: dict[str, Chart]) -> list[str]:
+    items = []
+    for f in ra.findings:
+        target = evidence(f.id)
+        link = (f' &mdash; evidence: <a href="#{target}">{_e(drawn[target].title)}</a>'
+                if target in drawn else "")
+        items.append(f'<li data-finding="{_e(f.id)}"><span class="sev sev-{_e(f.severity)}">'
+                     f"{_e(f.severity)}</span> {_e(f.message)}{link}</li>")
+    if not items:
+        items.append("<li>No findings: nothing stands out.</li>")
+    return ['<h2 id="findings">Findings</h2>', f'<ul class="findings">{"".join(items)}</ul>']
+
+
+def render(a: Analysis, rank: int | None, script: str, source: str = "") -> str:
+    """The page for one rank (default: the slowest) of an analysis made with detail=True;
+    `script` is vega_script()'s."""
+    ra = a.ranks[rank] if rank is not None else a.main
+    drawn = {c.id: c for c in charts(a, ra)}
+    body = ["<h1>gputrace report</h1>", *_summary(a, ra, source),
+            "<nav>" + "".join(f'<a href="#{c.id}">{_e(c.title.split(":")[0])}</a>'
+                              for c in drawn.values()) + "</nav>",
+            *_findings(ra, drawn)]
+    for c in drawn.values():
+        body.append(f'<section id="{c.id}" class="chart"><h2>{_e(c.title)}</h2>'
+                    f'<p class="caption">{_e(c.caption)}</p>'
+                    f'<div class="vis" id="vis-{c.id}"></div></section>')
+    missing = [f"<li>{_e(what)}: {_e(why)}</li>" for k, (what, why) in NOT_DRAWN.items()
+               if k not in drawn]
+    if missing:
+        body.append(f'<h2>Not drawn</h2><ul class="missing">{"".join(missing)}</ul>')
+    specs: dict[str, Any] = {c.id: c.spec for c in drawn.values()}
+    data = json.dumps(specs, separators=(",", ":")).replace("</", "<\\/")
+    title = f"gputrace report: {source}" if source else "gputrace report"
+    script = script.replace("</script", "<\\/script")
+    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            f"<title>{_e(title)}</title><style>{CSS}</style>\n"
+            "<script>/* Vega, Vega-Lite, vega-embed (BSD-3-Clause), bundled by "
+            f"vl-convert */\n{script}</script>\n"
+            f"</head><body>\n{chr(10).join(body)}\n<script>{EMBED % data}</script>\n"
+            "</body></html>\n")
+
+
+def write(a: Analysis, path: str, rank: int | None = None, source: str = "") -> int:
+    """Write the page; returns its size in bytes."""
+    page = render(a, rank, vega_script(), source).encode("utf-8")
+    with open(path, "wb") as f:
+        f.write(page)
+    return len(page)
