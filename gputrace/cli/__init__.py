@@ -46,10 +46,10 @@ class Command(Protocol):
 
 
 def _commands() -> dict[str, Command]:
-    from gputrace.cli import analyze, export, imports, info, probe, record
+    from gputrace.cli import analyze, export, imports, info, probe, record, recover
 
     return {"record": record, "analyze": analyze, "info": info,  # type: ignore[dict-item]
-            "import": imports, "export": export, "probe": probe}
+            "import": imports, "export": export, "probe": probe, "recover": recover}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -103,11 +103,13 @@ def load_trace(paths: Sequence[str], by_rank: bool = False):  # type: ignore[no-
         # it a while, which on a 1e7-event trace adds ~40% to the peak
         pa.set_memory_pool(pa.system_memory_pool())
     from gputrace.importers import ImportFailed, import_paths, is_foreign
-    from gputrace.trace.reader import load, open_by_rank
+    from gputrace.trace.reader import load, open_by_rank, unclosed
     from gputrace.trace.schema import TraceFormatError
 
     try:
-        foreign = is_foreign(list(paths))
+        # a trace that was never written because its recording was killed: its shards
+        named = [p for p in paths if unclosed(p) is None]
+        foreign = bool(named) and is_foreign(named)
         ranked = open_by_rank(paths[0]) if by_rank and len(paths) == 1 and not foreign \
             else None
         if ranked is not None:
