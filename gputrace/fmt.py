@@ -13,6 +13,11 @@ def mb(nbytes: float) -> str:
     return f"{nbytes / 1e6:.1f} MB" if nbytes < 1e9 else f"{nbytes / 1e9:.2f} GB"
 
 
+def count(n: int, noun: str) -> str:
+    """'1 row', '2 rows', '1,024 samples'."""
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
 def reason(e: BaseException) -> str:
     """An exception as the short reason in a one-line message."""
     if isinstance(e, OSError) and (e.errno or e.strerror):

@@ -19,6 +19,7 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from gputrace.fmt import count
     from gputrace.record.merge import merge_shards
     from gputrace.trace import shards
     from gputrace.trace.schema import TraceFormatError
@@ -60,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         os.close(lock)
     cut = len(res.warnings)
-    print(f"{out}: {res.rows:,} rows from {res.shards} shard{'s' if res.shards != 1 else ''}"
+    print(f"{out}: {count(res.rows, 'row')} from {count(res.shards, 'shard')}"
           + (f" ({cut} cut short, recovered to their last complete batch)" if cut else "")
           + "; the recording was not closed, so it has no exit code")
     for d in others:

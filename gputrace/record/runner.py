@@ -26,7 +26,7 @@ from gputrace.collectors import (
     in_process_status,
     make_system_collector,
 )
-from gputrace.fmt import reason
+from gputrace.fmt import count, reason
 from gputrace.probe import embed as embed_probe
 from gputrace.record import BOOTSTRAP_DIR
 from gputrace.recorder import Recorder, base_metadata
@@ -374,15 +374,16 @@ _CAT_SOURCE = {"host": "host", "cpu": "host", "disk": "host", "net": "host", "ib
 
 
 def print_summary(output: str, duration: float, exit_code: int, s: dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.markup import escape
 
-    con = Console(stderr=True, highlight=False, soft_wrap=True)
+    from gputrace.report import console
+
+    con = console(stderr=True)
     size = os.path.getsize(output)
     ranks = s["ranks"]
     con.print(f"[bold]gputrace[/]: recorded {duration:.1f} s, exit code {exit_code}, "
               f"{'ranks ' + ', '.join(map(str, ranks)) if ranks else 'no ranks'}, "
-              f"{s['rows']:,} rows from {s['shards']} shard{'s' if s['shards'] != 1 else ''} "
+              f"{count(s['rows'], 'row')} from {count(s['shards'], 'shard')} "
               f"-> {escape(output)} ({size / 1e6:.2f} MB)")
     rows_by_source: dict[str, int] = {}
     for cat, n in s["rows_by_cat"].items():
@@ -393,14 +394,14 @@ def print_summary(output: str, duration: float, exit_code: int, s: dict[str, Any
         if status == "ok":
             detail = ""
             if name == "host":
-                detail = f": {rows_by_source.get('host', 0):,} samples, " \
+                detail = f": {count(rows_by_source.get('host', 0), 'sample')}, " \
                          f"{s['sampler'].get('achieved_hz', 0):.0f} Hz achieved"
             elif name in ("infiniband", "nvml"):
-                detail = f": {rows_by_source.get(name, 0):,} samples"
+                detail = f": {count(rows_by_source.get(name, 0), 'sample')}"
             con.print(f"  {name:<11} [green]ok[/]{detail}")
         else:
             con.print(f"  {name:<11} [yellow]{escape(status)}[/]")
-    con.print(f"  {'spans':<11} {rows_by_source.get('spans', 0):,} rows "
+    con.print(f"  {'spans':<11} {count(rows_by_source.get('spans', 0), 'row')} "
               "(phases, iterations, torch)")
     for w in s["warnings"]:
         con.print(f"[yellow]warning[/]: {escape(w)}")

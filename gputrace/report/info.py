@@ -79,16 +79,16 @@ def _v1_names() -> list[str]:
 
 
 def render_info(info: dict[str, Any], file: IO[str] | None = None, max_names: int = 40) -> None:
-    from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
-    from gputrace.fmt import rate
+    from gputrace.fmt import count, rate
+    from gputrace.report import console
 
-    con = Console(file=file, highlight=False)
+    con = console(file)
     con.print(f"[bold]{', '.join(info['files'])}[/]  {info['format']} v{info['version']}, "
-              f"{info['rows']:,} rows, {info['duration_s']:.2f} s, "
-              f"{info['shards']} shard{'s' if info['shards'] != 1 else ''}")
+              f"{count(info['rows'], 'row')}, {info['duration_s']:.2f} s, "
+              f"{count(info['shards'], 'shard')}")
     con.print(f"hosts: {', '.join(info['hosts']) or '?'}   ranks: "
               f"{', '.join(map(str, info['ranks'])) or 'none'}   {_exit(info)}")
     if info["argv"]:
