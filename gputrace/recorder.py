@@ -231,7 +231,8 @@ class Recorder:
              nbytes: int | None = None, args: dict[str, Any] | str | None = None,
              step: int | None = None, tid: int | None = None) -> None:
         if isinstance(args, dict):
-            args = json.dumps(args, separators=(",", ":"))
+            # default=str: a value JSON cannot hold is kept as its text, never an exception
+            args = json.dumps(args, separators=(",", ":"), default=str)
         self._spans.append((cat, name, start_ns, end_ns, _native_tid() if tid is None else tid,
                             self.step if step is None else step, layer, nbytes, args))
 
@@ -264,7 +265,7 @@ class Recorder:
 
     def instant(self, cat: str, name: str, args: dict[str, Any] | None = None) -> None:
         self.row("instant", cat, name, self.now_ns(), tid=_native_tid(), step=self.step,
-                 args=json.dumps(args) if args else None)
+                 args=json.dumps(args, default=str) if args else None)
 
     # -- iterations -------------------------------------------------------------------------
     def open_iteration(self, t_ns: int) -> None:

@@ -150,3 +150,20 @@ def test_a_collector_that_breaks_mid_run_is_one_line(tmp_path):
     assert p.returncode == 0 and p.stdout == "done\n", p.stderr
     (line,) = _said(p.stderr)
     assert "broken" in line and "sensor went away" in line
+
+
+def test_span_arguments_json_cannot_hold_are_kept_as_text(tmp_path):
+    out = tmp_path / "t.arrow"
+    p = _run("""
+        import sys, gputrace
+        with gputrace.Session(sys.argv[1], sampler=False):
+            with gputrace.phase("forward", args={"shape": (2, 3), "dtype": object()}):
+                pass
+        print("done")
+    """, str(out))
+    assert p.returncode == 0 and p.stdout == "done\n", p.stderr
+    assert not _said(p.stderr)
+    from gputrace import load
+
+    (args,) = [r["args"] for r in load(out).table.to_pylist() if r["cat"] == "forward"]
+    assert '"shape":[2,3]' in args and "object object at" in args

@@ -391,10 +391,13 @@ def open_by_rank(path: str | os.PathLike[str]) -> RankedTrace | None:
 
 
 def collector_weight(info: Any) -> int:
-    """Which collector status wins in a merge: ran (ok) > tried and failed > a guess."""
+    """Which collector status wins in a merge: ran and broke (a process says what it lost) >
+    ran (ok) > tried and could not start > a guess."""
     if not isinstance(info, dict):
         return -1
     status = str(info.get("status", ""))
+    if status.startswith(("failed", "stopped")):
+        return 3
     return 2 if status.startswith("ok") else 1 if status.startswith("unavailable") else 0
 
 
