@@ -152,6 +152,39 @@ def test_a_collector_that_breaks_mid_run_is_one_line(tmp_path):
     assert "broken" in line and "sensor went away" in line
 
 
+# torch.func.functional_call (MAML-style fast weights) puts non-leaf tensors where a module's
+# parameters were: the first forward meets them, and gputrace cannot hook their gradients
+FAST_WEIGHTS = """
+import torch
+from torch.func import functional_call
+model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for it in range(3):
+    fast = {k: v - 0.01 * torch.ones_like(v) for k, v in model.named_parameters()}
+    loss = functional_call(model, fast, (torch.randn(2, 4),)).sum()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+print("trained", flush=True)
+raise SystemExit(6)
+"""
+
+
+@pytest.mark.slow
+def test_a_torch_hook_that_fails_is_one_line_and_training_goes_on(tmp_path):
+    pytest.importorskip("torch")
+    out = tmp_path / "t.arrow"
+    p = run_gputrace("record", "-q", "-o", str(out), "--", sys.executable, "-c", FAST_WEIGHTS)
+    assert p.returncode == 6 and p.stdout == "trained\n", p.stderr
+    (line,) = _said(p.stderr)
+    assert "torch instrumentation failed" in line and "training goes on" in line
+    from gputrace import load
+
+    tr = load(out)
+    assert tr.metadata["collectors"]["torch"]["status"].startswith("failed in ")
+    assert "update" in tr.table.column("cat").to_pylist()   # the other hooks still record
+
+
 def test_span_arguments_json_cannot_hold_are_kept_as_text(tmp_path):
     out = tmp_path / "t.arrow"
     p = _run("""

@@ -18,6 +18,7 @@ Installed by the `record` bootstrap right after the job imports torch (or by
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 from typing import Any
 
@@ -26,6 +27,30 @@ import torch
 from gputrace.recorder import Recorder
 
 _installed: _State | None = None
+_failed: list[str] = []
+
+
+def _guarded(hook: Any) -> Any:
+    """A hook whose own failure is one line on stderr, not the training's exception."""
+    @functools.wraps(hook)
+    def guarded(*args: Any) -> Any:
+        try:
+            return hook(*args)
+        except Exception as e:  # noqa: BLE001 - a profiler never takes down the job
+            _hook_failed(hook.__name__, e)
+            return None
+    return guarded
+
+
+def _hook_failed(where: str, e: Exception) -> None:
+    if _failed:
+        return
+    _failed.append(where)
+    why = f"{type(e).__name__}: {e}".splitlines()[0]
+    print(f"gputrace: torch instrumentation failed in {where} ({why}); training goes on, "
+          "its torch spans may be incomplete", file=sys.stderr)
+    if _installed is not None:
+        _installed.rec.set_collector("torch", f"failed in {where}: {why}")
 
 
 class _State:
@@ -57,6 +82,7 @@ class _State:
         self.lock = threading.Lock()
 
     # -- iterations ----------------------------------------------------------------------
+    @_guarded
     def batch_requested(self, t: int) -> None:
         rec = self.rec
         if rec._iter_start is not None and not self.optimizer_seen and self.forward_since_open:
@@ -92,6 +118,7 @@ class _State:
         self.layer_grad_bytes[layer] = nbytes
         return layer
 
+    @_guarded
     def forward_pre(self, module: torch.nn.Module, args: Any) -> None:
         t = self.now()
         if self.depth == 0:
@@ -106,6 +133,7 @@ class _State:
         if self.layer_for(module):
             self.fwd_t0.setdefault(id(module), []).append(t)
 
+    @_guarded
     def forward_post(self, module: torch.nn.Module, args: Any, out: Any) -> None:
         t = self.now()
         layer = self.layer_of.get(id(module), 0)
@@ -118,6 +146,7 @@ class _State:
             self.rec.span("forward", self.root_name, self.root_t0, t)
 
     # -- backward ------------------------------------------------------------------------
+    @_guarded
     def grad_ready(self, param: torch.Tensor) -> None:
         t = self.now()
         layer = self.param_layer.get(id(param))
@@ -135,11 +164,13 @@ class _State:
         self.rec.span("backward", self.layer_names.get(layer, "layer"), start, t, layer=layer,
                       nbytes=self.layer_grad_bytes.get(layer))
 
+    @_guarded
     def backward_enter(self) -> None:
         if self.bwd_depth == 0:
             self.bwd_t0 = self.last_mark = self.now()
         self.bwd_depth += 1
 
+    @_guarded
     def backward_exit(self) -> None:
         self.bwd_depth -= 1
         if self.bwd_depth:
@@ -158,9 +189,11 @@ class _State:
         self.last_mark = 0
 
     # -- update --------------------------------------------------------------------------
+    @_guarded
     def step_pre(self, opt: Any, args: Any, kwargs: Any) -> None:
         self.update_t0 = self.now()
 
+    @_guarded
     def step_post(self, opt: Any, args: Any, kwargs: Any) -> None:
         t = self.now()
         self.optimizer_seen = True
@@ -193,10 +226,15 @@ class _State:
         @functools.wraps(hook)
         def timed(state: Any, bucket: Any) -> Any:
             t0 = now()
-            buf = bucket.buffer()
-            nbytes = buf.numel() * buf.element_size()
-            layers = sorted({param_layer.get(id(p), -1) for p in bucket.parameters()} - {-1})
-            index = bucket.index()
+            try:
+                buf = bucket.buffer()
+                nbytes = buf.numel() * buf.element_size()
+                layers = sorted({param_layer.get(id(p), -1) for p in bucket.parameters()}
+                                - {-1})
+                index = bucket.index()
+            except Exception as e:  # noqa: BLE001 - the bucket goes untimed, not unsent
+                _hook_failed("the DDP comm hook", e)
+                return hook(state, bucket)
             step = rec.step
             fut = hook(state, bucket)
 
