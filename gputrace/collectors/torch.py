@@ -31,15 +31,45 @@ _failed: list[str] = []
 
 
 def _guarded(hook: Any) -> Any:
-    """A hook whose own failure is one line on stderr, not the training's exception."""
-    @functools.wraps(hook)
-    def guarded(*args: Any) -> Any:
-        try:
-            return hook(*args)
-        except Exception as e:  # noqa: BLE001 - a profiler never takes down the job
-            _hook_failed(hook.__name__, e)
-            return None
-    return guarded
+    """A hook whose own failure is one line on stderr, not the training's exception. One
+    wrapper per arity: no argument tuple is built on the hot path."""
+    name = hook.__name__
+    n = hook.__code__.co_argcount
+
+    def fail(e: Exception) -> None:
+        _hook_failed(name, e)
+
+    if n == 1:
+        def guarded(a: Any) -> Any:
+            try:
+                return hook(a)
+            except Exception as e:  # noqa: BLE001 - a profiler never takes down the job
+                fail(e)
+    elif n == 2:
+        def guarded(a: Any, b: Any) -> Any:  # type: ignore[misc]
+            try:
+                return hook(a, b)
+            except Exception as e:  # noqa: BLE001
+                fail(e)
+    elif n == 3:
+        def guarded(a: Any, b: Any, c: Any) -> Any:  # type: ignore[misc]
+            try:
+                return hook(a, b, c)
+            except Exception as e:  # noqa: BLE001
+                fail(e)
+    elif n == 4:
+        def guarded(a: Any, b: Any, c: Any, d: Any) -> Any:  # type: ignore[misc]
+            try:
+                return hook(a, b, c, d)
+            except Exception as e:  # noqa: BLE001
+                fail(e)
+    else:
+        def guarded(*args: Any) -> Any:  # type: ignore[misc]
+            try:
+                return hook(*args)
+            except Exception as e:  # noqa: BLE001
+                fail(e)
+    return functools.wraps(hook)(guarded)
 
 
 def _hook_failed(where: str, e: Exception) -> None:
