@@ -52,34 +52,30 @@ def _mtime(path: str) -> float:
         return 0.0
 
 
-def hold(directory: str) -> int | None:
-    """Hold a shared lock on `directory` while writing into it; returns the descriptor to
-    close when done (None where the directory cannot be locked)."""
+def _lock(directory: str, how: int) -> int | None:
+    """The directory opened and flock'ed without waiting (the descriptor), or None."""
     try:
         fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     except OSError:
         return None
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, how | fcntl.LOCK_NB)
     except OSError:
         os.close(fd)
         return None
     return fd
+
+
+def hold(directory: str) -> int | None:
+    """Hold a shared lock on `directory` while writing into it; returns the descriptor to
+    close when done (None where the directory cannot be locked)."""
+    return _lock(directory, fcntl.LOCK_SH)
 
 
 def take(directory: str) -> int | None:
     """An exclusive lock on a shard directory nobody writes into any more (the descriptor,
     to close when done), or None while some process still records into it."""
-    try:
-        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        return None
-    return fd
+    return _lock(directory, fcntl.LOCK_EX)
 
 
 def in_use(directory: str) -> bool:
