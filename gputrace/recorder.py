@@ -7,6 +7,7 @@ import os
 import socket
 import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -135,8 +136,16 @@ class Recorder:
     def _run(self) -> None:
         # Until the file exists, look for the first rows every 50 ms: opening the writer
         # (importing pyarrow) is the slowest flush, so it starts as soon as there is data.
-        while not self._stop.wait(self.flush_interval_s if self._writer is not None
-                                  else min(0.05, self.flush_interval_s)):
+        # The interval runs from the start of the last flush: one that took longer (the
+        # first, on a busy machine, can take a second) is followed by the next at once, so
+        # what arrived meanwhile is not left a whole interval more.
+        last = time.monotonic()
+        while True:
+            interval = self.flush_interval_s if self._writer is not None \
+                else min(0.05, self.flush_interval_s)
+            if self._stop.wait(max(0.0, last + interval - time.monotonic())):
+                return
+            last = time.monotonic()
             self.flush()
 
     def set_collector(self, name: str, status: str, **settings: Any) -> None:
