@@ -61,10 +61,12 @@ def test_kill_9_keeps_every_event_older_than_a_second(tmp_path):
         got = {r["name"] for r in load(out).table.to_pylist() if r["cat"] == "user"}
         old = [i for i, t in logged if t < kill_ns - 1_000_000_000]
         lost = [i for i in old if f"ev{i}" not in got]
+        assert old, f"round {k}: no event older than 1 s to check"
         lost_total += len(lost)
         checked += len(old)
     assert lost_total == 0, f"{lost_total} of {checked} events older than 1 s were lost"
-    assert checked > 1000
+    # the job's pace, not gputrace, sets how many: ~2,000 alone, 839 beside a CPU hog per core
+    assert checked > 300
 
 
 def _job_pid(record_pid: int) -> int:
