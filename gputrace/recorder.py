@@ -7,11 +7,13 @@ import os
 import socket
 import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from gputrace.clock import Clock
+from gputrace.fmt import reason
 
 if TYPE_CHECKING:  # pyarrow is imported only when a process first writes
     from gputrace.trace.writer import Row, TraceWriter
@@ -96,7 +98,7 @@ class Recorder:
     """
 
     def __init__(self, path: str, metadata: dict[str, Any], flush_interval_s: float = 0.5,
-                 clock: Clock | None = None) -> None:
+                 clock: Clock | None = None, quiet: bool = False) -> None:
         self.path = path
         self.metadata = metadata
         self.clock = clock or Clock()
@@ -121,6 +123,9 @@ class Recorder:
         self._closed = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._dir_lock: int | None = None
+        self.quiet = quiet       # write errors are left to the owner to say (write_error)
+        self._dropped = 0
         self.rows_written = 0
         # called by the flusher with the spans just drained; return extra rows to write
         # (the CUPTI collector attributes GPU records to these phase spans)
@@ -128,6 +133,11 @@ class Recorder:
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> Recorder:
+        if self._dir_lock is None:
+            # while this process lives, `gputrace recover` leaves its directory alone
+            from gputrace.trace import shards
+
+            self._dir_lock = shards.hold(os.path.dirname(os.path.abspath(self.path)))
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="gputrace-flush", daemon=True)
             self._thread.start()
@@ -136,8 +146,16 @@ class Recorder:
     def _run(self) -> None:
         # Until the file exists, look for the first rows every 50 ms: opening the writer
         # (importing pyarrow) is the slowest flush, so it starts as soon as there is data.
-        while not self._stop.wait(self.flush_interval_s if self._writer is not None
-                                  else min(0.05, self.flush_interval_s)):
+        # The interval runs from the start of the last flush: one that took longer (the
+        # first, on a busy machine, can take a second) is followed by the next at once, so
+        # what arrived meanwhile is not left a whole interval more.
+        last = time.monotonic()
+        while True:
+            interval = self.flush_interval_s if self._writer is not None \
+                else min(0.05, self.flush_interval_s)
+            if self._stop.wait(max(0.0, last + interval - time.monotonic())):
+                return
+            last = time.monotonic()
             self.flush()
 
     def set_collector(self, name: str, status: str, **settings: Any) -> None:
@@ -156,21 +174,35 @@ class Recorder:
                       f"{type(e).__name__}: {e}", file=sys.stderr)
         if not spans and not rows:
             return
-        full = _columns(spans, rows, self.host, self.rank, self.pid)
-        with self._write:
-            if self._writer is None:
-                if self._closed and not full:
-                    return
-                from gputrace.trace.writer import TraceWriter
+        try:
+            full = _columns(spans, rows, self.host, self.rank, self.pid)
+            with self._write:
+                if self._writer is None:
+                    self._writer = self._open()
+                self._writer.write_columns(full)
+                self.rows_written = self._writer.rows_written
+        except Exception as e:  # noqa: BLE001 - e.g. a value of the wrong type in a span
+            if not self._dropped:
+                print(f"gputrace: could not write {len(spans) + len(rows)} events to "
+                      f"{self.path}: {reason(e)}; they are left out", file=sys.stderr)
+            self._dropped += len(spans) + len(rows)
 
-                try:
-                    self._writer = TraceWriter(self.path, self.metadata)
-                except OSError as e:
-                    print(f"gputrace: cannot create {self.path}: {e.strerror or e}; "
-                          "this process records nothing", file=sys.stderr)
-                    self._writer = _DeadWriter()
-            self._writer.write_columns(full)
-            self.rows_written = self._writer.rows_written
+    def _open(self) -> TraceWriter | _DeadWriter:
+        from gputrace.trace.writer import TraceWriter
+
+        try:
+            return TraceWriter(self.path, self.metadata, quiet=self.quiet)
+        except Exception as e:  # noqa: BLE001 - a recorder never breaks its process
+            dead = _DeadWriter(reason(e))
+            if not self.quiet:
+                print(f"gputrace: cannot create {self.path}: {dead.error}; this process "
+                      "records nothing", file=sys.stderr)
+            return dead
+
+    @property
+    def write_error(self) -> str | None:
+        """Why this recorder stopped writing (None while it writes)."""
+        return getattr(self._writer, "error", None)
 
     def close(self) -> None:
         if self._closed:
@@ -199,6 +231,10 @@ class Recorder:
         with self._write:
             if self._writer is not None:
                 self._writer.close()
+        if self._dir_lock is not None:
+            # closed, never unlocked: a forked child shares the lock and keeps it
+            os.close(self._dir_lock)
+            self._dir_lock = None
 
     def reset_after_fork(self, path: str) -> None:
         """In a forked child: own shard, fresh buffers, fresh thread; keep the parent's step."""
@@ -225,7 +261,8 @@ class Recorder:
              nbytes: int | None = None, args: dict[str, Any] | str | None = None,
              step: int | None = None, tid: int | None = None) -> None:
         if isinstance(args, dict):
-            args = json.dumps(args, separators=(",", ":"))
+            # default=str: a value JSON cannot hold is kept as its text, never an exception
+            args = json.dumps(args, separators=(",", ":"), default=str)
         if tid is None:
             tid = _native_tid()
             if tid not in self.threads:
@@ -272,7 +309,7 @@ class Recorder:
 
     def instant(self, cat: str, name: str, args: dict[str, Any] | None = None) -> None:
         self.row("instant", cat, name, self.now_ns(), tid=_native_tid(), step=self.step,
-                 args=json.dumps(args) if args else None)
+                 args=json.dumps(args, default=str) if args else None)
 
     # -- iterations -------------------------------------------------------------------------
     def open_iteration(self, t_ns: int) -> None:
@@ -344,9 +381,14 @@ def _drain(d: deque[Any]) -> list[Any]:
 
 
 class _DeadWriter:
+    """The writer of a shard that could not be created: takes everything, keeps nothing."""
+
     rows_written = 0
 
-    def write_rows(self, rows: list[Row]) -> None:
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+    def write_columns(self, columns: Sequence[Sequence[Any]]) -> None:
         pass
 
     def close(self) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tempfile
+import time
 from collections.abc import Iterable, Iterator
 from types import TracebackType
 from typing import Any, TypeVar
@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 from gputrace import recorder as _recorder
 from gputrace.collectors import SYSTEM_COLLECTORS
 from gputrace.collectors.ranges import phase
+from gputrace.fmt import reason
 
 T = TypeVar("T")
 
@@ -46,29 +47,68 @@ class Session:
             print(f"gputrace: Session joins the running `gputrace record`; {self.path} is "
                   "not written (the record's trace holds everything)", file=sys.stderr)
             return self
-        out_dir = os.path.dirname(os.path.abspath(self.path))
-        self._dir = tempfile.mkdtemp(prefix=f".{os.path.basename(self.path)}.",
-                                     suffix=".shards", dir=out_dir)
+        try:
+            self._start()
+        except Exception as e:  # noqa: BLE001 - a profiler never takes down the job
+            print(f"gputrace: cannot record {self.path}: {reason(e)}; the job runs untraced",
+                  file=sys.stderr)
+            self._abandon()
+        return self
+
+    def _start(self) -> None:
+        from gputrace.trace import shards
+
+        self._dir = shards.create(self.path)
         md = _recorder.base_metadata("session")
         from gputrace.probe import embed
 
         embed(md)
+        # its write errors are said once, at close, with where the data is
         rec = _recorder.Recorder(os.path.join(self._dir, f"process-{os.getpid()}.arrow"), md,
-                                 flush_interval_s=self.flush_interval_s)
+                                 flush_interval_s=self.flush_interval_s, quiet=True)
         rec.set_collector("ranges", "ok")
         self.recorder = rec.start()
         self._owned = True
         _recorder.set_current(rec)
         if self.sampler and self.collectors:
-            env = dict(os.environ, GPUTRACE_DISABLE="1")
+            self._start_sampler()
+
+    def _start_sampler(self) -> None:
+        assert self._dir is not None
+        env = dict(os.environ, GPUTRACE_DISABLE="1")
+        try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "gputrace.record.sampler", "--pid", str(os.getpid()),
                  "--out", os.path.join(self._dir, "sampler.arrow"), "--hz", str(self.hz),
                  "--collectors", ",".join(self.collectors)],
                 env=env, stdout=subprocess.PIPE)
-            assert self._proc.stdout is not None
-            self._proc.stdout.readline()  # "ready": the first sample is taken
-        return self
+        except OSError as e:
+            print(f"gputrace: the sampler did not start ({reason(e)}); {self.path} gets "
+                  "no host, disk or network samples", file=sys.stderr)
+            return
+        assert self._proc.stdout is not None
+        self._proc.stdout.readline()  # "ready": the first sample is taken
+
+    def _abandon(self) -> None:
+        """Undo a start that failed half way: no recorder, no sampler, no directory."""
+        rec, self.recorder = self.recorder, None
+        if rec is not None:
+            if _recorder.current() is rec:
+                _recorder.set_current(None)
+            try:
+                rec.close()
+            except Exception:  # noqa: BLE001
+                pass
+        self._owned = False
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+            self._proc = None
+        if self._dir is not None:
+            import shutil
+
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
                  tb: TracebackType | None) -> None:
@@ -79,25 +119,34 @@ class Session:
             return
         self._owned = False
         rec = self.recorder
-        rec.close()
         if _recorder.current() is rec:
             _recorder.set_current(None)
-        if self._proc is not None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
         assert self._dir is not None
-        from gputrace.record.merge import merge_shards
+        from gputrace.record.sampler import WRITE_FAILED
 
+        lost = None
         try:
+            rec.close()
+            lost = rec.write_error
+            if self._proc is not None:
+                self._proc.terminate()
+                try:
+                    self._proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    self._proc.kill()
+                    self._proc.wait()
+                if self._proc.returncode == WRITE_FAILED:
+                    lost = lost or "the sampler could not write its samples"
+            from gputrace.record.merge import merge_shards
+
             self.result = merge_shards(self._dir, self.path, top=dict(rec.metadata))
-        except Exception as e:
-            print(f"gputrace: could not write {self.path}: {e}; shards kept in {self._dir}",
-                  file=sys.stderr)
+        except Exception as e:  # noqa: BLE001 - a profiler never takes down the job
+            print(f"gputrace: could not write {self.path}: {lost or reason(e)}; what was "
+                  f"recorded until then is kept in {self._dir} (`gputrace recover {self.path}` "
+                  "once that is fixed)", file=sys.stderr)
             return
+        if lost:
+            print(f"gputrace: {self.path} stops early: {lost}", file=sys.stderr)
 
     # delegation to the recorder
     def phase(self, cat: str, name: str | None = None, layer: int | None = None,
@@ -105,8 +154,8 @@ class Session:
         return phase(cat, name, layer, bytes)
 
     def iterate(self, iterable: Iterable[T]) -> Iterator[T]:
-        assert self.recorder is not None, "use the Session inside `with`"
-        return self.recorder.iterate(iterable)
+        # untraced (the trace could not be started): the items pass through
+        return iter(iterable) if self.recorder is None else self.recorder.iterate(iterable)
 
     def step(self) -> None:
         if self.recorder is not None:
@@ -121,8 +170,7 @@ class Session:
             self.recorder.sample(cat, name, value, unit, **kw)
 
     def now_ns(self) -> int:
-        assert self.recorder is not None
-        return self.recorder.now_ns()
+        return time.time_ns() if self.recorder is None else self.recorder.now_ns()
 
 
 def iterate(iterable: Iterable[T]) -> Iterator[T]:

@@ -32,9 +32,12 @@ PRESETS: dict[str, dict[str, object]] = {
     # large fully-connected layers near the output, small buckets: comm exposed (Case 2)
     "case2": dict(width=8, fc_hidden=2048, fc_layers=2, bucket_cap_mb=1.0, batch_size=16,
                   image_size=64, workers=2),
-    # few workers, cold page cache, heavy decode, light model: input-bound
+    # few workers, cold page cache, heavy decode, light model: input-bound. One torch thread
+    # in the loop: with two, a busy machine slows the loop's parallel regions far more than
+    # the single-threaded loader (t_io fell from ~50 % to 1 % of an iteration beside a CPU
+    # hog), and the run was no longer input-bound; with one, ~50-60 % busy or not
     "io": dict(width=4, fc_hidden=64, fc_layers=1, batch_size=32, image_size=128, workers=1,
-               cold=True, decode_cost=20),
+               cold=True, decode_cost=20, threads=1),
 }
 
 

@@ -180,6 +180,8 @@ def test_io_bound_sample_gets_an_input_bound_finding(recorded, data_dir):
     d = analysis(path)
     found = {f["id"]: f for f in d["findings"]}
     assert "input_bound" in found, d["findings"]
+    # the preset's loop runs on one torch thread: t_io was 48-60 % of an iteration alone and
+    # beside one CPU hog per core (with two threads, 1 % beside the hogs); 20 % is the margin
     assert d["breakdown"]["t_io"]["mean"] / d["breakdown"]["t_iter"]["mean"] >= 0.2
     # cold cache: the loader's reads reach the disk
     assert d["bandwidth"]["disk_bytes_per_iter"] > 0

@@ -61,10 +61,12 @@ def test_kill_9_keeps_every_event_older_than_a_second(tmp_path):
         got = {r["name"] for r in load(out).table.to_pylist() if r["cat"] == "user"}
         old = [i for i, t in logged if t < kill_ns - 1_000_000_000]
         lost = [i for i in old if f"ev{i}" not in got]
+        assert old, f"round {k}: no event older than 1 s to check"
         lost_total += len(lost)
         checked += len(old)
     assert lost_total == 0, f"{lost_total} of {checked} events older than 1 s were lost"
-    assert checked > 1000
+    # the job's pace, not gputrace, sets how many: ~2,000 alone, 839 beside a CPU hog per core
+    assert checked > 300
 
 
 def _job_pid(record_pid: int) -> int:
@@ -191,12 +193,23 @@ def test_file_size_limit_mid_run_keeps_the_jobs_exit_code_and_what_was_written(t
         assert tr.num_rows > 0
 
 
-def test_unwritable_output_is_one_line_and_exit_2(tmp_path):
+def test_an_output_that_cannot_be_written_runs_the_job_untraced_with_one_line(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("x")   # its 'directory' cannot exist, even for root
-    p = run_gputrace("record", "-o", str(blocker / "t.arrow"), "--", sys.executable, "-c", "0")
-    assert p.returncode == 2 and p.stderr.strip().count("\n") == 0, p.stderr
-    assert "Traceback" not in p.stderr
+    for out in (blocker / "t.arrow", Path("/proc/x.arrow")):
+        p = run_gputrace("record", "-o", str(out), "--", sys.executable, "-c",
+                         "print('job ran'); raise SystemExit(3)")
+        assert p.returncode == 3 and p.stdout == "job ran\n", p.stderr
+        assert p.stderr.count("\n") == 1 and f"cannot record {out}" in p.stderr, p.stderr
+        assert "untraced" in p.stderr
+        assert not out.exists()
+
+
+def test_an_output_that_is_a_directory_is_refused_before_the_job_runs(tmp_path):
+    p = run_gputrace("record", "-o", str(tmp_path), "--", sys.executable, "-c",
+                     "print('job ran')")
+    assert p.returncode == 2 and p.stdout == "", p.stderr
+    assert p.stderr.count("\n") == 1 and "is a directory" in p.stderr
 
 
 @pytest.mark.parametrize("fake,expect", [

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import re
 import sys
 from collections.abc import Sequence
 from typing import Protocol
+
+from gputrace.fmt import reason
 
 
 class CommandError(Exception):
@@ -32,8 +36,8 @@ def parse_bytes(text: str, what: str, per_second: bool = False) -> float:
     value = float(m.group(1)) * _UNITS[(m.group(2) or "").lower()]
     if m.group(3) == "b":  # bits
         value /= 8
-    if value <= 0:
-        raise CommandError(f"{what} must be positive")
+    if not 0 < value < math.inf:
+        raise CommandError(f"{what} must be positive and finite, not {text!r}")
     return value
 
 
@@ -56,10 +60,11 @@ class Command(Protocol):
 
 
 def _commands() -> dict[str, Command]:
-    from gputrace.cli import analyze, export, imports, info, probe, record, report
+    from gputrace.cli import analyze, export, imports, info, probe, record, recover, report
 
     return {"record": record, "analyze": analyze, "info": info,  # type: ignore[dict-item]
-            "import": imports, "export": export, "probe": probe, "report": report}
+            "import": imports, "export": export, "probe": probe, "recover": recover,
+            "report": report}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -90,12 +95,30 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         return int(args._run(args))
     except CommandError as e:
-        print(f"gputrace: error: {e}", file=sys.stderr)
+        print(f"gputrace: error: {one_line(str(e))}", file=sys.stderr)
         return e.code
     except KeyboardInterrupt:
         return 130
-    except BrokenPipeError:
+    except BrokenPipeError:   # `gputrace info t.arrow | head`: the reader has what it wanted
+        try:
+            # so that the interpreter's own flush at exit does not complain on stderr
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
         return 0
+    except Exception as e:  # noqa: BLE001 - a bug: one line, the traceback on request
+        if os.environ.get("GPUTRACE_DEBUG") == "1":
+            raise
+        print(f"gputrace: error: {one_line(reason(e))} (a bug in gputrace; GPUTRACE_DEBUG=1 "
+              "shows where)", file=sys.stderr)
+        return 1
+
+
+def one_line(text: str) -> str:
+    """A message as one line: control characters (a newline in a file name) escaped."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def load_trace(paths: Sequence[str], by_rank: bool = False):  # type: ignore[no-untyped-def]
@@ -113,11 +136,14 @@ def load_trace(paths: Sequence[str], by_rank: bool = False):  # type: ignore[no-
         # it a while, which on a 1e7-event trace adds ~40% to the peak
         pa.set_memory_pool(pa.system_memory_pool())
     from gputrace.importers import ImportFailed, import_paths, is_foreign
-    from gputrace.trace.reader import load, open_by_rank
+    from gputrace.trace.reader import load, open_by_rank, unclosed
     from gputrace.trace.schema import TraceFormatError
 
+    foreign = False
     try:
-        foreign = is_foreign(list(paths))
+        # a trace that was never written because its recording was killed: its shards
+        named = [p for p in paths if unclosed(p) is None]
+        foreign = bool(named) and is_foreign(named)
         ranked = open_by_rank(paths[0]) if by_rank and len(paths) == 1 and not foreign \
             else None
         if ranked is not None:
@@ -129,6 +155,10 @@ def load_trace(paths: Sequence[str], by_rank: bool = False):  # type: ignore[no-
         raise CommandError(str(e)) from None
     except (OSError, ValueError, MemoryError) as e:
         raise CommandError(f"cannot read {' '.join(paths)}: {e}") from None
+    except Exception as e:  # noqa: BLE001 - another tool's file with content not foreseen
+        if not foreign:
+            raise
+        raise CommandError(f"cannot import {' '.join(paths)}: {reason(e)}") from None
     for w in trace.warnings:
-        print(f"gputrace: warning: {w}", file=sys.stderr)
+        print(f"gputrace: warning: {one_line(w)}", file=sys.stderr)
     return trace

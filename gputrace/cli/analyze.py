@@ -111,6 +111,8 @@ def analysis(args: argparse.Namespace, detail: bool = False):  # type: ignore[no
     except ValueError:
         raise CommandError(f"--gpus takes positive integers like 2,4,8, not {args.gpus!r}") \
             from None
+    if args.skip is not None and args.skip < 0:
+        raise CommandError(f"--skip takes a number of iterations, 0 or more, not {args.skip}")
     link = parse_bandwidth(args.link_bandwidth) if args.link_bandwidth else None
     what_if = [parse_what_if(w) for w in args.what_if]
     trace = load_trace(args.trace, by_rank=True)
@@ -129,4 +131,16 @@ def analysis(args: argparse.Namespace, detail: bool = False):  # type: ignore[no
     if args.rank is not None and args.rank not in a.ranks:
         raise CommandError(f"no rank {args.rank} in the trace (ranks: "
                            f"{', '.join(map(str, sorted(a.ranks)))})")
+    _say_skip_clamped(a, args.skip, args.rank)
     return a
+
+
+def _say_skip_clamped(a, skip: int | None, rank: int | None) -> None:  # type: ignore[no-untyped-def]
+    """--skip beyond the trace's iterations leaves the last one to analyze: say so."""
+    if skip is None:
+        return
+    ra = a.ranks[rank] if rank is not None else a.main
+    if ra.warmup_skipped < skip and not ra.synthetic_iterations:
+        print(f"gputrace: note: --skip {skip}: rank {ra.rank} has {ra.iterations} "
+              f"iteration{'s' if ra.iterations != 1 else ''}; {ra.warmup_skipped} skipped, "
+              f"the last {ra.iterations - ra.warmup_skipped} analyzed", file=sys.stderr)

@@ -12,12 +12,14 @@ HELP = "export a trace as a Perfetto (protobuf) or Chrome Trace Event (JSON) tim
 def prepare_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", nargs="+", help="trace file(s), shards, or another tool's trace")
     p.add_argument("--format", choices=("perfetto", "chrome"), default="perfetto")
-    p.add_argument("-o", "--output", help="file to write (default: TRACE.pftrace or "
-                   "TRACE.json)")
+    p.add_argument("-o", "--output", help="file to write (default: the first trace's name "
+                   "without .arrow/.json/.json.gz/.sqlite, plus .pftrace for perfetto or "
+                   ".trace.json for chrome: run.arrow -> run.pftrace, run.trace.json)")
 
 
 def run(args: argparse.Namespace) -> int:
     from gputrace.cli import load_trace
+    from gputrace.fmt import count
     from gputrace.report import export
 
     trace = load_trace(args.trace)
@@ -29,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(str(e), code=1) from None
     except OSError as e:
         raise CommandError(f"cannot write {out}: {e}") from None
-    print(f"{out}: {n['slices']:,} slices on {n['tracks']} tracks, {n['counters']:,} counter "
-          f"values; open it at https://ui.perfetto.dev")
+    print(f"{out}: {count(n['slices'], 'slice')} on {count(n['tracks'], 'track')}, "
+          f"{count(n['counters'], 'counter value')}; open it at https://ui.perfetto.dev")
     return 0
 

@@ -19,6 +19,7 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from gputrace.cli import load_trace
+    from gputrace.fmt import count
     from gputrace.importers import ImportFailed, is_foreign
     from gputrace.trace.writer import write_by_rank
 
@@ -37,5 +38,5 @@ def run(args: argparse.Namespace) -> int:
             os.unlink(tmp)
         raise CommandError(f"cannot write {args.output}: {e}") from None
     ranks = trace.metadata.get("ranks") or []
-    print(f"{args.output}: {trace.num_rows:,} events, ranks {', '.join(map(str, ranks)) or '-'}")
+    print(f"{args.output}: {count(trace.num_rows, 'event')}, ranks {', '.join(map(str, ranks)) or '-'}")
     return 0

@@ -99,13 +99,13 @@ def _size(n: int) -> str:
 
 
 def render(result: dict[str, Any], saved: str | None) -> None:
-    from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
     from gputrace.fmt import rate
+    from gputrace.report import console
 
-    con = Console(highlight=False)
+    con = console()
     t = Table(title=f"Bandwidths of {result['host']} ({result['mode']} probe, "
               f"{result['duration_s']:.0f} s; medians over repeats)", title_justify="left",
               box=None, padding=(0, 2))

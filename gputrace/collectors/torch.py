@@ -26,6 +26,7 @@ Installed by the `record` bootstrap right after the job imports torch (or by
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 from typing import Any
 
@@ -34,6 +35,60 @@ import torch
 from gputrace.recorder import Recorder
 
 _installed: _State | None = None
+_failed: list[str] = []
+
+
+def _guarded(hook: Any) -> Any:
+    """A hook whose own failure is one line on stderr, not the training's exception. One
+    wrapper per arity: no argument tuple is built on the hot path."""
+    name = hook.__name__
+    n = hook.__code__.co_argcount
+
+    def fail(e: Exception) -> None:
+        _hook_failed(name, e)
+
+    if n == 1:
+        def guarded(a: Any) -> Any:
+            try:
+                return hook(a)
+            except Exception as e:  # noqa: BLE001 - a profiler never takes down the job
+                fail(e)
+    elif n == 2:
+        def guarded(a: Any, b: Any) -> Any:  # type: ignore[misc]
+            try:
+                return hook(a, b)
+            except Exception as e:  # noqa: BLE001
+                fail(e)
+    elif n == 3:
+        def guarded(a: Any, b: Any, c: Any) -> Any:  # type: ignore[misc]
+            try:
+                return hook(a, b, c)
+            except Exception as e:  # noqa: BLE001
+                fail(e)
+    elif n == 4:
+        def guarded(a: Any, b: Any, c: Any, d: Any) -> Any:  # type: ignore[misc]
+            try:
+                return hook(a, b, c, d)
+            except Exception as e:  # noqa: BLE001
+                fail(e)
+    else:
+        def guarded(*args: Any) -> Any:  # type: ignore[misc]
+            try:
+                return hook(*args)
+            except Exception as e:  # noqa: BLE001
+                fail(e)
+    return functools.wraps(hook)(guarded)
+
+
+def _hook_failed(where: str, e: Exception) -> None:
+    if _failed:
+        return
+    _failed.append(where)
+    why = f"{type(e).__name__}: {e}".splitlines()[0]
+    print(f"gputrace: torch instrumentation failed in {where} ({why}); training goes on, "
+          "its torch spans may be incomplete", file=sys.stderr)
+    if _installed is not None:
+        _installed.rec.set_collector("torch", f"failed in {where}: {why}")
 
 
 class _State:
@@ -82,7 +137,7 @@ class _State:
         grads = nbytes = 0
         for p in params:
             self.param_layer[id(p)] = layer
-            if p.requires_grad:
+            if p.requires_grad and p.is_leaf:   # a non-leaf (functional_call) has no .grad
                 grads += 1
                 nbytes += p.numel() * p.element_size()
                 p.register_post_accumulate_grad_hook(self.grad_ready)
@@ -90,6 +145,7 @@ class _State:
         self.layer_grad_bytes[layer] = nbytes
         return layer
 
+    @_guarded
     def forward_pre(self, module: torch.nn.Module, args: Any) -> None:
         t = self.now()
         if self.depth == 0:
@@ -101,6 +157,7 @@ class _State:
         if self.layer_for(module):
             self.fwd_t0.setdefault(id(module), []).append(t)
 
+    @_guarded
     def forward_post(self, module: torch.nn.Module, args: Any, out: Any) -> None:
         t = self.now()
         layer = self.layer_of.get(id(module), 0)
@@ -114,6 +171,7 @@ class _State:
             self.last_fwd_end = self.loss_from = t
 
     # -- backward ------------------------------------------------------------------------
+    @_guarded
     def grad_ready(self, param: torch.Tensor) -> None:
         t = self.now()
         layer = self.param_layer.get(id(param))
@@ -131,6 +189,7 @@ class _State:
         self.rec.span("backward", self.layer_names.get(layer, "layer"), start, t, layer=layer,
                       nbytes=self.layer_grad_bytes.get(layer))
 
+    @_guarded
     def backward_enter(self) -> None:
         if self.bwd_depth == 0:
             self.bwd_t0 = self.last_mark = t = self.now()
@@ -141,6 +200,7 @@ class _State:
             self.its.backward()
         self.bwd_depth += 1
 
+    @_guarded
     def backward_exit(self) -> None:
         self.bwd_depth -= 1
         if self.bwd_depth:
@@ -159,9 +219,11 @@ class _State:
         self.last_mark = 0
 
     # -- update --------------------------------------------------------------------------
+    @_guarded
     def step_pre(self, opt: Any, args: Any, kwargs: Any) -> None:
         self.update_t0 = self.now()
 
+    @_guarded
     def step_post(self, opt: Any, args: Any, kwargs: Any) -> None:
         t = self.now()
         # With a closure, forward and backward run inside step(): update starts after them.
@@ -194,10 +256,15 @@ class _State:
         @functools.wraps(hook)
         def timed(state: Any, bucket: Any) -> Any:
             t0 = now()
-            buf = bucket.buffer()
-            nbytes = buf.numel() * buf.element_size()
-            layers = sorted({param_layer.get(id(p), -1) for p in bucket.parameters()} - {-1})
-            index = bucket.index()
+            try:
+                buf = bucket.buffer()
+                nbytes = buf.numel() * buf.element_size()
+                layers = sorted({param_layer.get(id(p), -1) for p in bucket.parameters()}
+                                - {-1})
+                index = bucket.index()
+            except Exception as e:  # noqa: BLE001 - the bucket goes untimed, not unsent
+                _hook_failed("the DDP comm hook", e)
+                return hook(state, bucket)
             step = rec.step
             fut = hook(state, bucket)
 
@@ -346,13 +413,21 @@ def _patch_dataloader(state: _State) -> None:
     now = state.now
     orig_next = dl._BaseDataLoaderIter.__next__
 
+    @_guarded
+    def batch(t: int) -> None:
+        state.its.batch(t)
+
+    @_guarded
+    def exhausted() -> None:
+        state.its.exhausted()
+
     def __next__(self: Any) -> Any:
         t0 = now()
-        state.its.batch(t0)
+        batch(t0)
         try:
             out = orig_next(self)
         except StopIteration:
-            state.its.exhausted()
+            exhausted()
             raise
         state.rec.span("io", "DataLoader.__next__", t0, now())
         return out

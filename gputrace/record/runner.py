@@ -4,11 +4,12 @@ forward signals, merge, and exit with the command's own code."""
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -26,9 +27,11 @@ from gputrace.collectors import (
     in_process_status,
     make_system_collector,
 )
+from gputrace.fmt import count, reason
 from gputrace.probe import embed as embed_probe
 from gputrace.record import BOOTSTRAP_DIR
 from gputrace.recorder import Recorder, base_metadata
+from gputrace.trace import shards
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
              signal.SIGUSR2)
@@ -71,15 +74,12 @@ def child_env(shard_dir: str, redact_argv: bool) -> dict[str, str]:
 
 
 def check_output(path: str, force: bool) -> None:
+    """Refuse an output that is a directory, or a trace that exists (without -f). An output
+    that cannot be written is not refused: the job runs untraced (see `record`)."""
     if os.path.isdir(path):
         raise RecordError(f"{path} is a directory; give a file name with -o")
     if os.path.exists(path) and not force:
         raise RecordError(f"{path} exists; use -f to overwrite it or -o to choose another name")
-    d = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(d):
-        raise RecordError(f"directory {d} does not exist")
-    if not os.access(d, os.W_OK | os.X_OK):
-        raise RecordError(f"directory {d} is not writable")
 
 
 @contextlib.contextmanager
@@ -120,10 +120,16 @@ def _foreground(pgid: int) -> Iterator[None]:
 
 class _Forwarder:
     """Forwards signals to the child's process group; a second one, or `kill_after_s`
-    without an exit, escalates to SIGKILL."""
+    without an exit, escalates to SIGKILL.
 
-    def __init__(self, proc: subprocess.Popen[bytes], kill_after_s: float) -> None:
-        self.proc = proc
+    Installed before the job starts: a signal that `record` catches is reset to its default
+    in the job by exec, so the job starts as it would from an interactive shell. A
+    non-interactive shell starts background jobs with SIGINT and SIGQUIT ignored, which the
+    job would otherwise inherit and so never stop on a forwarded Ctrl-C. Other signals that
+    `record` was started ignoring (SIGHUP under nohup) stay ignored, by both."""
+
+    def __init__(self, kill_after_s: float) -> None:
+        self.proc: subprocess.Popen[bytes] | None = None
         self.kill_after_s = kill_after_s
         self.received: list[int] = []
         self._timer: threading.Timer | None = None
@@ -131,7 +137,17 @@ class _Forwarder:
 
     def install(self) -> None:
         for s in FORWARDED:
+            old = signal.getsignal(s)
+            if old == signal.SIG_IGN and s not in (signal.SIGINT, signal.SIGQUIT):
+                continue
             self._old[s] = signal.signal(s, self._handle)
+
+    def attach(self, proc: subprocess.Popen[bytes]) -> None:
+        """The job has started: send it what arrived while it was starting."""
+        self.proc = proc
+        early, self.received = self.received, []
+        for s in early:
+            self._handle(s, None)
 
     def restore(self) -> None:
         for s, h in self._old.items():
@@ -140,6 +156,7 @@ class _Forwarder:
             self._timer.cancel()
 
     def _send(self, sig: int) -> None:
+        assert self.proc is not None
         try:
             os.killpg(self.proc.pid, sig)
         except (ProcessLookupError, PermissionError):
@@ -150,7 +167,7 @@ class _Forwarder:
 
     def _handle(self, signum: int, frame: Any) -> None:
         self.received.append(signum)
-        if self.proc.poll() is not None:
+        if self.proc is None or self.proc.poll() is not None:
             return
         if len(self.received) > 1:
             print("gputrace: second signal; killing the job (SIGKILL)", file=sys.stderr)
@@ -163,13 +180,14 @@ class _Forwarder:
             self._timer.start()
 
     def _escalate(self) -> None:
-        if self.proc.poll() is None:
+        if self.proc is not None and self.proc.poll() is None:
             print(f"gputrace: the job did not exit {self.kill_after_s:g} s after the signal; "
                   "killing it (SIGKILL)", file=sys.stderr)
             self._send(signal.SIGKILL)
 
 
-def record(opts: RecordOptions) -> RecordResult:
+def _check(opts: RecordOptions) -> None:
+    """What is wrong with the request itself (RecordError: exit 2, nothing is run)."""
     if not opts.command:
         raise RecordError("no command given: gputrace record [options] -- CMD ...")
     bad = [c for c in opts.collectors if c not in ALL_COLLECTORS]
@@ -180,55 +198,29 @@ def record(opts: RecordOptions) -> RecordResult:
         raise RecordError(f"--gpu-timeline is auto, cupti or kineto, not {opts.gpu_timeline!r}")
     if not (0 < opts.hz <= 10_000):
         raise RecordError("--hz must be between 0 and 10000")
-    output = opts.output
-    check_output(output, opts.force)
-    out_dir = os.path.dirname(os.path.abspath(output))
-    shard_dir = tempfile.mkdtemp(prefix=f".{os.path.basename(output)}.", suffix=".shards",
-                                 dir=out_dir)
-    clock = Clock()
-    argv = list(opts.command)
-    md = base_metadata("record", argv=argv, rank=-1)
-    if opts.redact_argv:
-        from gputrace.recorder import redact_argv
-        md["argv"] = redact_argv(argv)
-    md["sample_hz"] = opts.hz
-    embed_probe(md)
-    rec = Recorder(os.path.join(shard_dir, "record.arrow"), md, clock=clock).start()
-    env = child_env(shard_dir, opts.redact_argv)
-    env["GPUTRACE_GPU_TIMELINE"] = opts.gpu_timeline
-    for name in IN_PROCESS_COLLECTORS:
-        if name not in opts.collectors:
-            env[f"GPUTRACE_NO_{name.upper()}"] = "1"
-            rec.set_collector(name, "off: not in --collectors")
-        else:
-            rec.set_collector(name, in_process_status(name))
+    if not (0 < opts.kill_after_s < 1e6):
+        raise RecordError("--kill-after takes seconds greater than 0")
+    check_output(opts.output, opts.force)
 
-    t0 = time.monotonic()
+
+def _spawn(argv: list[str], env: dict[str, str], fwd: _Forwarder
+           ) -> subprocess.Popen[bytes] | int:
+    """Start the job in its own process group with `record`'s signals forwarded to it; the
+    exit code of a command that cannot run (127 not found, 126 not runnable) otherwise."""
+    fwd.install()
     try:
         proc = subprocess.Popen(argv, env=env, process_group=0)
-    except OSError as e:
-        rec.close()
-        import shutil
-        shutil.rmtree(shard_dir, ignore_errors=True)
+    except (OSError, ValueError) as e:
+        fwd.restore()
         code = 127 if isinstance(e, FileNotFoundError) else 126
-        print(f"gputrace: cannot run {argv[0]}: {e.strerror or e}", file=sys.stderr)
-        return RecordResult(code, None, 0.0, {})
-    fwd = _Forwarder(proc, opts.kill_after_s)
-    fwd.install()
-    collectors: list[SystemCollector] = []
-    for name in SYSTEM_COLLECTORS:
-        if name not in opts.collectors:
-            rec.set_collector(name, "off: not in --collectors")
-            continue
-        try:
-            c = make_system_collector(name, proc.pid, rec.host)
-        except Unavailable as e:
-            rec.set_collector(name, f"unavailable: {e}")
-            continue
-        collectors.append(c)
-    sampler = Sampler(collectors, rec, opts.hz, clock.now_ns)
-    cpu0, wall0 = time.process_time(), time.perf_counter()
-    sampler.start()
+        print(f"gputrace: cannot run {argv[0]}: {reason(e)}", file=sys.stderr)
+        return code
+    fwd.attach(proc)
+    return proc
+
+
+def _wait(proc: subprocess.Popen[bytes], fwd: _Forwarder) -> int:
+    """The job's exit code as a shell gives it (128 + signal when a signal ended it)."""
     try:
         with _foreground(proc.pid):
             while True:
@@ -239,38 +231,149 @@ def record(opts: RecordOptions) -> RecordResult:
                     continue
     finally:
         fwd.restore()
+    return 128 - rc if rc < 0 else rc
+
+
+def _run_untraced(opts: RecordOptions) -> RecordResult:
+    t0 = time.monotonic()
+    fwd = _Forwarder(opts.kill_after_s)
+    proc = _spawn(list(opts.command), dict(os.environ), fwd)
+    if isinstance(proc, int):
+        return RecordResult(proc, None, 0.0, {})
+    return RecordResult(_wait(proc, fwd), None, time.monotonic() - t0, {})
+
+
+def _prepare(opts: RecordOptions, shard_dir: str, clock: Clock
+             ) -> tuple[Recorder, dict[str, str]]:
+    """record's own recorder (its shard: the samples, the run's metadata) and the job's
+    environment."""
+    argv = list(opts.command)
+    md = base_metadata("record", argv=argv, rank=-1)
+    if opts.redact_argv:
+        from gputrace.recorder import redact_argv
+        md["argv"] = redact_argv(argv)
+    md["sample_hz"] = opts.hz
+    embed_probe(md)
+    # the sources' modules are loaded before the job starts, so that its first sample is
+    # taken as it starts (loading the host collector, which brings pyarrow, took 0.25 s)
+    for name in SYSTEM_COLLECTORS:
+        if name in opts.collectors:
+            with contextlib.suppress(Exception):
+                importlib.import_module(f"gputrace.collectors.{name}")
+    # its write errors are said once, at the end, with where the data is
+    rec = Recorder(os.path.join(shard_dir, "record.arrow"), md, clock=clock, quiet=True).start()
+    env = child_env(shard_dir, opts.redact_argv)
+    env["GPUTRACE_GPU_TIMELINE"] = opts.gpu_timeline
+    for name in IN_PROCESS_COLLECTORS:
+        if name not in opts.collectors:
+            env[f"GPUTRACE_NO_{name.upper()}"] = "1"
+            rec.set_collector(name, "off: not in --collectors")
+        else:
+            rec.set_collector(name, in_process_status(name))
+    return rec, env
+
+
+def _start_sampler(opts: RecordOptions, rec: Recorder, clock: Clock, pid: int
+                   ) -> tuple[Sampler, list[SystemCollector]]:
+    collectors: list[SystemCollector] = []
+    for name in SYSTEM_COLLECTORS:
+        if name not in opts.collectors:
+            rec.set_collector(name, "off: not in --collectors")
+            continue
+        try:
+            c = make_system_collector(name, pid, rec.host)
+        except Unavailable as e:
+            rec.set_collector(name, f"unavailable: {e}")
+            continue
+        except Exception as e:  # noqa: BLE001 - a broken source is said, not fatal
+            rec.set_collector(name, f"unavailable: {reason(e)}")
+            continue
+        collectors.append(c)
+    sampler = Sampler(collectors, rec, opts.hz, clock.now_ns)
+    sampler.start()
+    return sampler, collectors
+
+
+def record(opts: RecordOptions) -> RecordResult:
+    """Run the job and record it. Whatever cannot be recorded (an output that cannot be
+    written, a source that breaks) is said in one line; the job runs all the same and its
+    exit code is the result's."""
+    _check(opts)
+    output = opts.output
+    clock = Clock()
+    shard_dir = None
+    try:
+        shard_dir = shards.create(output)
+        rec, env = _prepare(opts, shard_dir, clock)
+    except Exception as e:  # noqa: BLE001 - the job runs whenever it can
+        print(f"gputrace: cannot record {output}: {reason(e)}; the job runs untraced",
+              file=sys.stderr)
+        if shard_dir is not None:
+            shutil.rmtree(shard_dir, ignore_errors=True)
+        return _run_untraced(opts)
+
+    t0 = time.monotonic()
+    fwd = _Forwarder(opts.kill_after_s)
+    proc = _spawn(list(opts.command), env, fwd)
+    if isinstance(proc, int):
+        rec.close()
+        shutil.rmtree(shard_dir, ignore_errors=True)
+        return RecordResult(proc, None, 0.0, {})
+    sampler: Sampler | None = None
+    collectors: list[SystemCollector] = []
+    try:
+        sampler, collectors = _start_sampler(opts, rec, clock, proc.pid)
+    except Exception as e:  # noqa: BLE001
+        print(f"gputrace: system sampling did not start: {reason(e)}; {output} gets no "
+              "host, disk or network samples", file=sys.stderr)
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    exit_code = _wait(proc, fwd)
     duration = time.monotonic() - t0
-    sampler.stop()
-    for c in collectors:
-        rec.set_collector(c.name, "ok", **c.settings())
-    for name, why in sampler.failed.items():
-        rec.set_collector(name, why)
-    exit_code = 128 - rc if rc < 0 else rc
-    rec.metadata["sampler"] = {"hz": opts.hz, "achieved_hz": round(sampler.achieved_hz(), 2),
-                               "ticks": sampler.ticks,
-                               # CPU of the recording process (sampler and its writer)
-                               "cpu_s": round(time.process_time() - cpu0, 3),
-                               "wall_s": round(time.perf_counter() - wall0, 3)}
+    lost = None
+    try:
+        top = _finish(rec, sampler, collectors, exit_code, cpu0, wall0)
+        lost = rec.write_error
+        from gputrace.record.merge import merge_shards
+
+        res = merge_shards(shard_dir, output, top=top)
+    except Exception as e:  # noqa: BLE001 - the job's exit code is the result all the same
+        print(f"gputrace: could not write {output}: {lost or reason(e)}; what was recorded "
+              f"until then is kept in {shard_dir} (`gputrace recover {output}` once that is "
+              "fixed)", file=sys.stderr)
+        return RecordResult(exit_code, None, duration, {})
+    if lost:
+        print(f"gputrace: {output}: the samples stop early: {lost}", file=sys.stderr)
+    summary = {"rows": res.rows, "rows_by_cat": res.rows_by_cat, "shards": res.shards,
+               "ranks": res.metadata.get("ranks", []), "collectors": res.metadata["collectors"],
+               "warnings": res.warnings, "sampler": top.get("sampler") or {},
+               "clock_warning": top.get("clock_warning")}
+    if not opts.quiet:
+        print_summary(output, duration, exit_code, summary)
+    return RecordResult(exit_code, output, duration, summary)
+
+
+def _finish(rec: Recorder, sampler: Sampler | None, collectors: list[SystemCollector],
+            exit_code: int, cpu0: float, wall0: float) -> dict[str, Any]:
+    """Stop sampling, close record's own shard; the run's metadata for the merged file."""
+    if sampler is not None:
+        sampler.stop()
+        for c in collectors:
+            rec.set_collector(c.name, "ok", **c.settings())
+        for name, why in sampler.failed.items():
+            rec.set_collector(name, why)
+        rec.metadata["sampler"] = {
+            "hz": sampler.hz, "achieved_hz": round(sampler.achieved_hz(), 2),
+            "ticks": sampler.ticks,
+            # CPU of the recording process (sampler and its writer)
+            "cpu_s": round(time.process_time() - cpu0, 3),
+            "wall_s": round(time.perf_counter() - wall0, 3)}
     rec.metadata["exit_code"] = exit_code
     rec.metadata["end"] = Clock.anchor()
     step = anchors_report(rec.metadata["start"], rec.metadata["end"])
     if step:
         rec.metadata["clock_warning"] = step
     rec.close()
-    top = dict(rec.metadata)
-    from gputrace.record.merge import merge_shards
-    try:
-        res = merge_shards(shard_dir, output, top=top)
-    except Exception as e:
-        print(f"gputrace: could not write {output}: {e}; the shards are kept in {shard_dir} "
-              f"(gputrace info {shard_dir})", file=sys.stderr)
-        return RecordResult(exit_code, None, duration, {})
-    summary = {"rows": res.rows, "rows_by_cat": res.rows_by_cat, "shards": res.shards,
-               "ranks": res.metadata.get("ranks", []), "collectors": res.metadata["collectors"],
-               "warnings": res.warnings, "sampler": top["sampler"], "clock_warning": step}
-    if not opts.quiet:
-        print_summary(output, duration, exit_code, summary)
-    return RecordResult(exit_code, output, duration, summary)
+    return dict(rec.metadata)
 
 
 _CAT_SOURCE = {"host": "host", "cpu": "host", "disk": "host", "net": "host", "ib": "infiniband",
@@ -278,15 +381,16 @@ _CAT_SOURCE = {"host": "host", "cpu": "host", "disk": "host", "net": "host", "ib
 
 
 def print_summary(output: str, duration: float, exit_code: int, s: dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.markup import escape
 
-    con = Console(stderr=True, highlight=False, soft_wrap=True)
+    from gputrace.report import console
+
+    con = console(stderr=True)
     size = os.path.getsize(output)
     ranks = s["ranks"]
     con.print(f"[bold]gputrace[/]: recorded {duration:.1f} s, exit code {exit_code}, "
               f"{'ranks ' + ', '.join(map(str, ranks)) if ranks else 'no ranks'}, "
-              f"{s['rows']:,} rows from {s['shards']} shard{'s' if s['shards'] != 1 else ''} "
+              f"{count(s['rows'], 'row')} from {count(s['shards'], 'shard')} "
               f"-> {escape(output)} ({size / 1e6:.2f} MB)")
     rows_by_source: dict[str, int] = {}
     for cat, n in s["rows_by_cat"].items():
@@ -297,14 +401,14 @@ def print_summary(output: str, duration: float, exit_code: int, s: dict[str, Any
         if status == "ok":
             detail = ""
             if name == "host":
-                detail = f": {rows_by_source.get('host', 0):,} samples, " \
-                         f"{s['sampler']['achieved_hz']:.0f} Hz achieved"
+                detail = f": {count(rows_by_source.get('host', 0), 'sample')}, " \
+                         f"{s['sampler'].get('achieved_hz', 0):.0f} Hz achieved"
             elif name in ("infiniband", "nvml"):
-                detail = f": {rows_by_source.get(name, 0):,} samples"
+                detail = f": {count(rows_by_source.get(name, 0), 'sample')}"
             con.print(f"  {name:<11} [green]ok[/]{detail}")
         else:
             con.print(f"  {name:<11} [yellow]{escape(status)}[/]")
-    con.print(f"  {'spans':<11} {rows_by_source.get('spans', 0):,} rows "
+    con.print(f"  {'spans':<11} {count(rows_by_source.get('spans', 0), 'row')} "
               "(phases, iterations, torch)")
     for w in s["warnings"]:
         con.print(f"[yellow]warning[/]: {escape(w)}")

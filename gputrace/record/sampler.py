@@ -17,6 +17,17 @@ from gputrace.clock import Clock
 from gputrace.collectors import SYSTEM_COLLECTORS, Sampler, Unavailable, make_system_collector
 from gputrace.recorder import Recorder, base_metadata
 
+# exit code when the samples could not all be written (the Session says so, once)
+WRITE_FAILED = 3
+
+
+def _gone(pid: int) -> bool:
+    """The watched process has exited (a zombie not yet reaped has too)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return True
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="gputrace-sampler")
@@ -31,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     clock = Clock()
     md = base_metadata("sampler", rank=-1)
     md["sample_hz"] = a.hz
-    rec = Recorder(a.out, md, clock=clock).start()
+    rec = Recorder(a.out, md, clock=clock, quiet=True).start()
     collectors = []
     for name in a.collectors.split(","):
         if name not in SYSTEM_COLLECTORS:
@@ -47,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     sampler.start()
     print("ready", flush=True)
     while not stop.wait(0.2):
-        if not psutil.pid_exists(a.pid):
+        if _gone(a.pid):
             break
     sampler.stop()
     for name, why in sampler.failed.items():
@@ -55,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     rec.metadata["sampler"] = {"hz": a.hz, "achieved_hz": round(sampler.achieved_hz(), 2),
                                "ticks": sampler.ticks}
     rec.close()
-    return 0
+    return WRITE_FAILED if rec.write_error else 0
 
 
 if __name__ == "__main__":

@@ -37,6 +37,8 @@ def trace_info(trace: Trace) -> dict[str, Any]:
         "hosts": md.get("hosts") or ([md["host"]] if md.get("host") else []),
         "argv": md.get("argv"),
         "exit_code": md.get("exit_code"),
+        "role": md.get("role"),
+        "closed": not (md.get("unclosed") or md.get("recovered_from")),
         "collectors": md.get("collectors", {}),
         "sampler": md.get("sampler"),
         "shards": len(md.get("shards", [])) or 1,
@@ -48,6 +50,16 @@ def trace_info(trace: Trace) -> dict[str, Any]:
         "extra_columns": [c for c in t.column_names if c not in _v1_names()],
         "counts": counts,
     }
+
+
+def _exit(info: dict[str, Any]) -> str:
+    """The job's exit code, or why the trace has none."""
+    if info["exit_code"] is not None:
+        return f"exit code: {info['exit_code']}"
+    if not info.get("closed", True):
+        return "exit code: unknown (the recording was not closed)"
+    return {"session": "embedded session (no exit code)",
+            "import": "imported (no exit code)"}.get(str(info.get("role")), "exit code: unknown")
 
 
 def _probe_summary(probe: Any) -> dict[str, Any] | None:
@@ -67,19 +79,18 @@ def _v1_names() -> list[str]:
 
 
 def render_info(info: dict[str, Any], file: IO[str] | None = None, max_names: int = 40) -> None:
-    from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
-    from gputrace.fmt import rate
+    from gputrace.fmt import count, rate
+    from gputrace.report import console
 
-    con = Console(file=file, highlight=False)
+    con = console(file)
     con.print(f"[bold]{', '.join(info['files'])}[/]  {info['format']} v{info['version']}, "
-              f"{info['rows']:,} rows, {info['duration_s']:.2f} s, "
-              f"{info['shards']} shard{'s' if info['shards'] != 1 else ''}")
+              f"{count(info['rows'], 'row')}, {info['duration_s']:.2f} s, "
+              f"{count(info['shards'], 'shard')}")
     con.print(f"hosts: {', '.join(info['hosts']) or '?'}   ranks: "
-              f"{', '.join(map(str, info['ranks'])) or 'none'}   exit code: "
-              f"{info['exit_code'] if info['exit_code'] is not None else '?'}")
+              f"{', '.join(map(str, info['ranks'])) or 'none'}   {_exit(info)}")
     if info["argv"]:
         con.print(f"command: {escape(' '.join(info['argv']))}")
     if info["sampler"]:

@@ -10,8 +10,10 @@ from rich.markup import escape
 from rich.table import Table
 
 from gputrace.analyzers import Analysis, RankAnalysis
+from gputrace.analyzers.model import UnitStats
 from gputrace.analyzers.replay import MIB, Outcome, Replay, Scenario
 from gputrace.fmt import mb, rate
+from gputrace.report import console
 
 PHASES = (("t_io", "waiting for data (I/O)"), ("t_h2d", "host to device copies"),
            ("t_f", "forward"), ("t_b", "backward"), ("t_u", "update (optimizer)"),
@@ -43,8 +45,7 @@ def headline(ra: RankAnalysis) -> str:
     elif m.case == 1:
         case = "Case 1: gradient communication is hidden behind backward"
     elif m.case == 2:
-        case = (f"Case 2: gradient communication is exposed (C = "
-                f"{m.C if m.C is not None else '?'}, units 0..{m.C_unit} not hidden)")
+        case = f"Case 2: gradient communication is exposed ({_exposed(m.units, m.C)})"
     elif ra.comm["total_s"] > 0:
         case = "communication runs after backward, not overlapped"
     else:
@@ -52,6 +53,30 @@ def headline(ra: RankAnalysis) -> str:
     share = parts[top] / t_iter if t_iter else 0
     return (f"{_ms(t_iter)} per iteration. {case}. Largest share: {top_name} "
             f"({_ms(parts[top])}, {share:.0%}).")
+
+
+def _exposed(units: list[UnitStats], C: int | None) -> str:
+    """Which units of the table are exposed and what C is, in the table's terms."""
+    exposed = [u.index for u in units[:-1] if not u.hidden]
+    if not exposed:
+        return "only the last unit"
+    text = (f"unit{'s' if len(exposed) > 1 else ''} {_ranges(exposed)} "
+            f"end{'s' if len(exposed) == 1 else ''} after the next unit's gradients are ready")
+    if C is not None:
+        text += (f"; C = {C}: the lowest layer {'they hold' if len(exposed) > 1 else 'it holds'},"
+                 " counting from 1 at the input")
+    return text
+
+
+def _ranges(ks: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    out: list[str] = []
+    for k in ks:
+        if out and k == int(out[-1].rsplit("-", 1)[-1]) + 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{k}"
+        else:
+            out.append(str(k))
+    return ", ".join(out)
 
 
 def _bucket_label(b: float | None, n: int, measured_units: int) -> str:
@@ -95,7 +120,7 @@ def _what_if(con: Console, rp: Replay, measured: float) -> None:
 
 def render(a: Analysis, rank: int | None = None, file: IO[str] | None = None,
            width: int | None = None) -> None:
-    con = Console(file=file, width=width, highlight=False)
+    con = console(file, width)
     ra = a.ranks[rank] if rank is not None else a.main
     con.print(f"[bold]{escape(headline(ra))}[/]")
     ranks_note = f"rank {ra.rank} of {a.world_size}" + \
@@ -187,10 +212,11 @@ def render(a: Analysis, rank: int | None = None, file: IO[str] | None = None,
     if ra.replay is not None and ra.replay.outcomes:
         _what_if(con, ra.replay, m.measured_t_iter)
     bw = ra.bandwidth
-    if bw is not None and bw.links:
+    moved = [link for link in bw.links if link.bytes > 0] if bw is not None else []
+    if moved:   # a link with nothing moved over it says nothing
         con.print()
         parts = []
-        for link in bw.links:
+        for link in moved:
             s = f"{link.name} {mb(link.bytes)} at {rate(link.bytes_per_s)}"
             if link.fraction_of_peak is not None:
                 s += (f" ({link.fraction_of_peak:.0%} of the probed "

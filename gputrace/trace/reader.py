@@ -94,43 +94,136 @@ def _read_one(path: str, only: Sequence[str] | None = None) -> _Part:
     return _Part(conform(table, only), md, warning)
 
 
-def _expand(paths: Iterable[str | os.PathLike[str]]) -> list[str]:
-    out: list[str] = []
+@dataclass
+class Unclosed:
+    """A recording of `path` that never became that file: killed before it merged its shards
+    (or still running), its shards in `directory`."""
+
+    path: str
+    directory: str
+    live: bool
+    others: list[str]        # older unfinished recordings of the same path
+
+    def note(self, shards_read: int, cut_short: int, skipped: int) -> str:
+        if self.live:
+            text = (f"{self.path} is still being recorded: read what {shards_read} shard"
+                    f"{'s' if shards_read != 1 else ''} in {self.directory} hold so far")
+        else:
+            text = (f"{self.path} was not closed (the recording was killed?): read "
+                    f"{shards_read} shard{'s' if shards_read != 1 else ''} from "
+                    f"{self.directory}")
+            if cut_short:
+                text += f", {cut_short} cut short and recovered to their last complete batch"
+            if skipped:
+                text += f", {skipped} with nothing readable left out"
+            text += f"; `gputrace recover {self.path}` writes {self.path}"
+        if self.others:
+            text += (f" ({len(self.others)} older unfinished recording"
+                     f"{'s' if len(self.others) != 1 else ''} of it beside it)")
+        return text
+
+
+def unclosed(path: str | os.PathLike[str]) -> Unclosed | None:
+    """Where the shards of a trace path that does not exist are, when a recording of it was
+    killed before it could merge them (or is still running); None when there are none."""
+    from gputrace.trace import shards
+
+    path = os.fspath(path)
+    if os.path.exists(path):
+        return None
+    found = shards.find(path)
+    if not found:
+        return None
+    return Unclosed(path, found[0], shards.in_use(found[0]), found[1:])
+
+
+def _newer_unclosed(path: str) -> str | None:
+    """A warning when a recording of an existing trace file was killed after it."""
+    from gputrace.trace import shards
+
+    try:
+        mtime = os.stat(path).st_mtime
+    except OSError:
+        return None
+    newer = [d for d in shards.find(path)
+             if os.stat(d).st_mtime > mtime and not shards.in_use(d)]
+    if not newer:
+        return None
+    return (f"a later recording of {path} was not closed: its shards are in {newer[0]} "
+            f"(`gputrace recover -f {path}` replaces {path} with it)")
+
+
+def _expand(paths: Iterable[str | os.PathLike[str]]
+            ) -> tuple[list[tuple[str, Unclosed | None]], list[str]]:
+    """The files to read, each with the unclosed recording it belongs to (when a path named
+    a trace that was never written), and warnings about the paths."""
+    out: list[tuple[str, Unclosed | None]] = []
+    notes: list[str] = []
     for p in paths:
         p = os.fspath(p)
-        if os.path.isdir(p):
-            found = sorted(
-                os.path.join(p, n) for n in os.listdir(p)
-                if n.endswith(".arrow") and os.path.isfile(os.path.join(p, n))
-            )
-            if not found:
-                raise TraceFormatError(f"{p} holds no .arrow shards")
-            out.extend(found)
-        elif os.path.exists(p):
-            out.append(p)
+        run = None
+        if not os.path.exists(p):
+            run = unclosed(p)
+            if run is None:
+                raise TraceFormatError(f"{p}: no such file or directory")
+            d = run.directory
         else:
-            raise TraceFormatError(f"{p}: no such file or directory")
+            d = p
+        if os.path.isdir(d):
+            try:
+                names = os.listdir(d)
+            except OSError as e:
+                raise TraceFormatError(f"cannot read {d}: {e.strerror or e}") from None
+            found = sorted(os.path.join(d, n) for n in names
+                           if n.endswith(".arrow") and os.path.isfile(os.path.join(d, n)))
+            if not found:
+                if run is not None:
+                    raise TraceFormatError(f"{p}: the recording stopped before it wrote "
+                                           f"anything ({d} holds no shards)")
+                raise TraceFormatError(f"{p} holds no .arrow shards")
+            out.extend((f, run) for f in found)
+        else:
+            out.append((p, None))
+            late = _newer_unclosed(p)
+            if late:
+                notes.append(late)
     if not out:
         raise TraceFormatError("no trace given")
-    return out
+    return out, notes
 
 
 def _read_all(paths: Sequence[str | os.PathLike[str]], skip_unreadable: bool,
               only: Sequence[str] | None = None) -> tuple[list[str], list[_Part], list[str]]:
     """The files (of paths, directories expanded) that could be read, what was read of each,
-    and the warnings."""
-    parts, read, skipped = [], [], []
-    for f in _expand(paths):
+    and the warnings. The shards of an unclosed recording are read as a merge reads them
+    (unreadable ones left out) and said in one warning."""
+    files, notes = _expand(paths)
+    parts, read, warnings = [], [], list(notes)
+    runs: dict[str, list[int]] = {}   # unclosed path -> [shards read, cut short, skipped]
+    for f, run in files:
+        counts = runs.setdefault(run.path, [0, 0, 0]) if run is not None else None
         try:
-            parts.append(_read_one(f, only))
-            read.append(f)
+            part = _read_one(f, only)
         except TraceFormatError as e:
+            if counts is not None:
+                counts[2] += 1
+                continue
             if not skip_unreadable:
                 raise
-            skipped.append(f"{os.path.basename(f)}: skipped, nothing readable in it ({e})")
+            warnings.append(f"{os.path.basename(f)}: skipped, nothing readable in it ({e})")
+            continue
+        parts.append(part)
+        read.append(f)
+        if counts is not None:
+            counts[0] += 1
+            counts[1] += part.warning is not None
+        elif part.warning:
+            warnings.append(part.warning)
+    for run in {r.path: r for _, r in files if r is not None}.values():
+        warnings.insert(0, run.note(*runs[run.path]))
     if not parts:
         raise TraceFormatError(f"nothing readable in {' '.join(map(str, paths))}")
-    return read, parts, [p.warning for p in parts if p.warning] + skipped
+    return read, parts, warnings
 
 
 def load(*paths: str | os.PathLike[str], skip_unreadable: bool = False) -> Trace:
@@ -143,10 +236,12 @@ def load(*paths: str | os.PathLike[str], skip_unreadable: bool = False) -> Trace
     """
     files, parts, warnings = _read_all(paths, skip_unreadable)
     if len(parts) == 1:
-        return Trace(parts[0].table, parts[0].metadata, files, warnings)
-    tables = [p.table for p in parts]
-    table = pa.concat_tables(tables, promote_options="permissive")
-    md = merge_metadata([p.metadata for p in parts])
+        table, md = parts[0].table, parts[0].metadata
+    else:
+        table = pa.concat_tables([p.table for p in parts], promote_options="permissive")
+        md = merge_metadata([p.metadata for p in parts])
+    if not all(os.path.exists(p) for p in paths):   # read from an unclosed recording's shards
+        md = dict(md, unclosed=True)
     return Trace(table, md, files, warnings)
 
 
@@ -296,10 +391,13 @@ def open_by_rank(path: str | os.PathLike[str]) -> RankedTrace | None:
 
 
 def collector_weight(info: Any) -> int:
-    """Which collector status wins in a merge: ran (ok) > tried and failed > a guess."""
+    """Which collector status wins in a merge: ran and broke (a process says what it lost) >
+    ran (ok) > tried and could not start > a guess."""
     if not isinstance(info, dict):
         return -1
     status = str(info.get("status", ""))
+    if status.startswith(("failed", "stopped")):
+        return 3
     return 2 if status.startswith("ok") else 1 if status.startswith("unavailable") else 0
 
 

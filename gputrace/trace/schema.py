@@ -97,7 +97,11 @@ def conform(table: pa.Table, only: Iterable[str] | None = None) -> pa.Table:
         if name in table.column_names:
             col = table.column(name)
             if col.type != typ:
-                col = col.cast(typ)
+                try:
+                    col = col.cast(typ)
+                except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
+                    raise TraceFormatError(f"column {name} holds {col.type}, not "
+                                           f"{typ}: not a gputrace trace") from None
         else:
             base = typ.value_type if pa.types.is_dictionary(typ) else typ
             col = pa.chunked_array([pa.array([default] * n, base)]).cast(typ) if n else \

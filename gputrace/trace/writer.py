@@ -10,6 +10,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from gputrace.fmt import reason
 from gputrace.trace.schema import COLUMNS, DICT_COLUMNS, schema
 
 Row = tuple[Any, ...]  # values in schema.COLUMN_NAMES order; trailing extensions optional
@@ -62,15 +63,19 @@ class _DictEncoder:
 class TraceWriter:
     """Append rows to a trace file. Every `write_rows` call becomes one durable batch.
 
-    Write errors (disk full, file size limit, a directory that went away) are reported once
-    on stderr and turn the writer off; what was written stays readable.
+    Write errors (disk full, file size limit, a directory that went away) turn the writer
+    off, and are said once on stderr unless `quiet` (the caller says them); what was written
+    stays readable. `error` and `errno` tell what happened.
     """
 
-    def __init__(self, path: str | os.PathLike[str], metadata: dict[str, Any]) -> None:
+    def __init__(self, path: str | os.PathLike[str], metadata: dict[str, Any],
+                 quiet: bool = False) -> None:
         self.path = os.fspath(path)
         self.schema = schema(metadata)
         self.rows_written = 0
+        self.quiet = quiet
         self.error: str | None = None
+        self.errno = 0
         self._encoders = {name: _DictEncoder() for name in DICT_COLUMNS}
         self._sink = pa.OSFile(self.path, "wb")
         opts = pa.ipc.IpcWriteOptions(compression=_COMPRESSION, emit_dictionary_deltas=True)
@@ -80,10 +85,17 @@ class TraceWriter:
 
     def _fail(self, e: BaseException) -> None:
         if self.error is None:
-            self.error = f"{type(e).__name__}: {e}"
-            print(f"gputrace: cannot write {self.path}: {self.error}; "
-                  "recording stops here, what was written stays readable", file=sys.stderr)
+            self.error = reason(e)
+            self.errno = getattr(e, "errno", 0) or 0
+            if not self.quiet:
+                print(f"gputrace: cannot write {self.path}: {self.error}; this process records "
+                      "nothing more, what it wrote stays readable", file=sys.stderr)
         self._writer = None
+
+    def raise_error(self) -> None:
+        """Raise the write error, if there was one, as an OSError."""
+        if self.error:
+            raise OSError(self.errno, self.error)
 
     def write_rows(self, rows: Sequence[Row]) -> None:
         if rows:
@@ -152,7 +164,7 @@ def row_columns(rows: Sequence[Row]) -> list[tuple[Any, ...]]:
 def write_trace(path: str | os.PathLike[str], metadata: dict[str, Any],
                 rows: Iterable[Row] = (), table: pa.Table | None = None) -> None:
     """Write a whole trace at once (tests, importers, merges)."""
-    w = TraceWriter(path, metadata)
+    w = TraceWriter(path, metadata, quiet=True)
     try:
         if table is not None:
             w.write_table(table)
@@ -161,8 +173,7 @@ def write_trace(path: str | os.PathLike[str], metadata: dict[str, Any],
             w.write_rows(rows)
     finally:
         w.close()
-    if w.error:
-        raise OSError(w.error)
+    w.raise_error()
 
 
 def by_rank(table: pa.Table) -> pa.Table:
@@ -183,15 +194,14 @@ def write_ranks(path: str | os.PathLike[str], metadata: dict[str, Any],
     """Write a trace from tables of one rank each, in rank order, sorted by start: no record
     batch holds two ranks, so a reader can take one rank at a time
     (`trace.reader.open_by_rank`). Raises OSError where the file could not be written."""
-    w = TraceWriter(path, metadata)
+    w = TraceWriter(path, metadata, quiet=True)
     try:
         for table in tables:
             w.write_table(table)
             del table   # one rank held at a time, not this one beside the next
     finally:
         w.close()
-    if w.error:
-        raise OSError(w.error)
+    w.raise_error()
 
 
 def write_by_rank(path: str | os.PathLike[str], metadata: dict[str, Any],

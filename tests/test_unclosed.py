@@ -1,0 +1,209 @@
+"""The path the user named leads to the data: after kill -9 of an embedded Session's job or
+of `gputrace record` itself, `analyze|info|export run.arrow` read its shards and say once
+that the run was not closed, and `gputrace recover run.arrow` writes run.arrow."""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
+
+import pytest
+
+import gputrace
+from gputrace import load
+from gputrace.cli import main
+from gputrace.trace import shards
+from tests.conftest import GPUTRACE, run_gputrace
+
+# Records a span every 5 ms and logs each one itself (line-buffered: a kill -9 keeps it).
+SESSION_JOB = textwrap.dedent("""
+    import sys, time, gputrace
+    log = open(sys.argv[2], "a", buffering=1)
+    with gputrace.Session(sys.argv[1], flush_interval_s=0.5) as s:
+        i = 0
+        while True:
+            t = time.time_ns()
+            s.record_span("user", f"ev{i}", t, t + 1000)
+            log.write(f"{i} {t}\\n")
+            i += 1
+            time.sleep(0.005)
+""")
+RECORDED_JOB = SESSION_JOB.replace("with gputrace.Session(sys.argv[1], flush_interval_s=0.5) "
+                                   "as s:", "if True:").replace("s.record_span",
+                                                                "gputrace.record_span")
+
+
+def _wait_for_log(log: Path) -> None:
+    deadline = time.time() + 60
+    while not (log.exists() and log.stat().st_size > 0) and time.time() < deadline:
+        time.sleep(0.01)
+    assert log.exists(), "the job never started"
+
+
+def _logged(log: Path) -> list[tuple[int, int]]:
+    return [tuple(map(int, ln.split())) for ln in log.read_text().splitlines()
+            if len(ln.split()) == 2]
+
+
+def _released(path: Path) -> None:
+    """Wait until no process records into the shards of `path` any more: the sampler of a
+    killed Session notices its job is gone and closes its own shard."""
+    deadline = time.time() + 15
+    while time.time() < deadline:
+        if not any(shards.in_use(d) for d in shards.find(str(path))):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the shards of {path} are still held 15 s after the kill")
+
+
+def _check_unclosed_then_recover(out: Path, logged: list[tuple[int, int]], kill_ns: int
+                                 ) -> int:
+    """analyze/info/export find the shards and say so once; every event older than 1 s is
+    there; recover writes `out` with the same events. Returns how many were checked."""
+    assert not out.exists()
+    (d,) = shards.find(str(out))
+    for cmd in (["analyze"], ["info"], ["export", "--format", "chrome", "-o",
+                                        str(out.with_suffix(".json"))]):
+        p = run_gputrace(*cmd, str(out))
+        assert p.returncode == 0, (cmd, p.stderr)
+        notes = [ln for ln in p.stderr.splitlines() if "not closed" in ln]
+        assert len(notes) == 1 and f"gputrace recover {out}" in notes[0], (cmd, p.stderr)
+        assert "Traceback" not in p.stderr
+    got = {r for r in load(out).table.column("name").to_pylist() if r.startswith("ev")}
+    old = [i for i, t in logged if t < kill_ns - 1_000_000_000]
+    lost = [i for i in old if f"ev{i}" not in got]
+    assert not lost, f"{len(lost)} of {len(old)} events older than 1 s were lost"
+    p = run_gputrace("recover", str(out))
+    assert p.returncode == 0, p.stderr
+    assert out.exists() and not os.path.exists(d)
+    tr = load(out)
+    assert not tr.warnings                       # a whole file now
+    assert {r for r in tr.table.column("name").to_pylist() if r.startswith("ev")} == got
+    p = run_gputrace("info", str(out))
+    assert "not closed" in p.stdout and "exit code" in p.stdout, p.stdout
+    return len(old)
+
+
+@pytest.mark.slow
+def test_kill_9_of_a_session_job_then_analyze_and_recover_its_path(tmp_path):
+    job = tmp_path / "job.py"
+    job.write_text(SESSION_JOB)
+    rng = random.Random(19)
+    checked = 0
+    for k in range(3):
+        out, log = tmp_path / f"run{k}.arrow", tmp_path / f"run{k}.log"
+        proc = subprocess.Popen([sys.executable, str(job), str(out), str(log)])
+        _wait_for_log(log)
+        time.sleep(rng.uniform(1.5, 2.5))
+        kill_ns = time.time_ns()
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=30) == -signal.SIGKILL
+        _released(out)
+        checked += _check_unclosed_then_recover(out, _logged(log), kill_ns)
+    assert checked > 100   # the check had events to check
+
+
+@pytest.mark.slow
+def test_kill_9_of_record_itself_then_analyze_and_recover_its_path(tmp_path):
+    import psutil
+
+    job = tmp_path / "job.py"
+    job.write_text(RECORDED_JOB)
+    out, log = tmp_path / "rec.arrow", tmp_path / "rec.log"
+    rec = subprocess.Popen([*GPUTRACE, "record", "-o", str(out), "--", sys.executable, str(job),
+                            "unused", str(log)], stderr=subprocess.PIPE)
+    _wait_for_log(log)
+    (child,) = psutil.Process(rec.pid).children()
+    time.sleep(2.5)
+    kill_ns = time.time_ns()
+    rec.send_signal(signal.SIGKILL)               # the OOM killer picks record ...
+    rec.wait(timeout=30)
+    assert shards.in_use(shards.find(str(out))[0])   # ... the job records on
+    os.kill(child.pid, signal.SIGKILL)             # ... then the scheduler ends the job
+    psutil.wait_procs([child], timeout=30)
+    _released(out)
+    assert _check_unclosed_then_recover(out, _logged(log), kill_ns) > 50
+
+
+def _cli(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        rc = main(list(argv))
+    return rc, out.getvalue(), err.getvalue()
+
+
+def test_a_recording_still_running_is_read_but_not_recovered(tmp_path):
+    out = tmp_path / "live.arrow"
+    with gputrace.Session(str(out), sampler=False, flush_interval_s=0.01) as s:
+        s.record_span("user", "first", 1, 2)
+        deadline = time.time() + 10
+        while s.recorder.rows_written == 0 and time.time() < deadline:
+            time.sleep(0.01)
+        rc, stdout, err = _cli("info", "--json", str(out))
+        assert rc == 0 and '"rows": 1' in stdout, err
+        assert err.count("still being recorded") == 1, err
+        rc, _, err = _cli("recover", str(out))
+        assert rc == 2 and "still being recorded into" in err, err
+    assert out.exists() and not shards.find(str(out))   # closed as usual
+
+
+def test_recover_says_why_when_there_is_nothing_to_recover(tmp_path):
+    out = tmp_path / "none.arrow"
+    rc, _, err = _cli("recover", str(out))
+    assert rc == 2 and "no unfinished recording" in err
+    with gputrace.Session(str(out), sampler=False):
+        pass
+    rc, _, err = _cli("recover", str(out))
+    assert rc == 2 and "was closed" in err
+    not_shards = tmp_path / "somedir"
+    not_shards.mkdir()
+    rc, _, err = _cli("recover", str(not_shards))
+    assert rc == 2 and "not a recording's shard directory" in err
+
+
+def _unclosed(tmp_path: Path, name: str) -> str:
+    """A recording of `name` whose process went away without closing it (its shard written,
+    the shard directory left behind)."""
+    code = textwrap.dedent(f"""
+        import os, gputrace
+        s = gputrace.Session({str(tmp_path / name)!r}, sampler=False).__enter__()
+        s.record_span("user", "kept", 1, 2)
+        s.recorder.flush()
+        os._exit(0)
+    """)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    (d,) = shards.find(str(tmp_path / name))
+    return d
+
+
+def test_recover_a_shard_directory_named_directly_and_refuse_to_overwrite(tmp_path):
+    d = _unclosed(tmp_path, "a.arrow")
+    (tmp_path / "a.arrow").write_bytes(b"precious")
+    rc, _, err = _cli("recover", d)
+    assert rc == 2 and "exists" in err and "-f" in err
+    assert (tmp_path / "a.arrow").read_bytes() == b"precious"
+    rc, stdout, err = _cli("recover", d + "/", "-o", str(tmp_path / "b.arrow"))
+    assert rc == 0, err
+    assert "kept" in load(tmp_path / "b.arrow").table.column("name").to_pylist()
+    assert not os.path.exists(d)
+
+
+def test_a_later_unclosed_recording_beside_a_trace_is_pointed_out(tmp_path):
+    with gputrace.Session(str(tmp_path / "r.arrow"), sampler=False) as s:
+        s.record_span("user", "old", 1, 2)
+    past = time.time() - 60
+    os.utime(tmp_path / "r.arrow", (past, past))
+    _unclosed(tmp_path, "r.arrow")
+    rc, _, err = _cli("info", str(tmp_path / "r.arrow"))
+    assert rc == 0 and err.count("later recording of") == 1, err
+    rc, _, err = _cli("recover", "-f", str(tmp_path / "r.arrow"))
+    assert rc == 0, err
+    assert "kept" in load(tmp_path / "r.arrow").table.column("name").to_pylist()
