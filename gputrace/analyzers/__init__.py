@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from concurrent.futures import Executor
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from gputrace.analyzers import frame as fr
 from gputrace.analyzers.bandwidth import Bandwidth, analyze_bandwidth, bandwidth_series
+from gputrace.analyzers.clocks import ClockAlignment, UnitEnds, estimate
 from gputrace.analyzers.detail import (
+    IterationSeries,
     IterationTimeline,
     RankDetail,
     iteration_series,
@@ -20,9 +23,10 @@ from gputrace.analyzers.detail import (
 )
 from gputrace.analyzers.findings import Finding, find
 from gputrace.analyzers.model import ModelResult, Speedup, build_model, speedup
+from gputrace.analyzers.outliers import Outlier, find_outliers
 from gputrace.analyzers.replay import MIB, Replay, Scenario, replay
 from gputrace.analyzers.steps import TERMS, RankSteps, analyze_rank, warmup_skip
-from gputrace.trace.reader import RankedTrace
+from gputrace.trace.reader import RankedTrace, RankSource, read_rank
 
 
 class NothingToAnalyze(Exception):
@@ -52,6 +56,7 @@ class RankAnalysis:
     comm_transfer_s: float | None = None
     replay: Replay | None = None
     detail: RankDetail | None = None    # per-iteration figures and a timeline, when asked for
+    host: str = ""
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,9 @@ class Analysis:
     slowest_rank: int
     world_size: int
     metadata: dict[str, Any] = field(default_factory=dict)
+    clock: ClockAlignment | None = None     # host clock offsets (several hosts)
+    outliers: list[Outlier] = field(default_factory=list)
+    slowest_why: Outlier | None = None      # the slowest rank, told as an outlier is
 
     @property
     def main(self) -> RankAnalysis:
@@ -80,16 +88,15 @@ def _overlap(h: Any, sel: np.ndarray) -> dict[str, float]:
             "hidden_fraction": hid / tot if tot > 0 else 0.0}
 
 
-def _comm_wait(steps: dict[int, RankSteps], sels: dict[int, np.ndarray]
+def _comm_wait(units: dict[int, UnitTimes], iters: dict[int, int]
                ) -> dict[int, tuple[float, float]]:
     """Where several ranks show the same unit of the same step, the transfer can only start
-    when the last rank arrives: wait = that moment - own start; transfer = end - that."""
-    parts = []
-    for r, rs in steps.items():
-        u = rs.units
-        rows = u.rows(sels[r])
-        parts.append((np.full(rows.size, r), rs.iterations.step[u.it[rows]], u.index[rows],
-                      u.start[rows], u.end[rows]))
+    when the last rank arrives: wait = that moment - own start; transfer = end - that.
+    `units`: each rank's analyzed units, on one clock; `iters`: its analyzed iterations."""
+    parts = [(np.full(u.step.size, r), u.step, u.index, u.start, u.end)
+             for r, u in units.items()]
+    if not parts:
+        return {}
     rank, step, index, start, end = (np.concatenate(x) for x in zip(*parts, strict=True))
     if not rank.size:
         return {}
@@ -104,11 +111,11 @@ def _comm_wait(steps: dict[int, RankSteps], sels: dict[int, np.ndarray]
     wait = np.where(shared, (last - start) / 1e9, 0.0)
     xfer = np.where(shared, np.maximum(end - last, 0) / 1e9, 0.0)
     out = {}
-    for r in steps:
+    for r in units:
         m = shared & (rank == r)
         if m.any():
-            iters = max(len(sels[r]), 1)
-            out[r] = (float(wait[m].sum()) / iters, float(xfer[m].sum()) / iters)
+            n = max(iters[r], 1)
+            out[r] = (float(wait[m].sum()) / n, float(xfer[m].sum()) / n)
     return out
 
 
@@ -181,77 +188,223 @@ def _frames(trace: Any, consume: bool) -> Iterator[fr.Frame]:
         yield fr.build(trace.table, trace.metadata)
 
 
+@dataclass(frozen=True)
+class Options:
+    """What the per-rank analysis needs besides the rank's rows (plain data: it travels to
+    worker processes)."""
+
+    skip: int | None
+    gpus: tuple[int, ...]
+    link_bytes_per_s: float | None
+    shared_io: bool
+    what_if: tuple[Scenario, ...]
+    detail: bool
+    world: int
+
+
+@dataclass(frozen=True)
+class UnitTimes:
+    """One rank's analyzed comm units: step, launch index, start and end (trace ns)."""
+
+    step: np.ndarray
+    index: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+
+
+@dataclass(frozen=True)
+class RankPart:
+    """What one rank's own rows give: its analysis but for what needs the other ranks or
+    its host's samples (bandwidth, findings, comm wait, clock alignment)."""
+
+    rank: int
+    host: str
+    iterations: int
+    warmup_skipped: int
+    synthetic: bool
+    breakdown: dict[str, Stat]
+    comm: dict[str, float]
+    io: dict[str, float]
+    comm_exposed_s: float
+    model: ModelResult
+    speedup: Speedup
+    replay: Replay | None
+    findings: list[Finding]
+    analyzed_units: UnitTimes
+    unit_ends: UnitEnds           # every iteration's units, for clock alignment
+    analyzed: tuple[int, int, int] | None   # (first start, last end, iterations) analyzed
+    window: tuple[int, int]       # first start, last end of every iteration
+    series: IterationSeries | None = None
+    timeline: IterationTimeline | None = None
+
+
+@dataclass(frozen=True)
+class FramePart:
+    """The ranks of one frame, and its samples by host."""
+
+    ranks: list[RankPart]
+    hosts: dict[str, dict[str, fr.Samples]]
+
+
+def analyze_spans(sp: fr.Spans, o: Options) -> RankPart:
+    """Everything one rank's spans give on their own: a pure function of them."""
+    rs = analyze_rank(sp)
+    extra = _extra_findings(sp, rs)
+    n = rs.iterations.start.size
+    skipped = warmup_skip(n, o.skip)
+    sel = np.arange(skipped, n)
+    timeline = iteration_timeline(sp, rs, representative(rs, sel)) if o.detail and n else None
+    model = build_model(rs, sel)
+    sp_ = speedup(model, o.world, list(o.gpus), o.link_bytes_per_s, o.shared_io,
+                  float(sum(rs.layer_bytes.values())))
+    rp = replay(rs, sel, model, o.world, list(o.gpus), o.link_bytes_per_s, list(o.what_if))
+    u = rs.units
+    rows = u.rows(sel)
+    step = rs.iterations.step
+    its = rs.iterations
+    return RankPart(
+        rank=sp.rank, host=sp.host, iterations=int(n), warmup_skipped=skipped,
+        synthetic=its.synthetic, breakdown={k: _stat(rs.terms[k][sel]) for k in TERMS},
+        comm=_overlap(rs.comm, sel), io=_overlap(rs.io, sel),
+        comm_exposed_s=float(np.mean(rs.comm.exposed_s[sel])) if sel.size else 0.0,
+        model=model, speedup=sp_, replay=rp,
+        findings=extra + _replay_findings(rp, o.world),
+        analyzed_units=UnitTimes(step[u.it[rows]], u.index[rows], u.start[rows], u.end[rows]),
+        unit_ends=UnitEnds(step[u.it], u.index, u.end),
+        analyzed=(int(its.start[sel[0]]), int(its.end[sel[-1]]), int(sel.size))
+        if sel.size else None,
+        window=(int(its.start[0]), int(its.end[-1])) if n else (0, 0),
+        series=iteration_series(rs, skipped) if o.detail else None, timeline=timeline)
+
+
+def analyze_frame(f: fr.Frame, o: Options) -> FramePart:
+    """The ranks of a frame, each freed once it is summarized."""
+    parts = []
+    for r in list(f.ranks):
+        sp = f.ranks.pop(r)
+        parts.append(analyze_spans(sp, o))
+        del sp
+    return FramePart(parts, f.hosts)
+
+
+def analyze_source(source: RankSource, drop_unranked: bool, o: Options) -> FramePart:
+    """One rank read from its files and analyzed: the task a worker process (or a Dask or
+    Ray worker that sees the same files) runs."""
+    _give_back()
+    cols = read_rank(source, fr.COLUMNS)
+    return analyze_frame(fr.build(cols, None, drop_unranked=drop_unranked), o)
+
+
+def _link_from_probe(probe: Any) -> float | None:
+    if isinstance(probe, dict):
+        for key in ("allreduce_bus", "ib", "p2p"):
+            v = (probe.get("results") or {}).get(key)
+            if isinstance(v, dict) and isinstance(v.get("bytes_per_s"), (int, float)):
+                return float(v["bytes_per_s"])
+    return None
+
+
+def _md_world(md: Any) -> int:
+    w = md.get("world_size") if isinstance(md, dict) else None
+    return w if isinstance(w, int) else 0
+
+
+# below this many rows, a trace is analyzed in the calling process: starting workers
+# (~0.5 s each on a 2-core machine) would cost more than they save
+PARALLEL_MIN_ROWS = 2_000_000
+
+
+def parallel_worth_it(trace: Any, jobs: int | None) -> bool:
+    """Whether analyzing `trace` in worker processes pays: a RankedTrace of several ranks
+    and, unless `jobs` was asked for, enough rows."""
+    if not isinstance(trace, RankedTrace) or len(trace.groups) < 2:
+        return False
+    if jobs is not None:
+        return jobs > 1
+    return sum(trace.rows.values()) >= PARALLEL_MIN_ROWS
+
+
 def analyze(trace: Any, *, skip: int | None = None, gpus: Sequence[int] = (2, 4, 8, 16),
             link_bytes_per_s: float | None = None, shared_io: bool = False,
             what_if: Sequence[Scenario] = (), consume: bool = False,
-            detail: bool = False) -> Analysis:
+            detail: bool = False, executor: Executor | None = None,
+            align: bool = True) -> Analysis:
     """Analyze a loaded trace (gputrace.trace.Trace, or a RankedTrace read one rank at a
     time); `what_if` adds replay scenarios. `consume` hands a Trace's table over
     (trace.table becomes None), so its columns are freed one by one as they are converted:
     the command line's peak memory. `detail` keeps, per rank, what a report draws
     (RankAnalysis.detail): per-iteration figures, the timeline of a median iteration and
-    bandwidth over time."""
-    steps: dict[int, RankSteps] = {}
-    extra: dict[int, list[Finding]] = {}
-    parts: list[dict[str, fr.Samples]] = []
-    sels: dict[int, np.ndarray] = {}
-    skipped: dict[int, int] = {}
-    timelines: dict[int, IterationTimeline | None] = {}
-    for f in _frames(trace, consume):
-        for r in list(f.ranks):
-            sp = f.ranks.pop(r)     # each rank's spans are freed once it is summarized
-            rs = steps[r] = analyze_rank(sp)
-            extra[r] = _extra_findings(sp, rs)
-            n = rs.iterations.start.size
-            skipped[r] = warmup_skip(n, skip)
-            sels[r] = np.arange(skipped[r], n)
-            if detail:
-                timelines[r] = iteration_timeline(sp, rs, representative(rs, sels[r])) \
-                    if n else None
-            del sp
-        parts.append(f.samples)
-    if not steps:
+    bandwidth over time. `executor` (a concurrent.futures Executor: a process pool, Dask's
+    or Ray's) analyzes a RankedTrace's ranks in its workers, each reading its own rank from
+    the files. Host clocks are aligned on the comm units every rank ends at once (`align`
+    False: the offsets are reported, not applied)."""
+    md = trace.metadata if isinstance(trace.metadata, dict) else {}
+    probe = md.get("probe")
+    if link_bytes_per_s is None:
+        link_bytes_per_s = _link_from_probe(probe)
+    world = _md_world(md)
+    opts = Options(skip, tuple(gpus), link_bytes_per_s, shared_io, tuple(what_if), detail, 1)
+    parts: list[FramePart] = []
+    if isinstance(trace, RankedTrace):
+        ranked = any(r >= 0 for r in trace.groups)
+        opts = replace(opts, world=max(sum(r >= 0 for r in trace.groups), world, 1))
+        if executor is not None:
+            tasks = [(trace.source(r), ranked and r < 0) for r in trace.ranks]
+            parts = list(executor.map(analyze_source, *zip(*tasks, strict=True),
+                                      [opts] * len(tasks)))
+        else:
+            parts = [analyze_frame(f, opts) for f in _frames(trace, consume)]
+    else:
+        for f in _frames(trace, consume):
+            parts.append(analyze_frame(f, replace(opts, world=max(len(f.ranks), world, 1))))
+    return combine(parts, md, opts, probe, align)
+
+
+def combine(parts: list[FramePart], md: dict[str, Any], opts: Options, probe: Any,
+            align: bool = True) -> Analysis:
+    """The analysis of a run from its ranks' parts: each rank's bandwidth (its host's
+    samples) and findings, the wait for peers in comm, host clock offsets, outliers."""
+    ranks = {p.rank: p for fp in parts for p in fp.ranks}
+    if not ranks:
         raise NothingToAnalyze("the trace has no spans (no iterations or phases) to analyze")
-    samples = fr.merge_samples(parts)
-    probe = trace.metadata.get("probe") if isinstance(trace.metadata, dict) else None
-    if link_bytes_per_s is None and isinstance(probe, dict):
-        for key in ("allreduce_bus", "ib", "p2p"):
-            v = (probe.get("results") or {}).get(key)
-            if isinstance(v, dict) and isinstance(v.get("bytes_per_s"), (int, float)):
-                link_bytes_per_s = float(v["bytes_per_s"])
-                break
-    world = max(len(steps), int(trace.metadata.get("world_size") or 0)
-                if isinstance(trace.metadata.get("world_size"), int) else 0, 1)
-    waits = _comm_wait(steps, sels) if len(steps) > 1 else {}
+    hosts = fr.merge_hosts([fp.hosts for fp in parts])
+    world = max(len(ranks), opts.world, 1)
+    clock = estimate({r: (p.host, p.unit_ends) for r, p in ranks.items()}, align) \
+        if len({p.host for p in ranks.values()}) > 1 else None
+
+    def shifted(p: RankPart) -> UnitTimes:
+        off = clock.offset_ns(p.host) if clock else 0
+        u = p.analyzed_units
+        return UnitTimes(u.step, u.index, u.start - off, u.end - off) if off else u
+
+    waits = _comm_wait({r: shifted(p) for r, p in ranks.items()},
+                       {r: p.iterations - p.warmup_skipped for r, p in ranks.items()}) \
+        if len(ranks) > 1 else {}
     out: dict[int, RankAnalysis] = {}
-    for r, rs in steps.items():
-        sel = sels[r]
-        model = build_model(rs, sel)
-        sp_ = speedup(model, world, gpus, link_bytes_per_s, shared_io,
-                      float(sum(rs.layer_bytes.values())))
-        comm = _overlap(rs.comm, sel)
-        io = _overlap(rs.io, sel)
+    for r, p in ranks.items():
+        samples = hosts.get(p.host)
+        if samples is None and len(hosts) == 1:
+            samples = next(iter(hosts.values()))   # samples recorded without a host name
         bw = None
-        if samples and sel.size:
-            lo = int(rs.iterations.start[sel[0]])
-            hi = int(rs.iterations.end[sel[-1]])
-            bw = analyze_bandwidth(samples, lo, hi, int(sel.size),
-                                   io["total_s"] * sel.size, probe)
-        rp = replay(rs, sel, model, world, gpus, link_bytes_per_s, what_if)
-        more = {"findings": extra[r] + _replay_findings(rp, world)}
+        if samples and p.analyzed:
+            lo, hi, n = p.analyzed
+            bw = analyze_bandwidth(samples, lo, hi, n, p.io["total_s"] * n, probe)
         rd = None
-        if detail:
-            lo, hi = int(rs.iterations.start[0]), int(rs.iterations.end[-1])
-            rd = RankDetail(iteration_series(rs, skipped[r]), timelines[r],
+        if opts.detail and p.series is not None:
+            lo, hi = p.window
+            rd = RankDetail(p.series, p.timeline,
                             bandwidth_series(samples, lo, hi, probe) if samples else [], lo)
         w = waits.get(r)
         out[r] = RankAnalysis(
-            rank=r, iterations=int(rs.iterations.start.size), warmup_skipped=skipped[r],
-            synthetic_iterations=rs.iterations.synthetic,
-            breakdown={k: _stat(rs.terms[k][sel]) for k in TERMS},
-            comm=comm, io=io, model=model, speedup=sp_, bandwidth=bw,
-            findings=find(model, comm, io, bw, more),
+            rank=r, iterations=p.iterations, warmup_skipped=p.warmup_skipped,
+            synthetic_iterations=p.synthetic, breakdown=p.breakdown, comm=p.comm, io=p.io,
+            model=p.model, speedup=p.speedup, bandwidth=bw,
+            findings=find(p.model, p.comm, p.io, bw, {"findings": p.findings}),
             comm_wait_s=w[0] if w else None, comm_transfer_s=w[1] if w else None,
-            replay=rp, detail=rd)
+            replay=p.replay, detail=rd, host=p.host)
     slowest = max(out, key=lambda r: out[r].breakdown["t_iter"].mean)
-    return Analysis(out, slowest, world, dict(trace.metadata))
+    figures = {r: {**{k: p.breakdown[k].mean for k in TERMS}, "comm_exposed": p.comm_exposed_s}
+               for r, p in ranks.items()}
+    outliers, told = find_outliers(figures, {r: p.host for r, p in ranks.items()})
+    return Analysis(out, slowest, world, dict(md), clock=clock, outliers=outliers,
+                    slowest_why=told)
