@@ -47,6 +47,7 @@ def dask_executor(address: str, timeout_s: float = 20) -> Iterator[Executor]:
     except ImportError:
         raise EngineError("--dask needs Dask distributed: pip install 'gputrace[cluster]'") \
             from None
+    _reachable(address, timeout_s)
     try:
         client = Client(address, timeout=timeout_s, set_as_default=False)
     except (OSError, TimeoutError, ValueError, TypeError) as e:
@@ -55,6 +56,30 @@ def dask_executor(address: str, timeout_s: float = 20) -> Iterator[Executor]:
         yield client.get_executor(pure=False)
     finally:
         client.close()
+
+
+def _reachable(address: str, timeout_s: float) -> None:
+    """Refuse an address that is malformed or where nothing listens, before a Client is
+    made (one that never connects lingers, and complains as the interpreter exits)."""
+    import socket
+
+    from distributed.comm import parse_address, parse_host_port
+
+    try:
+        scheme, loc = parse_address(address)
+        if scheme not in ("tcp", "tls"):
+            return
+        host, port = parse_host_port(loc)
+        if not host or not port:
+            raise ValueError("give HOST:PORT")
+    except (ValueError, TypeError) as e:
+        raise EngineError(f"--dask {address!r} is not a scheduler address like "
+                          f"tcp://HOST:8786 ({e})") from None
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise EngineError(f"cannot reach the Dask scheduler at {address}: "
+                          f"{e.strerror or e}") from None
 
 
 class _RayExecutor(Executor):
@@ -97,10 +122,10 @@ def ray_executor(address: str) -> Iterator[Executor]:
 def executor(jobs: int, dask: str | None = None, ray: str | None = None
              ) -> Iterator[Executor | None]:
     """The executor the options ask for (None: analyze in this process)."""
-    if dask:
+    if dask is not None:
         with dask_executor(dask) as ex:
             yield ex
-    elif ray:
+    elif ray is not None:
         with ray_executor(ray) as ex:
             yield ex
     elif jobs > 1:

@@ -51,13 +51,16 @@ class Builder:
 
 
 def ddp_iterations(b: Builder, units, *, n=6, rank=0, shift=0.0, update=(90, 98),
-                   per_layer_bwd=((4, 30, 40), (3, 40, 55), (2, 55, 70), (1, 70, 85))):
+                   per_layer_bwd=((4, 30, 40), (3, 40, 55), (2, 55, 70), (1, 70, 85)),
+                   wait=0.0):
     """n iterations of 100 ms: io wait 0-5, forward 5-30, backward per layer, the given comm
-    units [(layers, start, end)], update."""
+    units [(layers, start, end)], update. `wait`: ms more waiting for data, which makes
+    each iteration that much longer."""
     for k in range(n):
-        base = k * 100 + shift
-        b.span("iteration", base, base + 100, step=k, rank=rank)
-        b.span("io", base, base + 5, step=k, rank=rank)
+        it = k * (100 + wait) + shift
+        base = it + wait
+        b.span("iteration", it, base + 100, step=k, rank=rank)
+        b.span("io", it, base + 5, step=k, rank=rank)
         b.span("forward", base + 5, base + 30, step=k, rank=rank)
         for layer, s, e in per_layer_bwd:
             b.span("backward", base + s, base + e, layer=layer, step=k, rank=rank)

@@ -12,7 +12,7 @@ import numpy as np
 
 from gputrace.analyzers import frame as fr
 from gputrace.analyzers.bandwidth import Bandwidth, analyze_bandwidth, bandwidth_series
-from gputrace.analyzers.clocks import ClockAlignment, UnitEnds, estimate
+from gputrace.analyzers.clocks import ClockAlignment, UnitTimes, estimate
 from gputrace.analyzers.detail import (
     IterationSeries,
     IterationTimeline,
@@ -203,16 +203,6 @@ class Options:
 
 
 @dataclass(frozen=True)
-class UnitTimes:
-    """One rank's analyzed comm units: step, launch index, start and end (trace ns)."""
-
-    step: np.ndarray
-    index: np.ndarray
-    start: np.ndarray
-    end: np.ndarray
-
-
-@dataclass(frozen=True)
 class RankPart:
     """What one rank's own rows give: its analysis but for what needs the other ranks or
     its host's samples (bandwidth, findings, comm wait, clock alignment)."""
@@ -231,7 +221,7 @@ class RankPart:
     replay: Replay | None
     findings: list[Finding]
     analyzed_units: UnitTimes
-    unit_ends: UnitEnds           # every iteration's units, for clock alignment
+    all_units: UnitTimes          # every iteration's units, for clock alignment
     analyzed: tuple[int, int, int] | None   # (first start, last end, iterations) analyzed
     window: tuple[int, int]       # first start, last end of every iteration
     series: IterationSeries | None = None
@@ -270,7 +260,7 @@ def analyze_spans(sp: fr.Spans, o: Options) -> RankPart:
         model=model, speedup=sp_, replay=rp,
         findings=extra + _replay_findings(rp, o.world),
         analyzed_units=UnitTimes(step[u.it[rows]], u.index[rows], u.start[rows], u.end[rows]),
-        unit_ends=UnitEnds(step[u.it], u.index, u.end),
+        all_units=UnitTimes(step[u.it], u.index, u.start, u.end),
         analyzed=(int(its.start[sel[0]]), int(its.end[sel[-1]]), int(sel.size))
         if sel.size else None,
         window=(int(its.start[0]), int(its.end[-1])) if n else (0, 0),
@@ -369,7 +359,7 @@ def combine(parts: list[FramePart], md: dict[str, Any], opts: Options, probe: An
         raise NothingToAnalyze("the trace has no spans (no iterations or phases) to analyze")
     hosts = fr.merge_hosts([fp.hosts for fp in parts])
     world = max(len(ranks), opts.world, 1)
-    clock = estimate({r: (p.host, p.unit_ends) for r, p in ranks.items()}, align) \
+    clock = estimate({r: (p.host, p.all_units) for r, p in ranks.items()}, align) \
         if len({p.host for p in ranks.values()}) > 1 else None
 
     def shifted(p: RankPart) -> UnitTimes:

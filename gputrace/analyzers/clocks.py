@@ -1,10 +1,20 @@
-"""Clock offsets between hosts, from events every rank sees at the same moment.
+"""Clock offsets between hosts, from the collectives every rank takes part in.
 
-A blocking collective (a gradient bucket's all-reduce, a barrier) completes on every rank at
-once, give or take one message's latency: the last rank to arrive releases them all. Where
-the same unit of the same step ends on ranks of two hosts, the difference of the end times
-is the difference of the hosts' clocks plus that small noise; its median over every shared
-unit is the offset, and its spread says how sure that is. No I/O.
+A blocking collective (a gradient unit's all-reduce, a barrier) completes on every rank at
+about the same moment: the last rank to arrive releases them all. A rank records that
+moment late by however long its completion callback waited for a core and the interpreter
+(milliseconds on a busy machine), never early. So for each unit of each step shared by two
+hosts, the earliest end among each host's ranks is the least delayed, and the difference of
+the two is the clock offset plus noise; the median over every shared unit is the estimate,
+and its standard error the uncertainty.
+
+Causality also bounds the offset: no rank ends a unit before every rank has started it, so
+with B's clock ahead of A's by theta,
+
+    max(start on B) - min(end on A)  <=  theta  <=  min(end on B) - max(start on A)
+
+over every shared unit. The estimate is kept inside these bounds (reported beside it). No
+I/O.
 """
 
 from __future__ import annotations
@@ -17,11 +27,12 @@ MIN_MATCHES = 3     # shared units below which a host's offset is not estimated
 
 
 @dataclass(frozen=True)
-class UnitEnds:
-    """When one rank's comm units ended: (step, unit index) -> end, trace ns."""
+class UnitTimes:
+    """One rank's comm units: step, launch index, start and end (trace ns)."""
 
     step: np.ndarray
     index: np.ndarray
+    start: np.ndarray
     end: np.ndarray
 
 
@@ -30,9 +41,10 @@ class HostClock:
     host: str
     ranks: list[int]
     offset_s: float | None       # its clock minus the reference host's (None: unknown)
-    uncertainty_s: float | None  # standard error of that median
-    spread_s: float | None       # robust std of the per-unit differences
+    uncertainty_s: float | None  # standard error of the median
+    spread_s: float | None       # robust std of the per-unit differences of end times
     matched: int                 # units it shares with the reference host
+    bounds_s: tuple[float, float] | None = None   # what causality allows the offset to be
     note: str = ""
 
 
@@ -50,53 +62,60 @@ class ClockAlignment:
         return round(h.offset_s * 1e9)
 
 
-def _per_unit(ends: list[UnitEnds]) -> tuple[np.ndarray, np.ndarray]:
-    """Keys (step, index) packed in one int64 each, and the median end over the ranks given,
-    one per key, sorted by key."""
-    step = np.concatenate([e.step for e in ends]).astype(np.int64)
-    index = np.concatenate([e.index for e in ends]).astype(np.int64)
-    end = np.concatenate([e.end for e in ends]).astype(np.int64)
+def _per_unit(units: list[UnitTimes]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per (step, index) key, over the ranks given, sorted by key: the key packed in one
+    int64, the latest start and the earliest end."""
+    step = np.concatenate([u.step for u in units]).astype(np.int64)
+    index = np.concatenate([u.index for u in units]).astype(np.int64)
+    start = np.concatenate([u.start for u in units]).astype(np.int64)
+    end = np.concatenate([u.end for u in units]).astype(np.int64)
     ok = step >= 0
     key = (step[ok] << 20) | (index[ok] & 0xFFFFF)
-    end = end[ok]
+    start, end = start[ok], end[ok]
     if not key.size:
-        return key, end.astype(np.float64)
-    order = np.lexsort((end, key))
-    key, end = key[order], end[order]
+        return key, start, end
+    order = np.argsort(key, kind="stable")
+    key, start, end = key[order], start[order], end[order]
     first = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
-    counts = np.diff(np.r_[first, key.size])
-    mid = first + (counts - 1) // 2          # the lower median of each key's ends
-    mid2 = first + counts // 2
-    return key[first], (end[mid].astype(np.float64) + end[mid2]) / 2
+    return key[first], np.maximum.reduceat(start, first), np.minimum.reduceat(end, first)
 
 
-def estimate(ranks: dict[int, tuple[str, UnitEnds]], apply: bool = True
+def estimate(ranks: dict[int, tuple[str, UnitTimes]], apply: bool = True
              ) -> ClockAlignment | None:
     """Each host's clock offset against the host of the lowest rank, from the comm units
-    that ranks on both ended; None with fewer than two hosts."""
+    that ranks on both took part in; None with fewer than two hosts."""
     by_host: dict[str, list[int]] = {}
     for r, (host, _) in sorted(ranks.items()):
         by_host.setdefault(host, []).append(r)
     if len(by_host) < 2:
         return None
     ref = ranks[min(ranks)][0]
-    ref_key, ref_end = _per_unit([ranks[r][1] for r in by_host[ref]])
-    out = {ref: HostClock(ref, by_host[ref], 0.0, 0.0, 0.0, int(ref_key.size),
-                          "reference")}
+    rk, r_start, r_end = _per_unit([ranks[r][1] for r in by_host[ref]])
+    out = {ref: HostClock(ref, by_host[ref], 0.0, 0.0, 0.0, int(rk.size), note="reference")}
     for host, rs in by_host.items():
         if host == ref:
             continue
-        key, end = _per_unit([ranks[r][1] for r in rs])
-        common, a, b = np.intersect1d(key, ref_key, assume_unique=True, return_indices=True)
+        key, start, end = _per_unit([ranks[r][1] for r in rs])
+        common, a, b = np.intersect1d(key, rk, assume_unique=True, return_indices=True)
         if common.size < MIN_MATCHES:
             out[host] = HostClock(host, rs, None, None, None, int(common.size),
-                                  f"only {common.size} comm units shared with {ref}: "
+                                  note=f"only {common.size} comm units shared with {ref}: "
                                   "offset not estimated, times taken as recorded")
             continue
-        d = end[a] - ref_end[b]
-        med = float(np.median(d))
-        spread = 1.4826 * float(np.median(np.abs(d - med)))
+        d = (end[a] - r_end[b]).astype(np.float64)
+        mid = float(np.median(d))
+        spread = 1.4826 * float(np.median(np.abs(d - mid)))
         # the median's standard error under a normal spread: 1.2533 sigma / sqrt(n)
         err = 1.2533 * spread / np.sqrt(d.size)
-        out[host] = HostClock(host, rs, med / 1e9, err / 1e9, spread / 1e9, int(d.size))
+        lo = float(np.max(start[a] - r_end[b]))     # theta >= B's start - A's end
+        hi = float(np.min(end[a] - r_start[b]))     # theta <= B's end - A's start
+        note = ""
+        if lo <= hi and not lo <= mid <= hi:
+            mid = min(max(mid, lo), hi)
+            note = "the median fell outside the causal bounds: held to the nearer bound"
+        elif lo > hi:
+            note = ("the causal bounds contradict each other (spans that are not the same "
+                    "collectives on every rank?)")
+        out[host] = HostClock(host, rs, mid / 1e9, err / 1e9, spread / 1e9, int(d.size),
+                              (lo / 1e9, hi / 1e9) if lo <= hi else None, note)
     return ClockAlignment(ref, out, apply)

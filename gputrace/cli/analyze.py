@@ -129,25 +129,29 @@ def analysis(args: argparse.Namespace, detail: bool = False):  # type: ignore[no
     what_if = [parse_what_if(w) for w in args.what_if]
     if args.jobs is not None and args.jobs < 1:
         raise CommandError(f"--jobs takes a number of processes, 1 or more, not {args.jobs}")
-    if args.dask and args.ray:
+    if args.dask is not None and args.ray is not None:
         raise CommandError("--dask and --ray: choose one engine")
-    trace = load_trace(args.trace, by_rank=True)
+    engine = args.dask is not None or args.ray is not None
     kw = dict(skip=args.skip, gpus=gpus, link_bytes_per_s=link, shared_io=args.shared_io,
               what_if=what_if, consume=True, detail=detail, align=not args.no_align)
-    engine = args.dask or args.ray
-    if engine and not isinstance(trace, RankedTrace):
-        print(f"gputrace: note: {' '.join(args.trace)} is not written one rank per record "
-              "batch (an import, or a recording not closed): analyzed here, not on the "
-              "cluster", file=sys.stderr)
-    use = isinstance(trace, RankedTrace) and (engine or parallel_worth_it(trace, args.jobs))
     try:
-        try:
-            with executor(args.jobs or cores(), args.dask, args.ray) if use else \
-                    contextlib.nullcontext() as ex:
-                a = analyze(trace, executor=ex, **kw)
-        except RankUnreadable:   # read it whole instead, recovering every complete batch
-            trace = load_trace(args.trace)
-            a = analyze(trace, **kw)
+        with contextlib.ExitStack() as stack:
+            # an engine is reached first: an address that does not answer fails before any
+            # work is done
+            ex = stack.enter_context(executor(1, args.dask, args.ray)) if engine else None
+            trace = load_trace(args.trace, by_rank=True)
+            if engine and not isinstance(trace, RankedTrace):
+                print(f"gputrace: note: {' '.join(args.trace)} is not written one rank per "
+                      "record batch (an import, or a recording not closed): analyzed here, "
+                      "not on the cluster", file=sys.stderr)
+            if not engine and parallel_worth_it(trace, args.jobs):
+                ex = stack.enter_context(executor(args.jobs or cores()))
+            try:
+                a = analyze(trace, executor=ex if isinstance(trace, RankedTrace) else None,
+                            **kw)
+            except RankUnreadable:   # read it whole instead, recovering every complete batch
+                trace = load_trace(args.trace)
+                a = analyze(trace, **kw)
     except EngineError as e:
         raise CommandError(str(e)) from None
     except NothingToAnalyze as e:

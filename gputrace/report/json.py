@@ -121,11 +121,13 @@ def _clock(a: Analysis) -> dict[str, Any] | None:
     if c is None:
         return None
     return {"reference_host": c.reference, "applied": c.applied,
-            "method": "median difference of comm unit ends (collectives end on every rank "
-                      "at once)",
+            "method": "median over shared comm units of the difference of each host's "
+                      "earliest end, within the causal bounds",
             "hosts": {h: {"ranks": hc.ranks, "offset_s": hc.offset_s,
                           "uncertainty_s": hc.uncertainty_s, "spread_s": hc.spread_s,
-                          "matched_units": hc.matched, "note": hc.note}
+                          "matched_units": hc.matched,
+                          "bounds_s": list(hc.bounds_s) if hc.bounds_s else None,
+                          "note": hc.note}
                       for h, hc in sorted(c.hosts.items())}}
 
 

@@ -274,9 +274,9 @@ def _ranks(con: Console, a: Analysis) -> None:
                   + (f"; and {len(a.outliers) - 8} more" if len(a.outliers) > 8 else ""))
     c = a.clock
     if c is not None:
-        con.print(f"host clocks, against {escape(c.reference)} (from comm units that end on "
-                  "every rank at once)" + ("" if c.applied else ", not applied (--no-align)")
-                  + ":")
+        con.print(f"host clocks, against {escape(c.reference)} (from the ends of comm units, "
+                  "which every rank reaches at once)"
+                  + ("" if c.applied else ", not applied (--no-align)") + ":")
         for h, hc in sorted(c.hosts.items()):
             if h == c.reference:
                 continue
@@ -284,5 +284,7 @@ def _ranks(con: Console, a: Analysis) -> None:
                 con.print(f"  {escape(h)}: [yellow]{escape(hc.note)}[/]")
             else:
                 con.print(f"  {escape(h)}: {hc.offset_s * 1e3:+.3f} ms "
-                          f"± {(hc.uncertainty_s or 0) * 1e3:.3f} ms "
-                          f"({hc.matched} units, spread {(hc.spread_s or 0) * 1e3:.3f} ms)")
+                          f"± {(hc.uncertainty_s or 0) * 1e3:.3f} ms ({hc.matched} units"
+                          + (f", within [{hc.bounds_s[0] * 1e3:+.1f}, "
+                             f"{hc.bounds_s[1] * 1e3:+.1f}] ms" if hc.bounds_s else "")
+                          + (f"; {escape(hc.note)}" if hc.note else "") + ")")
