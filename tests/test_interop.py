@@ -216,6 +216,10 @@ def _corrupt_inputs(shared_data, tmp_path):
         "notrace.json": b'{"hello": 1}',
         "list.json": b'[1, 2, 3]',
         "empty.json": b"",
+        # nested deeper than any parser's stack: refused, not a crash or all of memory
+        "deep.json": b'{"traceEvents": [' + b"[" * 200_000 + b"]" * 200_000 + b"]}",
+        "deeparg.json": b'{"traceEvents": [{"ph": "X", "args": ' + b'{"a": ' * 200_000 + b"1"
+                        + b"}" * 200_000 + b"}]}",
     }
     paths = []
     for name, data in cases.items():

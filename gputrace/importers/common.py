@@ -109,6 +109,30 @@ class Rows:
             self._seal()
         return self.count - 1
 
+    def add_columns(self, n: int, **cols: Any) -> int:
+        """Append n rows given as columns by name (a sequence each, or one value for all);
+        the other columns take their defaults. Returns the index of the first."""
+        first = self.count
+        if not n:
+            return first
+        self._seal()
+        try:
+            arrays = []
+            for name, f in zip(COLUMN_NAMES, self._schema, strict=True):
+                v = cols.get(name, DEFAULTS[name])
+                if isinstance(v, list | tuple | np.ndarray):
+                    arrays.append(self._array(v, f.type))
+                elif v is None:
+                    arrays.append(pa.nulls(n, f.type))
+                else:
+                    base = f.type.value_type if pa.types.is_dictionary(f.type) else f.type
+                    arrays.append(pa.repeat(pa.scalar(v, base), n).cast(f.type))
+        except (pa.ArrowInvalid, OverflowError, TypeError) as e:
+            raise ImportFailed(f"a value does not fit the trace format: {e}") from None
+        self.batches.append(pa.RecordBatch.from_arrays(arrays, schema=self._schema))
+        self.count += n
+        return first
+
     def set_many(self, column: str, rows: np.ndarray, values: Sequence[Any]) -> None:
         """Change `column` of rows already added (applied when the table is built; where a row
         is set twice, the later value stands)."""
