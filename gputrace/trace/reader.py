@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -192,9 +192,12 @@ def _expand(paths: Iterable[str | os.PathLike[str]]
 
 
 def _read_all(paths: Sequence[str | os.PathLike[str]], skip_unreadable: bool,
-              only: Sequence[str] | None = None) -> tuple[list[str], list[_Part], list[str]]:
-    """The files (of paths, directories expanded) that could be read, what was read of each,
-    and the warnings. The shards of an unclosed recording are read as a merge reads them
+              only: Sequence[str] | None = None,
+              keep: Callable[[_Part], _Part] | None = None
+              ) -> tuple[list[str], list[_Part], list[str]]:
+    """The files (of paths, directories expanded) that could be read, what was read of each
+    (`keep`: what to keep of it, so that a caller holds one file's rows at a time), and the
+    warnings. The shards of an unclosed recording are read as a merge reads them
     (unreadable ones left out) and said in one warning."""
     files, notes = _expand(paths)
     parts, read, warnings = [], [], list(notes)
@@ -211,13 +214,13 @@ def _read_all(paths: Sequence[str | os.PathLike[str]], skip_unreadable: bool,
                 raise
             warnings.append(f"{os.path.basename(f)}: skipped, nothing readable in it ({e})")
             continue
-        parts.append(part)
         read.append(f)
         if counts is not None:
             counts[0] += 1
             counts[1] += part.warning is not None
         elif part.warning:
             warnings.append(part.warning)
+        parts.append(keep(part) if keep else part)
     for run in {r.path: r for _, r in files if r is not None}.values():
         warnings.insert(0, run.note(*runs[run.path]))
     if not parts:
@@ -265,8 +268,11 @@ def _ranks(table: pa.Table) -> pa.ChunkedArray:
 def index_shards(path: str | os.PathLike[str]) -> tuple[list[Shard], list[str]]:
     """The readable shards in a directory, each with the ranks its rows hold (only their
     rank columns are read), and the warnings `load(path, skip_unreadable=True)` gives."""
-    files, parts, warnings = _read_all([path], True, only=("rank",))
-    return [Shard(f, p.metadata, set(_ranks(p.table).unique().to_pylist()))
+    def ranks_only(p: _Part) -> _Part:   # the rank column of every shard would add up
+        return _Part(pa.table({"rank": _ranks(p.table).unique()}), p.metadata, p.warning)
+
+    files, parts, warnings = _read_all([path], True, only=("rank",), keep=ranks_only)
+    return [Shard(f, p.metadata, set(p.table.column("rank").to_pylist()))
             for f, p in zip(files, parts, strict=True)], warnings
 
 
