@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from gputrace.importers.common import (
     HostOps,
@@ -38,7 +39,7 @@ _BATCH = 1 << 16
 UNSET = msgspec.UNSET
 
 
-class _Args(msgspec.Struct):
+class _Args(msgspec.Struct, gc=False):
     """The `args` keys gputrace reads (UNSET: absent)."""
 
     correlation: Any = UNSET
@@ -50,7 +51,7 @@ class _Args(msgspec.Struct):
     dtype: Any = UNSET
 
 
-class _Event(msgspec.Struct):
+class _Event(msgspec.Struct, gc=False):
     ph: Any = None
     cat: Any = ""
     name: Any = None
@@ -143,9 +144,12 @@ def _loose(raw: msgspec.Raw, n: int) -> _Event:
                   ev.get("dur", 0), ev.get("pid"), ev.get("tid"), a)
 
 
+_BATCH_DECODER = msgspec.json.Decoder(list[_Event])
+
+
 def _events(raws: list[msgspec.Raw], first: int) -> list[_Event]:
     try:
-        return [_TYPED.decode(r) for r in raws]
+        return _BATCH_DECODER.decode(b"[%b]" % b",".join(raws))
     except RecursionError:
         raise ImportFailed(f"an event after event {first} is nested too deeply") from None
     except msgspec.ValidationError:
@@ -220,7 +224,7 @@ def read(path: str, rank: int, rows: Rows, *, phases: Sequence[tuple[Any, int, i
     doc.top.traceEvents = None
     del doc
     for lo in range(0, len(raws), _BATCH):
-        _convert(_events(raws[lo:lo + _BATCH], lo), lo, rank, rows, base_ns, gpu_only,
+        _convert_batch(_events(raws[lo:lo + _BATCH], lo), lo, rank, rows, base_ns, gpu_only,
                  threads, launches, fixed, h2d, phases, iters, iter_threads, ops, counts)
     counts["events"] = len(raws)
     del raws
@@ -244,12 +248,14 @@ _COLS = ("cat", "name", "start_ns", "end_ns", "pid", "tid", "device", "stream", 
          "bytes", "src_kind", "dst_kind", "corr", "phase")
 
 
-def _convert(evs: list[_Event], first: int, rank: int, rows: Rows, base_ns: int,
-             gpu_only: bool, threads: dict[int, int] | None, launches: Launches,
-             fixed: set[int], h2d: set[int], phases: list[tuple[Any, int, int, str]],
-             iters: list[tuple[int, int, int]], iter_threads: dict[Any, int], ops: HostOps,
-             counts: dict[str, Any]) -> None:
-    """One batch of events as rows (a column list each, in file order), appended at once."""
+def _convert_each(evs: list[_Event], first: int, rank: int, rows: Rows, base_ns: int,
+                  gpu_only: bool, threads: dict[int, int] | None, launches: Launches,
+                  fixed: set[int], h2d: set[int], phases: list[tuple[Any, int, int, str]],
+                  iters: list[tuple[int, int, int]], iter_threads: dict[Any, int],
+                  ops: HostOps, counts: dict[str, Any]) -> None:
+    """One batch of events as rows, event by event (a column list each, in file order),
+    appended at once: what `_convert` does for a batch whose values are not all of the
+    usual types, with the error of the first event that has none."""
     cols: dict[str, list[Any]] = {c: [] for c in _COLS}
     (cat_c, name_c, start_c, end_c, pid_c, tid_c, dev_c, stream_c, step_c, bytes_c, src_c,
      dst_c, corr_c, phase_c) = (cols[c] for c in _COLS)
@@ -263,9 +269,12 @@ def _convert(evs: list[_Event], first: int, rank: int, rows: Rows, base_ns: int,
         if ev.ph != "X":
             skipped += 1
             continue
-        cat = cats.get(ev.cat)
-        if cat is None:
-            cat = cats[ev.cat] = str(ev.cat).lower()
+        try:
+            cat = cats.get(ev.cat)
+            if cat is None:
+                cat = cats[ev.cat] = str(ev.cat).lower()
+        except TypeError:     # not hashable
+            cat = str(ev.cat).lower()
         if cat not in _GPU and cat not in _RUNTIME and (gpu_only or cat not in _HOST):
             skipped += 1
             continue
@@ -368,3 +377,228 @@ def _convert(evs: list[_Event], first: int, rank: int, rows: Rows, base_ns: int,
         launches.call(0, *calls[i:i + 4])
     for i in range(0, len(host_ops), 5):
         ops.add(*host_ops[i:i + 5])
+
+
+class _Unusual(Exception):
+    """A batch with a value of an unusual type or range: converted event by event."""
+
+
+_CODE = {"kernel": 1, "gpu_memcpy": 2, "memcpy": 2, "gpu_memset": 3, "memset": 3,
+         "cuda_runtime": 4, "cuda_driver": 4, "runtime": 4, "cpu_op": 5,
+         "user_annotation": 5, "operator": 5, "python_function": 7, "gpu_user_annotation": 6}
+_NS_LIMIT = (_MAX_NS - 1) // 1000      # |µs| that fits: -2**62 < µs * 1000 < 2**62
+
+
+_NONE_TYPES = {int, type(None), type(UNSET)}
+
+
+def _ints(vals: list[Any]) -> np.ndarray:
+    """`_int` of each value, as int64."""
+    kinds = set(map(type, vals))
+    if kinds <= _NONE_TYPES and kinds != {int}:    # absent: -1
+        vals = [v if type(v) is int else -1 for v in vals]
+        kinds = {int}
+    if kinds <= {int}:
+        try:
+            a = np.array(vals, np.int64)
+        except OverflowError:
+            pass
+        else:
+            a[(a <= -_MAX_NS) | (a >= _MAX_NS)] = -1
+            return a
+    return np.fromiter(map(_int, vals), np.int64, len(vals))
+
+
+def _nss(vals: list[Any]) -> np.ndarray:
+    """`_ns` of each value (int64); `_Unusual` where `_ns` would refuse one."""
+    kinds = set(map(type, vals))
+    if not kinds <= {int, float}:
+        raise _Unusual
+    out = np.empty(len(vals), np.int64)
+    if kinds == {int, float}:
+        is_int = np.fromiter((type(v) is int for v in vals), bool, len(vals))
+        at = np.flatnonzero(is_int), np.flatnonzero(~is_int)
+        parts = [[vals[i] for i in at[0]], [vals[i] for i in at[1]]]
+    else:
+        at = (slice(None), None) if kinds == {int} else (None, slice(None))
+        parts = [vals, None] if kinds == {int} else [None, vals]
+    if at[0] is not None:
+        try:
+            a = np.array(parts[0], np.int64)
+        except OverflowError:
+            raise _Unusual from None
+        if len(a) and (a.min() < -_NS_LIMIT or a.max() > _NS_LIMIT):
+            raise _Unusual
+        out[at[0]] = a * 1000
+    if at[1] is not None:
+        f = np.rint(np.array(parts[1], np.float64) * 1000)
+        if len(f) and not (np.isfinite(f).all() and -_MAX_NS < f.min() and f.max() < _MAX_NS):
+            raise _Unusual
+        out[at[1]] = f.astype(np.int64)
+    return out
+
+
+def _convert_batch(evs: list[_Event], first: int, rank: int, rows: Rows, base_ns: int,
+                   gpu_only: bool, threads: dict[int, int] | None, launches: Launches,
+                   fixed: set[int], h2d: set[int], phases: list[tuple[Any, int, int, str]],
+                   iters: list[tuple[int, int, int]], iter_threads: dict[Any, int],
+                   ops: HostOps, counts: dict[str, Any]) -> None:
+    """One batch of events as rows, in file order: `_convert_each`'s rows, built a column
+    at a time with numpy where the values are of the usual types."""
+    try:
+        _convert(evs, rank, rows, base_ns, gpu_only, threads, launches, fixed, h2d, phases,
+                 iters, iter_threads, ops, counts)
+    except _Unusual:
+        _convert_each(evs, first, rank, rows, base_ns, gpu_only, threads, launches, fixed, h2d,
+                      phases, iters, iter_threads, ops, counts)
+
+
+def _convert(evs: list[_Event], rank: int, rows: Rows, base_ns: int, gpu_only: bool,
+             threads: dict[int, int] | None, launches: Launches, fixed: set[int],
+             h2d: set[int], phases: list[tuple[Any, int, int, str]],
+             iters: list[tuple[int, int, int]], iter_threads: dict[Any, int], ops: HostOps,
+             counts: dict[str, Any]) -> None:
+    xs = [e for e in evs if e.ph == "X"]
+    cats = [e.cat for e in xs]
+    try:
+        of = {c: _CODE.get(str(c).lower(), 0) for c in set(cats)}
+    except TypeError:       # a category that is not hashable
+        raise _Unusual from None
+    code = np.fromiter(map(of.__getitem__, cats), np.int8, len(xs))
+    if gpu_only:
+        code[code >= 5] = 0
+    # the values of every kept event are checked before any is used
+    kept = np.flatnonzero(code)
+    ev = [xs[i] for i in kept]
+    code = code[kept]
+    start = _nss([e.ts for e in ev]) + base_ns
+    end = start + np.maximum(_nss([e.dur for e in ev]), 0)
+    raw_pid = [e.pid for e in ev]
+    raw_tid = [e.tid for e in ev]
+    pid, tid = _ints(raw_pid), _ints(raw_tid)
+    args = [e.args for e in ev]
+    corr = _ints([None if a is None else a.correlation for a in args])
+    names = [e.name if type(e.name) is str else str(e.name) for e in ev]
+    counts["skipped"] += len(evs) - len(ev)
+
+    gpu = np.flatnonzero((code >= 1) & (code <= 3))
+    rt = np.flatnonzero(code == 4)
+    hs = np.flatnonzero(code >= 5)
+    sync = rt[np.fromiter(("ynchronize" in names[i] for i in rt), bool, len(rt))]
+    # runtime calls: launches (every one with a correlation), rows (synchronizations)
+    if threads and len(rt):
+        t = tid[rt]
+        mapped = np.fromiter((threads.get(v & _PTHREAD_MASK, v) for v in t.tolist()),
+                             np.int64, len(t))
+        tid[rt] = mapped
+    c = rt[corr[rt] >= 0]
+    if len(c):
+        launches.calls.frombytes(np.column_stack(
+            (np.zeros(len(c), np.int64), corr[c], pid[c], tid[c], start[c])).tobytes())
+
+    emit = np.zeros(len(ev), bool)
+    emit[gpu] = emit[sync] = emit[hs] = True
+    at = np.full(len(ev), -1, np.int64)
+    at[emit] = rows.count + np.arange(int(emit.sum()))
+    n = len(ev)
+    cat = np.empty(n, object)
+    phase = np.full(n, None, object)
+    src = np.full(n, None, object)
+    dst = np.full(n, None, object)
+    nbytes = np.full(n, None, object)
+    dev = np.full(n, -1, np.int64)
+    stream = np.full(n, -1, np.int64)
+    step = np.full(n, -1, np.int64)
+    row_pid, row_tid = pid.copy(), tid.copy()
+    corr_col = np.full(n, None, object)
+
+    # GPU work
+    if len(gpu):
+        a_dev = _ints([raw_pid[i] if args[i] is None or args[i].device is UNSET
+                       else args[i].device for i in gpu])
+        a_stream = _ints([raw_tid[i] if args[i] is None or args[i].stream is UNSET
+                          else args[i].stream for i in gpu])
+        dev[gpu], stream[gpu] = a_dev, a_stream
+        row_pid[gpu] = row_tid[gpu] = -1
+        g_corr = corr[gpu]
+        ok = g_corr >= 0
+        corr_col[gpu[ok]] = g_corr[ok].tolist()
+        w = gpu[ok]
+        if len(w):
+            launches.work.frombytes(np.column_stack(
+                (at[w], np.zeros(len(w), np.int64), corr[w])).tobytes())
+        nccl: dict[str, bool] = {}
+        kinds: dict[str, tuple[str | None, str | None]] = {}
+        for i, k in zip(gpu.tolist(), code[gpu].tolist(), strict=True):
+            name = names[i]
+            if k == 1:
+                is_comm = nccl.get(name)
+                if is_comm is None:
+                    is_comm = nccl[name] = is_nccl(name)
+                if is_comm:
+                    cat[i], phase[i], nbytes[i] = "comm", "comm", _comm_bytes(args[i])
+                    fixed.add(int(at[i]))
+                else:
+                    cat[i] = "kernel"
+                continue
+            a = args[i]
+            b = _int(a.nbytes) if a is not None else -1
+            nbytes[i] = b if b >= 0 else None
+            if k == 2:
+                cat[i] = "memcpy"
+                sd = kinds.get(name)
+                if sd is None:
+                    sd = kinds[name] = memcpy_kinds(name)
+                src[i], dst[i] = sd
+                if sd[1] == "device" and sd[0] in ("pageable", "pinned"):
+                    h2d.add(int(at[i]))
+            else:
+                cat[i] = "memset"
+    cat[sync] = "sync"
+    dev[sync] = -1
+
+    # host ranges
+    if len(hs):
+        seen: dict[str, tuple[str | None, int, int]] = {}
+        op_rows: list[int] = []
+        op_kinds: list[int] = []
+        on_gpu = hs[code[hs] == 6]
+        if len(on_gpu):
+            dev[on_gpu] = _ints([raw_pid[i] if args[i] is None or args[i].device is UNSET
+                                 else args[i].device for i in on_gpu])
+        for i in hs.tolist():
+            name = names[i]
+            ps = seen.get(name)
+            if ps is None:
+                ph, st = phase_of(name)
+                ps = seen[name] = ph, st, op_kind(name, ph)
+            ph, step[i], kind = ps
+            if dev[i] >= 0:
+                ph = None   # GPU-side copies of CPU ranges: keep as user spans
+                row_pid[i] = row_tid[i] = -1
+            else:
+                if code[i] != 7:    # Python frames enclose everything
+                    op_rows.append(i)
+                    op_kinds.append(kind)
+                if ph == "iteration":
+                    iters.append((int(start[i]), int(end[i]), ps[1]))
+                    key = (int(pid[i]), int(tid[i]))
+                    iter_threads[key] = iter_threads.get(key, 0) + 1
+                elif ph is not None:
+                    phases.append(((int(pid[i]), int(tid[i])), int(start[i]), int(end[i]),
+                                   ph))
+            cat[i] = ph or "user"
+            if name.startswith("record_param"):
+                nbytes[i] = _comm_bytes(args[i])
+        if op_rows:
+            o = np.array(op_rows, np.int64)
+            ops.data.frombytes(np.column_stack(
+                (pid[o], tid[o], start[o], end[o], np.array(op_kinds, np.int64))).tobytes())
+
+    e = np.flatnonzero(emit)
+    rows.add_columns(len(e), kind="span", rank=rank, cat=cat[e].tolist(),
+                     name=[names[i] for i in e.tolist()], start_ns=start[e], end_ns=end[e],
+                     pid=row_pid[e], tid=row_tid[e], device=dev[e], stream=stream[e],
+                     step=step[e], bytes=nbytes[e].tolist(), src_kind=src[e].tolist(),
+                     dst_kind=dst[e].tolist(), corr=corr_col[e].tolist(),
+                     phase=phase[e].tolist())
