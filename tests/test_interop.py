@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import shutil
 import sqlite3
 from collections import Counter
 from pathlib import Path
@@ -235,6 +236,20 @@ def _corrupt_inputs(shared_data, tmp_path):
             db.execute("CREATE TABLE META_DATA_EXPORT (name TEXT, value TEXT)")
             db.execute("INSERT INTO META_DATA_EXPORT VALUES ('EXPORT_SCHEMA_VERSION', ?)",
                        (version,))
+        db.commit()
+        db.close()
+        paths.append(p)
+    # real exports with a value of another type in a column (SQLite allows it)
+    for name, sql in (("mixed-device.sqlite", "UPDATE CUPTI_ACTIVITY_KIND_MEMCPY "
+                       "SET deviceId = 'gpu0'"),
+                      ("mixed-start.sqlite", "UPDATE CUPTI_ACTIVITY_KIND_MEMCPY "
+                       "SET start = 'soon' WHERE rowid = 3"),
+                      ("mixed-pid.sqlite", "UPDATE CUPTI_ACTIVITY_KIND_RUNTIME "
+                       "SET globalTid = 1.5 WHERE rowid = 2")):
+        p = tmp_path / name
+        shutil.copy(shared_data / "nsys/mfu_2gpu_before.sqlite", p)
+        db = sqlite3.connect(p)
+        db.execute(sql)
         db.commit()
         db.close()
         paths.append(p)

@@ -110,8 +110,9 @@ class Rows:
         return self.count - 1
 
     def add_columns(self, n: int, **cols: Any) -> int:
-        """Append n rows given as columns by name (a sequence each, or one value for all);
-        the other columns take their defaults. Returns the index of the first."""
+        """Append n rows given as columns by name (a sequence or Arrow array each, or one
+        value for all); the other columns take their defaults. Returns the index of the
+        first."""
         first = self.count
         if not n:
             return first
@@ -120,7 +121,9 @@ class Rows:
             arrays = []
             for name, f in zip(COLUMN_NAMES, self._schema, strict=True):
                 v = cols.get(name, DEFAULTS[name])
-                if isinstance(v, list | tuple | np.ndarray):
+                if isinstance(v, pa.Array):
+                    arrays.append(v.cast(f.type))
+                elif isinstance(v, list | tuple | np.ndarray):
                     arrays.append(self._array(v, f.type))
                 elif v is None:
                     arrays.append(pa.nulls(n, f.type))
