@@ -14,7 +14,7 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script", ["analysis.py", "sampler.py", "overhead.py", "merge.py",
-                                    "report.py", "scale.py"])
+                                    "report.py", "scale.py", "imports.py"])
 def test_benchmark_runs_tiny(script, tmp_path):
     args = [sys.executable, str(BENCH / script), "--tiny"]
     if script == "overhead.py":
