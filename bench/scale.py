@@ -6,7 +6,8 @@ Each size is a synthetic multi-node recording (bench/synth.py: 8 ranks per node,
 per node, as `record` writes them on each node of a run): the same events per rank, so the
 top size holds `--events` in all. Peak memory is the sum over the processes that do the
 work (the command and its workers; on Dask, the client and the cluster's workers), sampled
-every 20 ms. Goals on a 2-core machine: 1e8 events in <= 60 s and <= 2 GB with 2 jobs; the
+every 20 ms; CPU is their user + system seconds (on a shared machine, wall time over CPU
+time shows how much of the cores the run got). Goals on a 2-core machine: 1e8 events in <= 60 s and <= 2 GB with 2 jobs; the
 merge's peak flat in the rank count.
 
     python bench/scale.py [--ranks 256,1024] [--events 1e8] [--merge-events-per-rank 2e4]
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import shutil
 import subprocess
 import sys
@@ -61,11 +63,34 @@ def tree_rss(procs: list[psutil.Process]) -> int:
     return total
 
 
+def tree_cpu(procs: list[psutil.Process]) -> float:
+    total = 0.0
+    for root in procs:
+        try:
+            members = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            continue
+        for p in members:
+            try:
+                c = p.cpu_times()
+                total += c.user + c.system
+            except psutil.Error:
+                pass
+    return total
+
+
+def children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def measure(cmd: list[str], also: list[psutil.Process] = (), timeout: float = 1800
             ) -> dict:
-    """Run cmd; its wall time and the peak of the summed RSS of it, its children and the
-    processes `also` (with theirs), less what `also` held before it started."""
+    """Run cmd; its wall time, the CPU seconds of it, its children and the processes `also`
+    (with theirs) while it ran, and the peak of their summed RSS less what `also` held
+    before it started."""
     base = tree_rss(list(also))
+    cpu = children_cpu() + tree_cpu(list(also))
     t = time.perf_counter()
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                          text=True)
@@ -80,7 +105,8 @@ def measure(cmd: list[str], also: list[psutil.Process] = (), timeout: float = 18
     err = p.stderr.read() if p.stderr else ""
     if p.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({p.returncode}):\n{err[-3000:]}")
-    return {"wall_s": wall, "peak_rss_bytes": peak}
+    cpu = children_cpu() + tree_cpu(list(also)) - cpu
+    return {"wall_s": wall, "peak_rss_bytes": peak, "cpu_s": cpu}
 
 
 def gib(n: float) -> str:
@@ -138,14 +164,14 @@ def main() -> None:
                                                also=[psutil.Process(cluster.pid)])}
             for how, m in runs.items():
                 rows.append([f"{n_ranks}", f"{events:.2g}", how, f"{m['wall_s']:.1f} s",
-                             gib(m["peak_rss_bytes"]),
+                             f"{m['cpu_s']:.1f} s", gib(m["peak_rss_bytes"]),
                              f"{events / m['wall_s'] / 1e6:.2f} M/s"])
             shards = Path(tmp) / f"shards-{n_ranks}"
             shards.mkdir()
             n = synth.write_arrow(shards, int(merge_per_rank * n_ranks), n_ranks, shards=True)
             m = measure([PY, "-c", MERGE, str(shards), str(Path(tmp) / "merged.arrow")])
             merges.append([f"{n_ranks}", f"{n:.2g}", f"{m['wall_s']:.1f} s",
-                           gib(m["peak_rss_bytes"])])
+                           f"{m['cpu_s']:.1f} s", gib(m["peak_rss_bytes"])])
             shutil.rmtree(shards)
     finally:
         if cluster.stdin:
@@ -154,10 +180,10 @@ def main() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
     print(table("Analysis of many ranks: gputrace analyze --json of a multi-node recording "
                 "(8 ranks per node), peak RSS summed over its processes",
-                ["ranks", "events", "how", "time", "peak RSS", "events/s"], rows))
+                ["ranks", "events", "how", "time", "CPU", "peak RSS", "events/s"], rows))
     print()
     print(table("Merge of one shard per rank (merge_shards), the same events per rank",
-                ["ranks", "events", "time", "peak RSS"], merges))
+                ["ranks", "events", "time", "CPU", "peak RSS"], merges))
     print(f"machine: {machine()}")
 
 
