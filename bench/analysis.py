@@ -117,7 +117,7 @@ def main() -> None:
                                                 "JSON.gz"], size_rows))
     if imports:
         print()
-        print(table("Import: gputrace import of the Kineto JSON (streamed)",
+        print(table("Import: gputrace import of the Kineto JSON",
                     ["events", "time", "peak RSS", "JSON text", "RSS / JSON", "RSS B/event"],
                     imports))
     print(f"machine: {machine()}")
