@@ -32,6 +32,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps-per-execution", type=int, default=1)
     p.add_argument("--workers", type=int, default=1,
                    help="2: MultiWorkerMirroredStrategy with two local worker processes")
+    p.add_argument("--pack-mb", type=float, default=0.5,
+                   help="--workers: gradients all-reduced in packs of this size (MB); 0: one")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "gpu"])
     p.add_argument("--threads", type=int, default=0,
                    help="TensorFlow intra- and inter-op threads (0: TensorFlow's default)")
@@ -54,11 +56,17 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
+def tf_config(ports: str, index: int) -> str:
+    return json.dumps({"cluster": {"worker": [f"localhost:{p}" for p in ports.split(",")]},
+                       "task": {"type": "worker", "index": index}})
+
+
 def launch(a: argparse.Namespace, argv: list[str]) -> int:
     """Start one process per worker with its TF_CONFIG; the exit code is the worst one."""
     ports = ",".join(str(p) for p in free_ports(a.workers))
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv,
-                               "--worker-index", str(i), "--ports", ports])
+                               "--worker-index", str(i), "--ports", ports],
+                              env=dict(os.environ, TF_CONFIG=tf_config(ports, i)))
              for i in range(a.workers)]
     codes = [p.wait() for p in procs]
     return max(codes, key=abs)
@@ -137,10 +145,7 @@ def profile_steps(logdir: str, first: int, last: int) -> object:
 
 def train(a: argparse.Namespace) -> None:
     if a.ports:
-        ports = a.ports.split(",")
-        os.environ["TF_CONFIG"] = json.dumps({
-            "cluster": {"worker": [f"localhost:{p}" for p in ports]},
-            "task": {"type": "worker", "index": a.worker_index}})
+        os.environ["TF_CONFIG"] = tf_config(a.ports, a.worker_index)
     if a.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = "-1"
     import keras
@@ -154,6 +159,7 @@ def train(a: argparse.Namespace) -> None:
         sys.exit("--device gpu: TensorFlow sees no GPU")
     if a.ports:
         comm = tf.distribute.experimental.CommunicationOptions(
+            bytes_per_pack=int(a.pack_mb * 2**20),
             implementation=tf.distribute.experimental.CommunicationImplementation.NCCL
             if gpus else tf.distribute.experimental.CommunicationImplementation.RING)
         strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=comm)

@@ -8,7 +8,8 @@ before: a job that does not use them pays nothing). Iterations:
   before). An iteration runs from one batch's begin to the next one's (the callbacks' work
   between two steps belongs to one); with `steps_per_execution` k, one call runs k steps and
   its time is divided evenly among them;
-- custom loops: an iteration ends when the optimizer's `apply_gradients` returns (eagerly),
+- custom loops: an iteration ends when the optimizer's `apply_gradients` (`apply`) returns
+  (eagerly),
   or when a `tf.function` that applied gradients returns (a compiled training step); the next
   begins there. The first begins at the loop's first batch request, tape or step.
 
@@ -101,16 +102,21 @@ class _State:
         self.profiled_steps = 0
         self.optimizers: set[str] = set()
         self.in_fit = 0
+        self.tf_ops = True                  # the loop runs TensorFlow ops (not Keras on torch)
         self.tape_t: int | None = None      # an eager tape was entered
         self.loop_tid: int | None = None
         self.lock = threading.RLock()
         self.tls = threading.local()
+        self.calling: Any = None            # the tf.function the loop is calling
         self.notes: list[str] = []
         self.converted: dict[str, int] = {}
 
     # -- iterations ----------------------------------------------------------------------
     def begin(self, t: int) -> None:
         if self.open_t is None:
+            if self.k == 0 and self.window == (0, -1) and self.tf_ops and \
+                    not self.profiling and self.start_profiler():
+                t = self.now()      # `all`: from the first step, its start left out
             self.open_t = t
             self.rec.step = self.k
 
@@ -122,6 +128,8 @@ class _State:
             self.open_t = None
             from gputrace.recorder import _native_tid
 
+            if self.k == 0:
+                _refresh_rank(self.rec)
             self.loop_tid = _native_tid()
             for j in range(n):
                 s = start + (t - start) * j // n
@@ -142,10 +150,10 @@ class _State:
     def _window(self) -> bool:
         """Start or stop the profiler at this step boundary; True if it did."""
         w = self.window
-        if w is None:
+        if w is None or not self.tf_ops:
             return False
         first, count = w
-        if not self.profiling and self.k == first and (count < 0 or self.profiled_steps == 0):
+        if not self.profiling and self.k >= first and not self.profiled_steps:
             return self.start_profiler()
         if self.profiling and count > 0 and self.profiled_steps >= count:
             self.stop_profiler()
@@ -186,7 +194,10 @@ class _State:
         finally:
             if self.logdir and not os.environ.get("GPUTRACE_TF_KEEP"):
                 shutil.rmtree(self.logdir, ignore_errors=True)
-        self._status()
+        # the shard's metadata is written at its first flush: what the window held is a row
+        self.rec.instant("user", "tensorflow.profile", args={
+            "steps": self.profiled_steps, "rows": self.converted,
+            **({"notes": self.notes} if self.notes else {})})
 
     def _convert(self) -> None:
         from gputrace.importers import tfprof
@@ -223,10 +234,9 @@ class _State:
         r.add_rows(out)
 
     def _status(self) -> None:
-        window = "off" if self.window is None and not self.profiled_steps else (
-            f"{self.profiled_steps} steps profiled")
-        status = "ok" if not self.notes else f"ok; {'; '.join(self.notes)}"
-        self.rec.set_collector("tensorflow", status, window=window, profile=self.converted)
+        w = self.window
+        window = "off" if w is None else "all" if w[1] < 0 else f"{w[0]}:{w[1]}"
+        self.rec.set_collector("tensorflow", "ok", profiler_steps=window)
 
     def finish(self, t: int) -> None:
         """The recording closes: the open iteration of a loop that never ended another
@@ -234,7 +244,6 @@ class _State:
         with self.lock:
             self.open_t = None
             self.stop_profiler()
-            self._status()
 
 
 # -- Keras ------------------------------------------------------------------------------------
@@ -256,6 +265,7 @@ def _callback_class(keras: Any) -> Any:
             backend = keras.backend.backend()
             # phases from the profiler on TensorFlow; on torch, its own hooks time them
             self._graph = backend == "tensorflow" and not eager
+            self._s.tf_ops = backend == "tensorflow"
             self._s.in_fit += 1
             _quiet_torch_iterations(self._s.rec, True)
 
@@ -293,6 +303,7 @@ def _callback_class(keras: Any) -> Any:
             self._last()
             s = self._s
             s.in_fit = max(s.in_fit - 1, 0)
+            s.tf_ops = True
             if s.window is not None and s.window[1] < 0 and s.profiling:
                 s.stop_profiler()    # `all`: the whole fit
             _quiet_torch_iterations(s.rec, False)
@@ -356,56 +367,59 @@ def _patch_keras(state: _State, keras: Any) -> None:
     model_cls.fit = fit
 
     opt_cls = keras.optimizers.Optimizer
-    base = next((c for c in opt_cls.__mro__ if "apply_gradients" in c.__dict__), opt_cls)
-    orig_apply = base.apply_gradients
+    base = next((c for c in opt_cls.__mro__ if "apply" in c.__dict__), opt_cls)
+    orig_apply = base.apply
     if getattr(orig_apply, "_gputrace", False):
         return
     now = state.now
 
     @functools.wraps(orig_apply)
-    def apply_gradients(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def apply(self: Any, *args: Any, **kwargs: Any) -> Any:
         t0 = now()
-        eager = _before_apply(self)
+        how = _before_apply(self)
         out = orig_apply(self, *args, **kwargs)
-        if eager:
-            _after_apply(self, t0)
+        if how:
+            _after_apply(self, t0, how == "step")
         return out
 
-    apply_gradients._gputrace = True  # type: ignore[attr-defined]
-    base.apply_gradients = apply_gradients
+    apply._gputrace = True  # type: ignore[attr-defined]
+    base.apply = apply
 
 
 @_safe
-def _before_apply(opt: Any) -> bool:
-    """Whether this call runs eagerly on TensorFlow (a step boundary we time); traced into
-    a tf.function, it marks that function as a training step."""
+def _before_apply(opt: Any) -> str | None:
+    """How to time this optimizer call: "step" (an eager TensorFlow loop: the update, and
+    the iteration's end), "update" (eager, inside fit or on another backend: the update
+    only) or None (traced into a tf.function, which it marks as a training step)."""
     s = _state
     if s is None:
-        return False
+        return None
     name = getattr(opt, "name", None)
     if isinstance(name, str) and name not in s.optimizers:
         s.optimizers.add(name)
-    tf = sys.modules.get("tensorflow")
-    if tf is None:
-        return False
-    if not tf.executing_eagerly():
-        stack = getattr(s.tls, "functions", None)
-        if stack:
-            stack[0]._gputrace_step = True
-        return False
     keras = sys.modules.get("keras")
     backend = keras.backend.backend() if keras is not None else "tensorflow"
-    return backend == "tensorflow" and not s.in_fit
+    if backend != "tensorflow":
+        return "update" if s.in_fit else None   # outside fit, torch's own hooks
+    tf = sys.modules.get("tensorflow")
+    if tf is not None and not tf.executing_eagerly():
+        # traced into the function the loop is calling (maybe on a replica's thread)
+        if s.calling is not None:
+            s.calling._gputrace_step = True
+        return None
+    return "update" if s.in_fit else "step"
 
 
 @_safe
-def _after_apply(opt: Any, t0: int) -> None:
+def _after_apply(opt: Any, t0: int, step: bool) -> None:
     s = _state
     assert s is not None
     t = s.now()
-    s.begin(t0)
+    if step:
+        s.begin(t0)
     s.rec.span("update", type(opt).__name__, t0, t)
-    s.end_step(t, graph=False)
+    if step:
+        s.end_step(t, graph=False)
 
 
 # -- TensorFlow -------------------------------------------------------------------------------
@@ -465,12 +479,16 @@ def _patch_tensorflow(state: _State, tf: Any) -> None:
         if outer:
             _batch_requested(t0)
         stack.append(self)
+        if outer:
+            state.calling = self
         try:
             return orig_call(self, *args, **kwargs)
         finally:
             stack.pop()
-            if outer and getattr(self, "_gputrace_step", False):
-                _step_returned(now())
+            if outer:
+                state.calling = None
+                if getattr(self, "_gputrace_step", False):
+                    _step_returned(now())
 
     for fn in (__enter__, gradient, __next__, __call__):
         fn._gputrace = True  # type: ignore[attr-defined]
@@ -524,8 +542,21 @@ def _state_for(rec: Recorder) -> _State:
     return _state
 
 
+def _refresh_rank(rec: Recorder) -> None:
+    """A script that sets TF_CONFIG itself (after gputrace started) has its rank now."""
+    if rec.rank >= 0:
+        return
+    from gputrace.recorder import tf_config_rank
+
+    rank, world = tf_config_rank()
+    if rank >= 0:
+        rec.rank = rank
+        rec.metadata["rank"], rec.metadata["world_size"] = rank, world
+
+
 def on_tensorflow(rec: Recorder, tf: Any) -> str:
     """Hooks for custom loops (tapes, tf.data iterators, tf.function steps)."""
+    _refresh_rank(rec)
     state = _state_for(rec)
     _patch_tensorflow(state, tf)
     # before TensorFlow's own exit handlers (registered at its import, so run after ours)

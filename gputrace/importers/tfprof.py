@@ -212,8 +212,9 @@ def read_xspace(path: str) -> tuple[list[Host], list[Device]]:
 
 
 def read_trace_json(path: str) -> list[Host]:
-    """The trace viewer's JSON (`*.trace.json.gz`): one Host per `/host:CPU` process; times
-    are relative to the profile's start (the format has no clock anchor)."""
+    """The trace viewer's JSON (`*.trace.json.gz`, what TensorBoard's profile plugin and
+    xprof serve): one Host per `/host:CPU` process, an op's full name from its stack frame;
+    times are relative to the profile's start (the format has no clock anchor)."""
     try:
         with open(path, "rb") as f:
             gz = f.read(2) == b"\x1f\x8b"
@@ -226,6 +227,7 @@ def read_trace_json(path: str) -> list[Host]:
         raise ImportFailed(f"{path}: no 'traceEvents' list in it")
     procs: dict[Any, str] = {}
     threads: dict[tuple[Any, Any], str] = {}
+    frames = doc.get("stackFrames") if isinstance(doc.get("stackFrames"), dict) else {}
     for ev in evs:
         if isinstance(ev, dict) and ev.get("ph") == "M":
             args = ev.get("args") if isinstance(ev.get("args"), dict) else {}
@@ -238,7 +240,7 @@ def read_trace_json(path: str) -> list[Host]:
         if not isinstance(ev, dict) or ev.get("ph") != "X":
             continue
         pid = ev.get("pid")
-        if not procs.get(pid, "").startswith("/host:CPU"):
+        if "/host:CPU" not in procs.get(pid, ""):
             continue
         ts, dur = ev.get("ts"), ev.get("dur", 0)
         if not isinstance(ts, int | float) or not isinstance(dur, int | float):
@@ -249,9 +251,10 @@ def read_trace_json(path: str) -> list[Host]:
         h.lines.setdefault(key, threads.get((pid, tid), str(tid)))
         args = ev.get("args") if isinstance(ev.get("args"), dict) else None
         name = str(ev.get("name", ""))
-        long = args.get("long_name") if args else None
-        if isinstance(long, str) and ":" in long and "::" not in long:
-            name = long           # the op's full `scope/name:Type`
+        frame = frames.get(str(ev.get("sf"))) if "sf" in ev else None
+        long = frame.get("name") if isinstance(frame, dict) else None
+        if isinstance(long, str) and _is_op(long):
+            name = long           # the op's full `scope/name:Type` (the JSON names its type)
         t0 = round(ts * 1000)
         h.events.setdefault(key, []).append((name, t0, t0 + max(round(dur * 1000), 0), args))
     if not hosts:
@@ -495,7 +498,7 @@ def looks_like(path: str) -> bool:
             text = f.read(1 << 16)
     except (OSError, EOFError):
         return False
-    return b'"/host:CPU"' in text and b'"process_name"' in text
+    return b'/host:CPU"' in text and b'"process_name"' in text
 
 
 def is_profile_dir(path: str) -> bool:
