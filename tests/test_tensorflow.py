@@ -143,6 +143,29 @@ def test_two_multi_worker_mirrored_workers_show_comm_units_a_case_and_the_model(
     assert names and all("CollectiveReduce" in n for n in names)
 
 
+@needs_tf
+@pytest.mark.slow
+def test_a_job_that_starts_the_profiler_itself_trains_and_keeps_its_profile(tmp_path):
+    """TensorFlow runs one profiler at a time: the sample starts its own at step 5 while
+    gputrace's window (from step 3) is open. The job trains to the end, its profile is
+    written, and gputrace's trace has the phases of the steps before it."""
+    logdir = tmp_path / "logs"
+    out = tmp_path / "own.arrow"
+    p = run_gputrace("record", "-q", "-o", str(out), "--tf-steps", "3:10", "--",
+                     sys.executable, SAMPLE, "--steps", "12", "--profile-dir", str(logdir),
+                     timeout=420)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert "images/s" in p.stdout
+    said = [ln for ln in p.stderr.splitlines() if ln.startswith("gputrace:")]
+    assert len(said) == 1 and "started TensorFlow's profiler itself" in said[0], said
+    tr = load(out)
+    its, rest = spans(tr, "iteration"), spans(tr, "user", "step (not profiled)")
+    assert len(its) + len(rest) == 12 and [r["step"] for r in its] == [3]
+    assert spans(tr, "backward")
+    # the job's own profile (steps 5-9) reads as a run recorded without gputrace
+    assert analysis(logdir)["iterations"]["count"] == 5
+
+
 @pytest.mark.slow
 def test_keras_fit_callback_on_the_torch_backend(tmp_path):
     pytest.importorskip("torch")

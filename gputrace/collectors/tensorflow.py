@@ -110,6 +110,7 @@ class _State:
         self.calling: Any = None            # the tf.function the loop is calling
         self.notes: list[str] = []
         self.converted: dict[str, int] = {}
+        self.tf_start: Any = None           # TensorFlow's own profiler start (unwrapped)
 
     # -- iterations ----------------------------------------------------------------------
     def begin(self, t: int) -> None:
@@ -165,7 +166,7 @@ class _State:
             import tensorflow as tf
 
             self.logdir = tempfile.mkdtemp(prefix="gputrace-tf-")
-            tf.profiler.experimental.start(self.logdir)
+            (self.tf_start or tf.profiler.experimental.start)(self.logdir)
         except Exception as e:  # noqa: BLE001 - e.g. a profiler the job started itself
             why = f"{type(e).__name__}: {e}".splitlines()[0]
             self.notes.append(f"TensorFlow's profiler did not start: {why}")
@@ -498,6 +499,44 @@ def _patch_tensorflow(state: _State, tf: Any) -> None:
     pf.Function.__call__ = __call__
 
 
+def _patch_profiler(state: _State, tf: Any) -> None:
+    """TensorFlow runs one profiler at a time: when the job starts its own (its code, a
+    TensorBoard callback) while gputrace's window is open, the window ends there and the
+    job's profiler starts as it would without gputrace."""
+    from tensorflow.python.profiler import profiler_v2
+
+    orig = profiler_v2.start
+    if getattr(orig, "_gputrace", False):
+        return
+    state.tf_start = orig
+
+    @functools.wraps(orig)
+    def start(*args: Any, **kwargs: Any) -> Any:
+        _yield_profiler()
+        return orig(*args, **kwargs)
+
+    start._gputrace = True  # type: ignore[attr-defined]
+    profiler_v2.start = start       # what profiler_v2.Profile calls
+    for name, mod in list(sys.modules.items()):     # tf.profiler.experimental and its aliases
+        if name.startswith("tensorflow") and name.endswith("profiler.experimental") and \
+                getattr(mod, "start", None) is orig:
+            mod.start = start
+
+
+@_safe
+def _yield_profiler() -> None:
+    s = _state
+    if s is None or not s.profiling:
+        return
+    from gputrace.fmt import count
+
+    note = (f"the job started TensorFlow's profiler itself in step {s.k}: gputrace's window "
+            f"ends there, with phases for {count(s.profiled_steps, 'step')}")
+    s.notes.append(note)
+    print(f"gputrace: {note}", file=sys.stderr)
+    s.stop_profiler()
+
+
 @_safe
 def _tape_entered(t: int) -> None:
     s = _state
@@ -559,6 +598,7 @@ def on_tensorflow(rec: Recorder, tf: Any) -> str:
     _refresh_rank(rec)
     state = _state_for(rec)
     _patch_tensorflow(state, tf)
+    _patch_profiler(state, tf)
     # before TensorFlow's own exit handlers (registered at its import, so run after ours)
     atexit.register(state.stop_profiler)
     rec.metadata.setdefault("software", {})["tensorflow"] = getattr(tf, "__version__", "?")
