@@ -12,7 +12,6 @@ import os
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from gputrace import load
@@ -64,11 +63,10 @@ def test_eager_gradient_tape_loop_matches_its_own_clock(tmp_path):
     assert sum(g == 0 for g in gaps) >= 21 and min(gaps) >= 0
     rs = per_iteration(tr)
     pairs = matched(rs, truth)
-    durs = np.diff([t["end"] for t in truth]) / 1e9
-    assert float(np.median(rs.terms["t_iter"][4:])) == pytest.approx(
-        float(np.median(durs[3:])), rel=0.05)
-    compare(rs, truth, pairs, {"t_io": ["io"], "t_f": ["forward"], "t_b": ["backward"],
-                               "t_u": ["update"]}, 0.15)
+    # each iteration against the loop's own (paired: on a busy machine the medians of two
+    # unpaired sets drift apart), t_iter within 5 %, the phases within 15 %
+    compare(rs, truth, pairs, {"t_iter": [], "t_io": ["io"], "t_f": ["forward"],
+                               "t_b": ["backward"], "t_u": ["update"]}, 0.15)
     md = tr.metadata["collectors"]["tensorflow"]
     assert md == {"status": "ok", "profiler_steps": "5:10"}
     (done,) = [json.loads(r["args"]) for r in tr.table.to_pylist()
