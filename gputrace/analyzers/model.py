@@ -253,13 +253,19 @@ class Speedup:
     link_bytes_per_s: float | None
     grad_bytes: float
     unavailable: str | None = None      # why no speedup is predicted (a term not measured)
+    shared: str | None = None           # what the measured ranks shared (cores, a GPU)
 
 
 def speedup(m: ModelResult, world_size: int, gpus: Sequence[int],
             link_bytes_per_s: float | None = None, shared_io: bool = False,
-            layer_grad_bytes: float = 0.0) -> Speedup:
+            layer_grad_bytes: float = 0.0, contention_s: float = 0.0,
+            shared: str | None = None) -> Speedup:
     """Eq. 8 / 9 / 11 for N GPUs from the measured terms (weak scaling). Without measured
-    comm, `layer_grad_bytes` (the backward spans' bytes) is what an all-reduce would move."""
+    comm, `layer_grad_bytes` (the backward spans' bytes) is what an all-reduce would move.
+    `contention_s`: backward time per iteration that comm on the CPU took from it (the
+    replay's estimate); one GPU, with no comm, does not pay it. `shared`: what the measured
+    ranks shared (a host's cores, one GPU): their compute, measured while sharing, is slower
+    than one rank alone; the prediction keeps it as measured and says so."""
     t = m.terms
     t_gpu = t["t_h2d"] + t["t_f"] + t["t_b"] + t["t_u"] + t["t_other"]
     t_io_1 = t["t_io"]
@@ -303,6 +309,14 @@ def speedup(m: ModelResult, world_size: int, gpus: Sequence[int],
                        "backward phases (or no GPU record was attributed to one), so eq. "
                        f"{equation} has no compute to scale")
         gpus = []
+    if shared:
+        assumptions.append(f"the measured ranks shared {shared}: each rank's compute is as "
+                           "measured while sharing (slower than one rank alone would be); "
+                           "N GPUs each as fast as one of these ranks")
+    one = t_io_1 + t_gpu
+    if contention_s > 0 and one > contention_s:
+        assumptions.append(f"one GPU's iteration is {contention_s * 1e3:.1f} ms shorter than "
+                           "the measured compute: comm on the CPU slowed backward that much")
     for N in gpus:
         io_n = t_io_1 * (N if shared_io else 1)
         if m.strategy == "sequential" or not comm_units:
@@ -320,9 +334,11 @@ def speedup(m: ModelResult, world_size: int, gpus: Sequence[int],
             tc = last
             s = eq9(N, t_io_1, t_gpu, rest, io_n)  # eq. 11 has the same form with full t_u
         t_iter = N * (t_io_1 + t_gpu) / s
+        if contention_s > 0 and one > contention_s:
+            s *= (one - contention_s) / one
         pts.append(SpeedupPoint(N, s, s / N, t_iter, tc))
     eff = None
     if link_bytes_per_s and measured_comm > 0 and grad_bytes > 0:
         eff = eq12(grad_bytes * n, measured_comm, link_bytes_per_s)
     return Speedup(equation, n, pts, assumptions, eff, link_bytes_per_s, grad_bytes,
-                   unavailable)
+                   unavailable, shared)
