@@ -251,3 +251,19 @@ def test_ranks_sharing_a_hosts_cores_are_said_to(tmp_path):
     ddp_iterations(one, CASE1_UNITS, rank=0)
     assert analyze(load(one.write(tmp_path / "one.arrow", hosts=["node7"]))).main.speedup \
         .shared is None
+
+
+def test_a_wait_for_the_last_rank_is_not_scaled_with_the_ring(tmp_path):
+    """One unit after backward: rank 0 starts it at 85 ms, rank 1 at 89 ms, both end at 95.
+    Only the 6 ms after rank 1 arrives move bytes; rank 0's 4 ms wait stays as it is at any
+    GPU count, so both ranks predict the same growth: 6 ms x (2(N-1)/N) / 1."""
+    b = Builder()
+    ddp_iterations(b, [([4, 3, 2, 1], 85, 95)], rank=0, update=(95, 99))
+    ddp_iterations(b, [([4, 3, 2, 1], 89, 95)], rank=1, update=(95, 99))
+    a = run_analysis(tmp_path, b, world_size=2, skip=1, gpus=(2, 8))
+    for r in (0, 1):
+        sp = a.ranks[r].speedup
+        assert sp.equation == "8"
+        p2, p8 = sp.points
+        assert p8.t_iter - p2.t_iter == pytest.approx(0.006 * (2 * 7 / 8 - 1), rel=1e-6), r
+    assert any("waiting for the last rank" in s for s in a.ranks[0].speedup.assumptions)

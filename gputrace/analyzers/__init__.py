@@ -19,7 +19,7 @@ from gputrace.analyzers.detail import (
     representative,
 )
 from gputrace.analyzers.findings import Finding, find
-from gputrace.analyzers.model import ModelResult, Speedup, build_model, speedup
+from gputrace.analyzers.model import ModelResult, Speedup, build_model, speedup, unit_waits
 from gputrace.analyzers.replay import MIB, Replay, Scenario, replay, why_no_replay
 from gputrace.analyzers.steps import TERMS, RankSteps, analyze_rank, warmup_skip
 from gputrace.trace.reader import RankedTrace
@@ -304,7 +304,7 @@ def analyze(trace: Any, *, skip: int | None = None, gpus: Sequence[int] = (2, 4,
         sp_ = speedup(model, world, gpus, link_bytes_per_s, shared_io,
                       float(sum(rs.layer_bytes.values())),
                       contention_s=rp.contention_s if rp is not None else 0.0,
-                      shared=shared)
+                      shared=shared, unit_waits=unit_waits(rs, sel, arrivals.get(r)))
         comm = _overlap(rs.comm, sel)
         io = _overlap(rs.io, sel)
         bw = None
