@@ -103,6 +103,7 @@ def base_metadata(role: str, argv: list[str] | None = None, rank: int | None = N
         "world_size": env_int(WORLD_VARS, tf_world),
         "local_rank": env_int(("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")),
         "argv": argv,
+        "cpus": os.cpu_count(),
         "env": {k: os.environ[k] for k in ENV_ALLOWLIST if k in os.environ},
         "software": {"gputrace": version, "python": sys.version.split()[0]},
         "collectors": {},
