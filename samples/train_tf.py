@@ -40,7 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile-dir", metavar="DIR",
                    help="profile steps 5-9 with TensorFlow's profiler into DIR (what "
                         "keras.callbacks.TensorBoard(profile_batch=(5, 9)) writes)")
-    p.add_argument("--times-json", help="write the first worker's step times (s) here")
+    p.add_argument("--times-json", help="write the first worker's step times (ns) and the "
+                   "model's parameter count here")
     p.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)
     p.add_argument("--ports", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -215,7 +216,8 @@ def train(a: argparse.Namespace) -> None:
               f"{a.steps * global_batch / dt:.0f} images/s")
     if a.times_json and first:
         with open(a.times_json, "w") as f:
-            json.dump({"begin_ns": times.begins, "end_ns": times.ends}, f)
+            json.dump({"begin_ns": times.begins, "end_ns": times.ends,
+                       "parameters": model.count_params()}, f)
 
 
 def main(argv: list[str] | None = None) -> int:

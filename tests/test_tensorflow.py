@@ -129,7 +129,9 @@ def test_steps_per_execution_and_the_default_window(tmp_path):
 @needs_tf
 @pytest.mark.slow
 def test_two_multi_worker_mirrored_workers_show_comm_units_a_case_and_the_model(tmp_path):
-    out = record(tmp_path, "mw", SAMPLE, "--workers", "2", "--steps", "20")
+    times = tmp_path / "times.json"
+    out = record(tmp_path, "mw", SAMPLE, "--workers", "2", "--steps", "20", "--times-json",
+                 str(times))
     tr = load(out)
     assert tr.metadata["ranks"] == [0, 1]
     res = analysis(out, "--gpus", "2,4,8")
@@ -142,9 +144,16 @@ def test_two_multi_worker_mirrored_workers_show_comm_units_a_case_and_the_model(
     assert res["model"]["predicted_t_iter"] > 0
     sp = res["speedup"]
     assert sp and json.dumps(sp).count("speedup") >= 1
-    # the gradient all-reduces run under the optimizer's scope, a unit each
-    names = {r["name"] for r in spans(tr, "comm")}
-    assert names and all("CollectiveReduce" in n for n in names)
+    # the gradient all-reduces run under the optimizer's scope, a unit each; together they
+    # reduce every float32 parameter of the model once an iteration
+    comm = spans(tr, "comm")
+    assert comm and all("CollectiveReduce" in r["name"] for r in comm)
+    params = json.loads(times.read_text())["parameters"]
+    for rank in (0, 1):
+        its = [r for r in spans(tr, "iteration") if r["rank"] == rank]
+        per_it = [sum(r["bytes"] for r in comm if r["rank"] == rank and
+                      it["start_ns"] <= r["start_ns"] < it["end_ns"]) for it in its]
+        assert len(per_it) == 10 and set(per_it) == {4 * params}, (rank, per_it, params)
 
 
 @needs_tf

@@ -111,6 +111,7 @@ class _State:
         self.notes: list[str] = []
         self.converted: dict[str, int] = {}
         self.tf_start: Any = None           # TensorFlow's own profiler start (unwrapped)
+        self.comm_bytes: dict[str, int] = {}    # all-reduce op (graph name) -> its bytes
 
     # -- iterations ----------------------------------------------------------------------
     def begin(self, t: int) -> None:
@@ -216,7 +217,7 @@ class _State:
             for h in hosts:
                 c = tfprof.convert(h, rows, rank=r.rank, pid=r.pid, loop_tid=self.loop_tid,
                                    optimizers=self.optimizers, eager=False, iterations=False,
-                                   windows=self.windows)
+                                   windows=self.windows, comm_bytes=self.comm_bytes)
                 for k, v in c.counts.items():
                     self.converted[k] = self.converted.get(k, 0) + v
             for d in devices:
@@ -499,6 +500,39 @@ def _patch_tensorflow(state: _State, tf: Any) -> None:
     pf.Function.__call__ = __call__
 
 
+def _patch_collectives(state: _State) -> None:
+    """The bytes of each all-reduce, as its op is traced into a function (the profiler of
+    a CPU run gives none): the size of the tensor it reduces (a pack of gradients)."""
+    from tensorflow.python.ops import collective_ops
+
+    orig = collective_ops.all_reduce_v2
+    if getattr(orig, "_gputrace", False):
+        return
+
+    @functools.wraps(orig)
+    def all_reduce_v2(t: Any, *args: Any, **kwargs: Any) -> Any:
+        out = orig(t, *args, **kwargs)
+        _collective_traced(t, out)
+        return out
+
+    all_reduce_v2._gputrace = True  # type: ignore[attr-defined]
+    collective_ops.all_reduce_v2 = all_reduce_v2
+
+
+@_safe
+def _collective_traced(t: Any, out: Any) -> None:
+    s = _state
+    if s is None:
+        return
+    try:
+        name = out.op.name          # eager tensors have no op: nothing to name in a profile
+    except AttributeError:
+        return
+    n = t.shape.num_elements()
+    if n is not None:
+        s.comm_bytes[name] = int(n) * t.dtype.size
+
+
 def _patch_profiler(state: _State, tf: Any) -> None:
     """TensorFlow runs one profiler at a time: when the job starts its own (its code, a
     TensorBoard callback) while gputrace's window is open, the window ends there and the
@@ -599,6 +633,7 @@ def on_tensorflow(rec: Recorder, tf: Any) -> str:
     state = _state_for(rec)
     _patch_tensorflow(state, tf)
     _patch_profiler(state, tf)
+    _patch_collectives(state)
     # before TensorFlow's own exit handlers (registered at its import, so run after ours)
     atexit.register(state.stop_profiler)
     rec.metadata.setdefault("software", {})["tensorflow"] = getattr(tf, "__version__", "?")

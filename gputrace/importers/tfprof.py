@@ -305,17 +305,28 @@ def _merged(evs: list[tuple[int, int, str]]) -> Iterator[tuple[int, int, str]]:
         yield cur[0], cur[1], cur[2]
 
 
+def op_key(name: str) -> str:
+    """A profiled op's name as its graph names it: `scope/name`, without the type and the
+    function-call wrappers around it."""
+    path = name.rpartition(":")[0] or name
+    parts = path.split("/")
+    while len(parts) > 1 and parts[0] in _WRAPPERS:
+        parts = parts[1:]
+    return "/".join(parts)
+
+
 def convert(h: Host, rows: Rows, *, rank: int, pid: int, loop_tid: int | None = None,
             optimizers: Iterable[str] = (), eager: bool = True, host: str = "",
-            iterations: bool = True, windows: list[tuple[int, int]] | None = None
-            ) -> Converted:
+            iterations: bool = True, windows: list[tuple[int, int]] | None = None,
+            comm_bytes: dict[str, int] | None = None) -> Converted:
     """Append the phases of one host's profile to `rows`.
 
     loop_tid: the tid to write the loop's thread as (gputrace's own loop thread when
     recording; else TensorFlow's line id); eager: convert the loop thread's eager ops by
     their type (off when gputrace's hooks timed the eager phases themselves); iterations:
     write the training function's calls as iterations; windows: the iterations (start, end)
-    known from elsewhere, for numbering each one's comm units."""
+    known from elsewhere, for numbering each one's comm units; comm_bytes: the bytes each
+    collective op reduces, by its graph name (`op_key`), where the profile has none."""
     optimizers = tuple(optimizers)
     loop = _loop_line(h)
     ltid = loop_tid if loop_tid is not None else (loop if loop is not None else -1)
@@ -366,7 +377,9 @@ def convert(h: Host, rows: Rows, *, rank: int, pid: int, loop_tid: int | None = 
             if ph == "io":      # an IteratorGetNext op itself (its wait is on the loop)
                 rows.add("span", "io", name, s, e, tid=ltid, **base)
             elif ph == "comm":
-                comm.append((s, rows.add("span", "comm", name, s, e, tid=tid, **base)))
+                nb = comm_bytes.get(op_key(name)) if comm_bytes else None
+                comm.append((s, rows.add("span", "comm", name, s, e, tid=tid, bytes=nb,
+                                         **base)))
             else:
                 rows.add("span", ph, name, s, e, tid=tid, **base)
             counts[ph] = counts.get(ph, 0) + 1
