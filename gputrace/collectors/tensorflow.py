@@ -208,10 +208,12 @@ class _State:
 
         assert self.logdir is not None
         keep = os.environ.get("GPUTRACE_TF_KEEP")
-        if keep:
-            shutil.copytree(self.logdir, keep, dirs_exist_ok=True)
-        rows = Rows()
         r = self.rec
+        if keep:
+            # one directory per rank: workers on one host write the same file names
+            shutil.copytree(self.logdir, keep if r.rank < 0 else
+                            os.path.join(keep, f"rank{r.rank}"), dirs_exist_ok=True)
+        rows = Rows()
         for path in tfprof.profile_files(self.logdir):
             hosts, devices = tfprof.read_xspace(path)
             for h in hosts:
