@@ -535,7 +535,7 @@ def _collective_traced(t: Any, out: Any) -> None:
         s.comm_bytes[name] = int(n) * t.dtype.size
 
 
-def _patch_profiler(state: _State, tf: Any) -> None:
+def _patch_profiler(state: _State) -> None:
     """TensorFlow runs one profiler at a time: when the job starts its own (its code, a
     TensorBoard callback) while gputrace's window is open, the window ends there and the
     job's profiler starts as it would without gputrace."""
@@ -634,11 +634,14 @@ def on_tensorflow(rec: Recorder, tf: Any) -> str:
     _refresh_rank(rec)
     state = _state_for(rec)
     _patch_tensorflow(state, tf)
-    _patch_profiler(state, tf)
-    _patch_collectives(state)
     # before TensorFlow's own exit handlers (registered at its import, so run after ours)
     atexit.register(state.stop_profiler)
     rec.metadata.setdefault("software", {})["tensorflow"] = getattr(tf, "__version__", "?")
+    for patch in (_patch_profiler, _patch_collectives):     # refinements: the rest goes on
+        try:
+            patch(state)
+        except Exception as e:  # noqa: BLE001 - a profiler never takes down the job
+            _fail(patch.__name__, e)
     return "ok"
 
 
