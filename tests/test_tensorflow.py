@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -197,9 +198,26 @@ def test_keras_fit_callback_on_the_torch_backend(tmp_path):
         "m = keras.Sequential([keras.Input((64,)), keras.layers.Dense(256, activation='relu'),\n"
         "                      keras.layers.Dense(10)])\n"
         "m.compile(optimizer='sgd', loss=keras.losses.SparseCategoricalCrossentropy(True))\n"
-        "m.fit(x, y, batch_size=32, epochs=1, verbose=0)\n")
+        "import threading\n"
+        "class Where(keras.callbacks.Callback):\n"
+        "    async_safe = True\n"
+        "    seen = set()\n"
+        "    def on_train_batch_end(self, batch, logs=None):\n"
+        "        self.seen.add(threading.current_thread() is threading.main_thread())\n"
+        "m.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[Where()])\n"
+        "print('batch ends on the loop thread:', sorted(Where.seen))\n")
     env = dict(os.environ, KERAS_BACKEND="torch")
-    out = record(tmp_path, "kt", str(job), env=env)
+    out = tmp_path / "kt.arrow"
+    p = run_gputrace("record", "-q", "-o", str(out), "--", sys.executable, str(job),
+                     timeout=420, env=env)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    # fit dispatches batch ends as it does without gputrace (to a thread, when every
+    # callback allows it): gputrace's callback does not make it wait on each step
+    plain = subprocess.run([sys.executable, str(job)], capture_output=True, text=True,
+                           timeout=420, env=env)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    said = [ln for ln in p.stdout.splitlines() if ln.startswith("batch ends")]
+    assert said == [ln for ln in plain.stdout.splitlines() if ln.startswith("batch ends")]
     tr = load(out)
     its = spans(tr, "iteration")
     assert len(its) == 40

@@ -255,12 +255,23 @@ def _callback_class(keras: Any) -> Any:
     class GputraceSteps(keras.callbacks.Callback):
         """gputrace's iteration boundaries (added to every fit by gputrace record)."""
 
+        # its batch end only notes a time, so fit keeps dispatching batch ends to a thread
+        # when the job's own callbacks let it (one that is not async-safe would stop that)
+        async_safe = True
+
         def __init__(self, state: _State) -> None:
             super().__init__()
             self._s = state
-            self._end: int | None = None
-            self._n = 1
+            self._open = False
+            self._end = 0               # the latest batch end (on Keras's thread when async)
             self._graph = True
+
+        def _steps(self) -> int:
+            spe = getattr(getattr(self, "model", None), "steps_per_execution", 1)
+            try:
+                return max(int(spe), 1)
+            except (TypeError, ValueError):
+                return 1
 
         @_safe
         def on_train_begin(self, logs: Any = None) -> None:
@@ -277,26 +288,26 @@ def _callback_class(keras: Any) -> Any:
         def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
             s = self._s
             t = s.now()
-            if self._end is not None:
-                s.end_step(t, self._graph, self._n)   # iterations tile the loop
-                self._end = None
+            if self._open:
+                s.end_step(t, self._graph, self._steps())   # iterations tile the loop
             else:
                 s.begin(t)
+                self._open = True
 
         @_safe
         def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-            self._end = self._s.now()
-            spe = getattr(getattr(self, "model", None), "steps_per_execution", 1)
-            try:
-                self._n = max(int(spe), 1)
-            except (TypeError, ValueError):
-                self._n = 1
+            self._end = max(self._end, self._s.now())
 
         def _last(self) -> None:
-            if self._end is not None:
-                self._s.end_step(self._end, self._graph, self._n, reopen=False)
-                self._end = None
-            self._s.open_t = None
+            """The epoch's last step ends at its batch end (fit has waited for every batch
+            end by now)."""
+            s = self._s
+            if self._open:
+                start = s.open_t if s.open_t is not None else 0
+                end = self._end if self._end > start else s.now()
+                s.end_step(end, self._graph, self._steps(), reopen=False)
+            self._open = False
+            s.open_t = None
 
         @_safe
         def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
