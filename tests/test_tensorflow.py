@@ -204,7 +204,9 @@ def test_keras_fit_callback_on_the_torch_backend(tmp_path):
         "    seen = set()\n"
         "    def on_train_batch_end(self, batch, logs=None):\n"
         "        self.seen.add(threading.current_thread() is threading.main_thread())\n"
-        "m.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[Where()])\n"
+        "cbs = keras.callbacks.CallbackList([Where()], add_history=True, model=m)\n"
+        "m.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=cbs)\n"
+        "assert len(cbs.callbacks) == 2\n"
         "print('batch ends on the loop thread:', sorted(Where.seen))\n")
     env = dict(os.environ, KERAS_BACKEND="torch")
     out = tmp_path / "kt.arrow"
@@ -212,7 +214,9 @@ def test_keras_fit_callback_on_the_torch_backend(tmp_path):
                      timeout=420, env=env)
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-3000:]
     # fit dispatches batch ends as it does without gputrace (to a thread, when every
-    # callback allows it): gputrace's callback does not make it wait on each step
+    # callback allows it): gputrace's callback does not make it wait on each step; it
+    # joins a CallbackList the job gives fit, and leaves it after
+    assert not [ln for ln in p.stderr.splitlines() if ln.startswith("gputrace:")], p.stderr
     plain = subprocess.run([sys.executable, str(job)], capture_output=True, text=True,
                            timeout=420, env=env)
     assert plain.returncode == 0, plain.stderr[-3000:]

@@ -362,6 +362,7 @@ def _patch_keras(state: _State, keras: Any) -> None:
 
     @functools.wraps(orig_fit)
     def fit(self: Any, *args: Any, **kwargs: Any) -> Any:
+        joined = None       # the job's own CallbackList, which ours joins for this fit
         try:
             bound = sig.bind(self, *args, **kwargs)
             cbs = bound.arguments.get("callbacks")
@@ -370,13 +371,22 @@ def _patch_keras(state: _State, keras: Any) -> None:
                 cbs = [mine]
             elif isinstance(cbs, list | tuple):
                 cbs = [*cbs, mine]
-            else:       # a CallbackList or another container: leave it as it is
+            elif isinstance(cbs, keras.callbacks.CallbackList):
+                # fit uses it as it is; async-safe, ours leaves its dispatch as it was
+                mine.set_model(self)
+                cbs.callbacks.append(mine)
+                joined = cbs
+            else:       # another container: leave it as it is
                 raise TypeError(f"callbacks given as {type(cbs).__name__}")
             bound.arguments["callbacks"] = cbs
             args, kwargs = bound.args[1:], bound.kwargs
         except Exception as e:  # noqa: BLE001 - fit runs as the job wrote it
             _fail("Model.fit", e)
-        return orig_fit(self, *args, **kwargs)
+        try:
+            return orig_fit(self, *args, **kwargs)
+        finally:
+            if joined is not None:
+                _leave(joined.callbacks, mine)
 
     fit._gputrace = True  # type: ignore[attr-defined]
     model_cls.fit = fit
@@ -399,6 +409,12 @@ def _patch_keras(state: _State, keras: Any) -> None:
 
     apply._gputrace = True  # type: ignore[attr-defined]
     base.apply = apply
+
+
+@_safe
+def _leave(callbacks: list[Any], mine: Any) -> None:
+    """The job's CallbackList as it was before fit."""
+    callbacks.remove(mine)
 
 
 @_safe
