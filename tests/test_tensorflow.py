@@ -232,6 +232,24 @@ def test_keras_fit_callback_on_the_torch_backend(tmp_path):
     assert b["t_f"]["mean"] > 0 and b["t_b"]["mean"] > 0 and b["t_u"]["mean"] > 0
 
 
+@pytest.mark.parametrize("name, phase", [
+    # op names as TensorFlow's profiler gave them in runs of fit and of the two workers
+    ("StatefulPartitionedCall/sequential_1/dense_1/Relu:_FusedMatMul", "forward"),
+    ("StatefulPartitionedCall/compile_loss/sparse_categorical_crossentropy/Sum:Sum", "forward"),
+    ("StatefulPartitionedCall/gradient_tape/sequential_1/dense_1/ReluGrad:ReluGrad", "backward"),
+    ("StatefulPartitionedCall/sgd/Mul_8:Mul", "update"),
+    # compile(optimizer="sgd") names its scope sgd_1
+    ("StatefulPartitionedCall/sgd_1/AssignSubVariableOp:AssignSubVariableOp", "update"),
+    ("sgd/CollectiveReduceV2_1:CollectiveReduceV2", "comm"),
+    ("CollectiveReduceV2:CollectiveReduceV2", "sync"),     # the loss, not gradients
+    ("IteratorGetNext", "io"),
+])
+def test_op_names_give_phases(name, phase):
+    from gputrace.importers.tfprof import op_phase
+
+    assert op_phase(name) == phase
+
+
 def test_tensorflow_profile_recorded_without_gputrace():
     """`keras fit` of the sample profiled by TensorFlow itself (steps 5-7): its log
     directory and the trace viewer's JSON of the same run give the same analysis."""

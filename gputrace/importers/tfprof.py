@@ -43,6 +43,7 @@ OPTIMIZER_SCOPES = frozenset((
     "ftrl", "lion", "lamb", "lars", "muon", "loss_scale_optimizer", "lossscaleoptimizer",
     "optimizer", "gradientdescent", "momentum", "distributedoptimizer"))
 _WRAPPERS = frozenset(("StatefulPartitionedCall", "PartitionedCall"))
+_UNIQUE = re.compile(r"_\d+$")
 # variable bookkeeping at the step function's top scope (no model, loss or optimizer scope)
 _BOOKKEEPING = frozenset((
     "ReadVariableOp", "AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp",
@@ -73,7 +74,9 @@ def op_phase(name: str, optimizers: Iterable[str] = ()) -> str | None:
     while len(parts) > 1 and parts[0] in _WRAPPERS:
         parts = parts[1:]
     scopes = {p.lower() for p in parts[:-1]}
-    opt = scopes & (OPTIMIZER_SCOPES | {o.lower() for o in optimizers}) or \
+    # a scope made unique by the graph (`sgd_1`: a second optimizer named sgd) is still its
+    opt = {_UNIQUE.sub("", p) for p in scopes} & \
+        (OPTIMIZER_SCOPES | {o.lower() for o in optimizers}) or \
         any(p.startswith("update_") for p in scopes)
     grads = bool(scopes & _BACKWARD_SCOPES) or any(p.startswith("gradients_") for p in scopes)
     if _COLLECTIVE.search(typ):
