@@ -3,6 +3,7 @@ benchmarks measure on quiet machines, see bench/README.md)."""
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -14,8 +15,10 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script", ["analysis.py", "sampler.py", "overhead.py", "merge.py",
-                                    "report.py", "whatif.py"])
+                                    "report.py", "whatif.py", "overhead_tf.py"])
 def test_benchmark_runs_tiny(script, tmp_path):
+    if script == "overhead_tf.py" and importlib.util.find_spec("tensorflow") is None:
+        pytest.skip("tensorflow is not installed (make test installs it)")
     args = [sys.executable, str(BENCH / script), "--tiny"]
     if script == "overhead.py":
         args += ["--ranks", "1", "--save", str(tmp_path / "runs.json")]
