@@ -160,12 +160,15 @@ def bucket_arg(b: str) -> str:
     return "100000" if b == "one" else b
 
 
-def predict(trace: Path, scenarios: list) -> tuple[float, dict]:  # type: ignore[type-arg]
-    """(measured t_iter, {scenario: predicted t_iter}) of one run."""
+def predict(trace: Path, scenarios: list, link: float | None,  # type: ignore[type-arg]
+            host: float | None) -> tuple[float, dict]:  # type: ignore[type-arg]
+    """(measured t_iter, {scenario: predicted t_iter}) of one run, its link's all-reduce bus
+    bandwidth and the host's own (gloo over the loopback) known, as `gputrace probe` gives
+    them."""
     from gputrace import load
     from gputrace.analyzers import analyze
 
-    a = analyze(load(trace), what_if=scenarios)
+    a = analyze(load(trace), what_if=scenarios, link_bytes_per_s=link, host_bytes_per_s=host)
     ra = a.main
     out = {}
     if ra.replay is not None:
@@ -196,10 +199,15 @@ def main() -> None:
     port = 29600 + os.getpid() % 300
     if a.reuse:
         runs = json.loads((work / "runs.json").read_text())
+        if "host" not in runs:
+            runs["host"] = bus_bandwidth(None, port, work)
+            (work / "runs.json").write_text(json.dumps(runs, indent=1))
     else:
         link = Link()
         namespaces = link.start()
-        runs = {"links": {}, "runs": [], "namespaces": namespaces}
+        runs = {"links": {}, "runs": [], "namespaces": namespaces,
+                # the host's own gloo all-reduce (loopback): the least CPU a byte costs
+                "host": bus_bandwidth(None, port - 1, work)}
         try:
             links = {"as is": None}
             if namespaces and a.throttle:
@@ -235,8 +243,8 @@ def main() -> None:
 
     print(f"machine: {machine()}")
     bw = runs["links"]
-    print("links: " + ", ".join(f"{k} {v / 1e6:.0f} MB/s all-reduce bus bandwidth"
-                                for k, v in bw.items())
+    print(f"host (loopback): {runs['host'] / 1e6:.0f} MB/s; links: "
+          + ", ".join(f"{k} {v / 1e6:.0f} MB/s all-reduce bus bandwidth" for k, v in bw.items())
           + ("" if runs["namespaces"] else " (loopback: no network namespaces here)"))
     two = [r for r in runs["runs"] if r["ranks"] == 2]
     measured = {}
@@ -248,7 +256,8 @@ def main() -> None:
             x = bw[t["link"]] / bw[src["link"]]
             b = None if t["bucket"] == src["bucket"] else bucket_bytes(t["bucket"])
             scen[t["trace"]] = Scenario(0, x, b)
-        t_src, pred = predict(work / src["trace"], list(scen.values()))
+        t_src, pred = predict(work / src["trace"], list(scen.values()), bw[src["link"]],
+                              runs.get("host"))
         measured[src["trace"]] = t_src
         src["pred"] = {k: pred.get(Scenario(2, s.bandwidth_x, s.bucket_bytes))
                        for k, s in scen.items()}

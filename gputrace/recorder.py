@@ -62,6 +62,24 @@ def env_int(names: Iterable[str], default: int = -1) -> int:
     return default
 
 
+def tf_config_rank() -> tuple[int, int]:
+    """(rank, world size) of a TensorFlow multi-worker job from TF_CONFIG (the chief first,
+    then the workers, as MultiWorkerMirroredStrategy numbers its tasks), else (-1, -1)."""
+    raw = os.environ.get("TF_CONFIG")
+    if not raw:
+        return -1, -1
+    try:
+        cfg = json.loads(raw)
+        cluster, task = cfg["cluster"], cfg["task"]
+        order = [t for t in ("chief", "worker") if t in cluster]
+        world = sum(len(cluster[t]) for t in order)
+        rank = sum(len(cluster[t]) for t in order[:order.index(task["type"])]) + \
+            int(task["index"])
+        return rank, world
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return -1, -1
+
+
 def redact_argv(argv: list[str]) -> list[str]:
     """Keep the program and flag names; replace every value with '<redacted>'."""
     out: list[str] = []
@@ -85,14 +103,16 @@ def base_metadata(role: str, argv: list[str] | None = None, rank: int | None = N
         version = im.version("gputrace")
     except Exception:  # running from a source tree without an install
         version = "0+unknown"
+    tf_rank, tf_world = tf_config_rank() if rank is None else (-1, -1)
     return {
         "role": role,
         "host": hostname(),
         "pid": os.getpid(),
-        "rank": env_int(RANK_VARS) if rank is None else rank,
-        "world_size": env_int(WORLD_VARS),
+        "rank": env_int(RANK_VARS, tf_rank) if rank is None else rank,
+        "world_size": env_int(WORLD_VARS, tf_world),
         "local_rank": env_int(LOCAL_RANK_VARS),
         "argv": argv,
+        "cpus": os.cpu_count(),
         "env": {k: os.environ[k] for k in ENV_ALLOWLIST if k in os.environ},
         "software": {"gputrace": version, "python": sys.version.split()[0]},
         "collectors": {},

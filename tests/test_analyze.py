@@ -215,3 +215,55 @@ def test_link_bandwidth_units():
     assert parse_bandwidth("56Gb/s") == 7e9
     assert parse_bandwidth("1GiB/s") == 1024**3
     assert parse_bandwidth("12.5e9") == 12.5e9
+
+
+def test_a_recommendation_cites_the_replay_and_never_contradicts_it(tmp_path):
+    """Case 1 with a costly last unit: the finding about it cites the what-if replay's
+    prediction for smaller buckets, and recommends them only where the replay says they
+    would help."""
+    units = [([4], 40, 50), ([3], 55, 65), ([2], 70, 80), ([1], 85, 97)]
+    a = run_analysis(tmp_path, ddp_iterations(Builder(), units, update=(97, 99)), skip=1,
+                     world_size=2)
+    ra = a.main
+    (f,) = [f for f in ra.findings if f.id == "comm_tail"]
+    own = [o for o in ra.replay.outcomes if o.scenario.gpus == 2 and
+           o.scenario.bandwidth_x == 1 and o.scenario.bucket_bytes is not None]
+    best = min(own, key=lambda o: o.t_iter)
+    assert f"{best.t_iter * 1e3:.1f} ms" in f.message and "replay" in f.message
+    helps = best.t_iter < 0.98 * ra.replay.measured_t_iter
+    assert ("would shorten it" in f.message) == helps
+    assert ("finds no bucket size" in f.message) == (not helps)
+
+
+def test_ranks_sharing_a_hosts_cores_are_said_to(tmp_path):
+    """Two ranks computing on the CPU of one host share its cores: the speedup keeps their
+    measured compute and says so (text and --json)."""
+    b = Builder()
+    for r in (0, 1):
+        ddp_iterations(b, CASE1_UNITS, rank=r)
+    path = b.write(tmp_path / "t.arrow", world_size=2, hosts=["node7"], cpus=2)
+    sp = analyze(load(path)).main.speedup
+    assert sp.shared == "the 2 CPU cores of host node7 (2 ranks computing on it)"
+    assert any("shared the 2 CPU cores of host node7" in x for x in sp.assumptions)
+    d = json.loads(run_gputrace("analyze", str(path), "--json", check=True).stdout)
+    assert d["speedup"]["shared"] == sp.shared
+    one = Builder()
+    ddp_iterations(one, CASE1_UNITS, rank=0)
+    assert analyze(load(one.write(tmp_path / "one.arrow", hosts=["node7"]))).main.speedup \
+        .shared is None
+
+
+def test_a_wait_for_the_last_rank_is_not_scaled_with_the_ring(tmp_path):
+    """One unit after backward: rank 0 starts it at 85 ms, rank 1 at 89 ms, both end at 95.
+    Only the 6 ms after rank 1 arrives move bytes; rank 0's 4 ms wait stays as it is at any
+    GPU count, so both ranks predict the same growth: 6 ms x (2(N-1)/N) / 1."""
+    b = Builder()
+    ddp_iterations(b, [([4, 3, 2, 1], 85, 95)], rank=0, update=(95, 99))
+    ddp_iterations(b, [([4, 3, 2, 1], 89, 95)], rank=1, update=(95, 99))
+    a = run_analysis(tmp_path, b, world_size=2, skip=1, gpus=(2, 8))
+    for r in (0, 1):
+        sp = a.ranks[r].speedup
+        assert sp.equation == "8"
+        p2, p8 = sp.points
+        assert p8.t_iter - p2.t_iter == pytest.approx(0.006 * (2 * 7 / 8 - 1), rel=1e-6), r
+    assert any("waiting for the last rank" in s for s in a.ranks[0].speedup.assumptions)

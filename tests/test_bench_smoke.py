@@ -3,6 +3,7 @@ benchmarks measure on quiet machines, see bench/README.md)."""
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -14,8 +15,11 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script", ["analysis.py", "sampler.py", "overhead.py", "merge.py",
-                                    "report.py", "scale.py", "imports.py"])
+                                    "report.py", "whatif.py", "overhead_tf.py", "scale.py",
+                                    "imports.py"])
 def test_benchmark_runs_tiny(script, tmp_path):
+    if script == "overhead_tf.py" and importlib.util.find_spec("tensorflow") is None:
+        pytest.skip("tensorflow is not installed (make test installs it)")
     args = [sys.executable, str(BENCH / script), "--tiny"]
     if script == "overhead.py":
         args += ["--ranks", "1", "--save", str(tmp_path / "runs.json")]
@@ -33,3 +37,13 @@ def test_benchmark_runs_tiny(script, tmp_path):
 
         assert len(runs(p.stdout)) == 1 and runs(p.stdout) == runs(again.stdout)
         assert "Cost accounting" in again.stdout
+    if script == "whatif.py":   # two runs, each predicting the other: two errors reported
+        assert "bucket predictions: 2," in p.stdout, p.stdout
+        assert set(whatif_errors(p.stdout)) == {"bucket"}
+
+
+def whatif_errors(out: str) -> dict[str, float]:
+    import re
+
+    return {m.group(1): float(m.group(2)) for m in re.finditer(
+        r"(\w+) predictions: \d+, median \|error\| ([\d.]+)%", out)}

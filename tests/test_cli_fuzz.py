@@ -7,6 +7,7 @@ success. Most run in-process through `gputrace.cli.main`; a sample runs as real 
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import io
 import json
 import os
@@ -127,6 +128,40 @@ class Corpus:
                 {"ph": "C", "ts": 1, "name": "mem", "pid": 1, "args": {"v": 1}}]}).encode())),
         ]
         self.shard_template = self._file("shard.arrow", arrow)
+        # TensorFlow profiles: a real run's log directory and trace-viewer JSON (reading the
+        # XPlane needs TensorFlow's schema: without it, the log directory is bad input),
+        # copied here since export's default output lands beside its input
+        tf_data = Path(__file__).resolve().parent / "data" / "tf"
+        self.tf_logdir = str(shutil.copytree(tf_data / "logdir", root / "tf-logdir"))
+        self.tf_json = str(shutil.copy(tf_data / "vm.trace.json.gz", root / "vm.trace.json.gz"))
+        self.tf_logdir_ok = importlib.util.find_spec("tensorflow") is not None
+        (xplane,) = Path(self.tf_logdir).rglob("*.xplane.pb")
+        xp = xplane.read_bytes()
+        bad_logdir = root / "bad-logdir" / "plugins" / "profile" / "run"
+        bad_logdir.mkdir(parents=True)
+        (bad_logdir / "h.xplane.pb").write_bytes(rand)
+        self.bad_inputs += [
+            str(self._file("random.xplane.pb", rand)), str(self._file("empty.xplane.pb", b"")),
+            str(self._file("half.xplane.pb", xp[: len(xp) // 2])), str(root / "bad-logdir"),
+            str(self._file("tf-junk.trace.json", json.dumps({"traceEvents": [
+                {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+                {"ph": "X", "pid": 1, "tid": 1, "ts": "soon", "name": "MatMul"}]}).encode())),
+        ]
+        self.odd_inputs.append(str(self._file("tf-odd.trace.json", json.dumps({
+            "stackFrames": {"1": {"name": 5}}, "traceEvents": [
+                {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+                {"ph": "M", "name": "thread_name", "pid": 1, "tid": [], "args": None},
+                {"ph": "X", "pid": 1, "tid": [], "ts": 1e300, "dur": -1, "name": None,
+                 "sf": 1, "args": {"tf_function_call": 1}},
+                {"ph": "X", "pid": 1, "tid": 2, "ts": 5, "dur": 1, "name": "a/b:Mul"}]}
+        ).encode())))
+
+    def foreign(self, rng: random.Random) -> tuple[str, str]:
+        """Another tool's trace and what reading it gives."""
+        pick = rng.choice([self.kineto, self.nsys, self.tf_json, self.tf_logdir])
+        if pick == self.tf_logdir and not self.tf_logdir_ok:
+            return pick, "error"
+        return str(pick), "ok"
 
     def _file(self, name: str, data: bytes) -> Path:
         p = self.root / name
@@ -187,7 +222,8 @@ class Gen:
             if x < 0.35:
                 picks.append((str(self.c.arrow), "ok", "gputrace"))
             elif x < 0.5:
-                picks.append((str(r.choice([self.c.kineto, self.c.nsys])), "ok", "foreign"))
+                path, expect = self.c.foreign(r)
+                picks.append((path, expect, "foreign" if expect == "ok" else "bad"))
             elif x < 0.8:
                 picks.append((r.choice(self.c.bad_inputs), "error", "bad"))
             elif x < 0.85:
@@ -246,7 +282,8 @@ class Gen:
         r = self.rng
         x = r.random()
         if x < 0.5:
-            paths, expect = [str(r.choice([self.c.kineto, self.c.nsys]))], "ok"
+            path, expect = self.c.foreign(r)
+            paths = [path]
         elif x < 0.6:
             paths, expect = [str(self.c.arrow)], "error"     # a gputrace trace already
         else:
@@ -295,6 +332,7 @@ class Gen:
             "--collectors": (["host", "host,torch", "torch", ","], ["foo", "host,foo"]),
             "--gpu-timeline": (["auto", "kineto"], ["x", ""]),
             "--kill-after": (["5"], ["0", "-1", "x", "nan", "inf"]),
+            "--tf-steps": (["5:10", "all", "off", "0:1"], ["x", "5", "-1:2", "3:0", "", "a:b"]),
         })
         untraced = False
         if r.random() < 0.7:
@@ -366,7 +404,10 @@ def corpus(tmp_path, monkeypatch):
     (tmp_path / "out").mkdir()
     monkeypatch.chdir(tmp_path)               # default outputs land here, never in the repo
     monkeypatch.setenv("COLUMNS", "100")
-    return Corpus(tmp_path)
+    data = Path(__file__).resolve().parent / "data"
+    before = sorted(data.rglob("*"))
+    yield Corpus(tmp_path)
+    assert sorted(data.rglob("*")) == before, "a command wrote into tests/data"
 
 
 def _in_process(argv: list[str]) -> tuple[int, str, str]:

@@ -133,12 +133,19 @@ def test_ddp_case2_is_exposed(recorded, data_dir):
     assert abs(d["model"]["relative_error"]) < 0.15
     assert any(f["id"] == "comm_exposed" for f in d["findings"])
     assert sum(u["bytes"] for u in d["units"]) == grad_bytes("case2")
-    # eq. 11's speedup and the replay of the measured timeline agree at every GPU count
+    # eq. 11's speedup and the replay of the measured timeline agree at every GPU count, and
+    # both fall in efficiency as GPUs are added
     replayed = {s["gpus"]: s for s in d["what_if"]["scenarios"]
                 if s["bucket_rule"] == "measured" and s["bandwidth_x"] == 1}
     assert d["speedup"]["points"] and d["speedup"]["unavailable"] is None
-    for p in d["speedup"]["points"]:
+    for p in d["speedup"]["points"]:   # a wait for the other rank is not scaled by either
         assert abs(replayed[p["gpus"]]["speedup"] / p["speedup"] - 1) < 0.10, (p, replayed)
+    eff = [p["efficiency"] for p in d["speedup"]["points"]]
+    assert eff == sorted(eff, reverse=True)
+    assert all(replayed[p["gpus"]]["speedup"] / p["gpus"] <= replayed[2]["speedup"] / 2 + 1e-9
+               for p in d["speedup"]["points"])
+    # the two ranks shared this host's cores, and the speedup says so
+    assert "CPU cores of host" in (d["speedup"]["shared"] or "")
 
 
 def test_replay_of_one_bucket_predicts_the_run_with_small_buckets(recorded, data_dir):
@@ -160,8 +167,13 @@ def test_replay_of_one_bucket_predicts_the_run_with_small_buckets(recorded, data
     ds = analysis(small)
     measured_small = ds["model"]["measured_t_iter"]
     assert pred["buckets"] == len(ds["units"])
-    # smaller buckets overlap the large layers' all-reduce with backward: faster, as measured
-    assert pred["t_iter"] < w["measured_t_iter"]
+    # smaller buckets move the large layers' all-reduce beside backward; on the CPU (gloo)
+    # that comm takes backward's CPU, so the replay never makes them slower, and it gains
+    # only what the link's own time hides (the two runs differed by 7 % once their speeds
+    # were matched, below)
+    assert pred["t_iter"] <= w["measured_t_iter"] * (1 + 1e-9)
+    assert pred["exposed_s"] < next(s for s in w["scenarios"] if s["gpus"] == 2
+                                    and s["bucket_rule"] == "measured")["exposed_s"]
     # The replay predicts at the speed of the run it replays; the other run, minutes later on
     # this shared 2-core machine, may run 20 % slower throughout (seen in a clean-clone CI
     # run). Forward and update do not depend on the buckets, so their ratio between the two

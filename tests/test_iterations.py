@@ -46,12 +46,10 @@ def test_iterations_tile_a_loop_without_a_loader(tmp_path):
     assert all(a["end_ns"] == b["start_ns"] for a, b in zip(its, its[1:], strict=False))
     rs = per_iteration(tr)
     pairs = matched(rs, truth)
-    # one iteration = the loop's own iteration: from one optimizer step's end to the next
-    durs = np.diff([t["end"] for t in truth]) / 1e9
-    assert float(np.median(rs.terms["t_iter"][4:])) == pytest.approx(
-        float(np.median(durs[3:])), rel=0.05)
-    compare(rs, truth, pairs, {"t_f": ["forward"], "t_b": ["backward"], "t_u": ["update"]},
-            0.15)
+    # one iteration = the loop's own iteration, and its phases (paired, iteration by
+    # iteration: the loop's boundary is a little after the step, where it takes its time)
+    compare(rs, truth, pairs, {"t_iter": [], "t_f": ["forward"], "t_b": ["backward"],
+                               "t_u": ["update"]}, 0.15)
     # what runs between phases (the copy, zero_grad, logging) is time in no phase, not lost
     other = float(np.median(rs.terms["t_other"][4:]))
     want = float(np.median([t["other"] + t["h2d"] for t in truth[4:]]))
@@ -68,10 +66,8 @@ def test_gradient_accumulation_is_one_iteration_per_optimizer_step(tmp_path):
     assert len(pairs) == 12
     # boundaries are the batch requests that follow a step: the loop's own iteration
     # (step end to step end) is the same length in the steady state
-    durs = np.diff([t["end"] for t in truth]) / 1e9
-    assert float(np.median(rs.terms["t_iter"][4:])) == pytest.approx(
-        float(np.median(durs[3:])), rel=0.05)
-    compare(rs, truth, pairs, {"t_io": ["io"], "t_f": ["forward"], "t_b": ["backward"]}, 0.15)
+    compare(rs, truth, pairs, {"t_iter": [], "t_io": ["io"], "t_f": ["forward"],
+                               "t_b": ["backward"]}, 0.15)
 
 
 def test_evaluation_batches_are_not_training_iterations(tmp_path):

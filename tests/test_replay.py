@@ -49,43 +49,93 @@ def test_fit_recovers_latency_and_bandwidth():
     assert fit_cost(np.array([]), np.array([]), 2) is None
 
 
-def test_case2_trace_replays_to_the_hand_computed_timeline(tmp_path):
-    # backward ends: layer 4 at 40 ms, 3 at 55, 2 at 70, 1 at 85; units of 1 MB each take
-    # 22, 10, 12 and 7 ms on the link (51 ms for 4 MB: 12.75 ms per unit)
+def test_case2_trace_on_the_cpu_replays_to_the_hand_computed_timeline(tmp_path):
+    """Comm on the CPU (a hand-built gloo-like trace: no GPU records) takes backward's CPU.
+    Backward starts at 30 ms; layers end at 40 (layer 4), 55, 70, 85; units of 1 MB are
+    busy 40-84 beside backward and 85-92 after it."""
     a = run_analysis(tmp_path, ddp_iterations(Builder(), CASE2_UNITS, update=(92, 98)),
                      skip=1, world_size=2, gpus=(4,),
                      what_if=[Scenario(0, 1.0, 2 * MIB)])
     rp = a.main.replay
-    assert rp.cost.alpha_s == 0 and rp.cost.beta_bytes_per_s == pytest.approx(4e6 / 0.051)
+    # 4 MB moved in 44 ms beside backward (at most half the CPU: c / 0.5 per byte) and 7 ms
+    # alone (c per byte): (22 + 7) ms / 4 MB = 7.25 ns per byte of CPU
+    assert rp.cost.alpha_s == 0 and rp.cost.cpu_s_per_byte == pytest.approx(7.25e-9)
+    # half the CPU for 44 ms: backward lost 22 ms; with none beside it, it ends at 63
+    assert rp.contention_s == pytest.approx(22 * MS)
     assert rp.backward_end_s == pytest.approx(85 * MS)
-    # serial replay: 40-52.75, 55-67.75, 70-82.75, 85-97.75; measured tail ends at 92
-    assert rp.baseline_t_iter == pytest.approx((100 - 92 + 97.75) * MS)
+    # replayed: the freed ready times (40, 47.5, 55, 63) and the same contention give back
+    # the measured timeline: the last unit ends at 92, as measured
+    assert rp.baseline_t_iter == pytest.approx(100 * MS) and rp.baseline_error == \
+        pytest.approx(0, abs=1e-9)
     t = {o.scenario: o for o in rp.outcomes}
     assert t[Scenario(2)].t_iter == pytest.approx(100 * MS)
-    # one GPU: the measured iteration without its measured comm tail past backward (85 to
-    # 92 ms), as eq. 8-11 count it: 93 ms
-    assert t[Scenario(2)].speedup == pytest.approx(2 * 93 / 100)
-    assert t[Scenario(4)].t_iter == pytest.approx((100 - 97.75 + 116.5) * MS)
-    assert t[Scenario(2, 2.0)].t_iter == pytest.approx((100 - 97.75 + 91.375) * MS)
-    # 2 MiB buckets: layers 4+3+2 (3 MB, ready at 70 ms: 70-108.25), then layer 1 (-121)
-    b = t[Scenario(2, 1.0, 2 * MIB)]
-    assert b.buckets == 2 and b.t_iter == pytest.approx((100 - 97.75 + 121) * MS)
+    # on a CPU the work is the same whatever the buckets: one bucket moves 4 MB alone from
+    # 63 ms (29 ms), 2 MiB buckets split the same CPU time differently; both end at 92
     assert t[Scenario(2, 1.0, math.inf)].buckets == 1
+    assert t[Scenario(2, 1.0, math.inf)].t_iter == pytest.approx(100 * MS)
+    b = t[Scenario(2, 1.0, 2 * MIB)]
+    assert b.buckets == 2 and b.t_iter == pytest.approx(100 * MS)
+    # 4 GPUs: 1.5 times the bytes per rank; worked through by hand, the last unit ends at
+    # 106.5 ms
+    assert t[Scenario(4)].t_iter == pytest.approx((100 - 92 + 106.5) * MS)
+    assert t[Scenario(4)].extrapolated and t[Scenario(2)].extrapolated is None
+    # no link bandwidth known: the host's rate stands for it, so a faster link gives nothing
+    # and says why
+    assert t[Scenario(2, 2.0)].t_iter == pytest.approx(100 * MS)
+    assert any("no link bandwidth known" in x for x in rp.assumptions)
+    # one GPU: no comm, backward with nothing beside it (63 ms), no tail: 71 ms
+    assert t[Scenario(2)].speedup == pytest.approx(2 * 71 / 100)
+    # each prediction has an interval around it
+    assert all(o.low <= o.t_iter <= o.high for o in rp.outcomes)
 
 
-def test_comm_after_backward_merging_units_saves_their_latency(tmp_path):
+def test_gpu_comm_after_backward_merging_units_saves_their_latency(tmp_path):
+    """NCCL on a GPU: units one at a time on their stream, a fixed cost each, no cost to
+    the compute beside them. Merging units saves their fixed costs."""
+    from gputrace.analyzers.frame import build
+    from gputrace.analyzers.model import build_model
+    from gputrace.analyzers.replay import replay
+    from gputrace.analyzers.steps import analyze_rank
+    from gputrace.trace import load
+
     units = [([4], 85, 88), ([3], 88, 91), ([2, 1], 91, 96)]
-    a = run_analysis(tmp_path, ddp_iterations(Builder(), units, update=(96, 99)), skip=1,
-                     world_size=2)
-    m, rp = a.main.model, a.main.replay
+    path = ddp_iterations(Builder(), units, update=(96, 99)).write(tmp_path / "t.arrow",
+                                                                   world_size=2)
+    (sp,) = build(load(path).table).ranks.values()
+    rs = analyze_rank(sp)
+    sel = np.arange(1, rs.iterations.start.size)
+    m = build_model(rs, sel)
+    rp = replay(rs, sel, m, 2, (2,), on_cpu=False)
     assert m.strategy == "sequential"
     # 1 MB in 3 ms, 2 MB in 5 ms: 1 ms + 2 ms per MB
     assert rp.cost.alpha_s == pytest.approx(1 * MS)
     assert rp.cost.beta_bytes_per_s == pytest.approx(1e6 / (2 * MS))
-    assert rp.baseline_error == pytest.approx(0, abs=1e-9)
+    assert rp.contention_s == 0 and rp.baseline_error == pytest.approx(0, abs=1e-9)
     one = next(o for o in rp.outcomes if o.scenario == Scenario(2, 1.0, math.inf))
     # all 4 MB at once when backward ends at 85: 1 + 8 ms -> 94 instead of 96
     assert one.buckets == 1 and one.t_iter == pytest.approx(98 * MS)
+    # the same trace with comm on the CPU: no fixed cost can be told apart, nothing to save
+    cpu = replay(rs, sel, m, 2, (2,), on_cpu=True)
+    one = next(o for o in cpu.outcomes if o.scenario == Scenario(2, 1.0, math.inf))
+    assert one.t_iter == pytest.approx(100 * MS)
+
+
+def test_a_link_known_to_be_slower_than_the_host_bounds_a_link_what_if(tmp_path):
+    """With the link's bus bandwidth known, a unit moves no faster than it: a run whose
+    comm the link held back gets faster with a faster link, one the host held back does
+    not."""
+    b = ddp_iterations(Builder(), CASE2_UNITS, update=(92, 98))
+    # 4 MB in 51 ms of busy time: a 0.08 GB/s link (50 ms for 4 MB) explains it
+    slow = run_analysis(tmp_path, b, skip=1, world_size=2, link_bytes_per_s=8e7).main.replay
+    assert slow.cost.wire_bytes_per_s == 8e7 and slow.cost.cpu_s_per_byte == 0
+    x2 = next(o for o in slow.outcomes if o.scenario == Scenario(2, 2.0))
+    # units of 12.5 ms at x1 (the last ends at 97.5), 6.25 ms at x2 (at 91.25)
+    assert x2.t_iter == pytest.approx((100 - 97.5 + 91.25) * MS)
+    # a fast link (10 GB/s) cannot explain it: the host's CPU does, and x2 changes nothing
+    fast = run_analysis(tmp_path, b, skip=1, world_size=2, link_bytes_per_s=1e10).main.replay
+    assert fast.cost.cpu_s_per_byte > 0
+    x2 = next(o for o in fast.outcomes if o.scenario == Scenario(2, 2.0))
+    assert x2.t_iter == pytest.approx(fast.measured_t_iter)
 
 
 def test_one_process_replays_over_the_link_bandwidth_or_not_at_all(tmp_path):
@@ -101,12 +151,15 @@ def test_one_process_replays_over_the_link_bandwidth_or_not_at_all(tmp_path):
     rp = run_analysis(tmp_path, b, skip=1, gpus=(8,), link_bytes_per_s=1e9).main.replay
     assert rp.cost.source == "link" and rp.layers_known
     o = {x.scenario: x for x in rp.outcomes}
-    # 25 MiB buckets hold both layers (20 MB, ready at 80 ms): 2*7/8 * 20 MB / 1 GB/s = 35 ms
-    assert o[Scenario(8)].buckets == 1
-    assert o[Scenario(8)].t_iter == pytest.approx(0.100 + 0.035)
-    # 1 MiB buckets: layer 2 at 60 ms (17.5 ms, to 77.5), layer 1 at 80 ms (to 97.5)
+    # DDP's default buckets: a 1 MiB first bucket (layer 2, ready at 60 ms: 2*7/8 * 10 MB
+    # / 1 GB/s = 17.5 ms, to 77.5), then layer 1 at 80 ms (to 97.5)
+    assert o[Scenario(8)].buckets == 2
+    assert o[Scenario(8)].t_iter == pytest.approx(0.100 + 0.0175)
     assert o[Scenario(8, 1.0, MIB)].t_iter == pytest.approx(0.100 + 0.0175)
-    assert o[Scenario(8)].speedup == pytest.approx(8 * 0.100 / 0.135)
+    # 25 MiB buckets hold both layers (20 MB, ready at 80 ms): 35 ms
+    assert o[Scenario(8, 1.0, 25 * MIB)].buckets == 1
+    assert o[Scenario(8, 1.0, 25 * MIB)].t_iter == pytest.approx(0.100 + 0.035)
+    assert o[Scenario(8)].speedup == pytest.approx(8 * 0.100 / 0.1175)
 
 
 def test_what_if_on_the_command_line(tmp_path):
@@ -123,3 +176,39 @@ def test_what_if_on_the_command_line(tmp_path):
     for bad in ("gpus=0", "bandwidth=fast", "bucket=12q", "color=red"):
         e = run_gputrace("analyze", str(path), "--what-if", bad)
         assert e.returncode == 2 and len(e.stderr.strip().splitlines()) == 1, e.stderr
+
+
+def _analyze_json(*argv: str) -> dict:
+    return json.loads(run_gputrace("analyze", "--json", *argv, check=True, timeout=300).stdout)
+
+
+def test_imported_nccl_trace_replays_link_what_ifs_and_says_buckets_cannot_be(shared_data):
+    """A Kineto trace made by PyTorch's profiler on a GPU job: its NCCL units carry bytes, so
+    link what-ifs replay; it has no per-layer gradients, and the bucket what-ifs say so."""
+    d = _analyze_json(str(shared_data / "kineto/nccl_data.json.gz"))
+    w = d["what_if"]
+    assert w is not None and d["what_if_unavailable"] is None
+    assert not w["layers_known"]
+    assert any("bucket sizes are not replayed" in a for a in w["assumptions"])
+    assert all(s["bucket_rule"] != "cap" for s in w["scenarios"])
+    link = {s["bandwidth_x"]: s["t_iter"] for s in w["scenarios"]
+            if s["gpus"] == d["world_size"] and s["bucket_rule"] == "measured"}
+    # a faster link never predicts a slower iteration, a slower one never a faster
+    assert link[2.0] <= link[1.0] <= link[0.5]
+
+
+@pytest.mark.parametrize("name, why", [
+    ("kineto/two_rank", "carry no byte counts"),
+    ("nsys/h100_2gpu_1s.sqlite", "no gradient comm was measured"),
+])
+def test_imported_traces_without_replayable_comm_say_why(shared_data, name, why):
+    d = _analyze_json(str(shared_data / name))
+    assert d["what_if"] is None and why in d["what_if_unavailable"], d["what_if_unavailable"]
+    p = run_gputrace("analyze", str(shared_data / name), check=True, timeout=300)
+    said = [ln for ln in p.stdout.splitlines() if ln.startswith("What if: not replayed: ")]
+    assert len(said) == 1 and why in said[0], p.stdout
+
+
+def test_a_link_bandwidth_does_not_replay_comm_whose_bytes_are_unknown(shared_data):
+    d = _analyze_json(str(shared_data / "kineto/two_rank"), "--link-bandwidth", "10e9")
+    assert d["what_if"] is None and "no bytes to move" in d["what_if_unavailable"]

@@ -22,9 +22,9 @@ from gputrace.analyzers.detail import (
     representative,
 )
 from gputrace.analyzers.findings import Finding, find
-from gputrace.analyzers.model import ModelResult, Speedup, build_model, speedup
+from gputrace.analyzers.model import ModelResult, Speedup, build_model, speedup, unit_waits
 from gputrace.analyzers.outliers import Outlier, find_outliers
-from gputrace.analyzers.replay import MIB, Replay, Scenario, replay
+from gputrace.analyzers.replay import MIB, Replay, Scenario, replay, why_no_replay
 from gputrace.analyzers.steps import TERMS, RankSteps, analyze_rank, warmup_skip
 from gputrace.trace.reader import RankedTrace, RankSource, read_rank
 
@@ -56,6 +56,7 @@ class RankAnalysis:
     comm_transfer_s: float | None = None
     replay: Replay | None = None
     detail: RankDetail | None = None    # per-iteration figures and a timeline, when asked for
+    replay_unavailable: str | None = None   # why there is no what-if replay
     host: str = ""
 
 
@@ -88,20 +89,30 @@ def _overlap(h: Any, sel: np.ndarray) -> dict[str, float]:
             "hidden_fraction": hid / tot if tot > 0 else 0.0}
 
 
-def _comm_wait(units: dict[int, UnitTimes], iters: dict[int, int]
-               ) -> dict[int, tuple[float, float]]:
+def _comm_wait(steps: dict[int, RankSteps], sels: dict[int, np.ndarray],
+               offsets: dict[int, int] | None = None
+               ) -> tuple[dict[int, tuple[float, float]], dict[int, np.ndarray]]:
     """Where several ranks show the same unit of the same step, the transfer can only start
     when the last rank arrives: wait = that moment - own start; transfer = end - that.
-    `units`: each rank's analyzed units, on one clock; `iters`: its analyzed iterations."""
-    parts = [(np.full(u.step.size, r), u.step, u.index, u.start, u.end)
-             for r, u in units.items()]
-    if not parts:
-        return {}
-    rank, step, index, start, end = (np.concatenate(x) for x in zip(*parts, strict=True))
+    `offsets`: what to subtract from each rank's times to put it on one clock (its host's
+    clock offset). Returns per rank (wait, transfer) seconds per iteration, and the last
+    arrival (ns, on the rank's own clock) of each of its unit rows (its own start where no
+    other rank shows the unit)."""
+    offsets = offsets or {}
+    parts = []
+    for r, rs in steps.items():
+        u = rs.units
+        rows = u.rows(sels[r])
+        off = offsets.get(r, 0)
+        parts.append((np.full(rows.size, r), rs.iterations.step[u.it[rows]], u.index[rows],
+                      u.start[rows] - off, u.end[rows] - off, rows))
+    rank, step, index, start, end, row = (np.concatenate(x) for x in zip(*parts, strict=True))
+    arrivals = {r: rs.units.start.copy() for r, rs in steps.items()}
     if not rank.size:
-        return {}
+        return {}, arrivals
     order = np.lexsort((rank, index, step))
-    rank, step, index, start, end = (x[order] for x in (rank, step, index, start, end))
+    rank, step, index, start, end, row = (x[order] for x in (rank, step, index, start, end,
+                                                             row))
     new = np.r_[True, (step[1:] != step[:-1]) | (index[1:] != index[:-1])]
     group = np.cumsum(new) - 1
     first = np.flatnonzero(new)
@@ -111,12 +122,49 @@ def _comm_wait(units: dict[int, UnitTimes], iters: dict[int, int]
     wait = np.where(shared, (last - start) / 1e9, 0.0)
     xfer = np.where(shared, np.maximum(end - last, 0) / 1e9, 0.0)
     out = {}
-    for r in units:
+    for r in steps:
         m = shared & (rank == r)
         if m.any():
-            n = max(iters[r], 1)
-            out[r] = (float(wait[m].sum()) / n, float(xfer[m].sum()) / n)
-    return out
+            iters = max(len(sels[r]), 1)
+            out[r] = (float(wait[m].sum()) / iters, float(xfer[m].sum()) / iters)
+            arrivals[r][row[m]] = np.minimum(last[m], end[m]) + offsets.get(r, 0)
+    return out, arrivals
+
+
+def _shared(steps: dict[int, RankSteps], devices: dict[int, tuple[int, ...]], md: Any
+            ) -> str | None:
+    """What the measured ranks shared: one host's cores (ranks computing on the CPU, all on
+    one host) or one GPU (ranks whose GPU records name the same device on one host)."""
+    if len(steps) < 2:
+        return None
+    hosts = md.get("hosts") if isinstance(md, dict) else None
+    one_host = isinstance(hosts, list) and len(hosts) == 1
+    if not one_host:
+        return None
+    if not any(rs.gpu for rs in steps.values()):
+        cpus = md.get("cpus") if isinstance(md.get("cpus"), int) else None
+        return (f"the {cpus} CPU cores of host {hosts[0]}" if cpus else
+                f"the CPU cores of host {hosts[0]}") + f" ({len(steps)} ranks computing on it)"
+    used: dict[int, int] = {}
+    for devs in devices.values():
+        for d in devs:
+            used[d] = used.get(d, 0) + 1
+    both = [d for d, n in used.items() if n > 1]
+    if both:
+        return f"GPU {both[0]} of host {hosts[0]} ({used[both[0]]} ranks on it)"
+    return None
+
+
+def _host_bandwidth(md: Any) -> float | None:
+    """The host's own all-reduce bus bandwidth over gloo (`gputrace probe` among local
+    processes on the CPU): the least CPU each byte of comm on the CPU costs."""
+    probe = md.get("probe") if isinstance(md, dict) else None
+    v = ((probe or {}).get("results") or {}).get("allreduce_bus") if isinstance(probe, dict) \
+        else None
+    if isinstance(v, dict) and v.get("backend") == "gloo" and \
+            isinstance(v.get("bytes_per_s"), (int, float)):
+        return float(v["bytes_per_s"])
+    return None
 
 
 def _extra_findings(sp: fr.Spans, rs: RankSteps) -> list[Finding]:
@@ -151,6 +199,30 @@ def _replay_findings(rp: Replay | None, world: int) -> list[Finding]:
                     f"{best.t_iter * 1e3:.1f} ms per iteration instead of "
                     f"{rp.measured_t_iter * 1e3:.1f} ms ({-gain:+.0%}), exposing "
                     f"{best.exposed_s * 1e3:.1f} ms of comm after backward.")]
+
+
+def _agree(findings: list[Finding], rp: Replay | None, world: int) -> list[Finding]:
+    """A finding that recommends a change cites the replay's prediction for it, and does not
+    recommend what the replay says would not help."""
+    out = []
+    for f in findings:
+        if f.id == "comm_tail" and rp is not None:
+            own = [o for o in rp.outcomes if o.scenario.gpus == max(world, 2)
+                   and o.scenario.bandwidth_x == 1 and o.scenario.bucket_bytes is not None]
+            best = min(own, key=lambda o: o.t_iter) if own else None
+            if best is not None:
+                head = f.message.split(": a smaller last bucket")[0]
+                if best.t_iter < 0.98 * rp.measured_t_iter:
+                    msg = (f"{head}: smaller buckets would shorten it (replay: "
+                           f"{best.scenario.label}, {best.t_iter * 1e3:.1f} ms against "
+                           f"{rp.measured_t_iter * 1e3:.1f} ms measured).")
+                else:
+                    msg = (f"{head}; the replay finds no bucket size that shortens the "
+                           f"iteration (best: {best.scenario.label}, {best.t_iter * 1e3:.1f} "
+                           f"ms against {rp.measured_t_iter * 1e3:.1f} ms measured).")
+                f = Finding(f.id, f.severity, msg)
+        out.append(f)
+    return out
 
 
 _trim: Any = None     # glibc's malloc_trim, once looked up (False: none here)
@@ -200,12 +272,15 @@ class Options:
     what_if: tuple[Scenario, ...]
     detail: bool
     world: int
+    host_bytes_per_s: float | None = None
 
 
 @dataclass(frozen=True)
 class RankPart:
     """What one rank's own rows give: its analysis but for what needs the other ranks or
-    its host's samples (bandwidth, findings, comm wait, clock alignment)."""
+    its host's samples (the wait for peers in comm and what depends on it: the replay and
+    speedup; bandwidth, findings, clock alignment). `steps` is the rank's per-iteration
+    summary (no spans), for that second part."""
 
     rank: int
     host: str
@@ -217,15 +292,18 @@ class RankPart:
     io: dict[str, float]
     comm_exposed_s: float
     model: ModelResult
-    speedup: Speedup
-    replay: Replay | None
     findings: list[Finding]
-    analyzed_units: UnitTimes
+    steps: RankSteps
+    devices: tuple[int, ...]      # the GPUs its records name
     all_units: UnitTimes          # every iteration's units, for clock alignment
     analyzed: tuple[int, int, int] | None   # (first start, last end, iterations) analyzed
     window: tuple[int, int]       # first start, last end of every iteration
     series: IterationSeries | None = None
     timeline: IterationTimeline | None = None
+
+    @property
+    def sel(self) -> np.ndarray:
+        return np.arange(self.warmup_skipped, self.iterations)
 
 
 @dataclass(frozen=True)
@@ -244,23 +322,16 @@ def analyze_spans(sp: fr.Spans, o: Options) -> RankPart:
     skipped = warmup_skip(n, o.skip)
     sel = np.arange(skipped, n)
     timeline = iteration_timeline(sp, rs, representative(rs, sel)) if o.detail and n else None
-    model = build_model(rs, sel)
-    sp_ = speedup(model, o.world, list(o.gpus), o.link_bytes_per_s, o.shared_io,
-                  float(sum(rs.layer_bytes.values())))
-    rp = replay(rs, sel, model, o.world, list(o.gpus), o.link_bytes_per_s, list(o.what_if))
     u = rs.units
-    rows = u.rows(sel)
-    step = rs.iterations.step
     its = rs.iterations
     return RankPart(
         rank=sp.rank, host=sp.host, iterations=int(n), warmup_skipped=skipped,
         synthetic=its.synthetic, breakdown={k: _stat(rs.terms[k][sel]) for k in TERMS},
         comm=_overlap(rs.comm, sel), io=_overlap(rs.io, sel),
         comm_exposed_s=float(np.mean(rs.comm.exposed_s[sel])) if sel.size else 0.0,
-        model=model, speedup=sp_, replay=rp,
-        findings=extra + _replay_findings(rp, o.world),
-        analyzed_units=UnitTimes(step[u.it[rows]], u.index[rows], u.start[rows], u.end[rows]),
-        all_units=UnitTimes(step[u.it], u.index, u.start, u.end),
+        model=build_model(rs, sel), findings=extra, steps=rs,
+        devices=tuple(int(d) for d in np.unique(sp.device[sp.on_gpu()])),
+        all_units=UnitTimes(its.step[u.it], u.index, u.start, u.end),
         analyzed=(int(its.start[sel[0]]), int(its.end[sel[-1]]), int(sel.size))
         if sel.size else None,
         window=(int(its.start[0]), int(its.end[-1])) if n else (0, 0),
@@ -283,6 +354,22 @@ def analyze_source(source: RankSource, drop_unranked: bool, o: Options) -> Frame
     _give_back()
     cols = read_rank(source, fr.COLUMNS)
     return analyze_frame(fr.build(cols, None, drop_unranked=drop_unranked), o)
+
+
+def replay_rank(p: RankPart, arrivals: np.ndarray | None, world: int, o: Options,
+                shared: str | None, intervals: bool = False
+                ) -> tuple[Replay | None, Speedup, str | None]:
+    """A rank's what-if replay and speedup, given when the last rank arrived at each of its
+    comm units (`arrivals`): a pure function of its part (run in the workers too)."""
+    rs, sel = p.steps, p.sel
+    rp = replay(rs, sel, p.model, world, list(o.gpus), o.link_bytes_per_s, list(o.what_if),
+                intervals=intervals, arrivals=arrivals, host_bytes_per_s=o.host_bytes_per_s)
+    sp_ = speedup(p.model, world, list(o.gpus), o.link_bytes_per_s, o.shared_io,
+                  float(sum(rs.layer_bytes.values())),
+                  contention_s=rp.contention_s if rp is not None else 0.0,
+                  shared=shared, unit_waits=unit_waits(rs, sel, arrivals))
+    why = None if rp is not None else why_no_replay(rs, sel, world, o.link_bytes_per_s)
+    return rp, sp_, why
 
 
 def _link_from_probe(probe: Any) -> float | None:
@@ -318,9 +405,11 @@ def analyze(trace: Any, *, skip: int | None = None, gpus: Sequence[int] = (2, 4,
             link_bytes_per_s: float | None = None, shared_io: bool = False,
             what_if: Sequence[Scenario] = (), consume: bool = False,
             detail: bool = False, executor: Executor | None = None,
-            align: bool = True) -> Analysis:
+            align: bool = True, host_bytes_per_s: float | None = None) -> Analysis:
     """Analyze a loaded trace (gputrace.trace.Trace, or a RankedTrace read one rank at a
-    time); `what_if` adds replay scenarios. `consume` hands a Trace's table over
+    time); `what_if` adds replay scenarios; `host_bytes_per_s`: the host's own gloo
+    all-reduce bus bandwidth (default: the probe's, when it ran gloo), the least CPU a byte of
+    comm on the CPU costs. `consume` hands a Trace's table over
     (trace.table becomes None), so its columns are freed one by one as they are converted:
     the command line's peak memory. `detail` keeps, per rank, what a report draws
     (RankAnalysis.detail): per-iteration figures, the timeline of a median iteration and
@@ -333,7 +422,8 @@ def analyze(trace: Any, *, skip: int | None = None, gpus: Sequence[int] = (2, 4,
     if link_bytes_per_s is None:
         link_bytes_per_s = _link_from_probe(probe)
     world = _md_world(md)
-    opts = Options(skip, tuple(gpus), link_bytes_per_s, shared_io, tuple(what_if), detail, 1)
+    opts = Options(skip, tuple(gpus), link_bytes_per_s, shared_io, tuple(what_if), detail, 1,
+                   host_bytes_per_s or _host_bandwidth(md))
     parts: list[FramePart] = []
     if isinstance(trace, RankedTrace):
         ranked = any(r >= 0 for r in trace.groups)
@@ -346,14 +436,16 @@ def analyze(trace: Any, *, skip: int | None = None, gpus: Sequence[int] = (2, 4,
             parts = [analyze_frame(f, opts) for f in _frames(trace, consume)]
     else:
         for f in _frames(trace, consume):
-            parts.append(analyze_frame(f, replace(opts, world=max(len(f.ranks), world, 1))))
-    return combine(parts, md, opts, probe, align)
+            opts = replace(opts, world=max(len(f.ranks), world, opts.world))
+            parts.append(analyze_frame(f, opts))
+    return combine(parts, md, opts, probe, align, executor)
 
 
 def combine(parts: list[FramePart], md: dict[str, Any], opts: Options, probe: Any,
-            align: bool = True) -> Analysis:
-    """The analysis of a run from its ranks' parts: each rank's bandwidth (its host's
-    samples) and findings, the wait for peers in comm, host clock offsets, outliers."""
+            align: bool = True, executor: Executor | None = None) -> Analysis:
+    """The analysis of a run from its ranks' parts: the wait for peers in comm (on host
+    clocks aligned), each rank's replay and speedup given it (in `executor`'s workers when
+    given), its bandwidth (its host's samples) and findings, host clock offsets, outliers."""
     ranks = {p.rank: p for fp in parts for p in fp.ranks}
     if not ranks:
         raise NothingToAnalyze("the trace has no spans (no iterations or phases) to analyze")
@@ -361,17 +453,20 @@ def combine(parts: list[FramePart], md: dict[str, Any], opts: Options, probe: An
     world = max(len(ranks), opts.world, 1)
     clock = estimate({r: (p.host, p.all_units) for r, p in ranks.items()}, align) \
         if len({p.host for p in ranks.values()}) > 1 else None
-
-    def shifted(p: RankPart) -> UnitTimes:
-        off = clock.offset_ns(p.host) if clock else 0
-        u = p.analyzed_units
-        return UnitTimes(u.step, u.index, u.start - off, u.end - off) if off else u
-
-    waits = _comm_wait({r: shifted(p) for r, p in ranks.items()},
-                       {r: p.iterations - p.warmup_skipped for r, p in ranks.items()}) \
-        if len(ranks) > 1 else {}
+    steps = {r: p.steps for r, p in ranks.items()}
+    sels = {r: p.sel for r, p in ranks.items()}
+    offsets = {r: clock.offset_ns(p.host) for r, p in ranks.items()} if clock else {}
+    waits, arrivals = _comm_wait(steps, sels, offsets) if len(ranks) > 1 else ({}, {})
+    shared = _shared(steps, {r: p.devices for r, p in ranks.items()}, md)
+    order = list(ranks)
+    args = ([ranks[r] for r in order], [arrivals.get(r) for r in order],
+            [world] * len(order), [opts] * len(order), [shared] * len(order))
+    done = list(executor.map(replay_rank, *args) if executor is not None and len(order) > 1
+                else map(replay_rank, *args))
+    replays = dict(zip(order, done, strict=True))
     out: dict[int, RankAnalysis] = {}
     for r, p in ranks.items():
+        rp, sp_, why = replays[r]
         samples = hosts.get(p.host)
         if samples is None and len(hosts) == 1:
             samples = next(iter(hosts.values()))   # samples recorded without a host name
@@ -385,14 +480,21 @@ def combine(parts: list[FramePart], md: dict[str, Any], opts: Options, probe: An
             rd = RankDetail(p.series, p.timeline,
                             bandwidth_series(samples, lo, hi, probe) if samples else [], lo)
         w = waits.get(r)
+        more = {"findings": p.findings + _replay_findings(rp, world)}
         out[r] = RankAnalysis(
             rank=r, iterations=p.iterations, warmup_skipped=p.warmup_skipped,
             synthetic_iterations=p.synthetic, breakdown=p.breakdown, comm=p.comm, io=p.io,
-            model=p.model, speedup=p.speedup, bandwidth=bw,
-            findings=find(p.model, p.comm, p.io, bw, {"findings": p.findings}),
+            model=p.model, speedup=sp_, bandwidth=bw,
+            findings=_agree(find(p.model, p.comm, p.io, bw, more), rp, world),
             comm_wait_s=w[0] if w else None, comm_transfer_s=w[1] if w else None,
-            replay=p.replay, detail=rd, host=p.host)
+            replay=rp, detail=rd, replay_unavailable=why, host=p.host)
     slowest = max(out, key=lambda r: out[r].breakdown["t_iter"].mean)
+    main = out[slowest]
+    if main.replay is not None:
+        # the shown rank's predictions get their intervals (iterations resampled)
+        rp, _, _ = replay_rank(ranks[slowest], arrivals.get(slowest), world, opts, shared,
+                               intervals=True)
+        out[slowest] = replace(main, replay=rp)
     figures = {r: {**{k: p.breakdown[k].mean for k in TERMS}, "comm_exposed": p.comm_exposed_s}
                for r, p in ranks.items()}
     outliers, told = find_outliers(figures, {r: p.host for r, p in ranks.items()})

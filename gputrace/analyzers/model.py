@@ -155,6 +155,21 @@ def unit_stats(rs: RankSteps, sel: np.ndarray) -> list[UnitStats]:
             for i in range(m) if cnt[i]]
 
 
+def unit_waits(rs: RankSteps, sel: np.ndarray, arrival: np.ndarray | None
+               ) -> dict[int, float]:
+    """Per unit index, the mean time (s) the rank waited inside the unit for the last rank
+    to arrive (`arrival`: ns per unit row, as `_comm_wait` gives it; none: no wait known)."""
+    u = rs.units
+    rows = u.rows(sel)
+    if arrival is None or not rows.size:
+        return {}
+    w = np.clip(arrival[rows] - u.start[rows], 0, np.maximum(u.end[rows] - u.start[rows], 0))
+    idx = u.index[rows]
+    cnt = np.bincount(idx)
+    mean = np.bincount(idx, weights=w / 1e9) / np.maximum(cnt, 1)
+    return {i: float(mean[i]) for i in np.flatnonzero(cnt).tolist()}
+
+
 def _overlapped(rs: RankSteps, sel: np.ndarray) -> bool:
     """Most iterations start their first unit before backward ends."""
     u = rs.units
@@ -253,13 +268,22 @@ class Speedup:
     link_bytes_per_s: float | None
     grad_bytes: float
     unavailable: str | None = None      # why no speedup is predicted (a term not measured)
+    shared: str | None = None           # what the measured ranks shared (cores, a GPU)
 
 
 def speedup(m: ModelResult, world_size: int, gpus: Sequence[int],
             link_bytes_per_s: float | None = None, shared_io: bool = False,
-            layer_grad_bytes: float = 0.0) -> Speedup:
+            layer_grad_bytes: float = 0.0, contention_s: float = 0.0,
+            shared: str | None = None, unit_waits: dict[int, float] | None = None
+            ) -> Speedup:
     """Eq. 8 / 9 / 11 for N GPUs from the measured terms (weak scaling). Without measured
-    comm, `layer_grad_bytes` (the backward spans' bytes) is what an all-reduce would move."""
+    comm, `layer_grad_bytes` (the backward spans' bytes) is what an all-reduce would move.
+    `contention_s`: backward time per iteration that comm on the CPU took from it (the
+    replay's estimate); one GPU, with no comm, does not pay it. `shared`: what the measured
+    ranks shared (a host's cores, one GPU): their compute, measured while sharing, is slower
+    than one rank alone; the prediction keeps it as measured and says so. `unit_waits`: per
+    unit index, the time this rank waited inside the unit for the last rank to arrive
+    (`unit_waits`); a wait is not a transfer and is not scaled with 2(N-1)/N."""
     t = m.terms
     t_gpu = t["t_h2d"] + t["t_f"] + t["t_b"] + t["t_u"] + t["t_other"]
     t_io_1 = t["t_io"]
@@ -272,11 +296,19 @@ def speedup(m: ModelResult, world_size: int, gpus: Sequence[int],
     comm_units = [u.duration_s for u in m.units]
     measured_comm = t["t_comm"]
     if n > 1:
+        waits = unit_waits or {}
+        if m.strategy == "sequential" or not comm_units:   # units one after another
+            wait = min(sum(waits.get(u.index, 0.0) for u in m.units), measured_comm)
+        else:                                               # the last unit's own wait
+            wait = min(waits.get(m.units[-1].index, 0.0), comm_units[-1])
         assumptions.append(f"ring all-reduce: comm time scales with 2(N-1)/N from the measured "
-                           f"{n} ranks")
+                           f"{n} ranks" + (f", except the {wait * 1e3:.1f} ms per iteration "
+                                           "spent waiting for the last rank to arrive, which "
+                                           "stays" if wait > 0 else ""))
 
         def comm_at(N: int, d: float) -> float:
-            return d * ring_factor(N) / ring_factor(n)
+            keep = min(wait, d)
+            return keep + (d - keep) * ring_factor(N) / ring_factor(n)
     elif link_bytes_per_s and grad_bytes > 0:
         assumptions.append(f"ring all-reduce of {grad_bytes / 1e6:.1f} MB of gradients at "
                            f"{link_bytes_per_s / 1e9:.2f} GB/s, no latency"
@@ -303,6 +335,14 @@ def speedup(m: ModelResult, world_size: int, gpus: Sequence[int],
                        "backward phases (or no GPU record was attributed to one), so eq. "
                        f"{equation} has no compute to scale")
         gpus = []
+    if shared:
+        assumptions.append(f"the measured ranks shared {shared}: each rank's compute is as "
+                           "measured while sharing (slower than one rank alone would be); "
+                           "N GPUs each as fast as one of these ranks")
+    one = t_io_1 + t_gpu
+    if contention_s > 0 and one > contention_s:
+        assumptions.append(f"one GPU's iteration is {contention_s * 1e3:.1f} ms shorter than "
+                           "the measured compute: comm on the CPU slowed backward that much")
     for N in gpus:
         io_n = t_io_1 * (N if shared_io else 1)
         if m.strategy == "sequential" or not comm_units:
@@ -320,9 +360,11 @@ def speedup(m: ModelResult, world_size: int, gpus: Sequence[int],
             tc = last
             s = eq9(N, t_io_1, t_gpu, rest, io_n)  # eq. 11 has the same form with full t_u
         t_iter = N * (t_io_1 + t_gpu) / s
+        if contention_s > 0 and one > contention_s:
+            s *= (one - contention_s) / one
         pts.append(SpeedupPoint(N, s, s / N, t_iter, tc))
     eff = None
     if link_bytes_per_s and measured_comm > 0 and grad_bytes > 0:
         eff = eq12(grad_bytes * n, measured_comm, link_bytes_per_s)
     return Speedup(equation, n, pts, assumptions, eff, link_bytes_per_s, grad_bytes,
-                   unavailable)
+                   unavailable, shared)

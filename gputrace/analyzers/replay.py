@@ -5,48 +5,80 @@ The replay keeps everything the run measured except gradient communication:
 
 - when each layer's gradient is ready (the end of its backward, mean over the analyzed
   iterations, from the iteration start) and how many bytes it has;
-- a comm cost per unit, `alpha + bytes / beta`, fitted to the measured units' service times
-  (a unit's time on the link once the one before it has finished), scaled with the ring
-  all-reduce factor 2(N-1)/N to other GPU counts; with no measured comm (one process) it is
-  the link bandwidth (the probe's all-reduce bus bandwidth or --link-bandwidth), alpha = 0;
-- units run one at a time in ready order (one NCCL stream); a unit starts when it is ready
-  and the one before it has finished;
+- a comm cost per unit: a fixed `alpha` (latency) plus a time per byte, scaled with the
+  ring all-reduce factor 2(N-1)/N to other GPU counts. The time per byte is the slower of the
+  host's (CPU seconds per byte: gloo copies and reduces on the CPU) and the link's (its bus
+  bandwidth, when known from `gputrace probe` or --link-bandwidth); a faster link only helps
+  a unit the link held back. Fitted to the measured units' service times (a unit's time once
+  the one before it has finished). With no comm measured (one process), the link bandwidth;
+- comm takes the CPU from the compute it overlaps when it runs on the CPU (gloo): while a
+  unit moves bytes during backward, backward loses the CPU time those bytes cost, and the
+  unit gets at most half the CPU; the measured ready times are first freed of what the
+  measured comm took from them. NCCL on a GPU runs on its own SMs: no such cost is modeled;
+- units run one at a time in ready order (one NCCL stream, one gloo queue); a unit starts
+  when it is ready and the one before it has finished;
 - the update waits for the last unit (PyTorch DDP, eq. 10/11; comm after backward, eq. 8,
   is the case where every unit is ready at the end of backward).
 
 The predicted iteration is the measured one plus the change of the exposed tail
 max(backward end, last comm end) against the replay of the measured configuration, so the
-model's own error cancels; that error is reported beside it (`baseline_error`).
+model's own error cancels; that error is reported beside it (`baseline_error`). Every
+prediction carries a 95 % interval from resampling the analyzed iterations (their spread
+and the cost fit's), and says when it leaves the range the run measured.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from gputrace.analyzers.model import ModelResult, ring_factor
+from gputrace.analyzers.model import ModelResult, ring_factor, unit_stats
 from gputrace.analyzers.steps import RankSteps
 
 MIB = 1 << 20
 DEFAULT_BUCKETS = (1 * MIB, 5 * MIB, 25 * MIB, 100 * MIB, math.inf)   # inf: one bucket
+DDP_FIRST_BUCKET = 1 * MIB       # DDP's first bucket when bucket_cap_mb is left at its default
+CPU_SHARE = 0.5                  # the CPU a unit gets while compute runs beside it
+RESAMPLES = 64                   # iteration resamples behind each interval
 
 
 @dataclass(frozen=True)
 class CommCost:
     alpha_s: float
-    beta_bytes_per_s: float
-    world: int              # the GPU count the fit was made at (1: from a link bandwidth)
-    source: str             # "measured" or "link"
+    beta_bytes_per_s: float     # bytes per second of a unit running alone, at `world`
+    world: int                  # the GPU count the fit was made at (1: from a link bandwidth)
+    source: str                 # "measured" or "link"
+    cpu_s_per_byte: float = 0.0          # CPU each byte costs the host (0: not on the CPU)
+    wire_bytes_per_s: float | None = None   # the link's bus bandwidth, when known
+
+    def _scale(self, gpus: int) -> float:
+        return ring_factor(gpus) / ring_factor(self.world) if self.source == "measured" \
+            else ring_factor(gpus)
+
+    def per_byte(self, gpus: int, bandwidth_x: float = 1.0, overlapped: bool = False
+                 ) -> tuple[float, float]:
+        """(seconds per byte, CPU seconds per byte) of a unit at `gpus` ranks with the link
+        `bandwidth_x` times as fast, running alone or beside compute."""
+        if gpus < 2:
+            return 0.0, 0.0
+        k = self._scale(gpus)
+        cpu = self.cpu_s_per_byte * k
+        if self.wire_bytes_per_s:
+            wire = k / (self.wire_bytes_per_s * bandwidth_x)
+        elif cpu:                   # no link known: the host's rate stands for it
+            wire = cpu / bandwidth_x
+        else:
+            wire = k / (self.beta_bytes_per_s * bandwidth_x)
+        return max(cpu / CPU_SHARE if overlapped else cpu, wire), cpu
 
     def seconds(self, nbytes: float, gpus: int, bandwidth_x: float = 1.0) -> float:
+        """A unit running alone."""
         if gpus < 2:
             return 0.0
-        scale = ring_factor(gpus) / ring_factor(self.world) if self.source == "measured" \
-            else ring_factor(gpus)
-        return self.alpha_s + nbytes * scale / (self.beta_bytes_per_s * bandwidth_x)
+        return self.alpha_s + nbytes * self.per_byte(gpus, bandwidth_x)[0]
 
 
 @dataclass(frozen=True)
@@ -71,6 +103,10 @@ class Outcome:
     exposed_s: float        # comm past the end of backward
     t_iter: float
     speedup: float          # over one GPU (the same iteration with no comm), weak scaling
+    low: float = math.nan   # 95 % interval of t_iter (iterations resampled)
+    high: float = math.nan
+    reference_t_iter: float = math.nan   # the same GPU count, buckets as measured, link x1
+    extrapolated: str | None = None      # why the prediction leaves what the run measured
 
 
 @dataclass(frozen=True)
@@ -84,26 +120,48 @@ class Replay:
     measured_units: int             # 0: no comm measured; "measured buckets" are DDP's default
     outcomes: list[Outcome]
     assumptions: list[str] = field(default_factory=list)
+    contention_s: float = 0.0       # backward time per iteration the measured comm took
 
 
-def service_times(rs: RankSteps, sel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(bytes, seconds on the link) of every measured unit with known bytes: from its start,
-    or from the end of the units before it in its iteration when they were still running."""
+# -- the pieces -------------------------------------------------------------------------------
+
+
+def _units_in_iterations(rs: RankSteps, sel: np.ndarray
+                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The measured units of the iterations `sel`: (row, iteration, begin, end, bytes) with
+    times in ns from the iteration start; `begin` is when the unit had the link: its start,
+    or the end of the units before it in its iteration when they were still running."""
     u = rs.units
     rows = u.rows(sel)
     if not rows.size:
-        return np.zeros(0), np.zeros(0)
+        z = np.zeros(0)
+        return rows, rows, z, z, z
     it = u.it[rows]
     t0 = rs.iterations.start[it]
-    s, e = u.start[rows] - t0, u.end[rows] - t0          # ns from the iteration start
+    s, e = u.start[rows] - t0, u.end[rows] - t0
     width = int(max(e.max(), s.max()) - min(e.min(), s.min(), 0)) + 1
     off = (it - it.min()).astype(np.int64) * width        # one cumulative max per iteration
     before = np.maximum.accumulate(e + off) - off
     first = u.index[rows] == 0
     begin = np.where(first, s, np.maximum(s, np.r_[s[:1], before[:-1]]))
-    nb = u.nbytes[rows]
+    return rows, it, begin, e, u.nbytes[rows]
+
+
+def service_times(rs: RankSteps, sel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(bytes, seconds on the link) of every measured unit with known bytes."""
+    _, _, begin, e, nb = _units_in_iterations(rs, sel)
     ok = ~np.isnan(nb) & (e > begin)
     return nb[ok], (e - begin)[ok] / 1e9
+
+
+def _overlap_fraction(rs: RankSteps, it: np.ndarray, begin: np.ndarray, end: np.ndarray
+                      ) -> np.ndarray:
+    """The share of each unit's time on the link that ran beside its iteration's backward."""
+    t0 = rs.iterations.start[it]
+    b0 = np.where(rs.backward_start[it] >= 0, rs.backward_start[it] - t0, 0)
+    b1 = np.where(rs.backward_end[it] >= 0, rs.backward_end[it] - t0, 0)
+    inside = np.maximum(np.minimum(end, b1) - np.maximum(begin, b0), 0)
+    return np.where(end > begin, inside / np.maximum(end - begin, 1), 0.0)
 
 
 def fit_cost(nbytes: np.ndarray, seconds: np.ndarray, world: int) -> CommCost | None:
@@ -117,112 +175,387 @@ def fit_cost(nbytes: np.ndarray, seconds: np.ndarray, world: int) -> CommCost | 
     return CommCost(0.0, float(nbytes.sum() / seconds.sum()), world, "measured")
 
 
+def fit_host_cost(nbytes: float, beside_s: float, alone_s: float, world: int,
+                  link_bytes_per_s: float | None,
+                  host_bytes_per_s: float | None = None) -> CommCost | None:
+    """Comm on the CPU (gloo): several units are in flight at once (one gloo queue, several
+    threads), so a unit's own span is not its cost; the cost per byte c is what makes the
+    bytes of the analyzed iterations fit their comm's busy time, `beside_s` of it beside
+    backward (a unit moves at most CPU_SHARE / c bytes per second then) and `alone_s` after
+    it (1 / c), each no faster than the link's bus bandwidth when it is known. c is at least
+    what the host's own gloo all-reduce costs (`host_bytes_per_s`, when known): a run held
+    back by its link does not show it. A unit's fixed cost cannot be told from its bytes in
+    one run: it is taken as 0."""
+    if nbytes <= 0 or beside_s + alone_s <= 0:
+        return None
+    wire = ring_factor(world) / link_bytes_per_s if link_bytes_per_s else 0.0
+
+    def moved(c: float) -> float:
+        fast_ov = 1 / max(c / CPU_SHARE, wire) if max(c, wire) > 0 else math.inf
+        fast = 1 / max(c, wire) if max(c, wire) > 0 else math.inf
+        return beside_s * fast_ov + alone_s * fast
+
+    if wire and moved(0.0) <= nbytes * 1.25:
+        c = 0.0          # the link explains it (within a quarter): held back by the link
+    else:
+        lo, hi = 0.0, (beside_s / CPU_SHARE + alone_s) / nbytes * 4 + 1e-15
+        for _ in range(100):                 # moved() falls as c grows: bisect
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if moved(mid) > nbytes else (lo, mid)
+        c = (lo + hi) / 2
+    if host_bytes_per_s:
+        c = max(c, ring_factor(world) / host_bytes_per_s)
+    alone = max(c, wire)
+    return CommCost(0.0, 1 / alone if alone > 0 else math.inf, world, "measured",
+                    cpu_s_per_byte=c, wire_bytes_per_s=link_bytes_per_s)
+
+
+def _busy_beside_backward(rs: RankSteps, it: np.ndarray, begin: np.ndarray,
+                          end: np.ndarray) -> tuple[float, float, dict[int, list[tuple[float, float]]]]:
+    """The comm's busy time (the union of its units in each iteration) beside backward and
+    after it, summed over the iterations, in seconds; and each iteration's busy intervals (s
+    from its start)."""
+    t0 = rs.iterations.start
+    spans: dict[int, list[tuple[float, float]]] = {}
+    beside = alone = 0.0
+    for k in np.unique(it).tolist():
+        m = it == k
+        iv = sorted(zip((begin[m] / 1e9).tolist(), (end[m] / 1e9).tolist(), strict=True))
+        merged: list[list[float]] = []
+        for s_, e_ in iv:
+            if merged and s_ <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], e_)
+            else:
+                merged.append([s_, e_])
+        spans[k] = [(a, b) for a, b in merged]
+        b0 = (rs.backward_start[k] - t0[k]) / 1e9 if rs.backward_start[k] >= 0 else 0.0
+        b1 = (rs.backward_end[k] - t0[k]) / 1e9 if rs.backward_end[k] >= 0 else 0.0
+        for a, b in merged:
+            inside = max(min(b, b1) - max(a, b0), 0.0)
+            beside += inside
+            alone += (b - a) - inside
+    return beside, alone, spans
+
+
 def layer_profile(rs: RankSteps, sel: np.ndarray) -> tuple[dict[int, float], dict[int, float]]:
     """Per layer: mean backward end from the iteration start (s), and gradient bytes."""
     le = rs.layer_ends
     rows = le.rows(sel)
     layers, inv = np.unique(le.layer[rows], return_inverse=True)
     rel = (le.end[rows] - rs.iterations.start[le.it[rows]]) / 1e9
-    mean = np.bincount(inv, weights=rel, minlength=layers.size) / np.bincount(inv)
+    mean = np.bincount(inv, weights=rel, minlength=layers.size) / np.maximum(
+        np.bincount(inv, minlength=layers.size), 1)
     ready = dict(zip(layers.tolist(), mean.tolist(), strict=True))
     nbytes = dict(rs.layer_bytes)
     if not nbytes and sel.size:  # older traces: split each unit's bytes over its layers
         u = rs.units
         k = int(sel[-1])
         for row in range(int(u.cuts[k]), int(u.cuts[k + 1])):
-            layers = u.layers(row)
-            if layers and not math.isnan(u.nbytes[row]):
-                for ly in layers:
-                    nbytes[ly] = float(u.nbytes[row]) / len(layers)
+            layers_ = u.layers(row)
+            if layers_ and not math.isnan(u.nbytes[row]):
+                for ly in layers_:
+                    nbytes[ly] = float(u.nbytes[row]) / len(layers_)
     return ready, nbytes
 
 
-def buckets_by_cap(ready: dict[int, float], nbytes: dict[int, float], cap: float
-                   ) -> list[tuple[float, float]]:
+def buckets_by_cap(ready: dict[int, float], nbytes: dict[int, float], cap: float,
+                   first_cap: float | None = None) -> list[tuple[float, float]]:
     """(bytes, ready_s) per bucket, filled like DDP(bucket_cap_mb=cap/MiB): layers from the
-    output side, a bucket closes once it holds at least the cap."""
+    output side (the order their gradients come), a bucket closes once it holds at least
+    its cap; the first bucket's cap is `first_cap` when given (DDP's 1 MiB when
+    bucket_cap_mb is left at its default)."""
     out: list[tuple[float, float]] = []
     size, when = 0.0, -math.inf
-    for ly in sorted((ly for ly in nbytes if ly in ready), reverse=True):
+    limit = cap if first_cap is None else first_cap
+    for ly in sorted((ly for ly in nbytes if ly in ready), key=lambda ly: (ready[ly], -ly)):
         size += nbytes[ly]
         when = max(when, ready[ly])
-        if size >= cap:
+        if size >= limit:
             out.append((size, when))
             size, when = 0.0, -math.inf
+            limit = cap
     if size > 0:
         out.append((size, when))
     return out
 
 
+@dataclass(frozen=True)
+class _Run:
+    comm_end: float         # when the last unit ends (s from the iteration start)
+    busy: float             # time on the link
+    backward_end: float     # when backward ends, with what comm took from it
+
+
+def run_units(buckets: Sequence[tuple[float, float]], cost: CommCost, gpus: int,
+              bandwidth_x: float = 1.0, backward: tuple[float, float] | None = None) -> _Run:
+    """Units one at a time in ready order. With `backward` = (start, end) of backward as it
+    would run with no comm beside it, the ready times are on that clock: while a unit moves
+    bytes beside backward, backward loses the CPU they cost (comm on the CPU) and so ends,
+    and makes the later gradients ready, later. Without it, comm alone: ready times are
+    real times and nothing slows down."""
+    alpha = cost.alpha_s if gpus >= 2 else 0.0
+    p_ov, cpu = cost.per_byte(gpus, bandwidth_x, overlapped=True)
+    p_alone, _ = cost.per_byte(gpus, bandwidth_x)
+    order = sorted(buckets, key=lambda b: b[1])
+    if backward is None:
+        busy, t = 0.0, -math.inf
+        for nb, when in order:
+            d = alpha + nb * p_alone
+            t = max(t, when) + d
+            busy += d
+        end = t if order else -math.inf
+        return _Run(end, busy, -math.inf)
+    b0, b1 = backward
+    slow = 1.0 - (cpu / p_ov if p_ov > 0 else 0.0)      # backward's speed beside a transfer
+    t = tau = min(b0, order[0][1]) if order else b0
+    bwd_end = math.nan
+    busy = 0.0
+
+    def advance(dt: float, rate: float) -> None:
+        """dt of real time; backward, while it runs, at `rate` of its own speed."""
+        nonlocal t, tau, bwd_end
+        if tau < b1 and rate > 0 and tau + dt * rate >= b1:
+            bwd_end = t + (b1 - tau) / rate
+            tau = b1
+        elif tau < b1:
+            tau += dt * rate
+        t += dt
+
+    for nb, when in order:
+        if tau < min(when, b1):              # its gradients are not ready: nothing on the link
+            advance(min(when, b1) - tau, 1.0)
+        advance(alpha, 1.0)
+        busy += alpha
+        rem = nb
+        while rem > 0:
+            if tau < b1 and p_ov > 0:
+                t_done = rem * p_ov
+                t_bend = (b1 - tau) / slow if slow > 0 else math.inf
+                dt = min(t_done, t_bend)
+                advance(dt, slow)
+                busy += dt
+                rem = 0 if dt == t_done else rem - dt / p_ov
+            else:
+                d = rem * p_alone
+                advance(d, 1.0)
+                busy += d
+                rem = 0
+    if math.isnan(bwd_end):    # backward runs on alone after the last unit (or never ran)
+        bwd_end = t + (b1 - tau) if tau < b1 else b1
+    return _Run(t if order else -math.inf, busy, bwd_end)
+
+
 def simulate(buckets: Sequence[tuple[float, float]], cost: CommCost, gpus: int,
              bandwidth_x: float = 1.0) -> tuple[float, float]:
-    """(comm end from the iteration start, total time on the link); units one at a time."""
-    end, busy = -math.inf, 0.0
-    for nb, when in sorted(buckets, key=lambda b: b[1]):
-        d = cost.seconds(nb, gpus, bandwidth_x)
-        end = max(end, when) + d
-        busy += d
-    return end, busy
+    """(comm end from the iteration start, total time on the link): units one at a time, no
+    compute beside them."""
+    r = run_units(buckets, cost, gpus, bandwidth_x)
+    return r.comm_end, r.busy
+
+
+# -- the plan of one set of iterations, and its predictions ----------------------------------
+
+
+@dataclass(frozen=True)
+class _Plan:
+    cost: CommCost
+    measured_t_iter: float
+    b_start: float              # backward, freed of the measured comm's CPU (s from start)
+    b_end: float
+    b_end_measured: float
+    measured_tail: float
+    ready: dict[int, float]     # layer -> ready on the freed clock
+    nbytes: dict[int, float]
+    units: list[tuple[float, float]]   # measured units (bytes, ready on the freed clock)
+    contention_s: float
+    sequential: bool
+
+
+def _stolen_rate(cost: CommCost) -> float:
+    """The share of backward's CPU a unit takes while it moves bytes beside it (measured
+    configuration)."""
+    p_ov, cpu = cost.per_byte(cost.world if cost.world > 1 else 2, 1.0, overlapped=True)
+    return cpu / p_ov if p_ov > 0 else 0.0
+
+
+def _plan(rs: RankSteps, sel: np.ndarray, m: ModelResult, world: int,
+          link_bytes_per_s: float | None, on_cpu: bool, arrivals: np.ndarray | None = None,
+          host_bytes_per_s: float | None = None) -> _Plan | None:
+    rows, it, begin, end, nb = _units_in_iterations(rs, sel)
+    measured = float(np.mean(rs.terms["t_iter"][sel]))
+    cost: CommCost | None = None
+    busy: dict[int, list[tuple[float, float]]] = {}
+    if world > 1 and rows.size:
+        if on_cpu:
+            # a unit moves bytes once the last rank has it: the wait for peers is no cost
+            arrive = (arrivals if arrivals is not None else rs.units.start)[rows] - \
+                rs.iterations.start[it]
+            beside, alone, busy = _busy_beside_backward(rs, it, np.minimum(arrive, end), end)
+            cost = fit_host_cost(float(np.nansum(nb)), beside, alone, world, link_bytes_per_s,
+                                 host_bytes_per_s)
+        else:
+            ok = ~np.isnan(nb) & (end > begin)
+            cost = fit_cost(nb[ok], (end - begin)[ok] / 1e9, world)
+    if cost is None and link_bytes_per_s:
+        cost = CommCost(0.0, link_bytes_per_s, 1, "link", wire_bytes_per_s=link_bytes_per_s)
+    if cost is None:
+        return None
+    t0 = rs.iterations.start
+    ks = sel[rs.backward_end[sel] >= 0]
+    b_end_m = float(np.mean((rs.backward_end[ks] - t0[ks]) / 1e9)) if ks.size else measured
+    b_start_m = float(np.mean((rs.backward_start[ks] - t0[ks]) / 1e9)) if ks.size else b_end_m
+    ready, nbytes = layer_profile(rs, sel)
+    # what the measured comm took from backward: its time on the link beside backward, at
+    # the rate a unit takes the CPU, up to each moment of each iteration
+    rate = _stolen_rate(cost) if cost.cpu_s_per_byte > 0 else 0.0
+    taken_by: dict[int, float] = {}
+    contention = 0.0
+    if rate > 0 and busy:
+        b0s = {int(k): (rs.backward_start[k] - t0[k]) / 1e9 for k in ks}
+
+        def taken(k: int, upto: float) -> float:
+            lo = b0s.get(k, 0.0)
+            return rate * sum(max(min(e_, upto) - max(s_, lo), 0.0) for s_, e_ in busy.get(k, []))
+
+        le = rs.layer_ends
+        lrows = le.rows(sel)
+        for ly in set(le.layer[lrows].tolist()):
+            mine = lrows[le.layer[lrows] == ly]
+            taken_by[ly] = float(np.mean([taken(int(le.it[r]), (le.end[r] - t0[le.it[r]]) / 1e9)
+                                          for r in mine]))
+        contention = float(np.mean([taken(int(k), (rs.backward_end[k] - t0[k]) / 1e9)
+                                    for k in ks])) if ks.size else 0.0
+    ready = {ly: r - taken_by.get(ly, 0.0) for ly, r in ready.items()}
+    b_end = b_end_m - contention
+    sequential = m.strategy == "sequential" and len(m.units) > 1
+    units_ = unit_stats(rs, sel) if sel.size else []
+    measured_units = []
+    for u in units_:
+        if math.isnan(u.nbytes):
+            continue
+        if sequential:
+            when = b_end
+        elif u.layers and all(ly in ready for ly in u.layers):
+            when = max(ready[ly] for ly in u.layers)     # ready once all its layers are
+        else:
+            when = u.ready_s - (rate * max(u.ready_s - b_start_m, 0.0) if rate else 0.0)
+        measured_units.append((u.nbytes, min(when, b_end)))
+    if sequential:
+        ready = {ly: b_end for ly in ready}
+    measured_end = max((u.end_s for u in units_), default=b_end_m)
+    return _Plan(cost, measured, b_start_m, b_end, b_end_m, max(b_end_m, measured_end), ready,
+                 nbytes, measured_units, contention, sequential)
+
+
+def _buckets(p: _Plan, s: Scenario) -> list[tuple[float, float]]:
+    if s.bucket_bytes is None:
+        if p.units:
+            return p.units
+        # one process: DDP's default, a 1 MiB first bucket then 25 MiB ones
+        return buckets_by_cap(p.ready, p.nbytes, 25 * MIB, DDP_FIRST_BUCKET)
+    return buckets_by_cap(p.ready, p.nbytes, s.bucket_bytes)
+
+
+def _tail(p: _Plan, s: Scenario) -> tuple[int, _Run]:
+    bs = _buckets(p, s)
+    if p.cost.cpu_s_per_byte > 0:
+        return len(bs), run_units(bs, p.cost, s.gpus, s.bandwidth_x, (p.b_start, p.b_end))
+    r = run_units(bs, p.cost, s.gpus, s.bandwidth_x)   # comm does not slow backward
+    return len(bs), _Run(max(r.comm_end, p.b_end) if bs else p.b_end, r.busy, p.b_end)
+
+
+def _predict(p: _Plan, s: Scenario, base_tail: float) -> tuple[int, _Run, float]:
+    n, r = _tail(p, s)
+    return n, r, p.measured_t_iter - base_tail + max(r.backward_end, r.comm_end)
+
+
+def _base(p: _Plan, world: int) -> float:
+    _, r = _tail(p, Scenario(world if world > 1 else 1))
+    return max(r.backward_end, r.comm_end)
+
+
+def _extrapolation(s: Scenario, world: int, p: _Plan) -> str | None:
+    why = []
+    if s.gpus > max(world, 1):
+        why.append(f"{s.gpus} GPUs where {world} ran (comm scaled by 2(N-1)/N)")
+    if s.bandwidth_x != 1:
+        why.append(f"a link x{s.bandwidth_x:g} (its speed was not measured)")
+    sizes = [b for b, _ in p.units]
+    if s.bucket_bytes is not None and sizes:
+        lo, hi = min(sizes), max(sizes)
+        biggest = min(s.bucket_bytes, sum(p.nbytes.values()) or math.inf)
+        if biggest > hi * 1.5 or (not math.isinf(s.bucket_bytes) and s.bucket_bytes < lo / 1.5):
+            why.append(f"units of {biggest / MIB:.1f} MiB where the run's were "
+                       f"{lo / MIB:.1f}-{hi / MIB:.1f} MiB (cost fitted on those)")
+    return "; ".join(why) or None
+
+
+def why_no_replay(rs: RankSteps, sel: np.ndarray, world: int,
+                  link_bytes_per_s: float | None) -> str:
+    """Why `replay` had nothing to replay, in words a user can act on."""
+    if not sel.size:
+        return "no iterations to replay (the trace has no complete iteration past warm-up)"
+    rows, _, begin, end, nb = _units_in_iterations(rs, sel)
+    fix = "give the link's bandwidth (--link-bandwidth, or `gputrace probe` before recording)"
+    if not rows.size:
+        return ("no gradient comm was measured in the analyzed iterations (no all-reduce "
+                f"units) and no link bandwidth is known: {fix}")
+    if np.isnan(nb).all() and link_bytes_per_s and not sum(rs.layer_bytes.values()):
+        return ("neither the comm units nor the layers carry byte counts (the trace does not "
+                "say how much each collective moved or each gradient holds): the replay has "
+                "no bytes to move over the link")
+    if np.isnan(nb).all():
+        return ("the comm units carry no byte counts (the trace does not say how much each "
+                f"collective moved), so no comm cost can be fitted from them: {fix}")
+    if not (end > begin).any():
+        return f"the comm units have no duration to fit a cost to: {fix}"
+    return f"the comm of {world} rank(s) could not be fitted: {fix}"
 
 
 def replay(rs: RankSteps, sel: np.ndarray, m: ModelResult, world: int, gpus: Sequence[int],
            link_bytes_per_s: float | None = None,
-           extra: Sequence[Scenario] = ()) -> Replay | None:
+           extra: Sequence[Scenario] = (), on_cpu: bool | None = None,
+           intervals: bool = True, arrivals: np.ndarray | None = None,
+           host_bytes_per_s: float | None = None) -> Replay | None:
     """The default what-if grid (GPU counts x bucket sizes, and link x2 / x0.5) plus `extra`;
-    None when nothing can be replayed (no comm measured and no link bandwidth known)."""
+    None when nothing can be replayed (no comm measured and no link bandwidth known).
+    `on_cpu`: the comm ran beside compute on the CPU (gloo); default: the rank's phases come
+    from no GPU record. `intervals`: resample the iterations for each prediction's interval."""
     if not sel.size:
         return None
+    if on_cpu is None:
+        on_cpu = not rs.gpu
+    p = _plan(rs, sel, m, world, link_bytes_per_s, on_cpu, arrivals, host_bytes_per_s)
+    if p is None or not (p.units or sum(p.nbytes.values()) > 0):
+        return None         # no bytes to move: nothing to replay
+    cost = p.cost
     assumptions = []
-    nb, sv = service_times(rs, sel)
-    cost = fit_cost(nb, sv, world) if world > 1 else None
-    if cost is not None:
+    if cost.source == "measured" and cost.cpu_s_per_byte > 0:
+        link = (f"the link's {cost.wire_bytes_per_s / 1e9:.3f} GB/s bus bandwidth"
+                if cost.wire_bytes_per_s else "no link bandwidth known (`gputrace probe` or "
+                "--link-bandwidth): the host's rate stands for the link's")
+        assumptions.append(
+            f"comm per unit = {cost.alpha_s * 1e3:.3f} ms + bytes x the slower of the host's "
+            f"{cost.cpu_s_per_byte * 1e9:.3f} ns/B of CPU and {link}, fitted to the measured "
+            f"units at {world} ranks, scaled by 2(N-1)/N")
+        assumptions.append(
+            f"comm on the CPU takes backward's CPU: a unit beside backward gets at most "
+            f"{CPU_SHARE:.0%} of it; the measured comm took {p.contention_s * 1e3:.1f} ms of "
+            "backward per iteration, which the replay gives back before re-running it")
+    elif cost.source == "measured":
         assumptions.append(f"comm per unit = {cost.alpha_s * 1e3:.3f} ms + bytes / "
-                           f"{cost.beta_bytes_per_s / 1e9:.3f} GB/s, fitted to {nb.size} "
-                           f"measured units at {world} ranks, scaled by 2(N-1)/N")
-    elif link_bytes_per_s:
-        cost = CommCost(0.0, link_bytes_per_s, 1, "link")
-        assumptions.append(f"no comm measured: ring all-reduce at "
-                           f"{link_bytes_per_s / 1e9:.3f} GB/s bus bandwidth, no latency")
+                           f"{cost.beta_bytes_per_s / 1e9:.3f} GB/s, fitted to the measured "
+                           f"units at {world} ranks, scaled by 2(N-1)/N; comm does not slow "
+                           "the compute it overlaps (NCCL on its own SMs)")
     else:
-        return None
-    bwd = [(rs.backward_end[k] - rs.iterations.start[k]) / 1e9 for k in sel
-           if rs.backward_end[k] >= 0]
-    b_end = float(np.mean(bwd)) if bwd else m.measured_t_iter
-    ready, nbytes = layer_profile(rs, sel)
-    layers_known = bool(ready) and bool(nbytes) and set(nbytes) <= set(ready)
-    # Several units that all wait for the end of backward: the framework does not overlap,
-    # so no bucket size can; one unit alone cannot tell, and replays like DDP.
-    sequential = m.strategy == "sequential" and len(m.units) > 1
-    if sequential:
-        ready = {ly: b_end for ly in ready}
+        assumptions.append(f"no comm measured: ring all-reduce at {link_bytes_per_s / 1e9:.3f} "
+                           "GB/s bus bandwidth, no latency, no cost to the compute it overlaps")
+    if p.sequential:
         assumptions.append("comm after backward: every unit is ready when backward ends")
-    measured_units = [(u.nbytes, max(b_end, u.ready_s) if sequential else u.ready_s)
-                      for u in m.units
-                      if not math.isnan(u.nbytes)]
-
-    if not measured_units:
-        assumptions.append("one process: \"measured buckets\" are DDP's default, "
-                           "bucket_cap_mb=25")
-
-    def buckets(s: Scenario) -> list[tuple[float, float]]:
-        if s.bucket_bytes is None:
-            if measured_units:
-                return measured_units
-            s = Scenario(s.gpus, s.bandwidth_x, 25 * MIB)   # one process: DDP's default cap
-        return buckets_by_cap(ready, nbytes, s.bucket_bytes or math.inf)
-
-    def tail(s: Scenario) -> tuple[int, float, float]:
-        bs = buckets(s)
-        end, busy = simulate(bs, cost, s.gpus, s.bandwidth_x)
-        return len(bs), busy, max(b_end, end)
-
-    measured_end = max((u.end_s for u in m.units), default=b_end)
-    base_n = world if world > 1 else 1
-    _, _, base_tail = tail(Scenario(base_n))
-    measured_tail = max(b_end, measured_end)
-    baseline = m.measured_t_iter - measured_tail + base_tail
-    err = (baseline - m.measured_t_iter) / m.measured_t_iter if m.measured_t_iter else 0.0
-
+    if not p.units:
+        assumptions.append("one process: \"measured buckets\" are DDP's default (a 1 MiB first "
+                           "bucket, then 25 MiB)")
+    layers_known = bool(p.ready) and bool(p.nbytes) and set(p.nbytes) <= set(p.ready)
     counts = sorted({n for n in (*([world] if world > 1 else []), *gpus) if n > 1})
     scenarios: list[Scenario] = [Scenario(n) for n in counts]
     if layers_known:
@@ -234,16 +567,46 @@ def replay(rs: RankSteps, sel: np.ndarray, m: ModelResult, world: int, gpus: Seq
     scenarios += [Scenario(ref, x) for x in (2.0, 0.5)]
     scenarios += [s for s in (Scenario(x.gpus or ref, x.bandwidth_x, x.bucket_bytes)
                               for x in extra) if s not in scenarios]
+    scenarios = [s for s in scenarios if s.bucket_bytes is None or layers_known]
+    base_n = world if world > 1 else 1
+    base_tail = _base(p, base_n)
+    baseline = p.measured_t_iter - p.measured_tail + base_tail
+    err = (baseline - p.measured_t_iter) / p.measured_t_iter if p.measured_t_iter else 0.0
+    # one GPU: no comm, so backward as it runs with none beside it, and no comm tail
+    one_gpu = p.measured_t_iter - p.measured_tail + p.b_end
+    preds = {s: _predict(p, s, base_tail) for s in scenarios}
+    spread = _intervals(rs, sel, m, world, link_bytes_per_s, on_cpu, scenarios, arrivals,
+                        host_bytes_per_s) if intervals else {}
     outcomes = []
-    # the same iteration with no comm: the measured one without its measured tail past
-    # backward (the replay's own error stays out of the one-GPU time, as in eq. 8-11)
-    one_gpu = m.measured_t_iter - measured_tail + b_end
     for s in scenarios:
-        if s.bucket_bytes is not None and not layers_known:
+        n_b, r, t_iter = preds[s]
+        lo, hi = spread.get(s, (math.nan, math.nan))
+        reference = preds.get(Scenario(s.gpus), (0, r, t_iter))[2]
+        outcomes.append(Outcome(s, n_b, r.busy, max(r.comm_end - r.backward_end, 0.0), t_iter,
+                                s.gpus * one_gpu / t_iter if t_iter > 0 else 0.0,
+                                lo, hi, reference, _extrapolation(s, world, p)))
+    return Replay(cost, p.b_end_measured, p.measured_t_iter, baseline, err, layers_known,
+                  len(p.units), outcomes, assumptions, p.contention_s)
+
+
+def _intervals(rs: RankSteps, sel: np.ndarray, m: ModelResult, world: int,
+               link: float | None, on_cpu: bool, scenarios: list[Scenario],
+               arrivals: np.ndarray | None, host: float | None
+               ) -> dict[Scenario, tuple[float, float]]:
+    """95 % intervals of each prediction from the analyzed iterations resampled (the spread
+    of the iterations, and of the cost fit on their units)."""
+    if sel.size < 4:
+        return {}
+    rng = np.random.default_rng(0)
+    got: dict[Scenario, list[float]] = {s: [] for s in scenarios}
+    for _ in range(RESAMPLES):
+        pick = np.sort(rng.choice(sel, sel.size, replace=True))
+        p = _plan(rs, np.unique(pick), m, world, link, on_cpu, arrivals, host)
+        if p is None:
             continue
-        n_b, busy, t = tail(s)
-        t_iter = m.measured_t_iter - base_tail + t
-        outcomes.append(Outcome(s, n_b, busy, t - b_end, t_iter,
-                                s.gpus * one_gpu / t_iter if t_iter > 0 else 0.0))
-    return Replay(cost, b_end, m.measured_t_iter, baseline, err, layers_known,
-                  len(measured_units), outcomes, assumptions)
+        p = replace(p, measured_t_iter=float(np.mean(rs.terms["t_iter"][pick])))
+        base = _base(p, world if world > 1 else 1)
+        for s in scenarios:
+            got[s].append(_predict(p, s, base)[2])
+    return {s: (float(np.percentile(v, 2.5)), float(np.percentile(v, 97.5)))
+            for s, v in got.items() if len(v) >= RESAMPLES // 2}

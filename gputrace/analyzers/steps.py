@@ -105,6 +105,7 @@ class RankSteps:
     fetch_s: np.ndarray               # mean loader fetch per batch, seconds (nan: none)
     loader_workers: int
     update_spans: np.ndarray          # update spans per iteration
+    gpu: bool = False                 # phases from GPU records (compute not on the host CPU)
 
 
 def warmup_skip(n: int, skip: int | None = None) -> int:
@@ -302,7 +303,7 @@ def analyze_rank(sp: Spans) -> RankSteps:
     hu = _u(sp, sp.of("update") & (sp.device < 0))
     upd_n = np.searchsorted(hu[0], hi, "left") - np.searchsorted(hu[1], lo, "right")
     return RankSteps(sp.rank, its, terms, comm_h, io_h, units, layer_bs, ends, layer_bytes,
-                     bstart, bend, np.array([fetch_s]), workers, upd_n)
+                     bstart, bend, np.array([fetch_s]), workers, upd_n, bool(gpu.any()))
 
 
 def _run_bounds(sp: Spans, start: np.ndarray, end: np.ndarray, label: np.ndarray,

@@ -19,6 +19,9 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-timeline", choices=("auto", "cupti", "kineto"), default="auto",
                    help="where GPU kernels and copies come from: CUPTI (cupti-python), "
                    "torch.profiler's Kineto, or auto: CUPTI, else Kineto when torch has CUDA")
+    p.add_argument("--tf-steps", metavar="START:COUNT",
+                   help="TensorFlow: the steps its profiler records phases over (5:10); "
+                   "'all' for the whole run, 'off' for iterations only")
     p.add_argument("--redact-argv", action="store_true",
                    help="keep only program and flag names of argv in the trace")
     p.add_argument("--kill-after", type=float, default=10.0, metavar="S",
@@ -43,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
         collectors=[c.strip() for c in args.collectors.split(",") if c.strip()],
         force=args.force, redact_argv=args.redact_argv, gpu_timeline=args.gpu_timeline,
         kill_after_s=args.kill_after, per_host=True if args.per_host else None,
+        tf_steps=args.tf_steps,
         quiet=args.quiet)
     if args.report:
         from gputrace.cli.report import check_output

@@ -33,7 +33,7 @@ class SystemCollector(Protocol):
 
 
 SYSTEM_COLLECTORS = ("host", "infiniband", "nvml")
-IN_PROCESS_COLLECTORS = ("torch", "cupti")
+IN_PROCESS_COLLECTORS = ("torch", "cupti", "tensorflow")
 ALL_COLLECTORS = SYSTEM_COLLECTORS + IN_PROCESS_COLLECTORS
 
 
@@ -58,6 +58,12 @@ def in_process_status(name: str) -> str:
         if importlib.util.find_spec("torch") is None:
             return "unavailable: torch is not installed"
         return "not used: the job did not import torch"
+    if name == "tensorflow":
+        import importlib.util
+        if importlib.util.find_spec("tensorflow") is None and \
+                importlib.util.find_spec("keras") is None:
+            return "unavailable: neither tensorflow nor keras is installed"
+        return "not used: the job imported neither tensorflow nor keras"
     if name == "cupti":
         from gputrace.collectors.cupti import availability
         why = availability()

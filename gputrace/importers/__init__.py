@@ -19,9 +19,12 @@ _ARROW = b"ARROW1"
 
 
 def detect(path: str) -> str:
-    """'gputrace', 'kineto' or 'nsys' (by content, not name); raises ImportFailed otherwise."""
+    """'gputrace', 'kineto', 'nsys' or 'tensorflow' (by content, and `.xplane.pb` by name);
+    raises ImportFailed otherwise."""
+    from gputrace.importers import tfprof
+
     if os.path.isdir(path):
-        return "gputrace"
+        return "tensorflow" if tfprof.is_profile_dir(path) else "gputrace"
     try:
         with open(path, "rb") as f:
             head = f.read(16)
@@ -33,12 +36,14 @@ def detect(path: str) -> str:
         return "gputrace"
     if head.startswith(_SQLITE):
         return "nsys"
+    if tfprof.looks_like(path):
+        return "tensorflow"
     if head.startswith(b"\x1f\x8b") or head.lstrip()[:1] in (b"{", b"["):
         return "kineto"
     if path.endswith((".json", ".json.gz")):
         return "kineto"
-    raise ImportFailed(f"{path}: neither a gputrace trace, a Kineto/Chrome JSON trace nor an "
-                       "Nsight Systems SQLite export")
+    raise ImportFailed(f"{path}: neither a gputrace trace, a Kineto/Chrome JSON trace, an "
+                       "Nsight Systems SQLite export nor a TensorFlow profile (.xplane.pb)")
 
 
 def _kineto_files(path: str) -> list[str]:
@@ -54,8 +59,12 @@ def _kineto_files(path: str) -> list[str]:
 def is_foreign(paths: list[str]) -> bool:
     """True when the inputs are other tools' traces (to import), False for gputrace traces."""
     kinds = set()
+    from gputrace.importers import tfprof
+
     for p in paths:
-        if os.path.isdir(p):
+        if os.path.isdir(p) and tfprof.is_profile_dir(p):
+            kinds.add("tensorflow")
+        elif os.path.isdir(p):
             names = os.listdir(p)
             kinds.add("kineto" if names and all(n.endswith((".json", ".json.gz"))
                                                 for n in names) else "gputrace")
@@ -68,10 +77,11 @@ def is_foreign(paths: list[str]) -> bool:
 
 
 def import_paths(paths: list[str]):  # type: ignore[no-untyped-def]
-    """Import Kineto JSON files (one per rank, or directories of them) and nsys exports."""
+    """Import Kineto JSON files (one per rank, or directories of them), nsys exports and
+    TensorFlow profiles (files, or log directories holding them)."""
     import pyarrow.compute as pc
 
-    from gputrace.importers import kineto, nsys
+    from gputrace.importers import kineto, nsys, tfprof
     from gputrace.importers.common import Rows
     from gputrace.trace.reader import Trace
     from gputrace.trace.schema import conform
@@ -81,9 +91,12 @@ def import_paths(paths: list[str]):  # type: ignore[no-untyped-def]
     sources: list[dict[str, Any]] = []
     warnings: list[str] = []
     kineto_files = []
+    tf_files: list[str] = []
     for p in paths:
-        kind = detect(p) if not os.path.isdir(p) else "kineto"
-        if kind == "nsys":
+        kind = detect(p) if not os.path.isdir(p) or tfprof.is_profile_dir(p) else "kineto"
+        if kind == "tensorflow":
+            tf_files.extend(tfprof.profile_files(p))
+        elif kind == "nsys":
             try:
                 info = nsys.read(p, rows)
             except ImportFailed as e:
@@ -121,6 +134,16 @@ def import_paths(paths: list[str]):  # type: ignore[no-untyped-def]
             raise ImportFailed(f"{f}: {e}") from None
         sources.append({"path": os.path.abspath(f), "tool": "kineto", "rank": rank,
                         "distributedInfo": dist if isinstance(dist, dict) else None, **counts})
+    for f, rank in zip(tf_files, tfprof.ranks_of(tf_files), strict=True):
+        if rank in seen:
+            raise ImportFailed(f"{f} and {seen[rank]} are both rank {rank}")
+        seen[rank] = f
+        try:
+            counts = tfprof.read(f, rank, rows)
+        except ImportFailed as e:
+            raise ImportFailed(str(e) if str(e).startswith(f) else f"{f}: {e}") from None
+        sources.append({"path": os.path.abspath(f), "tool": "tensorflow", "rank": rank,
+                        **counts})
     worlds = [s["distributedInfo"].get("world_size") for s in sources
               if isinstance(s.get("distributedInfo"), dict)]
     worlds = [w for w in worlds if isinstance(w, int) and w > 0]

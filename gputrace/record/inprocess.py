@@ -1,5 +1,5 @@
-"""The in-process side of `record`: one shard per process, forks included, and the hook that
-instruments torch when (and only when) the job imports it."""
+"""The in-process side of `record`: one shard per process, forks included, and the hooks that
+instrument torch, tensorflow and keras when (and only when) the job imports them."""
 
 from __future__ import annotations
 
@@ -40,11 +40,40 @@ def boot(shard_dir: str) -> _recorder.Recorder:
         sys.meta_path.insert(0, _PostImportFinder("multiprocessing",
                                                   lambda _m: _register_mp_finalizer()))
     if os.environ.get("GPUTRACE_NO_TORCH") != "1":
-        if "torch" in sys.modules:
-            _on_torch(sys.modules["torch"])
-        else:
-            sys.meta_path.insert(0, _PostImportFinder("torch", _on_torch))
+        _when_imported("torch", _on_torch)
+    if os.environ.get("GPUTRACE_NO_TENSORFLOW") != "1":
+        _when_imported("tensorflow", _on_tensorflow)
+        _when_imported("keras", _on_keras)
     return rec
+
+
+def _when_imported(name: str, callback: Callable[[ModuleType], None]) -> None:
+    if name in sys.modules:
+        callback(sys.modules[name])
+    else:
+        sys.meta_path.insert(0, _PostImportFinder(name, callback))
+
+
+def _on_tensorflow(tf: ModuleType) -> None:
+    _tf_hook("on_tensorflow", tf)
+
+
+def _on_keras(keras: ModuleType) -> None:
+    _tf_hook("on_keras", keras)
+
+
+def _tf_hook(which: str, module: ModuleType) -> None:
+    rec = _recorder.current()
+    if rec is None:
+        return
+    try:
+        from gputrace.collectors import tensorflow as tf_collector
+
+        getattr(tf_collector, which)(rec, module)
+    except Exception as e:  # never break the job
+        status = f"unavailable: instrumentation failed: {type(e).__name__}: {e}"
+        print(f"gputrace: tensorflow {status}".splitlines()[0], file=sys.stderr)
+        rec.set_collector("tensorflow", status)
 
 
 def _close_current() -> None:

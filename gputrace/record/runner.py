@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -37,6 +38,9 @@ FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signa
              signal.SIGUSR2)
 
 
+_TF_STEPS = re.compile(r"^(\d+:[1-9]\d*|all|off)$")
+
+
 class RecordError(Exception):
     """A problem with the request itself (exit 2, nothing was run)."""
 
@@ -54,6 +58,7 @@ class RecordOptions:
     gpu_timeline: str = "auto"     # auto | cupti | kineto
     per_host: bool | None = None   # host in the file name (None: when the job spans nodes)
     node_of: str = ""              # with per_host: the name given (-o), the run's name
+    tf_steps: str | None = None    # START:COUNT | all | off (TensorFlow's profiler window)
 
 
 @dataclass
@@ -248,6 +253,9 @@ def _check(opts: RecordOptions) -> None:
                           f"choose from {', '.join(ALL_COLLECTORS)}")
     if opts.gpu_timeline not in ("auto", "cupti", "kineto"):
         raise RecordError(f"--gpu-timeline is auto, cupti or kineto, not {opts.gpu_timeline!r}")
+    if opts.tf_steps is not None and not _TF_STEPS.match(opts.tf_steps):
+        raise RecordError(f"--tf-steps is START:COUNT (e.g. 5:10), all or off, "
+                          f"not {opts.tf_steps!r}")
     if not (0 < opts.hz <= 10_000):
         raise RecordError("--hz must be between 0 and 10000")
     if not (0 < opts.kill_after_s < 1e6):
@@ -332,6 +340,8 @@ def _prepare(opts: RecordOptions, shard_dir: str, clock: Clock
     rec = Recorder(os.path.join(shard_dir, "record.arrow"), md, clock=clock, quiet=True).start()
     env = child_env(shard_dir, opts.redact_argv)
     env["GPUTRACE_GPU_TIMELINE"] = opts.gpu_timeline
+    if opts.tf_steps is not None:
+        env["GPUTRACE_TF_STEPS"] = opts.tf_steps
     for name in IN_PROCESS_COLLECTORS:
         if name not in opts.collectors:
             env[f"GPUTRACE_NO_{name.upper()}"] = "1"

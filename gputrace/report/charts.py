@@ -374,15 +374,23 @@ def what_if(ra: RankAnalysis) -> Chart | None:
                           buckets=[o.buckets for o in outs],
                           comm=_ms([o.comm_s for o in outs]),
                           exposed=_ms([o.exposed_s for o in outs]),
-                          speedup=[round(o.speedup, 4) for o in outs])
+                          speedup=[round(o.speedup, 4) for o in outs],
+                          low=[None if math.isnan(o.low) else round(o.low * 1e3, 4)
+                               for o in outs],
+                          high=[None if math.isnan(o.high) else round(o.high * 1e3, 4)
+                                for o in outs],
+                          extrapolated=[o.extrapolated or "no" for o in outs])
+    x = {"field": "gpus", "type": "ordinal", "title": "GPUs"}
+    offset = {"field": "config", "type": "nominal", "sort": configs}
     spec = {
         "width": WIDTH, "height": 280,
         "layer": [
             {"data": data, "transform": flat, "mark": "bar",
              "encoding": {
-                 "x": {"field": "gpus", "type": "ordinal", "title": "GPUs"},
-                 "xOffset": {"field": "config", "type": "nominal", "sort": configs},
+                 "x": x, "xOffset": offset,
                  "y": {"field": "t_iter", "type": "quantitative", "title": "t_iter (ms)"},
+                 "opacity": {"condition": {"test": "datum.extrapolated !== 'no'",
+                                           "value": 0.55}, "value": 1},
                  "color": {"field": "config", "type": "nominal", "sort": configs,
                            "scale": {"scheme": "tableau10"},
                            "legend": {"title": None, "orient": "right"}},
@@ -392,14 +400,23 @@ def what_if(ra: RankAnalysis) -> Chart | None:
                              {"field": "comm", "format": ".1f", "title": "comm (ms)"},
                              {"field": "exposed", "format": ".1f",
                               "title": "exposed after backward (ms)"},
-                             {"field": "speedup", "format": ".2f"}]}},
+                             {"field": "speedup", "format": ".2f"},
+                             {"field": "low", "format": ".1f", "title": "95 % from (ms)"},
+                             {"field": "high", "format": ".1f", "title": "95 % to (ms)"},
+                             {"field": "extrapolated"}]}},
+            {"data": data, "transform": [*flat, {"filter": "isValid(datum.low)"}],
+             "mark": {"type": "rule", "color": "black", "strokeWidth": 1.5},
+             "encoding": {"x": x, "xOffset": offset,
+                          "y": {"field": "low", "type": "quantitative"},
+                          "y2": {"field": "high"}}},
             _rule("y", rp.measured_t_iter * 1e3),
         ],
     }
     return Chart("what-if", "What if: replayed t_iter for other GPU counts, buckets and links",
                  "Each bar is the measured iteration plus the replayed change of its gradient "
-                 "tail (dashed: measured t_iter): a lower bar at the run's own GPU count is a "
-                 "setting worth trying.", spec)
+                 "tail, with its 95 % interval from resampled iterations (dashed: measured "
+                 "t_iter); faded bars extrapolate past what the run measured: a lower bar at "
+                 "the run's own GPU count is a setting worth trying.", spec)
 
 
 # which chart shows the evidence of each finding (by id, or id prefix ending in "_")

@@ -157,7 +157,10 @@ def render(a: Analysis, rank: int | None, script: str, source: str = "") -> str:
         body.append(f'<section id="{c.id}" class="chart"><h2>{_e(c.title)}</h2>'
                     f'<p class="caption">{_e(c.caption)}</p>'
                     f'<div class="vis" id="vis-{c.id}"></div></section>')
-    missing = [f"<li>{_e(what)}: {_e(why)}</li>" for k, (what, why) in NOT_DRAWN.items()
+    reasons = {k: why for k, (_, why) in NOT_DRAWN.items()}
+    if ra.replay_unavailable:
+        reasons["what-if"] = ra.replay_unavailable
+    missing = [f"<li>{_e(what)}: {_e(reasons[k])}</li>" for k, (what, _) in NOT_DRAWN.items()
                if k not in drawn]
     if missing:
         body.append(f'<h2>Not drawn</h2><ul class="missing">{"".join(missing)}</ul>')

@@ -50,7 +50,7 @@ def rank_dict(ra: RankAnalysis) -> dict[str, Any]:
             "assumptions": list(sp.assumptions),
             "points": [{"gpus": p.gpus, "speedup": p.speedup, "efficiency": p.efficiency,
                         "t_iter": p.t_iter, "t_comm": p.t_comm} for p in sp.points],
-            "unavailable": sp.unavailable,
+            "unavailable": sp.unavailable, "shared": sp.shared,
         },
         "bandwidth": {} if bw is None else {
             "window_s": bw.window_s,
@@ -65,6 +65,7 @@ def rank_dict(ra: RankAnalysis) -> dict[str, Any]:
         "comm_wait_s": _num(ra.comm_wait_s),
         "comm_transfer_s": _num(ra.comm_transfer_s),
         "what_if": _what_if(ra.replay),
+        "what_if_unavailable": ra.replay_unavailable,
         "host": ra.host,
     }
 
@@ -83,14 +84,20 @@ def _what_if(rp: Replay | None) -> dict[str, Any] | None:
     return {
         "method": "replay",
         "comm_cost": {"alpha_s": rp.cost.alpha_s, "beta_bytes_per_s": rp.cost.beta_bytes_per_s,
-                      "fitted_at_gpus": rp.cost.world, "source": rp.cost.source},
+                      "fitted_at_gpus": rp.cost.world, "source": rp.cost.source,
+                      "cpu_s_per_byte": rp.cost.cpu_s_per_byte,
+                      "wire_bytes_per_s": _num(rp.cost.wire_bytes_per_s)},
+        "contention_s": rp.contention_s,
         "backward_end_s": rp.backward_end_s, "measured_t_iter": rp.measured_t_iter,
         "baseline_t_iter": rp.baseline_t_iter, "baseline_error": rp.baseline_error,
         "layers_known": rp.layers_known, "assumptions": list(rp.assumptions),
         "scenarios": [{"label": o.scenario.label, "gpus": o.scenario.gpus,
                        "bandwidth_x": o.scenario.bandwidth_x, **bucket(o.scenario.bucket_bytes),
                        "buckets": o.buckets, "comm_s": o.comm_s, "exposed_s": o.exposed_s,
-                       "t_iter": o.t_iter, "speedup": o.speedup} for o in rp.outcomes],
+                       "t_iter": o.t_iter, "speedup": o.speedup,
+                       "t_iter_low": _num(o.low), "t_iter_high": _num(o.high),
+                       "reference_t_iter": _num(o.reference_t_iter),
+                       "extrapolated": o.extrapolated} for o in rp.outcomes],
     }
 
 

@@ -99,18 +99,30 @@ def _what_if(con: Console, rp: Replay, measured: float) -> None:
     t.add_column("buckets")
     for n in gpus:
         t.add_column(f"{n} GPUs", justify="right")
+    def cell(o: Outcome) -> str:
+        return _ms(o.t_iter) + ("*" if o.extrapolated else "")
+
     for b, by_n in rows.items():
-        if b is None and not rp.measured_units and len(rows) > 1:
-            continue  # one process: the same as the bucket_cap_mb=25 row
         first = next(iter(by_n.values()))
         label = _bucket_label(b, first.buckets, rp.measured_units)
-        t.add_row(label,
-                  *(_ms(by_n[n].t_iter) if n in by_n else "-" for n in gpus))
+        t.add_row(label, *(cell(by_n[n]) if n in by_n else "-" for n in gpus))
     con.print(t)
     for o in rp.outcomes:
         if o.scenario.bandwidth_x != 1:
-            con.print(f"  {escape(o.scenario.label)}: {_ms(o.t_iter)} "
-                      f"({o.t_iter / measured - 1:+.0%} vs measured), {o.speedup:.2f}x over one GPU")
+            # against the same GPU count at the link as it is: the change the link makes
+            ref = o.reference_t_iter if not math.isnan(o.reference_t_iter) else measured
+            what = "vs measured" if o.scenario.gpus == rp.cost.world and \
+                rp.cost.source == "measured" else f"vs {o.scenario.gpus} GPUs at link x1"
+            con.print(f"  {escape(o.scenario.label)}: {_ms(o.t_iter)}"
+                      + (f" [{_ms(o.low)}, {_ms(o.high)}]" if not math.isnan(o.low) else "")
+                      + f" ({o.t_iter / ref - 1:+.0%} {what}), {o.speedup:.2f}x over one GPU"
+                      + ("*" if o.extrapolated else ""))
+    spread = [o for o in rp.outcomes if not math.isnan(o.low)]
+    if spread:
+        w = max((o.high - o.low) / 2 / o.t_iter for o in spread if o.t_iter > 0)
+        con.print(f"  [dim]95 % intervals from resampling the analyzed iterations: within "
+                  f"±{w:.0%} (each in --json); * leaves what the run measured (more GPUs, "
+                  "another link, units of other sizes)[/]")
     con.print(f"  [dim]replaying the measured configuration gives {_ms(rp.baseline_t_iter)} "
               f"({rp.baseline_error:+.1%}); each prediction is the measured iteration plus "
               "the replayed change[/]")
@@ -211,6 +223,9 @@ def render(a: Analysis, rank: int | None = None, file: IO[str] | None = None,
                       f"{rate(sp.link_bytes_per_s or 0)}")
     if ra.replay is not None and ra.replay.outcomes:
         _what_if(con, ra.replay, m.measured_t_iter)
+    elif ra.replay_unavailable:
+        con.print()
+        con.print(f"[bold]What if[/]: not replayed: {escape(ra.replay_unavailable)}")
     bw = ra.bandwidth
     moved = [link for link in bw.links if link.bytes > 0] if bw is not None else []
     if moved:   # a link with nothing moved over it says nothing

@@ -1,0 +1,275 @@
+"""TensorFlow and Keras, recorded for real: an eager tf.GradientTape loop against its own
+clock, the Keras `fit` sample (iterations, phases, steps_per_execution, the profiler's
+window), two MultiWorkerMirroredStrategy workers (comm units, Case, speedup), Keras's fit
+callback on the torch backend, and TensorFlow profiles recorded without gputrace (XPlane and
+the trace viewer's JSON), all through `gputrace record` / `gputrace analyze` subprocesses."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gputrace import load
+from tests.conftest import run_gputrace
+from tests.truth import compare, matched, per_iteration
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLE = str(ROOT / "samples" / "train_tf.py")
+JOB = str(ROOT / "tests" / "jobs" / "tf_timed_loop.py")
+DATA = ROOT / "tests" / "data" / "tf"
+HAS_TF = importlib.util.find_spec("tensorflow") is not None
+needs_tf = pytest.mark.skipif(not HAS_TF, reason="tensorflow is not installed (make test "
+                              "installs it: pip install -e '.[tf]')")
+
+
+def record(tmp_path: Path, name: str, *cmd: str, env: dict[str, str] | None = None,
+           opts: tuple[str, ...] = ()) -> Path:
+    out = tmp_path / f"{name}.arrow"
+    p = run_gputrace("record", "-q", "-o", str(out), *opts, "--", sys.executable, *cmd,
+                     timeout=420, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]
+    return out
+
+
+def analysis(path: Path | str, *args: str) -> dict:
+    p = run_gputrace("analyze", str(path), "--json", *args, check=True)
+    return json.loads(p.stdout)
+
+
+def spans(trace, cat: str, name: str | None = None) -> list[dict]:
+    return sorted((r for r in trace.table.to_pylist() if r["kind"] == "span" and
+                   r["cat"] == cat and (name is None or r["name"] == name)),
+                  key=lambda r: r["start_ns"])
+
+
+@needs_tf
+@pytest.mark.slow
+def test_eager_gradient_tape_loop_matches_its_own_clock(tmp_path):
+    truth_path = tmp_path / "truth.json"
+    out = record(tmp_path, "eager", JOB, str(truth_path), "--steps", "24")
+    truth = json.loads(truth_path.read_text())
+    tr = load(out)
+    its = spans(tr, "iteration")
+    assert len(its) == 24
+    # iterations tile the loop: one ends where the optimizer step returned, the next
+    # begins there (the profiler's start and stop, between two, are left out)
+    gaps = [b["start_ns"] - a["end_ns"] for a, b in zip(its, its[1:], strict=False)]
+    assert sum(g == 0 for g in gaps) >= 21 and min(gaps) >= 0
+    rs = per_iteration(tr)
+    pairs = matched(rs, truth)
+    # each iteration against the loop's own (paired: on a busy machine the medians of two
+    # unpaired sets drift apart), t_iter within 5 %, the phases within 15 %
+    compare(rs, truth, pairs, {"t_iter": [], "t_io": ["io"], "t_f": ["forward"],
+                               "t_b": ["backward"], "t_u": ["update"]}, 0.15)
+    md = tr.metadata["collectors"]["tensorflow"]
+    assert md == {"status": "ok", "profiler_steps": "5:10"}
+    (done,) = [json.loads(r["args"]) for r in tr.table.to_pylist()
+               if r["name"] == "tensorflow.profile"]
+    assert done["steps"] == 10
+
+
+@needs_tf
+@pytest.mark.slow
+def test_keras_fit_sample_iterations_are_its_steps_and_phases_cover_them(tmp_path):
+    times = tmp_path / "times.json"
+    # batches of 64: a step of ~100 ms on two cores, against ~2 ms a step of Keras's own
+    # Python (the step function's dispatch, its logs, the callbacks), which is in no phase
+    out = record(tmp_path, "fit", SAMPLE, "--steps", "16", "--batch-size", "64",
+                 "--times-json", str(times), opts=("--tf-steps", "all"))
+    tr = load(out)
+    its = spans(tr, "iteration")
+    begins = json.loads(times.read_text())["begin_ns"]
+    assert len(its) == len(begins) == 16
+    # each iteration begins as fit begins its batch (gputrace's callback runs beside the
+    # sample's own, microseconds apart) and the next begins where it ended
+    assert all(abs(it["start_ns"] - b) < 2e6 for it, b in zip(its[1:], begins[1:],
+                                                              strict=True))
+    assert all(a["end_ns"] == b["start_ns"] for a, b in zip(its, its[1:], strict=False))
+    res = analysis(out)
+    b = res["breakdown"]
+    for term in ("t_f", "t_b", "t_u", "t_io"):
+        assert b[term]["mean"] > 0, (term, b)
+    # at most 10 % of an iteration in no phase: per iteration after the warm-up, the median
+    # (a step on a busy machine can wait for a core after the step function returns, which
+    # moves that iteration's mean, not the typical one's)
+    rs = per_iteration(tr)
+    share = sorted(o / t for o, t in zip(rs.terms["t_other"][3:], rs.terms["t_iter"][3:],
+                                         strict=True))
+    assert share[len(share) // 2] <= 0.10, (share, b)
+    # tf.data's own work on its threads, beyond the loop's wait: total vs exposed I/O
+    io = res["overlap"]["io"]
+    assert io["total_s"] > io["exposed_s"] > 0
+    names = {r["name"] for r in spans(tr, "backward")}
+    assert any("gradient_tape/" in n for n in names)
+
+
+@needs_tf
+@pytest.mark.slow
+def test_steps_per_execution_and_the_default_window(tmp_path):
+    out = record(tmp_path, "spe", SAMPLE, "--steps", "16", "--steps-per-execution", "2")
+    tr = load(out)
+    its, rest = spans(tr, "iteration"), spans(tr, "user", "step (not profiled)")
+    # 8 calls of 2 steps: 16 steps; the profiler starts at the first boundary at or after
+    # step 5 (6) and holds 10 steps
+    assert len(its) + len(rest) == 16
+    assert len(its) == 10 and [r["step"] for r in its] == list(range(6, 16))
+    d = [r["end_ns"] - r["start_ns"] for r in its]
+    assert all(abs(a - b) <= 1 for a, b in zip(d[::2], d[1::2], strict=True))
+    res = analysis(out)
+    assert res["iterations"]["count"] == 10
+    assert res["breakdown"]["t_b"]["mean"] > 0
+
+
+@needs_tf
+@pytest.mark.slow
+def test_two_multi_worker_mirrored_workers_show_comm_units_a_case_and_the_model(tmp_path):
+    times, kept = tmp_path / "times.json", tmp_path / "kept"
+    out = record(tmp_path, "mw", SAMPLE, "--workers", "2", "--steps", "20", "--times-json",
+                 str(times), env=dict(os.environ, GPUTRACE_TF_KEEP=str(kept)))
+    tr = load(out)
+    assert tr.metadata["ranks"] == [0, 1]
+    res = analysis(out, "--gpus", "2,4,8")
+    assert res["world_size"] == 2
+    assert res["units"], res
+    assert all(u["index"] == k for k, u in enumerate(res["units"]))
+    assert res["breakdown"]["t_comm"]["mean"] > 0
+    assert res["model"]["case"] in (1, 2)
+    assert res["model"]["strategy"] in ("sequential", "wfbp", "wfbp_update_after")
+    assert res["model"]["predicted_t_iter"] > 0
+    sp = res["speedup"]
+    assert sp and json.dumps(sp).count("speedup") >= 1
+    # the gradient all-reduces run under the optimizer's scope, a unit each; together they
+    # reduce every float32 parameter of the model once an iteration
+    comm = spans(tr, "comm")
+    assert comm and all("CollectiveReduce" in r["name"] for r in comm)
+    params = json.loads(times.read_text())["parameters"]
+    for rank in (0, 1):
+        its = [r for r in spans(tr, "iteration") if r["rank"] == rank]
+        per_it = [sum(r["bytes"] for r in comm if r["rank"] == rank and
+                      it["start_ns"] <= r["start_ns"] < it["end_ns"]) for it in its]
+        assert len(per_it) == 10 and set(per_it) == {4 * params}, (rank, per_it, params)
+    # the profiles the window wrote, one directory per rank, read as a run recorded
+    # without gputrace: the same ranks, iterations and units
+    imported = analysis(kept)
+    assert imported["world_size"] == 2 and imported["iterations"]["count"] == 10
+    assert len(imported["units"]) == len(res["units"])
+
+
+@needs_tf
+@pytest.mark.slow
+def test_a_job_that_starts_the_profiler_itself_trains_and_keeps_its_profile(tmp_path):
+    """TensorFlow runs one profiler at a time: the sample starts its own at step 5 while
+    gputrace's window (from step 3) is open. The job trains to the end, its profile is
+    written, and gputrace's trace has the phases of the steps before it."""
+    logdir = tmp_path / "logs"
+    out = tmp_path / "own.arrow"
+    p = run_gputrace("record", "-q", "-o", str(out), "--tf-steps", "3:10", "--",
+                     sys.executable, SAMPLE, "--steps", "12", "--profile-dir", str(logdir),
+                     timeout=420)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert "images/s" in p.stdout
+    said = [ln for ln in p.stderr.splitlines() if ln.startswith("gputrace:")]
+    assert len(said) == 1 and "started TensorFlow's profiler itself" in said[0], said
+    tr = load(out)
+    its, rest = spans(tr, "iteration"), spans(tr, "user", "step (not profiled)")
+    assert len(its) + len(rest) == 12 and [r["step"] for r in its] == [3]
+    assert spans(tr, "backward")
+    # the job's own profile (steps 5-9) reads as a run recorded without gputrace
+    assert analysis(logdir)["iterations"]["count"] == 5
+
+
+@pytest.mark.slow
+def test_keras_fit_callback_on_the_torch_backend(tmp_path):
+    pytest.importorskip("torch")
+    if importlib.util.find_spec("keras") is None:
+        pytest.skip("keras is not installed")
+    job = tmp_path / "keras_torch_job.py"
+    job.write_text(
+        "import numpy as np, keras\n"
+        "assert keras.backend.backend() == 'torch'\n"
+        "x = np.random.rand(40 * 32, 64).astype('float32'); y = np.arange(40 * 32) % 10\n"
+        "m = keras.Sequential([keras.Input((64,)), keras.layers.Dense(256, activation='relu'),\n"
+        "                      keras.layers.Dense(10)])\n"
+        "m.compile(optimizer='sgd', loss=keras.losses.SparseCategoricalCrossentropy(True))\n"
+        "import threading\n"
+        "class Where(keras.callbacks.Callback):\n"
+        "    async_safe = True\n"
+        "    seen = set()\n"
+        "    def on_train_batch_end(self, batch, logs=None):\n"
+        "        self.seen.add(threading.current_thread() is threading.main_thread())\n"
+        "cbs = keras.callbacks.CallbackList([Where()], add_history=True, model=m)\n"
+        "m.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=cbs)\n"
+        "assert len(cbs.callbacks) == 2\n"
+        "print('batch ends on the loop thread:', sorted(Where.seen))\n")
+    env = dict(os.environ, KERAS_BACKEND="torch")
+    out = tmp_path / "kt.arrow"
+    p = run_gputrace("record", "-q", "-o", str(out), "--", sys.executable, str(job),
+                     timeout=420, env=env)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    # fit dispatches batch ends as it does without gputrace (to a thread, when every
+    # callback allows it): gputrace's callback does not make it wait on each step; it
+    # joins a CallbackList the job gives fit, and leaves it after
+    assert not [ln for ln in p.stderr.splitlines() if ln.startswith("gputrace:")], p.stderr
+    plain = subprocess.run([sys.executable, str(job)], capture_output=True, text=True,
+                           timeout=420, env=env)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    said = [ln for ln in p.stdout.splitlines() if ln.startswith("batch ends")]
+    assert said == [ln for ln in plain.stdout.splitlines() if ln.startswith("batch ends")]
+    tr = load(out)
+    its = spans(tr, "iteration")
+    assert len(its) == 40
+    assert all(a["end_ns"] == b["start_ns"] for a, b in zip(its, its[1:], strict=False))
+    res = analysis(out)
+    assert res["iterations"]["count"] == 40
+    b = res["breakdown"]
+    assert b["t_f"]["mean"] > 0 and b["t_b"]["mean"] > 0 and b["t_u"]["mean"] > 0
+
+
+@pytest.mark.parametrize("name, phase", [
+    # op names as TensorFlow's profiler gave them in runs of fit and of the two workers
+    ("StatefulPartitionedCall/sequential_1/dense_1/Relu:_FusedMatMul", "forward"),
+    ("StatefulPartitionedCall/compile_loss/sparse_categorical_crossentropy/Sum:Sum", "forward"),
+    ("StatefulPartitionedCall/gradient_tape/sequential_1/dense_1/ReluGrad:ReluGrad", "backward"),
+    ("StatefulPartitionedCall/sgd/Mul_8:Mul", "update"),
+    # compile(optimizer="sgd") names its scope sgd_1
+    ("StatefulPartitionedCall/sgd_1/AssignSubVariableOp:AssignSubVariableOp", "update"),
+    ("sgd/CollectiveReduceV2_1:CollectiveReduceV2", "comm"),
+    ("CollectiveReduceV2:CollectiveReduceV2", "sync"),     # the loss, not gradients
+    ("IteratorGetNext", "io"),
+])
+def test_op_names_give_phases(name, phase):
+    from gputrace.importers.tfprof import op_phase
+
+    assert op_phase(name) == phase
+
+
+def test_tensorflow_profile_recorded_without_gputrace():
+    """`keras fit` of the sample profiled by TensorFlow itself (steps 5-7): its log
+    directory and the trace viewer's JSON of the same run give the same analysis."""
+    if importlib.util.find_spec("tensorflow") is None:
+        pytest.skip("tensorflow (its XPlane schema) is not installed")
+    a = analysis(DATA / "logdir")
+    b = analysis(DATA / "vm.trace.json.gz")
+    assert a["iterations"]["count"] == b["iterations"]["count"] == 3
+    for term in ("t_iter", "t_f", "t_b", "t_u"):
+        assert a["breakdown"][term]["mean"] > 0
+        assert a["breakdown"][term]["mean"] == pytest.approx(b["breakdown"][term]["mean"],
+                                                             rel=1e-3)
+
+
+def test_xplane_without_tensorflow_is_one_line_and_exit_2(tmp_path):
+    fake = tmp_path / "site" / "tensorflow"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('a tensorflow without its schema')\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "site"))
+    p = run_gputrace("analyze", str(DATA / "logdir"), env=env)
+    assert p.returncode == 2
+    assert len(p.stderr.strip().splitlines()) == 1
+    assert "gputrace[tf]" in p.stderr and "Traceback" not in p.stderr
