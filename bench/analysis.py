@@ -9,8 +9,9 @@ events in <= 5 s and <= 1.5 GB; >= 30x faster and >= 10x less memory than HTA;
 
     python bench/analysis.py [--sizes 1e5,1e6,1e7] [--json-max 1e6] [--hta-python PY] [--tiny]
 
-HTA is not a dependency: install it in its own environment only for this benchmark
-(python -m venv /tmp/hta && /tmp/hta/bin/pip install holistictraceanalysis) and pass
+HTA is not a dependency: install it in its own environment only for this benchmark, pinned
+to what it runs with (python -m venv /tmp/hta &&
+/tmp/hta/bin/pip install -r bench/requirements-hta.txt) and pass
 --hta-python /tmp/hta/bin/python.
 """
 
@@ -116,7 +117,7 @@ def main() -> None:
                                                 "JSON.gz"], size_rows))
     if imports:
         print()
-        print(table("Import: gputrace import of the Kineto JSON (streamed)",
+        print(table("Import: gputrace import of the Kineto JSON",
                     ["events", "time", "peak RSS", "JSON text", "RSS / JSON", "RSS B/event"],
                     imports))
     print(f"machine: {machine()}")

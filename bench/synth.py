@@ -33,7 +33,8 @@ def shape(events: int, ranks: int = 4) -> int:
 def rank_events(rank: int, iters: int, seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed + rank)
     it_len = 100 * MS
-    base = T0 + np.arange(iters, dtype=np.int64) * it_len + rank * 37_000
+    stagger = (rank % 16) * 37_000    # ranks start their iterations a little apart
+    base = T0 + np.arange(iters, dtype=np.int64) * it_len + stagger
     cols: dict[str, list[np.ndarray]] = {k: [] for k in
                                          ("cat", "phase", "start", "end", "device", "stream",
                                           "step", "bytes", "tid", "kind", "name", "value")}
@@ -68,7 +69,8 @@ def rank_events(rank: int, iters: int, seed: int = 0) -> dict[str, np.ndarray]:
     # NCCL all-reduce buckets during backward, on the comm stream
     c = np.repeat(base, COMM_PER_ITER) + ((np.tile(np.arange(COMM_PER_ITER), iters) * 7
                                            + 40) * MS)
-    add(7, 7, c, c + 6 * MS, rank % 8, 20, np.repeat(steps, COMM_PER_ITER),
+    # (a collective ends on every rank at once: the last to arrive releases them all)
+    add(7, 7, c, c - stagger + 6 * MS, rank % 8, 20, np.repeat(steps, COMM_PER_ITER),
         nbytes=np.full(c.size, 25 << 20, np.int64), name=40)
     # H2D of the batch
     add(8, 2, base + 1 * MS, base + 4 * MS, rank % 8, 7, steps,
@@ -95,20 +97,42 @@ def write_arrow(path: Path, events: int, ranks: int = 4, shards: bool = False) -
     per rank in small batches, as a recording's processes leave them before the merge."""
     iters = shape(events, ranks)
     md = {"host": "bench", "world_size": ranks, "role": "record"}
-    w = None if shards else TraceWriter(path, md)
-    batch = 1 << 16 if shards else 1 << 20
+    if not shards:
+        return _write(TraceWriter(path, md), range(ranks), iters, "bench", 1 << 20)
+    n = 0
+    for r in range(ranks):
+        n += _write(TraceWriter(path / f"rank{r}.arrow", dict(md, role="process", rank=r)),
+                    [r], iters, "bench", 1 << 16)
+    return n
+
+
+def write_nodes(directory: Path, events: int, ranks: int, per_node: int = 8,
+                name: str = "run") -> int:
+    """The events of a multi-node recording: one file per node of `per_node` ranks
+    (`run.nodeK.arrow`, each a part of `run.arrow`), as `record` writes them on each node."""
+    iters = shape(events, ranks)
+    directory.mkdir(parents=True, exist_ok=True)
+    n = 0
+    for k in range(math.ceil(ranks / per_node)):
+        host = f"node{k:04d}"
+        md = {"host": host, "world_size": ranks, "role": "record", "node_of": f"{name}.arrow"}
+        n += _write(TraceWriter(directory / f"{name}.{host}.arrow", md),
+                    range(k * per_node, min((k + 1) * per_node, ranks)), iters, host, 1 << 20)
+    return n
+
+
+def _write(w: TraceWriter, ranks, iters: int, host: str, batch: int) -> int:
+    """Write the ranks' events, sorted by rank, one rank per record batch; close."""
     n = 0
     host_names = {0: "iteration", 1: "io", 3: "forward", 4: "backward", 5: "update"}
-    for r in range(ranks):
-        if shards:
-            w = TraceWriter(path / f"rank{r}.arrow", dict(md, role="process", rank=r))
+    for r in ranks:
         e = rank_events(r, iters)
         cat = np.array(CATS, dtype=object)[e["cat"]]
         phase = np.array(PHASES + [None] * 3, dtype=object)[np.clip(e["phase"], 0, 9)]
         phase[e["phase"] < 0] = None
         name = np.array(NAMES, dtype=object)[e["name"]]
-        host = e["device"] < 0
-        name[host] = [host_names[c] for c in e["cat"][host]]
+        on_host = e["device"] < 0
+        name[on_host] = [host_names[c] for c in e["cat"][on_host]]
         kind = np.where(e["kind"] == 1, "sample", "span").astype(object)
         nb = e["bytes"]
         for lo in range(0, e["start"].size, batch):
@@ -119,7 +143,8 @@ def write_arrow(path: Path, events: int, ranks: int = 4, shards: bool = False) -
                 "end_ns": pa.array(e["end"][sl], mask=e["end"][sl] < 0),
                 "value": pa.array(e["value"][sl], mask=np.isnan(e["value"][sl])),
                 "unit": np.where(e["kind"][sl] == 1, "bytes", None).astype(object),
-                "host": np.full(m, "bench", object), "rank": np.full(m, r, np.int32),
+                "host": pa.DictionaryArray.from_arrays(np.zeros(m, np.int32), [host]),
+                "rank": np.full(m, r, np.int32),
                 "pid": np.full(m, 1000 + r, np.int32), "tid": e["tid"][sl],
                 "device": e["device"][sl], "stream": e["stream"][sl], "step": e["step"][sl],
                 "layer": np.full(m, -1, np.int32),
@@ -140,10 +165,7 @@ def write_arrow(path: Path, events: int, ranks: int = 4, shards: bool = False) -
             w.write_table(pa.Table.from_arrays(arrays, schema=pa.schema(
                 [pa.field(nm, a.type) for (nm, _, _, _), a in zip(COLUMNS, arrays, strict=True)])))
             n += m
-        if shards:
-            w.close()
-    if not shards:
-        w.close()
+    w.close()
     return n
 
 

@@ -2,10 +2,24 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
 _perf = time.perf_counter_ns
+
+
+def _test_shift() -> int:
+    """For tests only: GPUTRACE_TEST_CLOCK_SHIFT_NS moves this process's trace clock, as a
+    node whose clock is off by that much would (multi-node clock alignment is tested with
+    it on one machine). Never set it on a real run."""
+    try:
+        return int(os.environ.get("GPUTRACE_TEST_CLOCK_SHIFT_NS", "0"))
+    except ValueError:
+        return 0
+
+
+SHIFT_NS = _test_shift()
 
 
 class Clock:
@@ -23,7 +37,7 @@ class Clock:
         p0 = _perf()
         rt = time.time_ns()
         p1 = _perf()
-        self._offset = rt - (p0 + p1) // 2
+        self._offset = rt - (p0 + p1) // 2 + SHIFT_NS
         self.start = self.anchor()
 
     def now_ns(self) -> int:
@@ -34,7 +48,7 @@ class Clock:
 
     @staticmethod
     def anchor() -> dict[str, int]:
-        return {"monotonic_ns": time.monotonic_ns(), "realtime_ns": time.time_ns(),
+        return {"monotonic_ns": time.monotonic_ns(), "realtime_ns": time.time_ns() + SHIFT_NS,
                 "perf_ns": _perf()}
 
 

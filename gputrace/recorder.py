@@ -33,13 +33,22 @@ ENV_ALLOWLIST = (
     "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_PORT",
     "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
     "PMI_RANK", "PMI_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_ID",
-    "SLURM_NNODES", "OMP_NUM_THREADS", "NCCL_ALGO", "NCCL_PROTO", "NCCL_IB_DISABLE",
+    "SLURM_NNODES", "SLURM_NODEID", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALRANKID",
+    "MPI_LOCALNRANKS", "GPUTRACE_HOST", "OMP_NUM_THREADS", "NCCL_ALGO", "NCCL_PROTO", "NCCL_IB_DISABLE",
     "NCCL_P2P_DISABLE", "NCCL_SOCKET_IFNAME", "NCCL_NET", "NCCL_DEBUG",
     "GLOO_SOCKET_IFNAME", "TORCH_DISTRIBUTED_DEBUG", "PYTORCH_CUDA_ALLOC_CONF",
 )
 
 RANK_VARS = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
 WORLD_VARS = ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS")
+LOCAL_RANK_VARS = ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID",
+                   "SLURM_LOCALID")
+
+
+def hostname() -> str:
+    """The node's name: GPUTRACE_HOST where a launcher or container gives each node its own
+    (several containers on one host, or hosts whose names collide), else the host name."""
+    return os.environ.get("GPUTRACE_HOST") or socket.gethostname()
 
 
 def env_int(names: Iterable[str], default: int = -1) -> int:
@@ -97,11 +106,11 @@ def base_metadata(role: str, argv: list[str] | None = None, rank: int | None = N
     tf_rank, tf_world = tf_config_rank() if rank is None else (-1, -1)
     return {
         "role": role,
-        "host": socket.gethostname(),
+        "host": hostname(),
         "pid": os.getpid(),
         "rank": env_int(RANK_VARS, tf_rank) if rank is None else rank,
         "world_size": env_int(WORLD_VARS, tf_world),
-        "local_rank": env_int(("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID")),
+        "local_rank": env_int(LOCAL_RANK_VARS),
         "argv": argv,
         "cpus": os.cpu_count(),
         "env": {k: os.environ[k] for k in ENV_ALLOWLIST if k in os.environ},
@@ -123,7 +132,7 @@ class Recorder:
         self.metadata = metadata
         self.clock = clock or Clock()
         self.metadata["start"] = self.clock.start
-        self.host: str = metadata.get("host", socket.gethostname())
+        self.host: str = metadata.get("host") or hostname()
         self.rank: int = int(metadata.get("rank", -1))
         self.pid = os.getpid()
         self.flush_interval_s = flush_interval_s

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import shutil
 import sqlite3
 from collections import Counter
 from pathlib import Path
@@ -216,6 +217,10 @@ def _corrupt_inputs(shared_data, tmp_path):
         "notrace.json": b'{"hello": 1}',
         "list.json": b'[1, 2, 3]',
         "empty.json": b"",
+        # nested deeper than any parser's stack: refused, not a crash or all of memory
+        "deep.json": b'{"traceEvents": [' + b"[" * 200_000 + b"]" * 200_000 + b"]}",
+        "deeparg.json": b'{"traceEvents": [{"ph": "X", "args": ' + b'{"a": ' * 200_000 + b"1"
+                        + b"}" * 200_000 + b"}]}",
     }
     paths = []
     for name, data in cases.items():
@@ -231,6 +236,20 @@ def _corrupt_inputs(shared_data, tmp_path):
             db.execute("CREATE TABLE META_DATA_EXPORT (name TEXT, value TEXT)")
             db.execute("INSERT INTO META_DATA_EXPORT VALUES ('EXPORT_SCHEMA_VERSION', ?)",
                        (version,))
+        db.commit()
+        db.close()
+        paths.append(p)
+    # real exports with a value of another type in a column (SQLite allows it)
+    for name, sql in (("mixed-device.sqlite", "UPDATE CUPTI_ACTIVITY_KIND_MEMCPY "
+                       "SET deviceId = 'gpu0'"),
+                      ("mixed-start.sqlite", "UPDATE CUPTI_ACTIVITY_KIND_MEMCPY "
+                       "SET start = 'soon' WHERE rowid = 3"),
+                      ("mixed-pid.sqlite", "UPDATE CUPTI_ACTIVITY_KIND_RUNTIME "
+                       "SET globalTid = 1.5 WHERE rowid = 2")):
+        p = tmp_path / name
+        shutil.copy(shared_data / "nsys/mfu_2gpu_before.sqlite", p)
+        db = sqlite3.connect(p)
+        db.execute(sql)
         db.commit()
         db.close()
         paths.append(p)
@@ -482,3 +501,43 @@ def test_real_kineto_gpu_traces_have_forward_backward_and_update(shared_data, na
     b = analyze(tr).main.breakdown
     assert b["t_f"].mean > 0 and b["t_b"].mean > 0 and b["t_u"].mean > 0
     assert abs(b["t_other"].mean) <= 0.10 * b["t_iter"].mean
+
+
+def test_kineto_events_of_unusual_types_give_the_rows_of_usual_ones(tmp_path):
+    """A batch of usual events is converted a column at a time, one with a value of an
+    unusual type event by event: the rows are the same, the unusual event skipped."""
+    evs = [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#3", "ts": 0, "dur": 10,
+         "pid": 1, "tid": 2},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 0.5, "dur": 0.1,
+         "pid": 1, "tid": 2, "args": {"correlation": 5}},
+        {"ph": "X", "cat": "Kernel", "name": "ncclKernel_AllReduce", "ts": 2.25, "dur": 3,
+         "pid": 0, "tid": 7, "args": {"correlation": 5, "In msg nelems": 10,
+                                      "dtype": "Float"}},
+        {"ph": "X", "cat": "kernel", "name": "k", "ts": 1, "dur": 1.5, "pid": 0, "tid": 7,
+         "args": {"device": "a", "correlation": 1.5}},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pageable -> Device)", "ts": 3,
+         "dur": 1, "pid": 0, "tid": 7, "args": {"bytes": 100, "correlation": 9}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaDeviceSynchronize", "ts": 0.7,
+         "dur": 0.1, "pid": 1, "tid": 2},
+        {"ph": "X", "cat": "cpu_op", "name": 12, "ts": 0.1, "dur": 1, "pid": 1, "tid": 2,
+         "args": []},
+        {"ph": "i", "cat": "x", "name": "mark", "ts": 1},
+    ]
+    usual, unusual = tmp_path / "usual", tmp_path / "unusual"
+    for d, extra in ((usual, []), (unusual, [{"ph": "X", "cat": ["kernel"], "ts": 1}])):
+        d.mkdir()
+        (d / "rank0.json").write_text(json.dumps({"traceEvents": evs + extra}))
+        run_gputrace("import", str(d), "-o", str(d / "t.arrow"), check=True)
+    a, b = (load(str(d / "t.arrow")).table for d in (usual, unusual))
+    cols = [c for c in a.column_names if c != "args"]
+    assert a.select(cols).to_pylist() == b.select(cols).to_pylist()
+    rows = {r["name"]: r for r in a.to_pylist()}
+    assert rows["ncclKernel_AllReduce"]["cat"] == "comm"
+    assert rows["ncclKernel_AllReduce"]["bytes"] == 40          # 10 float32 elements
+    assert rows["ncclKernel_AllReduce"]["start_ns"] == 2250
+    assert rows["k"]["cat"] == "kernel" and rows["k"]["device"] == -1   # no device id
+    assert rows["Memcpy HtoD (Pageable -> Device)"]["src_kind"] == "pageable"
+    assert rows["cudaDeviceSynchronize"]["cat"] == "sync"
+    assert rows["ProfilerStep#3"]["cat"] == "iteration" and rows["ProfilerStep#3"]["step"] == 3
+    assert "12" in rows and "cudaLaunchKernel" not in rows and "mark" not in rows

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -11,7 +12,9 @@ import numpy as np
 
 from gputrace.analyzers import frame as fr
 from gputrace.analyzers.bandwidth import Bandwidth, analyze_bandwidth, bandwidth_series
+from gputrace.analyzers.clocks import ClockAlignment, UnitTimes, estimate
 from gputrace.analyzers.detail import (
+    IterationSeries,
     IterationTimeline,
     RankDetail,
     iteration_series,
@@ -20,9 +23,10 @@ from gputrace.analyzers.detail import (
 )
 from gputrace.analyzers.findings import Finding, find
 from gputrace.analyzers.model import ModelResult, Speedup, build_model, speedup, unit_waits
+from gputrace.analyzers.outliers import Outlier, find_outliers
 from gputrace.analyzers.replay import MIB, Replay, Scenario, replay, why_no_replay
 from gputrace.analyzers.steps import TERMS, RankSteps, analyze_rank, warmup_skip
-from gputrace.trace.reader import RankedTrace
+from gputrace.trace.reader import RankedTrace, RankSource, read_rank
 
 
 class NothingToAnalyze(Exception):
@@ -53,6 +57,7 @@ class RankAnalysis:
     replay: Replay | None = None
     detail: RankDetail | None = None    # per-iteration figures and a timeline, when asked for
     replay_unavailable: str | None = None   # why there is no what-if replay
+    host: str = ""
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,9 @@ class Analysis:
     slowest_rank: int
     world_size: int
     metadata: dict[str, Any] = field(default_factory=dict)
+    clock: ClockAlignment | None = None     # host clock offsets (several hosts)
+    outliers: list[Outlier] = field(default_factory=list)
+    slowest_why: Outlier | None = None      # the slowest rank, told as an outlier is
 
     @property
     def main(self) -> RankAnalysis:
@@ -81,18 +89,23 @@ def _overlap(h: Any, sel: np.ndarray) -> dict[str, float]:
             "hidden_fraction": hid / tot if tot > 0 else 0.0}
 
 
-def _comm_wait(steps: dict[int, RankSteps], sels: dict[int, np.ndarray]
+def _comm_wait(steps: dict[int, RankSteps], sels: dict[int, np.ndarray],
+               offsets: dict[int, int] | None = None
                ) -> tuple[dict[int, tuple[float, float]], dict[int, np.ndarray]]:
     """Where several ranks show the same unit of the same step, the transfer can only start
     when the last rank arrives: wait = that moment - own start; transfer = end - that.
-    Returns per rank (wait, transfer) seconds per iteration, and the last arrival (ns) of
-    each of its unit rows (its own start where no other rank shows the unit)."""
+    `offsets`: what to subtract from each rank's times to put it on one clock (its host's
+    clock offset). Returns per rank (wait, transfer) seconds per iteration, and the last
+    arrival (ns, on the rank's own clock) of each of its unit rows (its own start where no
+    other rank shows the unit)."""
+    offsets = offsets or {}
     parts = []
     for r, rs in steps.items():
         u = rs.units
         rows = u.rows(sels[r])
+        off = offsets.get(r, 0)
         parts.append((np.full(rows.size, r), rs.iterations.step[u.it[rows]], u.index[rows],
-                      u.start[rows], u.end[rows], rows))
+                      u.start[rows] - off, u.end[rows] - off, rows))
     rank, step, index, start, end, row = (np.concatenate(x) for x in zip(*parts, strict=True))
     arrivals = {r: rs.units.start.copy() for r, rs in steps.items()}
     if not rank.size:
@@ -114,7 +127,7 @@ def _comm_wait(steps: dict[int, RankSteps], sels: dict[int, np.ndarray]
         if m.any():
             iters = max(len(sels[r]), 1)
             out[r] = (float(wait[m].sum()) / iters, float(xfer[m].sum()) / iters)
-            arrivals[r][row[m]] = np.minimum(last[m], end[m])
+            arrivals[r][row[m]] = np.minimum(last[m], end[m]) + offsets.get(r, 0)
     return out, arrivals
 
 
@@ -247,10 +260,152 @@ def _frames(trace: Any, consume: bool) -> Iterator[fr.Frame]:
         yield fr.build(trace.table, trace.metadata)
 
 
+@dataclass(frozen=True)
+class Options:
+    """What the per-rank analysis needs besides the rank's rows (plain data: it travels to
+    worker processes)."""
+
+    skip: int | None
+    gpus: tuple[int, ...]
+    link_bytes_per_s: float | None
+    shared_io: bool
+    what_if: tuple[Scenario, ...]
+    detail: bool
+    world: int
+    host_bytes_per_s: float | None = None
+
+
+@dataclass(frozen=True)
+class RankPart:
+    """What one rank's own rows give: its analysis but for what needs the other ranks or
+    its host's samples (the wait for peers in comm and what depends on it: the replay and
+    speedup; bandwidth, findings, clock alignment). `steps` is the rank's per-iteration
+    summary (no spans), for that second part."""
+
+    rank: int
+    host: str
+    iterations: int
+    warmup_skipped: int
+    synthetic: bool
+    breakdown: dict[str, Stat]
+    comm: dict[str, float]
+    io: dict[str, float]
+    comm_exposed_s: float
+    model: ModelResult
+    findings: list[Finding]
+    steps: RankSteps
+    devices: tuple[int, ...]      # the GPUs its records name
+    all_units: UnitTimes          # every iteration's units, for clock alignment
+    analyzed: tuple[int, int, int] | None   # (first start, last end, iterations) analyzed
+    window: tuple[int, int]       # first start, last end of every iteration
+    series: IterationSeries | None = None
+    timeline: IterationTimeline | None = None
+
+    @property
+    def sel(self) -> np.ndarray:
+        return np.arange(self.warmup_skipped, self.iterations)
+
+
+@dataclass(frozen=True)
+class FramePart:
+    """The ranks of one frame, and its samples by host."""
+
+    ranks: list[RankPart]
+    hosts: dict[str, dict[str, fr.Samples]]
+
+
+def analyze_spans(sp: fr.Spans, o: Options) -> RankPart:
+    """Everything one rank's spans give on their own: a pure function of them."""
+    rs = analyze_rank(sp)
+    extra = _extra_findings(sp, rs)
+    n = rs.iterations.start.size
+    skipped = warmup_skip(n, o.skip)
+    sel = np.arange(skipped, n)
+    timeline = iteration_timeline(sp, rs, representative(rs, sel)) if o.detail and n else None
+    u = rs.units
+    its = rs.iterations
+    return RankPart(
+        rank=sp.rank, host=sp.host, iterations=int(n), warmup_skipped=skipped,
+        synthetic=its.synthetic, breakdown={k: _stat(rs.terms[k][sel]) for k in TERMS},
+        comm=_overlap(rs.comm, sel), io=_overlap(rs.io, sel),
+        comm_exposed_s=float(np.mean(rs.comm.exposed_s[sel])) if sel.size else 0.0,
+        model=build_model(rs, sel), findings=extra, steps=rs,
+        devices=tuple(int(d) for d in np.unique(sp.device[sp.on_gpu()])),
+        all_units=UnitTimes(its.step[u.it], u.index, u.start, u.end),
+        analyzed=(int(its.start[sel[0]]), int(its.end[sel[-1]]), int(sel.size))
+        if sel.size else None,
+        window=(int(its.start[0]), int(its.end[-1])) if n else (0, 0),
+        series=iteration_series(rs, skipped) if o.detail else None, timeline=timeline)
+
+
+def analyze_frame(f: fr.Frame, o: Options) -> FramePart:
+    """The ranks of a frame, each freed once it is summarized."""
+    parts = []
+    for r in list(f.ranks):
+        sp = f.ranks.pop(r)
+        parts.append(analyze_spans(sp, o))
+        del sp
+    return FramePart(parts, f.hosts)
+
+
+def analyze_source(source: RankSource, drop_unranked: bool, o: Options) -> FramePart:
+    """One rank read from its files and analyzed: the task a worker process (or a Dask or
+    Ray worker that sees the same files) runs."""
+    _give_back()
+    cols = read_rank(source, fr.COLUMNS)
+    return analyze_frame(fr.build(cols, None, drop_unranked=drop_unranked), o)
+
+
+def replay_rank(p: RankPart, arrivals: np.ndarray | None, world: int, o: Options,
+                shared: str | None, intervals: bool = False
+                ) -> tuple[Replay | None, Speedup, str | None]:
+    """A rank's what-if replay and speedup, given when the last rank arrived at each of its
+    comm units (`arrivals`): a pure function of its part (run in the workers too)."""
+    rs, sel = p.steps, p.sel
+    rp = replay(rs, sel, p.model, world, list(o.gpus), o.link_bytes_per_s, list(o.what_if),
+                intervals=intervals, arrivals=arrivals, host_bytes_per_s=o.host_bytes_per_s)
+    sp_ = speedup(p.model, world, list(o.gpus), o.link_bytes_per_s, o.shared_io,
+                  float(sum(rs.layer_bytes.values())),
+                  contention_s=rp.contention_s if rp is not None else 0.0,
+                  shared=shared, unit_waits=unit_waits(rs, sel, arrivals))
+    why = None if rp is not None else why_no_replay(rs, sel, world, o.link_bytes_per_s)
+    return rp, sp_, why
+
+
+def _link_from_probe(probe: Any) -> float | None:
+    if isinstance(probe, dict):
+        for key in ("allreduce_bus", "ib", "p2p"):
+            v = (probe.get("results") or {}).get(key)
+            if isinstance(v, dict) and isinstance(v.get("bytes_per_s"), (int, float)):
+                return float(v["bytes_per_s"])
+    return None
+
+
+def _md_world(md: Any) -> int:
+    w = md.get("world_size") if isinstance(md, dict) else None
+    return w if isinstance(w, int) else 0
+
+
+# below this many rows, a trace is analyzed in the calling process: starting workers
+# (~0.5 s each on a 2-core machine) would cost more than they save
+PARALLEL_MIN_ROWS = 2_000_000
+
+
+def parallel_worth_it(trace: Any, jobs: int | None) -> bool:
+    """Whether analyzing `trace` in worker processes pays: a RankedTrace of several ranks
+    and, unless `jobs` was asked for, enough rows."""
+    if not isinstance(trace, RankedTrace) or len(trace.groups) < 2:
+        return False
+    if jobs is not None:
+        return jobs > 1
+    return sum(trace.rows.values()) >= PARALLEL_MIN_ROWS
+
+
 def analyze(trace: Any, *, skip: int | None = None, gpus: Sequence[int] = (2, 4, 8, 16),
             link_bytes_per_s: float | None = None, shared_io: bool = False,
             what_if: Sequence[Scenario] = (), consume: bool = False,
-            detail: bool = False, host_bytes_per_s: float | None = None) -> Analysis:
+            detail: bool = False, executor: Executor | None = None,
+            align: bool = True, host_bytes_per_s: float | None = None) -> Analysis:
     """Analyze a loaded trace (gputrace.trace.Trace, or a RankedTrace read one rank at a
     time); `what_if` adds replay scenarios; `host_bytes_per_s`: the host's own gloo
     all-reduce bus bandwidth (default: the probe's, when it ran gloo), the least CPU a byte of
@@ -258,83 +413,90 @@ def analyze(trace: Any, *, skip: int | None = None, gpus: Sequence[int] = (2, 4,
     (trace.table becomes None), so its columns are freed one by one as they are converted:
     the command line's peak memory. `detail` keeps, per rank, what a report draws
     (RankAnalysis.detail): per-iteration figures, the timeline of a median iteration and
-    bandwidth over time."""
-    steps: dict[int, RankSteps] = {}
-    extra: dict[int, list[Finding]] = {}
-    devices: dict[int, tuple[int, ...]] = {}      # the GPUs each rank's records name
-    parts: list[dict[str, fr.Samples]] = []
-    sels: dict[int, np.ndarray] = {}
-    skipped: dict[int, int] = {}
-    timelines: dict[int, IterationTimeline | None] = {}
-    for f in _frames(trace, consume):
-        for r in list(f.ranks):
-            sp = f.ranks.pop(r)     # each rank's spans are freed once it is summarized
-            rs = steps[r] = analyze_rank(sp)
-            extra[r] = _extra_findings(sp, rs)
-            devices[r] = tuple(int(d) for d in np.unique(sp.device[sp.on_gpu()]))
-            n = rs.iterations.start.size
-            skipped[r] = warmup_skip(n, skip)
-            sels[r] = np.arange(skipped[r], n)
-            if detail:
-                timelines[r] = iteration_timeline(sp, rs, representative(rs, sels[r])) \
-                    if n else None
-            del sp
-        parts.append(f.samples)
-    if not steps:
+    bandwidth over time. `executor` (a concurrent.futures Executor: a process pool, Dask's
+    or Ray's) analyzes a RankedTrace's ranks in its workers, each reading its own rank from
+    the files. Host clocks are aligned on the comm units every rank ends at once (`align`
+    False: the offsets are reported, not applied)."""
+    md = trace.metadata if isinstance(trace.metadata, dict) else {}
+    probe = md.get("probe")
+    if link_bytes_per_s is None:
+        link_bytes_per_s = _link_from_probe(probe)
+    world = _md_world(md)
+    opts = Options(skip, tuple(gpus), link_bytes_per_s, shared_io, tuple(what_if), detail, 1,
+                   host_bytes_per_s or _host_bandwidth(md))
+    parts: list[FramePart] = []
+    if isinstance(trace, RankedTrace):
+        ranked = any(r >= 0 for r in trace.groups)
+        opts = replace(opts, world=max(sum(r >= 0 for r in trace.groups), world, 1))
+        if executor is not None:
+            tasks = [(trace.source(r), ranked and r < 0) for r in trace.ranks]
+            parts = list(executor.map(analyze_source, *zip(*tasks, strict=True),
+                                      [opts] * len(tasks)))
+        else:
+            parts = [analyze_frame(f, opts) for f in _frames(trace, consume)]
+    else:
+        for f in _frames(trace, consume):
+            opts = replace(opts, world=max(len(f.ranks), world, opts.world))
+            parts.append(analyze_frame(f, opts))
+    return combine(parts, md, opts, probe, align, executor)
+
+
+def combine(parts: list[FramePart], md: dict[str, Any], opts: Options, probe: Any,
+            align: bool = True, executor: Executor | None = None) -> Analysis:
+    """The analysis of a run from its ranks' parts: the wait for peers in comm (on host
+    clocks aligned), each rank's replay and speedup given it (in `executor`'s workers when
+    given), its bandwidth (its host's samples) and findings, host clock offsets, outliers."""
+    ranks = {p.rank: p for fp in parts for p in fp.ranks}
+    if not ranks:
         raise NothingToAnalyze("the trace has no spans (no iterations or phases) to analyze")
-    samples = fr.merge_samples(parts)
-    probe = trace.metadata.get("probe") if isinstance(trace.metadata, dict) else None
-    if link_bytes_per_s is None and isinstance(probe, dict):
-        for key in ("allreduce_bus", "ib", "p2p"):
-            v = (probe.get("results") or {}).get(key)
-            if isinstance(v, dict) and isinstance(v.get("bytes_per_s"), (int, float)):
-                link_bytes_per_s = float(v["bytes_per_s"])
-                break
-    world = max(len(steps), int(trace.metadata.get("world_size") or 0)
-                if isinstance(trace.metadata.get("world_size"), int) else 0, 1)
-    waits, arrivals = _comm_wait(steps, sels) if len(steps) > 1 else ({}, {})
-    host = _host_bandwidth(trace.metadata)
-    shared = _shared(steps, devices, trace.metadata)
+    hosts = fr.merge_hosts([fp.hosts for fp in parts])
+    world = max(len(ranks), opts.world, 1)
+    clock = estimate({r: (p.host, p.all_units) for r, p in ranks.items()}, align) \
+        if len({p.host for p in ranks.values()}) > 1 else None
+    steps = {r: p.steps for r, p in ranks.items()}
+    sels = {r: p.sel for r, p in ranks.items()}
+    offsets = {r: clock.offset_ns(p.host) for r, p in ranks.items()} if clock else {}
+    waits, arrivals = _comm_wait(steps, sels, offsets) if len(ranks) > 1 else ({}, {})
+    shared = _shared(steps, {r: p.devices for r, p in ranks.items()}, md)
+    order = list(ranks)
+    args = ([ranks[r] for r in order], [arrivals.get(r) for r in order],
+            [world] * len(order), [opts] * len(order), [shared] * len(order))
+    done = list(executor.map(replay_rank, *args) if executor is not None and len(order) > 1
+                else map(replay_rank, *args))
+    replays = dict(zip(order, done, strict=True))
     out: dict[int, RankAnalysis] = {}
-    for r, rs in steps.items():
-        sel = sels[r]
-        model = build_model(rs, sel)
-        rp = replay(rs, sel, model, world, gpus, link_bytes_per_s, what_if, intervals=False,
-                    arrivals=arrivals.get(r), host_bytes_per_s=host_bytes_per_s or host)
-        sp_ = speedup(model, world, gpus, link_bytes_per_s, shared_io,
-                      float(sum(rs.layer_bytes.values())),
-                      contention_s=rp.contention_s if rp is not None else 0.0,
-                      shared=shared, unit_waits=unit_waits(rs, sel, arrivals.get(r)))
-        comm = _overlap(rs.comm, sel)
-        io = _overlap(rs.io, sel)
+    for r, p in ranks.items():
+        rp, sp_, why = replays[r]
+        samples = hosts.get(p.host)
+        if samples is None and len(hosts) == 1:
+            samples = next(iter(hosts.values()))   # samples recorded without a host name
         bw = None
-        if samples and sel.size:
-            lo = int(rs.iterations.start[sel[0]])
-            hi = int(rs.iterations.end[sel[-1]])
-            bw = analyze_bandwidth(samples, lo, hi, int(sel.size),
-                                   io["total_s"] * sel.size, probe)
-        more = {"findings": extra[r] + _replay_findings(rp, world)}
+        if samples and p.analyzed:
+            lo, hi, n = p.analyzed
+            bw = analyze_bandwidth(samples, lo, hi, n, p.io["total_s"] * n, probe)
         rd = None
-        if detail:
-            lo, hi = int(rs.iterations.start[0]), int(rs.iterations.end[-1])
-            rd = RankDetail(iteration_series(rs, skipped[r]), timelines[r],
+        if opts.detail and p.series is not None:
+            lo, hi = p.window
+            rd = RankDetail(p.series, p.timeline,
                             bandwidth_series(samples, lo, hi, probe) if samples else [], lo)
         w = waits.get(r)
+        more = {"findings": p.findings + _replay_findings(rp, world)}
         out[r] = RankAnalysis(
-            rank=r, iterations=int(rs.iterations.start.size), warmup_skipped=skipped[r],
-            synthetic_iterations=rs.iterations.synthetic,
-            breakdown={k: _stat(rs.terms[k][sel]) for k in TERMS},
-            comm=comm, io=io, model=model, speedup=sp_, bandwidth=bw,
-            findings=_agree(find(model, comm, io, bw, more), rp, world),
+            rank=r, iterations=p.iterations, warmup_skipped=p.warmup_skipped,
+            synthetic_iterations=p.synthetic, breakdown=p.breakdown, comm=p.comm, io=p.io,
+            model=p.model, speedup=sp_, bandwidth=bw,
+            findings=_agree(find(p.model, p.comm, p.io, bw, more), rp, world),
             comm_wait_s=w[0] if w else None, comm_transfer_s=w[1] if w else None,
-            replay=rp, detail=rd,
-            replay_unavailable=None if rp is not None else why_no_replay(
-                rs, sel, world, link_bytes_per_s))
+            replay=rp, detail=rd, replay_unavailable=why, host=p.host)
     slowest = max(out, key=lambda r: out[r].breakdown["t_iter"].mean)
     main = out[slowest]
     if main.replay is not None:
         # the shown rank's predictions get their intervals (iterations resampled)
-        out[slowest] = replace(main, replay=replay(
-            steps[slowest], sels[slowest], main.model, world, gpus, link_bytes_per_s, what_if,
-            arrivals=arrivals.get(slowest), host_bytes_per_s=host_bytes_per_s or host))
-    return Analysis(out, slowest, world, dict(trace.metadata))
+        rp, _, _ = replay_rank(ranks[slowest], arrivals.get(slowest), world, opts, shared,
+                               intervals=True)
+        out[slowest] = replace(main, replay=rp)
+    figures = {r: {**{k: p.breakdown[k].mean for k in TERMS}, "comm_exposed": p.comm_exposed_s}
+               for r, p in ranks.items()}
+    outliers, told = find_outliers(figures, {r: p.host for r, p in ranks.items()})
+    return Analysis(out, slowest, world, dict(md), clock=clock, outliers=outliers,
+                    slowest_why=told)

@@ -17,8 +17,8 @@ if TYPE_CHECKING:
 # the trace columns a frame is built from, in the order `build` converts them
 COLUMNS = ("kind", "rank", "cat", "name", "start_ns", "end_ns", "pid", "tid", "device", "step",
            "layer", "bytes", "args", "src_kind", "dst_kind", "phase", "launch_ns", "value",
-           "unit", "stream")
-_SAMPLE_COLUMNS = ("name", "device", "start_ns", "value", "unit")
+           "unit", "stream", "host")
+_SAMPLE_COLUMNS = ("name", "device", "start_ns", "value", "unit", "host")
 
 
 def _codes(col: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, list[str]]:
@@ -75,6 +75,7 @@ class Spans:
     launch: np.ndarray              # GPU records: host time of their launch (-1 unknown)
     _mask_cache: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
     stream: np.ndarray | None = None   # CUDA stream (-1 none); None when not read
+    host: str = ""                     # the host most of its rows were recorded on
 
     def of(self, cat: str) -> np.ndarray:
         """Boolean mask of the spans in a category."""
@@ -145,8 +146,15 @@ class Samples:
 @dataclass
 class Frame:
     ranks: dict[int, Spans]
-    samples: dict[str, Samples]
+    hosts: dict[str, dict[str, Samples]]    # host -> its samples by name
     metadata: dict[str, object]
+
+    @property
+    def samples(self) -> dict[str, Samples]:
+        """The samples by name, of every host (a trace of one host: its own)."""
+        if len(self.hosts) == 1:
+            return next(iter(self.hosts.values()))
+        return merge_samples(list(self.hosts.values()))
 
 
 def build(table: pa.Table | dict[str, pa.ChunkedArray] | RankColumns,
@@ -225,6 +233,7 @@ def build(table: pa.Table | dict[str, pa.ChunkedArray] | RankColumns,
             phase, phases = np.full(order.size, -1, np.int32), []
         launch = col("launch_ns", -1, np.int64) if "launch_ns" in cols else \
             np.full(order.size, -1, np.int64)
+        host, hosts = codes("host") if "host" in cols else (np.full(order.size, -1), [])
         cuts = np.flatnonzero(np.diff(rank)) + 1
         bounds = np.concatenate(([0], cuts, [rank.size]))
         for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
@@ -237,8 +246,9 @@ def build(table: pa.Table | dict[str, pa.ChunkedArray] | RankColumns,
                 device=device[sl], step=step[sl], layer=layer[sl], nbytes=nbytes[sl],
                 args=args.slice(int(lo), int(hi) - int(lo)), src_kind=srck[sl],
                 dst_kind=dstk[sl], mem_kinds=mem_kinds, phase=phase[sl], phases=phases,
-                launch=launch[sl], stream=None if stream is None else stream[sl])
-    samples: dict[str, Samples] = {}
+                launch=launch[sl], stream=None if stream is None else stream[sl],
+                host=_most(host[sl], hosts))
+    samples: dict[str, dict[str, Samples]] = {}
     if keep is not None:
         for c in _SAMPLE_COLUMNS:
             if c not in smp:
@@ -250,18 +260,44 @@ def build(table: pa.Table | dict[str, pa.ChunkedArray] | RankColumns,
         t = _np(smp["start_ns"], 0)
         v = smp["value"].fill_null(np.nan).to_numpy()
         units = smp["unit"].cast(pa.string()).to_pylist()
+        if "host" in smp:
+            host, hosts = _codes(smp["host"])
+        else:
+            host, hosts = np.zeros(t.size, np.int32), [""]
         order = np.argsort(t, kind="stable")
-        for code, nm in enumerate(names):
-            sel = order[name[order] == code]
-            for d in np.unique(dev[sel]):
-                idx = sel[dev[sel] == d]
-                key = nm if d < 0 else f"{nm}@{d}"  # per-GPU counters stay apart
-                samples[key] = Samples(t[idx], v[idx], units[idx[0]] or "")
+        for hc in np.unique(host):
+            mine = order[host[order] == hc]
+            # each host's counters stay apart: a node's cumulative bytes are its own
+            out = samples.setdefault(hosts[hc] if hc >= 0 else "", {})
+            for code, nm in enumerate(names):
+                sel = mine[name[mine] == code]
+                for d in np.unique(dev[sel]):
+                    idx = sel[dev[sel] == d]
+                    key = nm if d < 0 else f"{nm}@{d}"  # per-GPU counters stay apart
+                    out[key] = Samples(t[idx], v[idx], units[idx[0]] or "")
     return Frame(ranks, samples, dict(metadata or {}))
 
 
+def _most(codes: np.ndarray, values: list[str]) -> str:
+    """The most frequent value of some dictionary codes ('' when none is known)."""
+    codes = codes[codes >= 0]
+    if not codes.size:
+        return ""
+    return values[int(np.argmax(np.bincount(codes)))]
+
+
+def merge_hosts(parts: list[dict[str, dict[str, Samples]]]) -> dict[str, dict[str, Samples]]:
+    """The samples of several frames of one trace, by host, as one frame of the whole would
+    hold them."""
+    out: dict[str, list[dict[str, Samples]]] = {}
+    for part in parts:
+        for host, smp in part.items():
+            out.setdefault(host, []).append(smp)
+    return {h: merge_samples(v) for h, v in out.items()}
+
+
 def merge_samples(parts: list[dict[str, Samples]]) -> dict[str, Samples]:
-    """The samples of several frames of one trace, as one frame of the whole would hold."""
+    """Samples of one name from several parts, merged in time."""
     out: dict[str, Samples] = {}
     for part in parts:
         for key, s in part.items():

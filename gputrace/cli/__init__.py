@@ -124,9 +124,10 @@ def one_line(text: str) -> str:
 def load_trace(paths: Sequence[str], by_rank: bool = False):  # type: ignore[no-untyped-def]
     """Load a trace for a command, turning every unreadable input into one line (exit 2).
 
-    Kineto JSON and Nsight Systems SQLite files are imported on the fly. With `by_rank`, one
-    intact trace file written one rank per batch comes back as a RankedTrace, read one rank
-    at a time by its consumer."""
+    Kineto JSON and Nsight Systems SQLite files are imported on the fly. A glob pattern and
+    the name of a multi-node recording stand for their files. With `by_rank`, intact trace
+    files written one rank per batch (one, several, or a directory of them) come back as a
+    RankedTrace, read one rank at a time by its consumer."""
     import os
 
     import pyarrow as pa
@@ -136,16 +137,18 @@ def load_trace(paths: Sequence[str], by_rank: bool = False):  # type: ignore[no-
         # it a while, which on a 1e7-event trace adds ~40% to the peak
         pa.set_memory_pool(pa.system_memory_pool())
     from gputrace.importers import ImportFailed, import_paths, is_foreign
-    from gputrace.trace.reader import load, open_by_rank, unclosed
+    from gputrace.trace.reader import expand_names, load, open_ranked, ranked_files, unclosed
     from gputrace.trace.schema import TraceFormatError
 
     foreign = False
     try:
+        # globs and the per-node files of a multi-node recording, as their files
+        paths = expand_names(paths)
         # a trace that was never written because its recording was killed: its shards
         named = [p for p in paths if unclosed(p) is None]
         foreign = bool(named) and is_foreign(named)
-        ranked = open_by_rank(paths[0]) if by_rank and len(paths) == 1 and not foreign \
-            else None
+        files = ranked_files(paths) if by_rank and not foreign else None
+        ranked = open_ranked(files) if files else None
         if ranked is not None:
             return ranked
         trace = import_paths(list(paths)) if foreign else load(*paths)

@@ -70,6 +70,15 @@ def add_options(p: argparse.ArgumentParser) -> None:
                    "(keys: gpus, bandwidth, bucket_cap_mb, bucket=BYTES|one); repeatable")
     p.add_argument("--shared-io", action="store_true",
                    help="one loader feeds all GPUs of a node (t_io grows with N)")
+    p.add_argument("--jobs", "-j", type=int, metavar="N",
+                   help="analyze ranks in N worker processes (default: one per core, for "
+                   "traces of 2e6 rows or more)")
+    p.add_argument("--dask", metavar="ADDRESS", help="analyze ranks on a Dask distributed "
+                   "cluster, e.g. tcp://scheduler:8786 (its workers read the trace files)")
+    p.add_argument("--ray", metavar="ADDRESS", help="analyze ranks on a Ray cluster "
+                   "(address, or 'auto'); its workers read the trace files")
+    p.add_argument("--no-align", action="store_true", help="take each host's clock as "
+                   "recorded (offsets are still estimated and reported)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -98,11 +107,14 @@ def run(args: argparse.Namespace) -> int:
 def analysis(args: argparse.Namespace, detail: bool = False):  # type: ignore[no-untyped-def]
     """The Analysis of the command's inputs under its options (add_options), every user
     error a CommandError; `detail` keeps what the HTML report draws."""
+    import contextlib
+
     from pyarrow import ArrowInvalid
 
-    from gputrace.analyzers import NothingToAnalyze, analyze
+    from gputrace.analyzers import NothingToAnalyze, analyze, parallel_worth_it
     from gputrace.cli import load_trace
-    from gputrace.trace.reader import RankUnreadable
+    from gputrace.parallel import EngineError, cores, executor
+    from gputrace.trace.reader import RankedTrace, RankUnreadable
 
     try:
         gpus = [int(x) for x in args.gpus.split(",") if x.strip()]
@@ -115,15 +127,33 @@ def analysis(args: argparse.Namespace, detail: bool = False):  # type: ignore[no
         raise CommandError(f"--skip takes a number of iterations, 0 or more, not {args.skip}")
     link = parse_bandwidth(args.link_bandwidth) if args.link_bandwidth else None
     what_if = [parse_what_if(w) for w in args.what_if]
-    trace = load_trace(args.trace, by_rank=True)
+    if args.jobs is not None and args.jobs < 1:
+        raise CommandError(f"--jobs takes a number of processes, 1 or more, not {args.jobs}")
+    if args.dask is not None and args.ray is not None:
+        raise CommandError("--dask and --ray: choose one engine")
+    engine = args.dask is not None or args.ray is not None
     kw = dict(skip=args.skip, gpus=gpus, link_bytes_per_s=link, shared_io=args.shared_io,
-              what_if=what_if, consume=True, detail=detail)
+              what_if=what_if, consume=True, detail=detail, align=not args.no_align)
     try:
-        try:
-            a = analyze(trace, **kw)
-        except RankUnreadable:   # read it whole instead, recovering every complete batch
-            trace = load_trace(args.trace)
-            a = analyze(trace, **kw)
+        with contextlib.ExitStack() as stack:
+            # an engine is reached first: an address that does not answer fails before any
+            # work is done
+            ex = stack.enter_context(executor(1, args.dask, args.ray)) if engine else None
+            trace = load_trace(args.trace, by_rank=True)
+            if engine and not isinstance(trace, RankedTrace):
+                print(f"gputrace: note: {' '.join(args.trace)} is not written one rank per "
+                      "record batch (an import, or a recording not closed): analyzed here, "
+                      "not on the cluster", file=sys.stderr)
+            if not engine and parallel_worth_it(trace, args.jobs):
+                ex = stack.enter_context(executor(args.jobs or cores()))
+            try:
+                a = analyze(trace, executor=ex if isinstance(trace, RankedTrace) else None,
+                            **kw)
+            except RankUnreadable:   # read it whole instead, recovering every complete batch
+                trace = load_trace(args.trace)
+                a = analyze(trace, **kw)
+    except EngineError as e:
+        raise CommandError(str(e)) from None
     except NothingToAnalyze as e:
         raise CommandError(f"{' '.join(args.trace)}: {e}") from None
     except (UnicodeDecodeError, ArrowInvalid) as e:

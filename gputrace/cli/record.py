@@ -26,6 +26,9 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
                    help="keep only program and flag names of argv in the trace")
     p.add_argument("--kill-after", type=float, default=10.0, metavar="S",
                    help="SIGKILL the job S seconds after a forwarded signal (10)")
+    p.add_argument("--per-host", action="store_true",
+                   help="put this host's name in the file name (run.HOST.arrow), as is done "
+                   "when the launcher says the job spans several nodes")
     p.add_argument("-q", "--quiet", action="store_true", help="no summary")
     p.add_argument("--report", metavar="PATH",
                    help="at the end, write the HTML report of the trace there")
@@ -42,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
         command=cmd, output=args.output, hz=args.hz,
         collectors=[c.strip() for c in args.collectors.split(",") if c.strip()],
         force=args.force, redact_argv=args.redact_argv, gpu_timeline=args.gpu_timeline,
-        kill_after_s=args.kill_after, tf_steps=args.tf_steps,
+        kill_after_s=args.kill_after, per_host=True if args.per_host else None,
+        tf_steps=args.tf_steps,
         quiet=args.quiet)
     if args.report:
         from gputrace.cli.report import check_output

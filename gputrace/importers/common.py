@@ -109,6 +109,33 @@ class Rows:
             self._seal()
         return self.count - 1
 
+    def add_columns(self, n: int, **cols: Any) -> int:
+        """Append n rows given as columns by name (a sequence or Arrow array each, or one
+        value for all); the other columns take their defaults. Returns the index of the
+        first."""
+        first = self.count
+        if not n:
+            return first
+        self._seal()
+        try:
+            arrays = []
+            for name, f in zip(COLUMN_NAMES, self._schema, strict=True):
+                v = cols.get(name, DEFAULTS[name])
+                if isinstance(v, pa.Array):
+                    arrays.append(v.cast(f.type))
+                elif isinstance(v, list | tuple | np.ndarray):
+                    arrays.append(self._array(v, f.type))
+                elif v is None:
+                    arrays.append(pa.nulls(n, f.type))
+                else:
+                    base = f.type.value_type if pa.types.is_dictionary(f.type) else f.type
+                    arrays.append(pa.repeat(pa.scalar(v, base), n).cast(f.type))
+        except (pa.ArrowInvalid, OverflowError, TypeError) as e:
+            raise ImportFailed(f"a value does not fit the trace format: {e}") from None
+        self.batches.append(pa.RecordBatch.from_arrays(arrays, schema=self._schema))
+        self.count += n
+        return first
+
     def set_many(self, column: str, rows: np.ndarray, values: Sequence[Any]) -> None:
         """Change `column` of rows already added (applied when the table is built; where a row
         is set twice, the later value stands)."""
@@ -184,26 +211,33 @@ def _attribute(by_key: dict[Any, list[int]], phase_start: np.ndarray, phase_end:
     for i, k in enumerate(launch_key):
         if k in by_key:
             launches[k].append(i)
+    found: list[int] = []
+    at: list[int] = []
     for k, li in launches.items():
         pi = np.array(by_key[k])
         pi = pi[np.lexsort((-phase_end[pi], phase_start[pi]))]  # outer first on ties
         la = np.array(li)
         la = la[np.argsort(launch_t[la], kind="stable")]
+        # plain lists: the loop below runs once per launch
+        pis, starts = pi.tolist(), phase_start[pi].tolist()
+        ends = dict(zip(pis, phase_end[pi].tolist(), strict=True))
         stack: list[int] = []
-        j = 0
-        for i in la:
-            t = launch_t[i]
-            while j < pi.size and phase_start[pi[j]] <= t:
-                stack.append(int(pi[j]))
+        j, n = 0, len(pis)
+        for i, t in zip(la.tolist(), launch_t[la].tolist(), strict=True):
+            while j < n and starts[j] <= t:
+                stack.append(pis[j])
                 j += 1
                 # drop ranges that ended before the newly opened one (already closed)
-            while stack and phase_end[stack[-1]] < t:
+            while stack and ends[stack[-1]] < t:
                 stack.pop()
             # an inner range that closed may hide an outer one still open: look down
             for p in reversed(stack):
-                if phase_end[p] >= t:
-                    out[i] = p
+                if ends[p] >= t:
+                    at.append(i)
+                    found.append(p)
                     break
+    if at:
+        out[np.array(at, np.int64)] = found
     return out
 
 

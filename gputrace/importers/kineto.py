@@ -1,4 +1,9 @@
-"""Kineto (PyTorch profiler) / Chrome trace JSON -> trace v1 rows, streamed with ijson."""
+"""Kineto (PyTorch profiler) / Chrome trace JSON -> trace v1 rows.
+
+The file is read whole and parsed by msgspec into typed structs of only the fields gputrace
+uses: the event list first as raw slices of the text (a few dozen bytes each), then 65536
+events at a time into structs, converted and dropped, so memory follows the JSON text and the
+output rows, not a Python object of every event."""
 
 from __future__ import annotations
 
@@ -7,9 +12,10 @@ import math
 import os
 import re
 from collections.abc import Sequence
-from typing import IO, Any
+from typing import Any
 
-import ijson
+import msgspec
+import numpy as np
 
 from gputrace.importers.common import (
     HostOps,
@@ -29,25 +35,125 @@ _DTYPE_BYTES = {"float": 4, "float32": 4, "int": 4, "int32": 4, "half": 2, "floa
                 "bfloat16": 2, "bf16": 2, "double": 8, "float64": 8, "long": 8, "int64": 8,
                 "int8": 1, "uint8": 1, "char": 1, "bool": 1, "byte": 1}
 _MAX_NS = 2**62
+_BATCH = 1 << 16
+UNSET = msgspec.UNSET
 
 
-def _open(path: str) -> IO[bytes]:
-    with open(path, "rb") as f:
-        gz = f.read(2) == b"\x1f\x8b"
-    return gzip.open(path, "rb") if gz else open(path, "rb")
+class _Args(msgspec.Struct, gc=False):
+    """The `args` keys gputrace reads (UNSET: absent)."""
+
+    correlation: Any = UNSET
+    device: Any = UNSET
+    stream: Any = UNSET
+    nbytes: Any = msgspec.field(default=UNSET, name="bytes")
+    in_nelems: Any = msgspec.field(default=UNSET, name="In msg nelems")
+    out_nelems: Any = msgspec.field(default=UNSET, name="Out msg nelems")
+    dtype: Any = UNSET
+
+
+class _Event(msgspec.Struct, gc=False):
+    ph: Any = None
+    cat: Any = ""
+    name: Any = None
+    ts: Any = None
+    dur: Any = 0
+    pid: Any = None
+    tid: Any = None
+    args: _Args | None = None
+
+
+class _Top(msgspec.Struct):
+    traceEvents: list[msgspec.Raw] | None = None
+    baseTimeNanoseconds: Any = None
+    distributedInfo: Any = None
+
+
+class _Doc:
+    """A file's text and its top level, the events as raw slices of that text."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        try:
+            with open(path, "rb") as f:
+                gz = f.read(2) == b"\x1f\x8b"
+            if gz:
+                with gzip.open(path, "rb") as f:
+                    self.text = f.read()
+            else:
+                with open(path, "rb") as f:
+                    self.text = f.read()
+        except (EOFError, gzip.BadGzipFile, OSError) as e:
+            if isinstance(e, FileNotFoundError | PermissionError):
+                raise
+            raise ImportFailed(f"cannot decompress or read: {e}") from None
+        try:
+            self.top = msgspec.json.decode(self.text, type=_Top)
+        except RecursionError:
+            raise ImportFailed("not valid JSON for a trace: nested too deeply") from None
+        except msgspec.ValidationError:   # not an object, or its traceEvents not a list
+            self.top = _Top()
+            try:   # what it holds besides, when it is an object
+                top = msgspec.json.decode(self.text)
+            except (msgspec.DecodeError, RecursionError):
+                top = None
+            if isinstance(top, dict):
+                self.top.baseTimeNanoseconds = top.get("baseTimeNanoseconds")
+                self.top.distributedInfo = top.get("distributedInfo")
+        except msgspec.DecodeError as e:
+            raise ImportFailed(f"not valid JSON: {str(e).splitlines()[0][:120]}") from None
+
+
+_last: _Doc | None = None    # the file `_top_level` parsed, for the `read` that follows
+
+
+def _document(path: str, keep: bool = False) -> _Doc:
+    global _last
+    doc = _last if _last is not None and _last.path == path else None
+    _last = None
+    if doc is None:
+        doc = _Doc(path)
+    if keep:
+        _last = doc
+    return doc
 
 
 def _top_level(path: str, key: str) -> Any:
-    """One top-level value, without building the events list."""
+    """One top-level value (`distributedInfo`, `baseTimeNanoseconds`); the parsed file is kept
+    for the `read` of the same path that follows."""
+    return getattr(_document(path, keep=True).top, key, None)
+
+
+_GENERIC = msgspec.json.Decoder()
+_TYPED = msgspec.json.Decoder(_Event)
+
+
+def _loose(raw: msgspec.Raw, n: int) -> _Event:
+    """An event whose fields are not of the types `_Event` takes, as the importer reads it:
+    an `args` that is not an object is no args; anything not an object is refused."""
+    ev = _GENERIC.decode(raw)
+    if not isinstance(ev, dict):
+        raise ImportFailed(f"event {n} is {type(ev).__name__}, not an object")
+    args = ev.get("args")
+    a = None
+    if isinstance(args, dict):
+        a = _Args(**{k: args[key] for k, key in (
+            ("correlation", "correlation"), ("device", "device"), ("stream", "stream"),
+            ("nbytes", "bytes"), ("in_nelems", "In msg nelems"),
+            ("out_nelems", "Out msg nelems"), ("dtype", "dtype")) if key in args})
+    return _Event(ev.get("ph"), ev.get("cat", ""), ev.get("name"), ev.get("ts"),
+                  ev.get("dur", 0), ev.get("pid"), ev.get("tid"), a)
+
+
+_BATCH_DECODER = msgspec.json.Decoder(list[_Event])
+
+
+def _events(raws: list[msgspec.Raw], first: int) -> list[_Event]:
     try:
-        with _open(path) as f:
-            for v in ijson.items(f, key, use_float=True):
-                return v
-    except ijson.JSONError as e:
-        raise ImportFailed(f"not valid JSON: {str(e).splitlines()[0][:120]}") from None
-    except (EOFError, gzip.BadGzipFile) as e:
-        raise ImportFailed(f"cannot decompress: {e}") from None
-    return None
+        return _BATCH_DECODER.decode(b"[%b]" % b",".join(raws))
+    except RecursionError:
+        raise ImportFailed(f"an event after event {first} is nested too deeply") from None
+    except msgspec.ValidationError:
+        return [_loose(r, first + i) for i, r in enumerate(raws)]
 
 
 def _int(v: Any) -> int:
@@ -65,11 +171,12 @@ def _ns(v: Any, what: str, n: int) -> int:
     return ns
 
 
-def _comm_bytes(args: dict[str, Any]) -> int | None:
-    for key in ("In msg nelems", "Out msg nelems"):
-        n = args.get(key)
+def _comm_bytes(args: _Args | None) -> int | None:
+    if args is None:
+        return None
+    for n in (args.in_nelems, args.out_nelems):
         if isinstance(n, int) and n >= 0:
-            size = _DTYPE_BYTES.get(str(args.get("dtype", "")).lower())
+            size = _DTYPE_BYTES.get(str("" if args.dtype is UNSET else args.dtype).lower())
             return n * size if size else None
     return None
 
@@ -108,87 +215,19 @@ def read(path: str, rank: int, rows: Rows, *, phases: Sequence[tuple[Any, int, i
     iter_threads: dict[Any, int] = {}
     ops = HostOps()
     counts = {"events": 0, "skipped": 0}
-    try:
-        base = _top_level(path, "baseTimeNanoseconds")
-        base_ns = _int(base) if base is not None else 0
-        if base_ns < 0:
-            raise ImportFailed(f"baseTimeNanoseconds = {base!r} is not a time in ns")
-        with _open(path) as f:
-            for n, ev in enumerate(ijson.items(f, "traceEvents.item", use_float=True)):
-                counts["events"] += 1
-                if not isinstance(ev, dict):
-                    raise ImportFailed(f"event {n} is {type(ev).__name__}, not an object")
-                if ev.get("ph") != "X":
-                    counts["skipped"] += 1
-                    continue
-                cat = str(ev.get("cat", "")).lower()
-                name = ev.get("name")
-                if not isinstance(name, str):
-                    name = str(name)
-                args = ev.get("args")
-                if not isinstance(args, dict):
-                    args = {}
-                start = _ns(ev.get("ts"), "ts", n) + base_ns
-                end = start + max(_ns(ev.get("dur", 0), "dur", n), 0)
-                pid, tid = _int(ev.get("pid")), _int(ev.get("tid"))
-                corr = _int(args.get("correlation"))
-                if cat in ("kernel", "gpu_memcpy", "memcpy", "gpu_memset", "memset"):
-                    dev = _int(args.get("device", pid))
-                    common = dict(rank=rank, pid=-1, tid=-1, device=dev,
-                                  stream=_int(args.get("stream", tid)),
-                                  corr=corr if corr >= 0 else None)
-                    if cat == "kernel":
-                        if is_nccl(name):
-                            i = rows.add("span", "comm", name, start, end, phase="comm",
-                                         bytes=_comm_bytes(args), **common)
-                            fixed.add(i)
-                        else:
-                            i = rows.add("span", "kernel", name, start, end, **common)
-                    elif "memcpy" in cat:
-                        src, dst = memcpy_kinds(name)
-                        nb = _int(args.get("bytes"))
-                        i = rows.add("span", "memcpy", name, start, end, src_kind=src,
-                                     dst_kind=dst, bytes=nb if nb >= 0 else None, **common)
-                        if dst == "device" and src in ("pageable", "pinned"):
-                            h2d.add(i)
-                    else:
-                        nb = _int(args.get("bytes"))
-                        i = rows.add("span", "memset", name, start, end,
-                                     bytes=nb if nb >= 0 else None, **common)
-                    launches.gpu(i, 0, corr)           # no correlation (-1): not matched
-                elif cat in ("cuda_runtime", "cuda_driver", "runtime"):
-                    if threads and tid & _PTHREAD_MASK in threads:
-                        tid = threads[tid & _PTHREAD_MASK]
-                    launches.call(0, corr, pid, tid, start)
-                    if "ynchronize" in name:
-                        rows.add("span", "sync", name, start, end, rank=rank, pid=pid, tid=tid)
-                elif cat in ("cpu_op", "user_annotation", "python_function", "operator",
-                             "gpu_user_annotation") and not gpu_only:
-                    ph, step = phase_of(name)
-                    device = _int(args.get("device", pid)) if cat == "gpu_user_annotation" \
-                        else -1
-                    if device >= 0:
-                        ph = None  # GPU-side copies of CPU ranges: keep as user spans
-                    else:
-                        if cat != "python_function":   # Python frames enclose everything
-                            ops.add(pid, tid, start, end, op_kind(name, ph))
-                        if ph == "iteration":
-                            iters.append((start, end, step))
-                            iter_threads[(pid, tid)] = iter_threads.get((pid, tid), 0) + 1
-                        elif ph is not None:
-                            phases.append(((pid, tid), start, end, ph))
-                    rows.add("span", ph or "user", name, start, end, rank=rank,
-                             pid=pid if device < 0 else -1, tid=tid if device < 0 else -1,
-                             device=device, step=step,
-                             bytes=_comm_bytes(args) if name.startswith("record_param") else None)
-                else:
-                    counts["skipped"] += 1
-    except ijson.JSONError as e:
-        raise ImportFailed(f"not valid JSON: {str(e).splitlines()[0][:120]}") from None
-    except (EOFError, gzip.BadGzipFile, OSError) as e:
-        if isinstance(e, FileNotFoundError | PermissionError):
-            raise
-        raise ImportFailed(f"cannot decompress or read: {e}") from None
+    doc = _document(path)
+    base = doc.top.baseTimeNanoseconds
+    base_ns = _int(base) if base is not None else 0
+    if base_ns < 0:
+        raise ImportFailed(f"baseTimeNanoseconds = {base!r} is not a time in ns")
+    raws = doc.top.traceEvents or []
+    doc.top.traceEvents = None
+    del doc
+    for lo in range(0, len(raws), _BATCH):
+        _convert_batch(_events(raws[lo:lo + _BATCH], lo), lo, rank, rows, base_ns, gpu_only,
+                 threads, launches, fixed, h2d, phases, iters, iter_threads, ops, counts)
+    counts["events"] = len(raws)
+    del raws
     if counts["events"] == 0:
         raise ImportFailed("no 'traceEvents' in it: not a Kineto/Chrome trace")
     if loops is None:
@@ -199,3 +238,371 @@ def read(path: str, rank: int, rows: Rows, *, phases: Sequence[tuple[Any, int, i
     counts["inferred_phases"] = len(inferred)
     attribute_launches(rows, phases + inferred, iters, launches, fixed, loops, h2d)
     return counts
+
+
+_GPU = frozenset(("kernel", "gpu_memcpy", "memcpy", "gpu_memset", "memset"))
+_RUNTIME = frozenset(("cuda_runtime", "cuda_driver", "runtime"))
+_HOST = frozenset(("cpu_op", "user_annotation", "python_function", "operator",
+                   "gpu_user_annotation"))
+_COLS = ("cat", "name", "start_ns", "end_ns", "pid", "tid", "device", "stream", "step",
+         "bytes", "src_kind", "dst_kind", "corr", "phase")
+
+
+def _convert_each(evs: list[_Event], first: int, rank: int, rows: Rows, base_ns: int,
+                  gpu_only: bool, threads: dict[int, int] | None, launches: Launches,
+                  fixed: set[int], h2d: set[int], phases: list[tuple[Any, int, int, str]],
+                  iters: list[tuple[int, int, int]], iter_threads: dict[Any, int],
+                  ops: HostOps, counts: dict[str, Any]) -> None:
+    """One batch of events as rows, event by event (a column list each, in file order),
+    appended at once: what `_convert` does for a batch whose values are not all of the
+    usual types, with the error of the first event that has none."""
+    cols: dict[str, list[Any]] = {c: [] for c in _COLS}
+    (cat_c, name_c, start_c, end_c, pid_c, tid_c, dev_c, stream_c, step_c, bytes_c, src_c,
+     dst_c, corr_c, phase_c) = (cols[c] for c in _COLS)
+    at = rows.count                      # the index the next row will get
+    gpu_work: list[int] = []             # (row, corr) of GPU records, flat
+    calls: list[int] = []                # (corr, pid, tid, t) of API calls, flat
+    host_ops: list[int] = []
+    cats: dict[Any, str] = {}
+    skipped = 0
+    for j, ev in enumerate(evs):
+        if ev.ph != "X":
+            skipped += 1
+            continue
+        try:
+            cat = cats.get(ev.cat)
+            if cat is None:
+                cat = cats[ev.cat] = str(ev.cat).lower()
+        except TypeError:     # not hashable
+            cat = str(ev.cat).lower()
+        if cat not in _GPU and cat not in _RUNTIME and (gpu_only or cat not in _HOST):
+            skipped += 1
+            continue
+        n = first + j
+        name = ev.name
+        if not isinstance(name, str):
+            name = str(name)
+        a = ev.args
+        start = _ns(ev.ts, "ts", n) + base_ns
+        end = start + max(_ns(ev.dur, "dur", n), 0)
+        pid, tid = _int(ev.pid), _int(ev.tid)
+        corr = _int(a.correlation) if a is not None else -1
+        if cat in _GPU:
+            dev = _int(pid if a is None or a.device is UNSET else a.device)
+            stream = _int(tid if a is None or a.stream is UNSET else a.stream)
+            src = dst = phase = None
+            nb = None
+            if cat == "kernel":
+                if is_nccl(name):
+                    kind, phase, nb = "comm", "comm", _comm_bytes(a)
+                    fixed.add(at)
+                else:
+                    kind = "kernel"
+            elif "memcpy" in cat:
+                kind = "memcpy"
+                src, dst = memcpy_kinds(name)
+                b = _int(a.nbytes) if a is not None else -1
+                nb = b if b >= 0 else None
+                if dst == "device" and src in ("pageable", "pinned"):
+                    h2d.add(at)
+            else:
+                kind = "memset"
+                b = _int(a.nbytes) if a is not None else -1
+                nb = b if b >= 0 else None
+            cat_c.append(kind)
+            pid_c.append(-1)
+            tid_c.append(-1)
+            dev_c.append(dev)
+            stream_c.append(stream)
+            step_c.append(-1)
+            corr_c.append(corr if corr >= 0 else None)
+            phase_c.append(phase)
+            bytes_c.append(nb)
+            src_c.append(src)
+            dst_c.append(dst)
+            if corr >= 0:                   # no correlation (-1): not matched
+                gpu_work += (at, corr)
+        elif cat in _RUNTIME:
+            if threads and tid & _PTHREAD_MASK in threads:
+                tid = threads[tid & _PTHREAD_MASK]
+            if corr >= 0:
+                calls += (corr, pid, tid, start)
+            if "ynchronize" not in name:
+                continue
+            cat_c.append("sync")
+            pid_c.append(pid)
+            tid_c.append(tid)
+            dev_c.append(-1)
+            stream_c.append(-1)
+            step_c.append(-1)
+            corr_c.append(None)
+            phase_c.append(None)
+            bytes_c.append(None)
+            src_c.append(None)
+            dst_c.append(None)
+        else:
+            ph, step = phase_of(name)
+            device = _int(pid if a is None or a.device is UNSET else a.device) \
+                if cat == "gpu_user_annotation" else -1
+            if device >= 0:
+                ph = None  # GPU-side copies of CPU ranges: keep as user spans
+            else:
+                if cat != "python_function":   # Python frames enclose everything
+                    host_ops += (pid, tid, start, end, op_kind(name, ph))
+                if ph == "iteration":
+                    iters.append((start, end, step))
+                    iter_threads[(pid, tid)] = iter_threads.get((pid, tid), 0) + 1
+                elif ph is not None:
+                    phases.append(((pid, tid), start, end, ph))
+            cat_c.append(ph or "user")
+            pid_c.append(pid if device < 0 else -1)
+            tid_c.append(tid if device < 0 else -1)
+            dev_c.append(device)
+            stream_c.append(-1)
+            step_c.append(step)
+            corr_c.append(None)
+            phase_c.append(None)
+            bytes_c.append(_comm_bytes(a) if name.startswith("record_param") else None)
+            src_c.append(None)
+            dst_c.append(None)
+        name_c.append(name)
+        start_c.append(start)
+        end_c.append(end)
+        at += 1
+    counts["skipped"] += skipped
+    rows.add_columns(len(cat_c), kind="span", rank=rank, **cols)
+    for i in range(0, len(gpu_work), 2):
+        launches.gpu(gpu_work[i], 0, gpu_work[i + 1])
+    for i in range(0, len(calls), 4):
+        launches.call(0, *calls[i:i + 4])
+    for i in range(0, len(host_ops), 5):
+        ops.add(*host_ops[i:i + 5])
+
+
+class _Unusual(Exception):
+    """A batch with a value of an unusual type or range: converted event by event."""
+
+
+_CODE = {"kernel": 1, "gpu_memcpy": 2, "memcpy": 2, "gpu_memset": 3, "memset": 3,
+         "cuda_runtime": 4, "cuda_driver": 4, "runtime": 4, "cpu_op": 5,
+         "user_annotation": 5, "operator": 5, "python_function": 7, "gpu_user_annotation": 6}
+_NS_LIMIT = (_MAX_NS - 1) // 1000      # |µs| that fits: -2**62 < µs * 1000 < 2**62
+
+
+_NONE_TYPES = {int, type(None), type(UNSET)}
+
+
+def _ints(vals: list[Any]) -> np.ndarray:
+    """`_int` of each value, as int64."""
+    kinds = set(map(type, vals))
+    if kinds <= _NONE_TYPES and kinds != {int}:    # absent: -1
+        vals = [v if type(v) is int else -1 for v in vals]
+        kinds = {int}
+    if kinds <= {int}:
+        try:
+            a = np.array(vals, np.int64)
+        except OverflowError:
+            pass
+        else:
+            a[(a <= -_MAX_NS) | (a >= _MAX_NS)] = -1
+            return a
+    return np.fromiter(map(_int, vals), np.int64, len(vals))
+
+
+def _nss(vals: list[Any]) -> np.ndarray:
+    """`_ns` of each value (int64); `_Unusual` where `_ns` would refuse one."""
+    kinds = set(map(type, vals))
+    if not kinds <= {int, float}:
+        raise _Unusual
+    out = np.empty(len(vals), np.int64)
+    if kinds == {int, float}:
+        f = np.array(vals, np.float64)
+        # below 2**53 / 1000 µs, an int times 1000 is exact in float64: one array does
+        if np.isfinite(f).all() and np.abs(f).max() < 2**53 / 1000:
+            return np.rint(f * 1000).astype(np.int64)
+        is_int = np.fromiter((type(v) is int for v in vals), bool, len(vals))
+        at = np.flatnonzero(is_int), np.flatnonzero(~is_int)
+        parts = [[vals[i] for i in at[0]], [vals[i] for i in at[1]]]
+    else:
+        at = (slice(None), None) if kinds == {int} else (None, slice(None))
+        parts = [vals, None] if kinds == {int} else [None, vals]
+    if at[0] is not None:
+        try:
+            a = np.array(parts[0], np.int64)
+        except OverflowError:
+            raise _Unusual from None
+        if len(a) and (a.min() < -_NS_LIMIT or a.max() > _NS_LIMIT):
+            raise _Unusual
+        out[at[0]] = a * 1000
+    if at[1] is not None:
+        f = np.rint(np.array(parts[1], np.float64) * 1000)
+        if len(f) and not (np.isfinite(f).all() and -_MAX_NS < f.min() and f.max() < _MAX_NS):
+            raise _Unusual
+        out[at[1]] = f.astype(np.int64)
+    return out
+
+
+def _convert_batch(evs: list[_Event], first: int, rank: int, rows: Rows, base_ns: int,
+                   gpu_only: bool, threads: dict[int, int] | None, launches: Launches,
+                   fixed: set[int], h2d: set[int], phases: list[tuple[Any, int, int, str]],
+                   iters: list[tuple[int, int, int]], iter_threads: dict[Any, int],
+                   ops: HostOps, counts: dict[str, Any]) -> None:
+    """One batch of events as rows, in file order: `_convert_each`'s rows, built a column
+    at a time with numpy where the values are of the usual types."""
+    try:
+        _convert(evs, rank, rows, base_ns, gpu_only, threads, launches, fixed, h2d, phases,
+                 iters, iter_threads, ops, counts)
+    except _Unusual:
+        _convert_each(evs, first, rank, rows, base_ns, gpu_only, threads, launches, fixed, h2d,
+                      phases, iters, iter_threads, ops, counts)
+
+
+def _convert(evs: list[_Event], rank: int, rows: Rows, base_ns: int, gpu_only: bool,
+             threads: dict[int, int] | None, launches: Launches, fixed: set[int],
+             h2d: set[int], phases: list[tuple[Any, int, int, str]],
+             iters: list[tuple[int, int, int]], iter_threads: dict[Any, int], ops: HostOps,
+             counts: dict[str, Any]) -> None:
+    xs = [e for e in evs if e.ph == "X"]
+    cats = [e.cat for e in xs]
+    try:
+        of = {c: _CODE.get(str(c).lower(), 0) for c in set(cats)}
+    except TypeError:       # a category that is not hashable
+        raise _Unusual from None
+    code = np.fromiter(map(of.__getitem__, cats), np.int8, len(xs))
+    if gpu_only:
+        code[code >= 5] = 0
+    # the values of every kept event are checked before any is used
+    kept = np.flatnonzero(code)
+    ev = [xs[i] for i in kept]
+    code = code[kept]
+    start = _nss([e.ts for e in ev]) + base_ns
+    end = start + np.maximum(_nss([e.dur for e in ev]), 0)
+    raw_pid = [e.pid for e in ev]
+    raw_tid = [e.tid for e in ev]
+    pid, tid = _ints(raw_pid), _ints(raw_tid)
+    args = [e.args for e in ev]
+    corr = _ints([None if a is None else a.correlation for a in args])
+    names = [e.name if type(e.name) is str else str(e.name) for e in ev]
+    counts["skipped"] += len(evs) - len(ev)
+
+    gpu = np.flatnonzero((code >= 1) & (code <= 3))
+    rt = np.flatnonzero(code == 4)
+    hs = np.flatnonzero(code >= 5)
+    sync = rt[np.fromiter(("ynchronize" in names[i] for i in rt), bool, len(rt))]
+    # runtime calls: launches (every one with a correlation), rows (synchronizations)
+    if threads and len(rt):
+        t = tid[rt]
+        mapped = np.fromiter((threads.get(v & _PTHREAD_MASK, v) for v in t.tolist()),
+                             np.int64, len(t))
+        tid[rt] = mapped
+    c = rt[corr[rt] >= 0]
+    if len(c):
+        launches.calls.frombytes(np.column_stack(
+            (np.zeros(len(c), np.int64), corr[c], pid[c], tid[c], start[c])).tobytes())
+
+    emit = np.zeros(len(ev), bool)
+    emit[gpu] = emit[sync] = emit[hs] = True
+    at = np.full(len(ev), -1, np.int64)
+    at[emit] = rows.count + np.arange(int(emit.sum()))
+    n = len(ev)
+    cat = np.empty(n, object)
+    phase = np.full(n, None, object)
+    src = np.full(n, None, object)
+    dst = np.full(n, None, object)
+    nbytes = np.full(n, None, object)
+    dev = np.full(n, -1, np.int64)
+    stream = np.full(n, -1, np.int64)
+    step = np.full(n, -1, np.int64)
+    row_pid, row_tid = pid.copy(), tid.copy()
+    corr_col = np.full(n, None, object)
+
+    # GPU work
+    if len(gpu):
+        a_dev = _ints([raw_pid[i] if args[i] is None or args[i].device is UNSET
+                       else args[i].device for i in gpu])
+        a_stream = _ints([raw_tid[i] if args[i] is None or args[i].stream is UNSET
+                          else args[i].stream for i in gpu])
+        dev[gpu], stream[gpu] = a_dev, a_stream
+        row_pid[gpu] = row_tid[gpu] = -1
+        g_corr = corr[gpu]
+        ok = g_corr >= 0
+        corr_col[gpu[ok]] = g_corr[ok].tolist()
+        w = gpu[ok]
+        if len(w):
+            launches.work.frombytes(np.column_stack(
+                (at[w], np.zeros(len(w), np.int64), corr[w])).tobytes())
+        nccl: dict[str, bool] = {}
+        kinds: dict[str, tuple[str | None, str | None]] = {}
+        for i, k in zip(gpu.tolist(), code[gpu].tolist(), strict=True):
+            name = names[i]
+            if k == 1:
+                is_comm = nccl.get(name)
+                if is_comm is None:
+                    is_comm = nccl[name] = is_nccl(name)
+                if is_comm:
+                    cat[i], phase[i], nbytes[i] = "comm", "comm", _comm_bytes(args[i])
+                    fixed.add(int(at[i]))
+                else:
+                    cat[i] = "kernel"
+                continue
+            a = args[i]
+            b = _int(a.nbytes) if a is not None else -1
+            nbytes[i] = b if b >= 0 else None
+            if k == 2:
+                cat[i] = "memcpy"
+                sd = kinds.get(name)
+                if sd is None:
+                    sd = kinds[name] = memcpy_kinds(name)
+                src[i], dst[i] = sd
+                if sd[1] == "device" and sd[0] in ("pageable", "pinned"):
+                    h2d.add(int(at[i]))
+            else:
+                cat[i] = "memset"
+    cat[sync] = "sync"
+    dev[sync] = -1
+
+    # host ranges
+    if len(hs):
+        seen: dict[str, tuple[str | None, int, int]] = {}
+        op_rows: list[int] = []
+        op_kinds: list[int] = []
+        on_gpu = hs[code[hs] == 6]
+        if len(on_gpu):
+            dev[on_gpu] = _ints([raw_pid[i] if args[i] is None or args[i].device is UNSET
+                                 else args[i].device for i in on_gpu])
+        for i in hs.tolist():
+            name = names[i]
+            ps = seen.get(name)
+            if ps is None:
+                ph, st = phase_of(name)
+                ps = seen[name] = ph, st, op_kind(name, ph)
+            ph, step[i], kind = ps
+            if dev[i] >= 0:
+                ph = None   # GPU-side copies of CPU ranges: keep as user spans
+                row_pid[i] = row_tid[i] = -1
+            else:
+                if code[i] != 7:    # Python frames enclose everything
+                    op_rows.append(i)
+                    op_kinds.append(kind)
+                if ph == "iteration":
+                    iters.append((int(start[i]), int(end[i]), ps[1]))
+                    key = (int(pid[i]), int(tid[i]))
+                    iter_threads[key] = iter_threads.get(key, 0) + 1
+                elif ph is not None:
+                    phases.append(((int(pid[i]), int(tid[i])), int(start[i]), int(end[i]),
+                                   ph))
+            cat[i] = ph or "user"
+            if name.startswith("record_param"):
+                nbytes[i] = _comm_bytes(args[i])
+        if op_rows:
+            o = np.array(op_rows, np.int64)
+            ops.data.frombytes(np.column_stack(
+                (pid[o], tid[o], start[o], end[o], np.array(op_kinds, np.int64))).tobytes())
+
+    e = np.flatnonzero(emit)
+    rows.add_columns(len(e), kind="span", rank=rank, cat=cat[e].tolist(),
+                     name=[names[i] for i in e.tolist()], start_ns=start[e], end_ns=end[e],
+                     pid=row_pid[e], tid=row_tid[e], device=dev[e], stream=stream[e],
+                     step=step[e], bytes=nbytes[e].tolist(), src_kind=src[e].tolist(),
+                     dst_kind=dst[e].tolist(), corr=corr_col[e].tolist(),
+                     phase=phase[e].tolist())

@@ -5,7 +5,11 @@ from __future__ import annotations
 import json
 import re
 import sqlite3
+from collections.abc import Iterator
 from typing import Any
+
+import numpy as np
+import pyarrow as pa
 
 from gputrace.importers.common import (
     ImportFailed,
@@ -78,6 +82,68 @@ def _int(v: Any, what: str) -> int:
     return v
 
 
+_BATCH = 1 << 16
+
+
+def _batches(db: _Db, sql: str) -> Iterator[list[Any]]:
+    """The rows of a query as columns (a list each), 65536 rows at a time."""
+    try:
+        cur = db.c.execute(sql)
+        while batch := cur.fetchmany(_BATCH):
+            yield [list(c) for c in zip(*batch, strict=True)]
+    except sqlite3.DatabaseError as e:
+        raise ImportFailed(f"unreadable Nsight Systems table ({e})") from None
+
+
+def _ints(vals: list[Any], what: str) -> np.ndarray:
+    """`_int` of each value, as int64: the first that is not an integer is refused."""
+    if set(map(type, vals)) <= {int}:
+        try:
+            return np.array(vals, np.int64)
+        except OverflowError:
+            pass
+    for v in vals:
+        if type(v) is not int or not -2**63 <= v < 2**63:
+            _int(v, what)
+            raise ImportFailed(f"{what} is {v!r}, out of range")
+    return np.array(vals, np.int64)
+
+
+def _smalls(vals: list[Any]) -> np.ndarray:
+    """`_small` of each value, as int64."""
+    if set(map(type, vals)) <= {int}:
+        try:
+            a = np.array(vals, np.int64)
+        except OverflowError:
+            pass
+        else:
+            a[(a < 0) | (a >= 2**15)] = -1
+            return a
+    return np.fromiter(map(_small, vals), np.int64, len(vals))
+
+
+def _ids(vals: list[Any], what: str) -> np.ndarray:
+    """Global process or thread ids (NULL: 0) as int64."""
+    return _ints([0 if v is None else v for v in vals], what)
+
+
+def _ranks(pid: np.ndarray, rank_of: dict[int, int]) -> np.ndarray:
+    rank = np.full(len(pid), -1, np.int64)
+    for p, r in rank_of.items():
+        rank[pid == p] = r
+    return rank
+
+
+def _gpu_work(rows: Rows, launches: Launches, pid: np.ndarray, corr: list[Any]) -> np.ndarray:
+    """The row indices the next len(pid) rows take; their launches noted (by scope pid)."""
+    at = rows.count + np.arange(len(pid), dtype=np.int64)
+    known = np.fromiter((type(c) is int and 0 <= c < 2**63 for c in corr), bool, len(corr))
+    if known.any():
+        c = np.array([c for c, k in zip(corr, known.tolist(), strict=True) if k], np.int64)
+        launches.work.frombytes(np.column_stack((at[known], pid[known], c)).tobytes())
+    return at
+
+
 def read(path: str, rows: Rows) -> dict[str, Any]:
     db = _Db(path)
     if "META_DATA_EXPORT" not in db.tables:
@@ -108,6 +174,7 @@ def read(path: str, rows: Rows) -> dict[str, Any]:
         _need(db, t, {"globalPid", "deviceId"})
         for gp, dev in db.rows(f"SELECT globalPid, MIN(deviceId) FROM {t} GROUP BY globalPid"):
             p = _pid(_int(gp, "globalPid"))
+            dev = _int(dev, f"{t}.deviceId")
             dev_of[p] = min(dev_of.get(p, dev), dev)
     rank_of = {p: r for r, p in enumerate(sorted(dev_of, key=lambda p: (dev_of[p], p)))}
     counts: dict[str, int] = {}
@@ -123,39 +190,67 @@ def read(path: str, rows: Rows) -> dict[str, Any]:
                                  f"WHERE eventType = {_NVTX_DOMAIN}"):
             domains[dom] = str(text)
         n = 0
-        for s, e, et, text, tid_, gtid, dom in db.rows(
-                "SELECT start, end, eventType, text, textId, globalTid, domainId "
+        seen: dict[str, tuple[str | None, int]] = {}
+        for s, e, et, text, tid_, gtid, dom in _batches(
+                db, "SELECT start, end, eventType, text, textId, globalTid, domainId "
                 f"FROM NVTX_EVENTS WHERE eventType IN ({_NVTX_RANGES[0]}, {_NVTX_RANGES[1]}, "
                 f"{_NVTX_MARK}) ORDER BY start"):
-            name = text if text is not None else strings.get(tid_, "")
-            name = str(name)
-            pid, tid = _pid(gtid or 0), _tid(gtid or 0)
-            start = _int(s, "NVTX start") + offset
-            rank = rank_of.get(pid, -1)
-            if et == _NVTX_MARK:
-                rows.add("instant", "user", name, start, rank=rank, pid=pid, tid=tid)
-                continue
-            n += 1
-            end = _int(e, "NVTX end") + offset if e is not None else None
-            ph, step = phase_of(name)
-            args = None
-            if dom and domains.get(dom) and domains[dom] != "gputrace":
-                args = json.dumps({"domain": domains[dom]})
-            rows.add("span", ph or "user", name, start, end, rank=rank, pid=pid, tid=tid,
-                     step=step, args=args)
-            if end is not None and ph == "iteration":
-                iters.append((start, end, step if step >= 0 else len(iters)))
-                iter_threads[(pid, tid)] = iter_threads.get((pid, tid), 0) + 1
-            elif end is not None and ph is not None:
-                phases.append(((pid, tid), start, end, ph))
+            m = len(s)
+            names = [str(t) if t is not None else str(strings.get(i, ""))
+                     for t, i in zip(text, tid_, strict=True)]
+            g = _ids(gtid, "NVTX globalTid")
+            pid, tid = (g >> 24) & 0xFFFFFF, g & 0xFFFFFF
+            start = _ints(s, "NVTX start") + offset
+            mark = np.array([t == _NVTX_MARK for t in et], bool)
+            has_end = np.array([v is not None for v in e], bool) & ~mark
+            end = np.zeros(m, np.int64)
+            if has_end.any():
+                end[has_end] = _ints([v for v, h in zip(e, has_end.tolist(), strict=True)
+                                      if h], "NVTX end") + offset
+            rank = _ranks(pid, rank_of)
+            kind, cat, step, args = [], [], np.full(m, -1, np.int64), []
+            for k in range(m):
+                if mark[k]:
+                    kind.append("instant")
+                    cat.append("user")
+                    args.append(None)
+                    continue
+                n += 1
+                ps = seen.get(names[k])
+                if ps is None:
+                    ps = seen[names[k]] = phase_of(names[k])
+                ph, step[k] = ps
+                kind.append("span")
+                cat.append(ph or "user")
+                dom_ = dom[k]
+                args.append(json.dumps({"domain": domains[dom_]}) if dom_ and
+                            domains.get(dom_) and domains[dom_] != "gputrace" else None)
+                if has_end[k] and ph is not None:
+                    st, en, key = int(start[k]), int(end[k]), (int(pid[k]), int(tid[k]))
+                    if ph == "iteration":
+                        iters.append((st, en, ps[1] if ps[1] >= 0 else len(iters)))
+                        iter_threads[key] = iter_threads.get(key, 0) + 1
+                    else:
+                        phases.append((key, st, en, ph))
+            rows.add_columns(m, kind=kind, cat=cat, name=names, start_ns=start,
+                             end_ns=pa.array(end, mask=~has_end), rank=rank, pid=pid, tid=tid,
+                             step=step, args=args)
         counts["nvtx_ranges"] = n
 
     launches = Launches()
     if _need(db, "CUPTI_ACTIVITY_KIND_RUNTIME", {"start", "globalTid", "correlationId"}):
-        for s, gtid, corr in db.rows(
-                "SELECT start, globalTid, correlationId FROM CUPTI_ACTIVITY_KIND_RUNTIME"):
-            pid = _pid(gtid)
-            launches.call(pid, corr, pid, _tid(gtid), _int(s, "runtime start") + offset)
+        for s, gtid, corr in _batches(
+                db, "SELECT start, globalTid, correlationId FROM CUPTI_ACTIVITY_KIND_RUNTIME"):
+            g = _ids(gtid, "runtime globalTid")
+            pid = (g >> 24) & 0xFFFFFF
+            start = _ints(s, "runtime start") + offset
+            known = np.fromiter((type(c) is int and 0 <= c < 2**63 for c in corr), bool,
+                                len(corr))
+            if known.any():
+                c = np.array([c for c, k in zip(corr, known.tolist(), strict=True) if k],
+                             np.int64)
+                launches.calls.frombytes(np.column_stack(
+                    (pid[known], c, pid[known], (g & 0xFFFFFF)[known], start[known])).tobytes())
 
     fixed: set[int] = set()
     h2d: set[int] = set()
@@ -163,21 +258,30 @@ def read(path: str, rows: Rows) -> dict[str, Any]:
              "demangledName", "shortName"}
     if _need(db, "CUPTI_ACTIVITY_KIND_KERNEL", kcols):
         n = 0
-        for s, e, dev, stream, corr, gp, dname, sname in db.rows(
-                "SELECT start, end, deviceId, streamId, correlationId, globalPid, "
+        named: dict[tuple[Any, Any], tuple[str, bool]] = {}
+        for s, e, dev, stream, corr, gp, dname, sname in _batches(
+                db, "SELECT start, end, deviceId, streamId, correlationId, globalPid, "
                 "demangledName, shortName FROM CUPTI_ACTIVITY_KIND_KERNEL ORDER BY start"):
-            pid = _pid(gp)
-            short = strings.get(sname, "")
-            name = strings.get(dname, short)
-            nccl = is_nccl(short) or is_nccl(name)
-            i = rows.add("span", "comm" if nccl else "kernel", name, _int(s, "kernel start")
-                         + offset, _int(e, "kernel end") + offset, rank=rank_of.get(pid, -1),
-                         pid=pid, device=_small(dev), stream=_small(stream), corr=corr,
-                         phase="comm" if nccl else None)
-            launches.gpu(i, pid, corr)
-            if nccl:
-                fixed.add(i)
-            n += 1
+            m = len(s)
+            names, comm = [], np.zeros(m, bool)
+            for k, key in enumerate(zip(dname, sname, strict=True)):
+                nc = named.get(key)
+                if nc is None:
+                    short = strings.get(key[1], "")
+                    name = strings.get(key[0], short)
+                    nc = named[key] = name, is_nccl(short) or is_nccl(name)
+                names.append(nc[0])
+                comm[k] = nc[1]
+            pid = (_ids(gp, "kernel globalPid") >> 24) & 0xFFFFFF
+            start = _ints(s, "kernel start") + offset
+            end = _ints(e, "kernel end") + offset
+            at = _gpu_work(rows, launches, pid, corr)
+            fixed.update(at[comm].tolist())
+            rows.add_columns(m, kind="span", cat=np.where(comm, "comm", "kernel").tolist(),
+                             name=names, start_ns=start, end_ns=end, rank=_ranks(pid, rank_of),
+                             pid=pid, device=_smalls(dev), stream=_smalls(stream), corr=corr,
+                             phase=np.where(comm, "comm", None).tolist())
+            n += m
         counts["kernels"] = n
     mcols = {"start", "end", "deviceId", "streamId", "correlationId", "globalPid", "bytes",
              "copyKind", "srcKind", "dstKind"}
@@ -185,47 +289,55 @@ def read(path: str, rows: Rows) -> dict[str, Any]:
         n = 0
         peer = {"srcDeviceId", "dstDeviceId"} <= db.columns("CUPTI_ACTIVITY_KIND_MEMCPY")
         extra = ", srcDeviceId, dstDeviceId" if peer else ", NULL, NULL"
-        for s, e, dev, stream, corr, gp, nb, kind, sk, dk, sd, dd in db.rows(
-                "SELECT start, end, deviceId, streamId, correlationId, globalPid, bytes, "
+        for s, e, dev, stream, corr, gp, nb, kind, sk, dk, sd, dd in _batches(
+                db, "SELECT start, end, deviceId, streamId, correlationId, globalPid, bytes, "
                 f"copyKind, srcKind, dstKind{extra} FROM CUPTI_ACTIVITY_KIND_MEMCPY "
                 "ORDER BY start"):
-            pid = _pid(gp)
-            args = None
-            if sd is not None or dd is not None:
-                args = json.dumps({"src_device": int(sd if sd is not None else -1),
-                                   "dst_device": int(dd if dd is not None else -1)})
-            i = rows.add("span", "memcpy", f"Memcpy {_COPY.get(kind, 'unknown')}",
-                         _int(s, "memcpy start") + offset, _int(e, "memcpy end") + offset,
-                         rank=rank_of.get(pid, -1), pid=pid, device=_small(dev), stream=_small(stream),
-                         corr=corr, bytes=nb, src_kind=_MEM_KIND.get(sk),
-                         dst_kind=_MEM_KIND.get(dk), args=args)
-            if _MEM_KIND.get(dk) == "device" and _MEM_KIND.get(sk) in ("pageable", "pinned"):
-                h2d.add(i)
-            launches.gpu(i, pid, corr)
-            n += 1
+            m = len(s)
+            args = [None if a is None and b is None else
+                    json.dumps({"src_device": int(a if a is not None else -1),
+                                "dst_device": int(b if b is not None else -1)})
+                    for a, b in zip(sd, dd, strict=True)]
+            src = [_MEM_KIND.get(k) for k in sk]
+            dst = [_MEM_KIND.get(k) for k in dk]
+            pid = (_ids(gp, "memcpy globalPid") >> 24) & 0xFFFFFF
+            start = _ints(s, "memcpy start") + offset
+            end = _ints(e, "memcpy end") + offset
+            at = _gpu_work(rows, launches, pid, corr)
+            h2d.update(int(at[k]) for k in range(m)
+                       if dst[k] == "device" and src[k] in ("pageable", "pinned"))
+            rows.add_columns(m, kind="span", cat="memcpy",
+                             name=[f"Memcpy {_COPY.get(k, 'unknown')}" for k in kind],
+                             start_ns=start, end_ns=end, rank=_ranks(pid, rank_of), pid=pid,
+                             device=_smalls(dev), stream=_smalls(stream), corr=corr, bytes=nb,
+                             src_kind=src, dst_kind=dst, args=args)
+            n += m
         counts["memcpy"] = n
     if _need(db, "CUPTI_ACTIVITY_KIND_MEMSET", {"start", "end", "deviceId", "streamId",
                                                 "correlationId", "globalPid", "bytes"}):
         n = 0
-        for s, e, dev, stream, corr, gp, nb in db.rows(
-                "SELECT start, end, deviceId, streamId, correlationId, globalPid, bytes "
+        for s, e, dev, stream, corr, gp, nb in _batches(
+                db, "SELECT start, end, deviceId, streamId, correlationId, globalPid, bytes "
                 "FROM CUPTI_ACTIVITY_KIND_MEMSET ORDER BY start"):
-            pid = _pid(gp)
-            i = rows.add("span", "memset", "Memset", _int(s, "memset start") + offset,
-                         _int(e, "memset end") + offset, rank=rank_of.get(pid, -1), pid=pid,
-                         device=_small(dev), stream=_small(stream), corr=corr, bytes=nb)
-            launches.gpu(i, pid, corr)
-            n += 1
+            pid = (_ids(gp, "memset globalPid") >> 24) & 0xFFFFFF
+            start = _ints(s, "memset start") + offset
+            end = _ints(e, "memset end") + offset
+            _gpu_work(rows, launches, pid, corr)
+            rows.add_columns(len(s), kind="span", cat="memset", name="Memset", start_ns=start,
+                             end_ns=end, rank=_ranks(pid, rank_of), pid=pid,
+                             device=_smalls(dev), stream=_smalls(stream), corr=corr, bytes=nb)
+            n += len(s)
         counts["memset"] = n
     if _need(db, "CUPTI_ACTIVITY_KIND_SYNCHRONIZATION", {"start", "end", "deviceId",
                                                          "streamId", "globalPid"}):
-        for s, e, dev, stream, gp in db.rows(
-                "SELECT start, end, deviceId, streamId, globalPid "
+        for s, e, dev, stream, gp in _batches(
+                db, "SELECT start, end, deviceId, streamId, globalPid "
                 "FROM CUPTI_ACTIVITY_KIND_SYNCHRONIZATION"):
-            pid = _pid(gp)
-            rows.add("span", "sync", "synchronize", _int(s, "sync start") + offset,
-                     _int(e, "sync end") + offset, rank=rank_of.get(pid, -1), pid=pid,
-                     device=_small(dev), stream=_small(stream))
+            pid = (_ids(gp, "sync globalPid") >> 24) & 0xFFFFFF
+            rows.add_columns(len(s), kind="span", cat="sync", name="synchronize",
+                             start_ns=_ints(s, "sync start") + offset,
+                             end_ns=_ints(e, "sync end") + offset, rank=_ranks(pid, rank_of),
+                             pid=pid, device=_smalls(dev), stream=_smalls(stream))
     attribute_launches(rows, phases, iters, launches, fixed, loop_threads(phases, iter_threads),
                        h2d)
     counts["gpu_metrics"] = _gpu_metrics(db, rows, offset)

@@ -8,7 +8,6 @@ import importlib.abc
 import importlib.machinery
 import itertools
 import os
-import socket
 import sys
 from collections.abc import Callable, Sequence
 from types import ModuleType
@@ -22,7 +21,8 @@ _mp_registered = False
 
 
 def shard_path(shard_dir: str) -> str:
-    return os.path.join(shard_dir, f"{socket.gethostname()}-{os.getpid()}-{next(_counter)}.arrow")
+    host = _recorder.hostname().replace("/", "_")
+    return os.path.join(shard_dir, f"{host}-{os.getpid()}-{next(_counter)}.arrow")
 
 
 def boot(shard_dir: str) -> _recorder.Recorder:

@@ -56,6 +56,8 @@ class RecordOptions:
     kill_after_s: float = 10.0
     quiet: bool = False
     gpu_timeline: str = "auto"     # auto | cupti | kineto
+    per_host: bool | None = None   # host in the file name (None: when the job spans nodes)
+    node_of: str = ""              # with per_host: the name given (-o), the run's name
     tf_steps: str | None = None    # START:COUNT | all | off (TensorFlow's profiler window)
 
 
@@ -76,6 +78,56 @@ def child_env(shard_dir: str, redact_argv: bool) -> dict[str, str]:
     pp = env.get("PYTHONPATH")
     env["PYTHONPATH"] = BOOTSTRAP_DIR + (os.pathsep + pp if pp else "")
     return env
+
+
+def _int_env(name: str) -> int:
+    try:
+        return int(os.environ.get(name, ""))
+    except ValueError:
+        return 0
+
+
+def _nnodes(command: list[str]) -> str | None:
+    """torchrun's --nnodes in a command (`torchrun`, `python -m torch.distributed.run`)."""
+    if not any(os.path.basename(a) == "torchrun" or a in ("torch.distributed.run",
+                                                          "torch.distributed.launch")
+               for a in command[:4]):
+        return None
+    for i, a in enumerate(command):
+        if a == "--nnodes" and i + 1 < len(command):
+            return command[i + 1]
+        if a.startswith("--nnodes="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def spans_nodes(command: list[str]) -> bool:
+    """Whether this recording is one of several, one per node, of a job across nodes, as its
+    launcher tells: torchrun's --nnodes, Slurm's node count, or an MPI world larger than
+    this node's share of it."""
+    nn = _nnodes(command)
+    if nn is not None and nn.strip() not in ("1", "1:1"):
+        return True
+    if max(_int_env("SLURM_NNODES"), _int_env("SLURM_JOB_NUM_NODES")) > 1:
+        return True
+    for world, local in (("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+                         ("PMI_SIZE", "MPI_LOCALNRANKS")):
+        if _int_env(local) and _int_env(world) > _int_env(local):
+            return True
+    return False
+
+
+def node_output(path: str, host: str) -> str:
+    """`run.arrow` -> `run.HOST.arrow`: the file of one node, beside the others; a launcher
+    that starts one `record` per task (srun, mpirun) also puts the task's rank in it."""
+    stem, ext = os.path.splitext(path)
+    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in host) or "host"
+    task = next((os.environ[v] for v in ("SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+                 if os.environ.get(v, "").isdigit()), None)
+    per_task = task is not None and max(_int_env("SLURM_NTASKS_PER_NODE"),
+                                        _int_env("OMPI_COMM_WORLD_LOCAL_SIZE"),
+                                        _int_env("MPI_LOCALNRANKS")) > 1
+    return f"{stem}.{safe}{f'.{task}' if per_task else ''}{ext or '.arrow'}"
 
 
 def check_output(path: str, force: bool) -> None:
@@ -211,6 +263,20 @@ def _check(opts: RecordOptions) -> None:
     check_output(opts.output, opts.force)
 
 
+def output_of(opts: RecordOptions) -> RecordOptions:
+    """The options with the file this node writes: the name given, or with several nodes
+    (one `record` on each), that name with this host's in it."""
+    per_host = spans_nodes(opts.command) if opts.per_host is None else opts.per_host
+    if not per_host:
+        return opts
+    from dataclasses import replace
+
+    from gputrace.recorder import hostname
+
+    return replace(opts, output=node_output(opts.output, hostname()), per_host=True,
+                   node_of=os.path.basename(opts.output))
+
+
 def _spawn(argv: list[str], env: dict[str, str], fwd: _Forwarder
            ) -> subprocess.Popen[bytes] | int:
     """Start the job in its own process group with `record`'s signals forwarded to it; the
@@ -257,6 +323,8 @@ def _prepare(opts: RecordOptions, shard_dir: str, clock: Clock
     environment."""
     argv = list(opts.command)
     md = base_metadata("record", argv=argv, rank=-1)
+    if opts.per_host:   # one node's file of several: `analyze run.arrow` finds them all
+        md["node_of"] = opts.node_of
     if opts.redact_argv:
         from gputrace.recorder import redact_argv
         md["argv"] = redact_argv(argv)
@@ -308,6 +376,7 @@ def record(opts: RecordOptions) -> RecordResult:
     """Run the job and record it. Whatever cannot be recorded (an output that cannot be
     written, a source that breaks) is said in one line; the job runs all the same and its
     exit code is the result's."""
+    opts = output_of(opts)
     _check(opts)
     output = opts.output
     clock = Clock()
@@ -356,7 +425,7 @@ def record(opts: RecordOptions) -> RecordResult:
     summary = {"rows": res.rows, "rows_by_cat": res.rows_by_cat, "shards": res.shards,
                "ranks": res.metadata.get("ranks", []), "collectors": res.metadata["collectors"],
                "warnings": res.warnings, "sampler": top.get("sampler") or {},
-               "clock_warning": top.get("clock_warning")}
+               "clock_warning": top.get("clock_warning"), "node_of": opts.node_of}
     if not opts.quiet:
         print_summary(output, duration, exit_code, summary)
     return RecordResult(exit_code, output, duration, summary)
@@ -424,4 +493,9 @@ def print_summary(output: str, duration: float, exit_code: int, s: dict[str, Any
         con.print(f"[yellow]warning[/]: {escape(w)}")
     if s.get("clock_warning"):
         con.print(f"[yellow]warning[/]: {s['clock_warning']}")
-    con.print(f"next: [bold]gputrace analyze {escape(output)}[/]")
+    if s.get("node_of"):
+        run = os.path.join(os.path.dirname(output), s["node_of"])
+        con.print(f"this node's part of a multi-node run; next, once every node is done: "
+                  f"[bold]gputrace analyze {escape(run)}[/] (reads every node's file)")
+    else:
+        con.print(f"next: [bold]gputrace analyze {escape(output)}[/]")

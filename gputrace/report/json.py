@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 from gputrace.analyzers import Analysis, RankAnalysis
+from gputrace.analyzers.outliers import Outlier
 from gputrace.analyzers.replay import Replay
 
 FORMAT = "gputrace-analysis"
@@ -65,6 +66,7 @@ def rank_dict(ra: RankAnalysis) -> dict[str, Any]:
         "comm_transfer_s": _num(ra.comm_transfer_s),
         "what_if": _what_if(ra.replay),
         "what_if_unavailable": ra.replay_unavailable,
+        "host": ra.host,
     }
 
 
@@ -107,4 +109,35 @@ def to_dict(a: Analysis, rank: int | None = None) -> dict[str, Any]:
     doc["slowest_rank"] = a.slowest_rank
     doc["world_size"] = a.world_size
     doc["ranks"] = {str(r): rank_dict(ra) for r, ra in sorted(a.ranks.items())}
+    doc["hosts"] = _hosts(a)
+    doc["clock"] = _clock(a)
+    doc["slowest"] = _outlier(a.slowest_why) if a.slowest_why else None
+    doc["outliers"] = [_outlier(o) for o in a.outliers]
     return doc
+
+
+def _hosts(a: Analysis) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for r, ra in sorted(a.ranks.items()):
+        out.setdefault(ra.host, []).append(r)
+    return out
+
+
+def _clock(a: Analysis) -> dict[str, Any] | None:
+    c = a.clock
+    if c is None:
+        return None
+    return {"reference_host": c.reference, "applied": c.applied,
+            "method": "median over shared comm units of the difference of each host's "
+                      "earliest end, within the causal bounds",
+            "hosts": {h: {"ranks": hc.ranks, "offset_s": hc.offset_s,
+                          "uncertainty_s": hc.uncertainty_s, "spread_s": hc.spread_s,
+                          "matched_units": hc.matched,
+                          "bounds_s": list(hc.bounds_s) if hc.bounds_s else None,
+                          "note": hc.note}
+                      for h, hc in sorted(c.hosts.items())}}
+
+
+def _outlier(o: Outlier) -> dict[str, Any]:
+    return {"rank": o.rank, "host": o.host, "t_iter_s": o.t_iter_s, "excess_s": o.excess_s,
+            "term": o.term, "term_excess_s": o.term_excess_s, "why": o.why}

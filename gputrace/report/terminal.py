@@ -254,7 +254,52 @@ def render(a: Analysis, rank: int | None = None, file: IO[str] | None = None,
                       f"{escape(f.message)}")
     if len(a.ranks) > 1:
         con.print()
+        _ranks(con, a)
+
+
+def _ranks(con: Console, a: Analysis) -> None:
+    """Every rank in one line when they are few; with many, the spread, the slowest and
+    the outliers with why; host clock offsets when there are several hosts."""
+    hosts = {x.host for x in a.ranks.values()}
+    many = len(a.ranks) > 16
+    if not many:
         con.print("per rank: " + ", ".join(
             f"{r}: {_ms(x.breakdown['t_iter'].mean)}" + (" (slowest)" if r == a.slowest_rank
                                                         else "")
             for r, x in sorted(a.ranks.items())) + "   (--rank R for one rank)")
+    else:
+        t = sorted(x.breakdown["t_iter"].mean for x in a.ranks.values())
+        con.print(f"{len(a.ranks)} ranks on {len(hosts)} host{'s' if len(hosts) != 1 else ''}"
+                  f": t_iter min {_ms(t[0])}, median {_ms(t[len(t) // 2])}, max {_ms(t[-1])}"
+                  "   (--rank R for one rank, --json for every rank)")
+    s = a.slowest_why
+    if s is not None:
+        where = f" on {escape(s.host)}" if len(hosts) > 1 and s.host else ""
+        if s.excess_s > 0.01 * s.t_iter_s:
+            con.print(f"slowest: rank {s.rank}{where}, {_ms(s.t_iter_s)} "
+                      f"({s.excess_s * 1e3:+.1f} ms over the median rank; {escape(s.why)})")
+        else:
+            con.print(f"slowest: rank {s.rank}{where}, {_ms(s.t_iter_s)}; every rank is within "
+                      "1 % of the median rank")
+    if a.outliers:
+        con.print(f"[yellow]outliers[/] ({len(a.outliers)}, slower than the median rank by "
+                  "5 % and 3.5 robust std): " + "; ".join(
+                      f"rank {o.rank}" + (f" ({escape(o.host)})" if len(hosts) > 1 else "")
+                      + f" {_ms(o.t_iter_s)}: {escape(o.why)}" for o in a.outliers[:8])
+                  + (f"; and {len(a.outliers) - 8} more" if len(a.outliers) > 8 else ""))
+    c = a.clock
+    if c is not None:
+        con.print(f"host clocks, against {escape(c.reference)} (from the ends of comm units, "
+                  "which every rank reaches at once)"
+                  + ("" if c.applied else ", not applied (--no-align)") + ":")
+        for h, hc in sorted(c.hosts.items()):
+            if h == c.reference:
+                continue
+            if hc.offset_s is None:
+                con.print(f"  {escape(h)}: [yellow]{escape(hc.note)}[/]")
+            else:
+                con.print(f"  {escape(h)}: {hc.offset_s * 1e3:+.3f} ms "
+                          f"± {(hc.uncertainty_s or 0) * 1e3:.3f} ms ({hc.matched} units"
+                          + (f", within [{hc.bounds_s[0] * 1e3:+.1f}, "
+                             f"{hc.bounds_s[1] * 1e3:+.1f}] ms" if hc.bounds_s else "")
+                          + (f"; {escape(hc.note)}" if hc.note else "") + ")")

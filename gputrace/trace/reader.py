@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -159,8 +159,7 @@ def _expand(paths: Iterable[str | os.PathLike[str]]
     a trace that was never written), and warnings about the paths."""
     out: list[tuple[str, Unclosed | None]] = []
     notes: list[str] = []
-    for p in paths:
-        p = os.fspath(p)
+    for p in expand_names(paths):
         run = None
         if not os.path.exists(p):
             run = unclosed(p)
@@ -193,9 +192,12 @@ def _expand(paths: Iterable[str | os.PathLike[str]]
 
 
 def _read_all(paths: Sequence[str | os.PathLike[str]], skip_unreadable: bool,
-              only: Sequence[str] | None = None) -> tuple[list[str], list[_Part], list[str]]:
-    """The files (of paths, directories expanded) that could be read, what was read of each,
-    and the warnings. The shards of an unclosed recording are read as a merge reads them
+              only: Sequence[str] | None = None,
+              keep: Callable[[_Part], _Part] | None = None
+              ) -> tuple[list[str], list[_Part], list[str]]:
+    """The files (of paths, directories expanded) that could be read, what was read of each
+    (`keep`: what to keep of it, so that a caller holds one file's rows at a time), and the
+    warnings. The shards of an unclosed recording are read as a merge reads them
     (unreadable ones left out) and said in one warning."""
     files, notes = _expand(paths)
     parts, read, warnings = [], [], list(notes)
@@ -212,13 +214,13 @@ def _read_all(paths: Sequence[str | os.PathLike[str]], skip_unreadable: bool,
                 raise
             warnings.append(f"{os.path.basename(f)}: skipped, nothing readable in it ({e})")
             continue
-        parts.append(part)
         read.append(f)
         if counts is not None:
             counts[0] += 1
             counts[1] += part.warning is not None
         elif part.warning:
             warnings.append(part.warning)
+        parts.append(keep(part) if keep else part)
     for run in {r.path: r for _, r in files if r is not None}.values():
         warnings.insert(0, run.note(*runs[run.path]))
     if not parts:
@@ -266,8 +268,11 @@ def _ranks(table: pa.Table) -> pa.ChunkedArray:
 def index_shards(path: str | os.PathLike[str]) -> tuple[list[Shard], list[str]]:
     """The readable shards in a directory, each with the ranks its rows hold (only their
     rank columns are read), and the warnings `load(path, skip_unreadable=True)` gives."""
-    files, parts, warnings = _read_all([path], True, only=("rank",))
-    return [Shard(f, p.metadata, set(_ranks(p.table).unique().to_pylist()))
+    def ranks_only(p: _Part) -> _Part:   # the rank column of every shard would add up
+        return _Part(pa.table({"rank": _ranks(p.table).unique()}), p.metadata, p.warning)
+
+    files, parts, warnings = _read_all([path], True, only=("rank",), keep=ranks_only)
+    return [Shard(f, p.metadata, set(p.table.column("rank").to_pylist()))
             for f, p in zip(files, parts, strict=True)], warnings
 
 
@@ -275,51 +280,105 @@ class RankUnreadable(TraceFormatError):
     """A RankedTrace's batches of one rank cannot be read; `load` recovers what it can."""
 
 
-class RankedTrace:
-    """One intact trace file whose record batches each hold a single rank (as `record` and
-    `import` write them): its ranks are read one at a time, so a consumer holds one rank's
-    rows at once, not the whole run's."""
+@dataclass(frozen=True)
+class RankSource:
+    """Where one rank's rows are: (file, its record batches) pairs. Plain data, so a worker
+    process, or a worker on another machine that sees the same files, reads the rank itself
+    (`read_rank`)."""
 
-    def __init__(self, path: str, source: pa.NativeFile, schema: pa.Schema,
-                 metadata: dict[str, Any], groups: dict[int, list[int]],
-                 rows: dict[int, int]) -> None:
+    rank: int
+    parts: tuple[tuple[str, tuple[int, ...]], ...]
+    rows: int
+
+
+class RankedTrace:
+    """Intact trace files whose record batches each hold a single rank (as `record` and
+    `import` write them; one file per node of a multi-node run): its ranks are read one at a
+    time, so a consumer holds one rank's rows at once, not the whole run's. A rank may have
+    rows in several files (the samples of each node's recording process are rank -1)."""
+
+    def __init__(self, paths: list[str], metadata: dict[str, Any],
+                 groups: dict[int, list[tuple[int, list[int]]]], rows: dict[int, int],
+                 schemas: list[pa.Schema]) -> None:
         self.metadata = metadata
-        self.sources = [path]
+        self.sources = list(paths)
         self.warnings: list[str] = []
-        self.groups = groups          # rank -> its record batches
+        self.groups = groups          # rank -> [(file index, its record batches)]
         self.rows = rows              # rank -> its rows
-        self._source = source
-        self._fields = {f.name: i for i, f in enumerate(schema)}
-        self._readers: dict[tuple[int, ...], pa.ipc.RecordBatchFileReader] = {}
+        self._fields = [{f.name: i for i, f in enumerate(sch)} for sch in schemas]
+        self._files: dict[int, pa.NativeFile] = {}
+        self._readers: dict[tuple[int, tuple[int, ...]], pa.ipc.RecordBatchFileReader] = {}
 
     @property
     def ranks(self) -> list[int]:
         return sorted(self.groups)
+
+    def source(self, rank: int) -> RankSource:
+        return RankSource(rank, tuple((self.sources[f], tuple(b)) for f, b in self.groups[rank]),
+                          self.rows[rank])
 
     def columns(self, rank: int, only: Sequence[str] | None = None) -> RankColumns:
         """One rank's columns (every v1 column, or those in `only`), each read from the
         file only when it is asked for."""
         return RankColumns(self, rank, COLUMN_NAMES if only is None else only)
 
+    def _reader(self, f: int, at: tuple[int, ...]) -> pa.ipc.RecordBatchFileReader:
+        rd = self._readers.get((f, at))
+        if rd is None:
+            src = self._files.get(f)
+            if src is None:
+                # read, not mapped: a mapped file's pages would stay in the process as each
+                # rank is read, and count in its memory
+                src = self._files[f] = pa.OSFile(self.sources[f])
+            opts = pa.ipc.IpcReadOptions(included_fields=list(at))
+            rd = self._readers[(f, at)] = pa.ipc.open_file(src, options=opts)
+        return rd
+
     def read_columns(self, rank: int, names: Sequence[str]) -> dict[str, pa.ChunkedArray]:
         """Some columns of one rank's batches: only their buffers are read and
-        decompressed; a v1 column the file lacks takes its default."""
-        at = tuple(sorted(self._fields[n] for n in names if n in self._fields))
+        decompressed; a v1 column a file lacks takes its default."""
+        tables = []
         try:
-            if at:
-                rd = self._readers.get(at)
-                if rd is None:
-                    opts = pa.ipc.IpcReadOptions(included_fields=list(at))
-                    rd = self._readers[at] = pa.ipc.open_file(self._source, options=opts)
-                table = pa.Table.from_batches([rd.get_batch(i) for i in self.groups[rank]],
-                                              schema=rd.schema)
-                table.validate(full=True)
-            else:   # only columns the file lacks: the rank's row count is all they need
-                table = pa.table({"_": pa.nulls(self.rows[rank])})
-            table = conform(table, names)
+            for f, batches in self.groups[rank]:
+                fields = self._fields[f]
+                at = tuple(sorted(fields[n] for n in names if n in fields))
+                if at:
+                    rd = self._reader(f, at)
+                    table = pa.Table.from_batches([rd.get_batch(i) for i in batches],
+                                                  schema=rd.schema)
+                    table.validate(full=True)
+                else:   # only columns the file lacks: the row count is all they need
+                    n = sum(self._reader(f, (0,)).get_batch(i).num_rows for i in batches)
+                    table = pa.table({"_": pa.nulls(n)})
+                tables.append(conform(table, names))
+            table = tables[0] if len(tables) == 1 else \
+                pa.concat_tables(tables, promote_options="permissive")
         except (pa.ArrowException, OSError, ValueError) as e:
-            raise RankUnreadable(f"{self.sources[0]}: rank {rank} is damaged ({e})") from None
+            raise RankUnreadable(f"{self.sources[self.groups[rank][0][0]]}: rank {rank} is "
+                                 f"damaged ({e})") from None
         return {n: table.column(n) for n in names}
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+        self._readers.clear()
+
+
+def read_rank(source: RankSource, names: Sequence[str]) -> RankColumns:
+    """The columns of one rank, read from its files as they are asked for (a worker's side
+    of `RankedTrace.source`)."""
+    paths = sorted({p for p, _ in source.parts})
+    schemas = []
+    for p in paths:
+        try:
+            with pa.OSFile(p) as f:
+                schemas.append(pa.ipc.open_file(f).schema)
+        except (pa.ArrowException, OSError, ValueError) as e:
+            raise RankUnreadable(f"{p}: cannot read rank {source.rank} ({e})") from None
+    groups = {source.rank: [(paths.index(p), list(b)) for p, b in source.parts]}
+    trace = RankedTrace(paths, {}, groups, {source.rank: source.rows}, schemas)
+    return trace.columns(source.rank, names)
 
 
 class RankColumns:
@@ -354,40 +413,120 @@ class RankColumns:
         self._read.clear()
 
 
-def open_by_rank(path: str | os.PathLike[str]) -> RankedTrace | None:
-    """The file as a RankedTrace, or None when it cannot be read rank by rank (a directory,
-    a truncated file, or batches that mix ranks: `load` reads those whole)."""
-    path = os.fspath(path)
+def _rank_groups(path: str) -> tuple[dict[str, Any], pa.Schema, dict[int, list[int]],
+                                     dict[int, int]] | None:
+    """A file's metadata, schema, and record batches and rows per rank; None when it cannot
+    be read rank by rank (not a trace, truncated, or batches that mix ranks)."""
     if not os.path.isfile(path):
         return None
     try:
         with open(path, "rb") as f:
             if not f.read(8).startswith(MAGIC):
                 return None
-        # read, not mapped: a mapped file's pages would stay in the process as each rank
-        # is read, and count in its memory
-        buf = pa.OSFile(path)
-        rd = pa.ipc.open_file(buf)
-        md = read_metadata(rd.schema)
-        at = rd.schema.get_field_index("rank")
-        if at < 0:
-            return None
-        only = pa.ipc.open_file(buf, options=pa.ipc.IpcReadOptions(included_fields=[at]))
-        groups: dict[int, list[int]] = {}
-        rows: dict[int, int] = {}
-        for i in range(only.num_record_batches):
-            col = only.get_batch(i).column(0)
-            if col.null_count:
+        with pa.OSFile(path) as buf:
+            rd = pa.ipc.open_file(buf)
+            md = read_metadata(rd.schema)
+            at = rd.schema.get_field_index("rank")
+            if at < 0:
                 return None
-            lo, hi = (v.as_py() for v in pc.min_max(col).values())
-            if lo != hi:
-                return None
-            if lo is not None:
-                groups.setdefault(lo, []).append(i)
-                rows[lo] = rows.get(lo, 0) + len(col)
+            only = pa.ipc.open_file(buf, options=pa.ipc.IpcReadOptions(included_fields=[at]))
+            groups: dict[int, list[int]] = {}
+            rows: dict[int, int] = {}
+            for i in range(only.num_record_batches):
+                col = only.get_batch(i).column(0)
+                if col.null_count:
+                    return None
+                lo, hi = (v.as_py() for v in pc.min_max(col).values())
+                if lo != hi:
+                    return None
+                if lo is not None:
+                    groups.setdefault(lo, []).append(i)
+                    rows[lo] = rows.get(lo, 0) + len(col)
+            return md, rd.schema, groups, rows
     except (TraceFormatError, pa.ArrowException, OSError, ValueError):
         return None
-    return RankedTrace(path, buf, rd.schema, md, groups, rows)
+
+
+def open_ranked(paths: Sequence[str | os.PathLike[str]]) -> RankedTrace | None:
+    """The files as one RankedTrace, or None when one of them cannot be read rank by rank
+    (a directory, a truncated file, or batches that mix ranks: `load` reads those whole)."""
+    paths = [os.fspath(p) for p in paths]
+    found = [_rank_groups(p) for p in paths]
+    if not found or any(f is None for f in found):
+        return None
+    groups: dict[int, list[tuple[int, list[int]]]] = {}
+    rows: dict[int, int] = {}
+    for i, (_, _, g, n) in enumerate(found):   # type: ignore[misc]
+        for r, batches in g.items():
+            groups.setdefault(r, []).append((i, batches))
+            rows[r] = rows.get(r, 0) + n[r]
+    mds = [f[0] for f in found]   # type: ignore[index]
+    md = mds[0] if len(mds) == 1 else merge_metadata(mds)
+    return RankedTrace(paths, md, groups, rows, [f[1] for f in found])  # type: ignore[index]
+
+
+def open_by_rank(path: str | os.PathLike[str]) -> RankedTrace | None:
+    """One file as a RankedTrace (see `open_ranked`)."""
+    return open_ranked([path])
+
+
+def node_files(path: str | os.PathLike[str]) -> list[str]:
+    """The per-node files of a multi-node recording of `path` (`run.HOST.arrow` for
+    `run.arrow`, each naming `run.arrow` as what it is a part of), sorted."""
+    import glob
+
+    path = os.fspath(path)
+    stem, ext = os.path.splitext(path)
+    out = []
+    for f in sorted(glob.glob(f"{glob.escape(stem)}.*{glob.escape(ext)}")):
+        try:
+            with pa.OSFile(f) as src:
+                md = read_metadata(pa.ipc.open_file(src).schema)
+        except (TraceFormatError, pa.ArrowException, OSError, ValueError):
+            continue
+        if md.get("node_of") == os.path.basename(path):
+            out.append(f)
+    return out
+
+
+def ranked_files(paths: Sequence[str]) -> list[str] | None:
+    """The files a rank-by-rank reading of `paths` would read (a directory: its `.arrow`
+    files), or None where a path is not there (an unclosed recording: `load` reads it)."""
+    out: list[str] = []
+    for p in paths:
+        if os.path.isdir(p):
+            try:
+                names = sorted(os.listdir(p))
+            except OSError:
+                return None
+            out.extend(os.path.join(p, n) for n in names
+                       if n.endswith(".arrow") and os.path.isfile(os.path.join(p, n)))
+        elif os.path.isfile(p):
+            out.append(p)
+        else:
+            return None
+    return out or None
+
+
+def expand_names(paths: Iterable[str | os.PathLike[str]]) -> list[str]:
+    """The paths to read, as given, except: a glob pattern (`'run/*.arrow'`, quoted so the
+    shell leaves it) becomes the files it matches, and a trace path that was recorded on
+    several nodes (so does not exist itself) becomes its per-node files (`node_files`).
+    Directories and unclosed recordings are left to the reader."""
+    import glob
+
+    out: list[str] = []
+    for p in map(os.fspath, paths):
+        if os.path.exists(p):
+            out.append(p)
+        elif glob.has_magic(p):
+            found = sorted(glob.glob(p))
+            if not found:
+                raise TraceFormatError(f"{p}: no file matches")
+            out.extend(found)
+        else:
+            out.extend(node_files(p) or [p])
+    return out
 
 
 def collector_weight(info: Any) -> int:
