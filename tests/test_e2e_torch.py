@@ -241,3 +241,28 @@ def test_instrument_in_a_harness_without_record(tmp_path):
     assert [r["step"] for r in spans if r["cat"] == "iteration"] == [0, 1, 2, 3]
     assert sorted({r["layer"] for r in spans if r["cat"] == "backward" and r["layer"] > 0}) == [1, 2]
     assert load(out).metadata["collectors"]["torch"]["status"] == "ok"
+
+
+def test_torch_profiler_trace_of_gloo_ddp_has_its_comm_units(tmp_path):
+    """A 2-rank gloo DDP job profiled by torch.profiler alone (CPU): gloo's own range around
+    each collective becomes a comm unit, as many per iteration as the profile holds."""
+    job = str(ROOT / "tests" / "jobs" / "ddp_profiled.py")
+    import subprocess
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    "--nproc_per_node", "2", job, str(tmp_path)], check=True, timeout=300,
+                   capture_output=True)
+    per_step = {}
+    for r in (0, 1):
+        ev = json.loads((tmp_path / f"rank{r}.json").read_text())["traceEvents"]
+        steps = sum(1 for e in ev if e.get("name", "").startswith("ProfilerStep#"))
+        gloo = sum(1 for e in ev if e.get("name") == "gloo:all_reduce")
+        assert steps and gloo and gloo % steps == 0
+        per_step[r] = gloo // steps
+    d = analysis(tmp_path)
+    assert d["world_size"] == 2 and sorted(d["ranks"]) == ["0", "1"]
+    for r, ra in d["ranks"].items():
+        assert len(ra["units"]) == per_step[int(r)], ra["units"]
+        assert ra["breakdown"]["t_comm"]["mean"] > 0
+        ov = ra["overlap"]["comm"]
+        assert ov["hidden_s"] + ov["exposed_s"] == pytest.approx(ov["total_s"], rel=1e-6)
+    assert "no byte counts" in d["what_if_unavailable"]

@@ -17,6 +17,7 @@ from gputrace.trace.schema import COLUMN_NAMES, COLUMNS, DEFAULTS
 PHASES = ("io", "h2d", "forward", "backward", "update", "comm")
 
 _STEP = re.compile(r"^ProfilerStep#(\d+)$")
+_GLOO = ("gloo:all_reduce", "gloo:allreduce")
 _BACKWARD_OP = re.compile(r"^[A-Za-z0-9_]+Backward\d*\b")
 _DECORATED = re.compile(r"^[#\s]*([A-Za-z_ ]+?)[#\s]*$")
 _ALIASES = {"optimizer": "update", "optimizer_step": "update", "optimizer step": "update",
@@ -48,6 +49,8 @@ def phase_of(name: str) -> tuple[str | None, int]:
         return "backward", -1
     if name.startswith(("DistributedDataParallel.forward", "nn.Module:")):
         return "forward", -1
+    if name.startswith(_GLOO):   # gloo's own range around each collective, on its thread
+        return "comm", -1
     m = _DECORATED.match(name)
     if m and name != m.group(1):
         word = m.group(1).strip().lower()
