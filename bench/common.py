@@ -7,7 +7,9 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -60,3 +62,12 @@ def machine() -> str:
 
     return (f"{platform.processor() or platform.machine()}, {psutil.cpu_count()} CPUs, "
             f"{psutil.virtual_memory().total / 2**30:.0f} GiB, Python {platform.python_version()}")
+
+
+def chosen_modes(p: Any, asked: str, modes: Sequence[str]) -> list[str]:
+    """The modes named in `asked` (comma-separated), "plain" first and always; an unknown
+    one is the parser's error."""
+    unknown = set(asked.split(",")) - set(modes)
+    if unknown:
+        p.error(f"unknown mode(s) {', '.join(sorted(unknown))}; choose from {', '.join(modes)}")
+    return ["plain", *(m for m in modes[1:] if m in asked.split(","))]

@@ -22,7 +22,7 @@ import shlex
 import tempfile
 from pathlib import Path
 
-from common import PY, machine, median, ratio_ci, run, table
+from common import PY, chosen_modes, machine, median, ratio_ci, run, table
 
 import gputrace
 
@@ -83,10 +83,7 @@ def main() -> None:
                    help="keep the runs in this JSON file, and add to the rounds it holds")
     p.add_argument("--tiny", action="store_true", help="one quick round (keeps it working)")
     a = p.parse_args()
-    unknown = set(a.modes.split(",")) - set(MODES)
-    if unknown:
-        p.error(f"unknown mode(s) {', '.join(sorted(unknown))}; choose from {', '.join(MODES)}")
-    modes = ["plain", *(m for m in MODES[1:] if m in a.modes.split(","))]
+    modes = chosen_modes(p, a.modes, MODES)
     if a.tiny:
         a.iterations, a.rounds = 6, 1
     job = {"iterations": a.iterations, "sample_args": a.sample_args, "modes": modes}

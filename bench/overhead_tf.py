@@ -21,7 +21,7 @@ import random
 import tempfile
 from pathlib import Path
 
-from common import PY, machine, median, ratio_ci, run, table
+from common import PY, chosen_modes, machine, median, ratio_ci, run, table
 
 MODES = ("plain", "gputrace", "hooks only", "profile all")
 WINDOW = range(5, 15)        # the default --tf-steps 5:10
@@ -50,10 +50,7 @@ def main() -> None:
                    help=f"modes to run (plain always runs): {', '.join(MODES)}")
     p.add_argument("--tiny", action="store_true", help="one quick round (keeps it working)")
     a = p.parse_args()
-    unknown = set(a.modes.split(",")) - set(MODES)
-    if unknown:
-        p.error(f"unknown mode(s) {', '.join(sorted(unknown))}; choose from {', '.join(MODES)}")
-    modes = ["plain", *(m for m in MODES[1:] if m in a.modes.split(","))]
+    modes = chosen_modes(p, a.modes, MODES)
     if a.tiny:
         a.steps, a.rounds, modes = 8, 1, ["plain", "gputrace"]
     runs: dict[str, list[list[float]]] = {m: [] for m in modes}

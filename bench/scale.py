@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 from common import PY, ROOT, machine, table
@@ -48,22 +49,8 @@ MERGE = "import sys; from gputrace.record.merge import merge_shards; " \
         "merge_shards(sys.argv[1], sys.argv[2], remove=False)"
 
 
-def tree_rss(procs: list[psutil.Process]) -> int:
-    total = 0
-    for root in procs:
-        try:
-            members = [root, *root.children(recursive=True)]
-        except psutil.Error:
-            continue
-        for p in members:
-            try:
-                total += p.memory_info().rss
-            except psutil.Error:
-                pass
-    return total
-
-
-def tree_cpu(procs: list[psutil.Process]) -> float:
+def _tree_sum(procs: list[psutil.Process], of: Any) -> float:
+    """`of(process)` summed over each process and its descendants still alive."""
     total = 0.0
     for root in procs:
         try:
@@ -72,11 +59,18 @@ def tree_cpu(procs: list[psutil.Process]) -> float:
             continue
         for p in members:
             try:
-                c = p.cpu_times()
-                total += c.user + c.system
+                total += of(p)
             except psutil.Error:
                 pass
     return total
+
+
+def tree_rss(procs: list[psutil.Process]) -> int:
+    return int(_tree_sum(procs, lambda p: p.memory_info().rss))
+
+
+def tree_cpu(procs: list[psutil.Process]) -> float:
+    return _tree_sum(procs, lambda p: sum(p.cpu_times()[:2]))
 
 
 def children_cpu() -> float:

@@ -188,3 +188,17 @@ class Sampler:
                 c.close()
             except Exception:
                 pass
+
+
+def instrumentation_failed(collector: str, label: str, where: str, e: BaseException,
+                           failed: list[str], rec: Any) -> None:
+    """The one line an in-process collector's own failure becomes (the first only; `failed`
+    remembers it), and its status in the trace; the training goes on."""
+    if failed:
+        return
+    failed.append(where)
+    why = f"{type(e).__name__}: {e}".splitlines()[0]
+    print(f"gputrace: {label} instrumentation failed in {where} ({why}); training goes on, "
+          f"its {label} spans may be incomplete", file=sys.stderr)
+    if rec is not None:
+        rec.set_collector(collector, f"failed in {where}: {why}")

@@ -38,6 +38,7 @@ import tempfile
 import threading
 from typing import Any
 
+from gputrace.collectors import instrumentation_failed
 from gputrace.recorder import Recorder
 
 _state: _State | None = None
@@ -46,14 +47,8 @@ DEFAULT_WINDOW = (5, 10)
 
 
 def _fail(where: str, e: BaseException) -> None:
-    if _failed:
-        return
-    _failed.append(where)
-    why = f"{type(e).__name__}: {e}".splitlines()[0]
-    print(f"gputrace: TensorFlow instrumentation failed in {where} ({why}); training goes "
-          "on, its TensorFlow spans may be incomplete", file=sys.stderr)
-    if _state is not None:
-        _state.rec.set_collector("tensorflow", f"failed in {where}: {why}")
+    instrumentation_failed("tensorflow", "TensorFlow", where, e, _failed,
+                           _state.rec if _state is not None else None)
 
 
 def _safe(fn: Any) -> Any:

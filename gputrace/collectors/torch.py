@@ -26,12 +26,12 @@ Installed by the `record` bootstrap right after the job imports torch (or by
 from __future__ import annotations
 
 import functools
-import sys
 import threading
 from typing import Any
 
 import torch
 
+from gputrace.collectors import instrumentation_failed
 from gputrace.recorder import Recorder
 
 _installed: _State | None = None
@@ -81,14 +81,8 @@ def _guarded(hook: Any) -> Any:
 
 
 def _hook_failed(where: str, e: Exception) -> None:
-    if _failed:
-        return
-    _failed.append(where)
-    why = f"{type(e).__name__}: {e}".splitlines()[0]
-    print(f"gputrace: torch instrumentation failed in {where} ({why}); training goes on, "
-          "its torch spans may be incomplete", file=sys.stderr)
-    if _installed is not None:
-        _installed.rec.set_collector("torch", f"failed in {where}: {why}")
+    instrumentation_failed("torch", "torch", where, e, _failed,
+                           _installed.rec if _installed is not None else None)
 
 
 class _State:
