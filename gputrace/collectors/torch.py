@@ -31,58 +31,13 @@ from typing import Any
 
 import torch
 
-from gputrace.collectors import instrumentation_failed
+from gputrace.collectors import torch_guard
+from gputrace.collectors.torch_ddp import maybe_hook_ddp, patch_ddp
+from gputrace.collectors.torch_guard import _guarded
+from gputrace.collectors.torch_iterations import _Iterations
 from gputrace.recorder import Recorder
 
 _installed: _State | None = None
-_failed: list[str] = []
-
-
-def _guarded(hook: Any) -> Any:
-    """A hook whose own failure is one line on stderr, not the training's exception. One
-    wrapper per arity: no argument tuple is built on the hot path."""
-    name = hook.__name__
-    n = hook.__code__.co_argcount
-
-    def fail(e: Exception) -> None:
-        _hook_failed(name, e)
-
-    if n == 1:
-        def guarded(a: Any) -> Any:
-            try:
-                return hook(a)
-            except Exception as e:  # noqa: BLE001 - a profiler never takes down the job
-                fail(e)
-    elif n == 2:
-        def guarded(a: Any, b: Any) -> Any:  # type: ignore[misc]
-            try:
-                return hook(a, b)
-            except Exception as e:  # noqa: BLE001
-                fail(e)
-    elif n == 3:
-        def guarded(a: Any, b: Any, c: Any) -> Any:  # type: ignore[misc]
-            try:
-                return hook(a, b, c)
-            except Exception as e:  # noqa: BLE001
-                fail(e)
-    elif n == 4:
-        def guarded(a: Any, b: Any, c: Any, d: Any) -> Any:  # type: ignore[misc]
-            try:
-                return hook(a, b, c, d)
-            except Exception as e:  # noqa: BLE001
-                fail(e)
-    else:
-        def guarded(*args: Any) -> Any:  # type: ignore[misc]
-            try:
-                return hook(*args)
-            except Exception as e:  # noqa: BLE001
-                fail(e)
-    return functools.wraps(hook)(guarded)
-
-
-def _hook_failed(where: str, e: Exception) -> None:
-    instrumentation_failed("torch", "torch", where, e, _failed,
-                           _installed.rec if _installed is not None else None)
 
 
 class _State:
@@ -146,7 +101,7 @@ class _State:
             self.its.forward(t, torch.is_grad_enabled())
             self.root_t0 = t
             self.root_name = type(module).__name__
-            self._maybe_hook_ddp(module)
+            maybe_hook_ddp(self, module)
         self.depth += 1
         if self.layer_for(module):
             self.fwd_t0.setdefault(id(module), []).append(t)
@@ -226,179 +181,6 @@ class _State:
         self.loss_from = 0
         self.its.stepped(t)
 
-    # -- DDP communication ---------------------------------------------------------------
-    def _maybe_hook_ddp(self, module: torch.nn.Module) -> None:
-        ddp = _ddp_class()
-        if ddp is None or not isinstance(module, ddp) or id(module) in self.ddp_hooked:
-            return
-        self.ddp_hooked.add(id(module))
-        if getattr(module, "_gputrace_hook", None) is not None:
-            return  # the user's own hook is already wrapped
-        if getattr(module, "_gputrace_builtin", False):
-            self.notes.append("DDP uses a builtin comm hook: buckets not timed")
-            return
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-        _orig_register_comm_hook(module, module.process_group, self.timed_hook(allreduce_hook))
-        module._gputrace_hook = allreduce_hook
-
-    def timed_hook(self, hook: Any) -> Any:
-        rec = self.rec
-        now = self.now
-        param_layer = self.param_layer
-
-        @functools.wraps(hook)
-        def timed(state: Any, bucket: Any) -> Any:
-            t0 = now()
-            try:
-                buf = bucket.buffer()
-                nbytes = buf.numel() * buf.element_size()
-                layers = sorted({param_layer.get(id(p), -1) for p in bucket.parameters()}
-                                - {-1})
-                index = bucket.index()
-            except Exception as e:  # noqa: BLE001 - the bucket goes untimed, not unsent
-                _hook_failed("the DDP comm hook", e)
-                return hook(state, bucket)
-            step = rec.step
-            fut = hook(state, bucket)
-
-            def done(f: Any) -> Any:
-                rec.span("comm", "allreduce", t0, now(), layer=index, nbytes=nbytes,
-                         args={"layers": layers}, step=step)
-                return f.value()
-
-            return fut.then(done)
-
-        return timed
-
-
-class _Iterations:
-    """Where the loop's iterations begin and end, from what the hooks see: batch requests,
-    outermost forwards (with or without grad), backward passes and optimizer steps.
-
-    A micro-batch is what runs between two boundaries (batch requests; without a loader,
-    outermost forwards). An iteration ends with the micro-batch whose optimizer step ran
-    (at the next batch request with a loader, so the logging after the step belongs to it;
-    at the step's end without one). Until the first optimizer step it is not known whether
-    one will come: the boundaries seen so far wait, and become one iteration (accumulation)
-    at the first step, or one iteration each (a loop with no optimizer) when the run ends."""
-
-    def __init__(self, rec: Recorder) -> None:
-        self.rec = rec
-        self.loader = False          # the loop asks a DataLoader for batches
-        self.seen_step = False       # an optimizer step ran in this process
-        self.pending: list[int] = []  # boundaries before the first step
-        self.last_bwd = 0
-        self._reset()
-        rec.close_hooks.append(self.finish)
-
-    def _reset(self) -> None:
-        self.fwd = self.grad_fwd = self.bwd = self.step = False   # in this micro-batch
-        self.step_end = 0
-
-    def _boundary(self, t: int) -> None:
-        """A micro-batch ends at t; what it ran decides whether an iteration ends too."""
-        rec = self.rec
-        if rec._iter_start is None:
-            rec.open_iteration(t)
-        elif self.step:          # (with a loader: without one the step closed it)
-            rec.close_iteration(t, reopen=True)
-        elif self.fwd and not self.bwd and not self.grad_fwd:
-            # forward only, without grad: an evaluation batch, not a training iteration
-            self._flush_pending()
-            rec.close_iteration(t, name="inference", reopen=True)
-        elif self.bwd and not self.seen_step:
-            self.pending.append(t)
-        else:
-            return      # accumulating gradients, or nothing ran: the micro-batch goes on
-        self._reset()
-
-    def _flush_pending(self) -> None:
-        """No optimizer step came: every waiting boundary ends an iteration of its own."""
-        rec = self.rec
-        for b in self.pending:
-            if rec._iter_start is not None and b > rec._iter_start:
-                rec.close_iteration(b, reopen=True)
-        self.pending = []
-
-    def batch(self, t: int) -> None:
-        self.loader = True
-        self._boundary(t)
-
-    def exhausted(self) -> None:
-        """The loader ran out: an iteration opened by that request, with nothing in it,
-        is none (the next epoch's first request opens the next)."""
-        if self.rec._iter_start is not None and not self.rec._iter_live:
-            self.rec.drop_iteration()
-
-    def forward(self, t: int, grad: bool) -> None:
-        if self.rec._iter_start is None:
-            self.rec.open_iteration(t)
-        elif not self.loader and self.bwd and not self.seen_step:
-            # without a loader (and no optimizer yet) a forward after a backward begins a
-            # micro-batch: a boundary that the first step, or the run's end, settles
-            self._boundary(t)
-        self.fwd = True
-        self.grad_fwd = self.grad_fwd or grad
-
-    def backward(self) -> None:
-        self.bwd = True
-
-    def stepped(self, t: int) -> None:
-        if not self.seen_step:
-            self.seen_step = True
-            self.pending = []    # the passes before the first step accumulated into it
-        self.step = True
-        self.step_end = t
-        if self.rec._iter_start is None:
-            self.rec.open_iteration(t)
-        if not self.loader:
-            self.rec.close_iteration(t, reopen=True)
-            self._reset()
-
-    def finish(self, t: int) -> None:
-        rec = self.rec
-        if rec._iter_start is None:
-            return
-        if self.step and self.loader:
-            rec.close_iteration(self.step_end)
-        elif self.pending or (self.bwd and not self.seen_step):
-            self._flush_pending()
-            rec.close_iteration(self.last_bwd or t)
-        rec.drop_iteration()   # what follows the last step is no iteration
-
-
-def _ddp_class() -> Any:
-    try:
-        from torch.nn.parallel import DistributedDataParallel
-    except Exception:
-        return None
-    return DistributedDataParallel
-
-
-_orig_register_comm_hook: Any = None
-
-
-def _patch_ddp(state: _State) -> None:
-    global _orig_register_comm_hook
-    ddp = _ddp_class()
-    if ddp is None or _orig_register_comm_hook is not None:
-        return
-    _orig_register_comm_hook = ddp.register_comm_hook
-    orig_builtin = ddp._register_builtin_comm_hook
-
-    def register_comm_hook(self: Any, state_: object, hook: Any) -> None:
-        s = _installed
-        _orig_register_comm_hook(self, state_, s.timed_hook(hook) if s else hook)
-        self._gputrace_hook = hook
-
-    def _register_builtin_comm_hook(self: Any, comm_hook_type: Any) -> None:
-        self._gputrace_builtin = True
-        orig_builtin(self, comm_hook_type)
-
-    ddp.register_comm_hook = register_comm_hook
-    ddp._register_builtin_comm_hook = _register_builtin_comm_hook
-
 
 def _patch_dataloader(state: _State) -> None:
     import torch.utils.data._utils.fetch as fetch
@@ -471,9 +253,11 @@ def auto_instrument(rec: Recorder) -> str:
             _installed.rec = rec
             _installed.now = rec.clock.now_ns
             _installed.its = _Iterations(rec)
+            torch_guard.set_recorder(rec)
         return "ok"
     state = _State(rec)
     _installed = state
+    torch_guard.set_recorder(rec)
     from torch.nn.modules import module as nn_module
     from torch.optim import optimizer as optim_module
 
@@ -483,7 +267,7 @@ def auto_instrument(rec: Recorder) -> str:
     optim_module.register_optimizer_step_post_hook(state.step_post)
     _patch_backward(state)
     _patch_dataloader(state)
-    _patch_ddp(state)
+    patch_ddp(lambda: _installed)
     rec.metadata.setdefault("software", {})["torch"] = torch.__version__
     rec.metadata["torch"] = {"cuda": bool(torch.cuda.is_available())}
     return "ok"

@@ -1,0 +1,93 @@
+"""DistributedDataParallel's gradient buckets: a comm span per bucket, timed by wrapping its
+comm hook (the default all-reduce, or the job's own)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from gputrace.collectors.torch_guard import _hook_failed
+
+
+def maybe_hook_ddp(self: Any, module: torch.nn.Module) -> None:
+    """At a DDP module's first forward: time its buckets with the default all-reduce
+    hook unless the job registered its own (wrapped when it was registered)."""
+    ddp = _ddp_class()
+    if ddp is None or not isinstance(module, ddp) or id(module) in self.ddp_hooked:
+        return
+    self.ddp_hooked.add(id(module))
+    if getattr(module, "_gputrace_hook", None) is not None:
+        return  # the user's own hook is already wrapped
+    if getattr(module, "_gputrace_builtin", False):
+        self.notes.append("DDP uses a builtin comm hook: buckets not timed")
+        return
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    _orig_register_comm_hook(module, module.process_group, timed_hook(self, allreduce_hook))
+    module._gputrace_hook = allreduce_hook
+
+
+def timed_hook(self: Any, hook: Any) -> Any:
+    """The comm hook `hook`, timed: a comm span per bucket when its future completes."""
+    rec = self.rec
+    now = self.now
+    param_layer = self.param_layer
+
+    @functools.wraps(hook)
+    def timed(state: Any, bucket: Any) -> Any:
+        t0 = now()
+        try:
+            buf = bucket.buffer()
+            nbytes = buf.numel() * buf.element_size()
+            layers = sorted({param_layer.get(id(p), -1) for p in bucket.parameters()}
+                            - {-1})
+            index = bucket.index()
+        except Exception as e:  # noqa: BLE001 - the bucket goes untimed, not unsent
+            _hook_failed("the DDP comm hook", e)
+            return hook(state, bucket)
+        step = rec.step
+        fut = hook(state, bucket)
+
+        def done(f: Any) -> Any:
+            rec.span("comm", "allreduce", t0, now(), layer=index, nbytes=nbytes,
+                     args={"layers": layers}, step=step)
+            return f.value()
+
+        return fut.then(done)
+
+    return timed
+
+
+def _ddp_class() -> Any:
+    try:
+        from torch.nn.parallel import DistributedDataParallel
+    except Exception:
+        return None
+    return DistributedDataParallel
+
+
+_orig_register_comm_hook: Any = None
+
+
+def patch_ddp(current_state: Callable[[], Any]) -> None:
+    global _orig_register_comm_hook
+    ddp = _ddp_class()
+    if ddp is None or _orig_register_comm_hook is not None:
+        return
+    _orig_register_comm_hook = ddp.register_comm_hook
+    orig_builtin = ddp._register_builtin_comm_hook
+
+    def register_comm_hook(self: Any, state_: object, hook: Any) -> None:
+        s = current_state()
+        _orig_register_comm_hook(self, state_, timed_hook(s, hook) if s else hook)
+        self._gputrace_hook = hook
+
+    def _register_builtin_comm_hook(self: Any, comm_hook_type: Any) -> None:
+        self._gputrace_builtin = True
+        orig_builtin(self, comm_hook_type)
+
+    ddp.register_comm_hook = register_comm_hook
+    ddp._register_builtin_comm_hook = _register_builtin_comm_hook
