@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from gputrace import progress
 from gputrace.analyzers import frame as fr
 from gputrace.analyzers.bandwidth import Bandwidth, analyze_bandwidth, bandwidth_series
 from gputrace.analyzers.clocks import ClockAlignment, UnitTimes, estimate
@@ -430,10 +431,12 @@ def analyze(trace: Any, *, skip: int | None = None, gpus: Sequence[int] = (2, 4,
         opts = replace(opts, world=max(sum(r >= 0 for r in trace.groups), world, 1))
         if executor is not None:
             tasks = [(trace.source(r), ranked and r < 0) for r in trace.ranks]
-            parts = list(executor.map(analyze_source, *zip(*tasks, strict=True),
-                                      [opts] * len(tasks)))
+            parts = list(progress.each(executor.map(analyze_source, *zip(*tasks, strict=True),
+                                                    [opts] * len(tasks)),
+                                       "analyzing ranks", len(tasks)))
         else:
-            parts = [analyze_frame(f, opts) for f in _frames(trace, consume)]
+            parts = [analyze_frame(f, opts) for f in progress.each(
+                _frames(trace, consume), "analyzing ranks", len(trace.ranks))]
     else:
         for f in _frames(trace, consume):
             opts = replace(opts, world=max(len(f.ranks), world, opts.world))
@@ -461,8 +464,9 @@ def combine(parts: list[FramePart], md: dict[str, Any], opts: Options, probe: An
     order = list(ranks)
     args = ([ranks[r] for r in order], [arrivals.get(r) for r in order],
             [world] * len(order), [opts] * len(order), [shared] * len(order))
-    done = list(executor.map(replay_rank, *args) if executor is not None and len(order) > 1
-                else map(replay_rank, *args))
+    done = list(progress.each(executor.map(replay_rank, *args)
+                              if executor is not None and len(order) > 1
+                              else map(replay_rank, *args), "replaying ranks", len(order)))
     replays = dict(zip(order, done, strict=True))
     out: dict[int, RankAnalysis] = {}
     for r, p in ranks.items():

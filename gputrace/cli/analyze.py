@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from concurrent.futures import Executor
 
 from gputrace.cli import CommandError, parse_bytes
 
@@ -86,7 +87,10 @@ def run(args: argparse.Namespace) -> int:
         from gputrace.cli.report import check_output
 
         check_output(args.report)
-    a = analysis(args, detail=bool(args.report))
+    from gputrace import progress
+
+    with progress.shown(not args.json):
+        a = analysis(args, detail=bool(args.report))
     if args.json:
         from gputrace.report.json import to_dict
 
@@ -104,9 +108,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def analysis(args: argparse.Namespace, detail: bool = False):  # type: ignore[no-untyped-def]
+def analysis(args: argparse.Namespace, detail: bool = False,  # type: ignore[no-untyped-def]
+             use: Executor | None = None):
     """The Analysis of the command's inputs under its options (add_options), every user
-    error a CommandError; `detail` keeps what the HTML report draws."""
+    error a CommandError; `detail` keeps what the HTML report draws; `use`: an executor to
+    analyze the ranks in (as --dask or --ray give one)."""
     import contextlib
 
     from pyarrow import ArrowInvalid
@@ -126,19 +132,20 @@ def analysis(args: argparse.Namespace, detail: bool = False):  # type: ignore[no
     if args.skip is not None and args.skip < 0:
         raise CommandError(f"--skip takes a number of iterations, 0 or more, not {args.skip}")
     link = parse_bandwidth(args.link_bandwidth) if args.link_bandwidth else None
-    what_if = [parse_what_if(w) for w in args.what_if]
+    what_if = [parse_what_if(w) if isinstance(w, str) else w for w in args.what_if]
     if args.jobs is not None and args.jobs < 1:
         raise CommandError(f"--jobs takes a number of processes, 1 or more, not {args.jobs}")
     if args.dask is not None and args.ray is not None:
         raise CommandError("--dask and --ray: choose one engine")
-    engine = args.dask is not None or args.ray is not None
+    engine = use is not None or args.dask is not None or args.ray is not None
     kw = dict(skip=args.skip, gpus=gpus, link_bytes_per_s=link, shared_io=args.shared_io,
               what_if=what_if, consume=True, detail=detail, align=not args.no_align)
     try:
         with contextlib.ExitStack() as stack:
             # an engine is reached first: an address that does not answer fails before any
             # work is done
-            ex = stack.enter_context(executor(1, args.dask, args.ray)) if engine else None
+            ex = use if use is not None else \
+                stack.enter_context(executor(1, args.dask, args.ray)) if engine else None
             trace = load_trace(args.trace, by_rank=True)
             if engine and not isinstance(trace, RankedTrace):
                 print(f"gputrace: note: {' '.join(args.trace)} is not written one rank per "

@@ -28,10 +28,14 @@ def run(args: argparse.Namespace) -> int:
             raise CommandError(f"{' '.join(args.files)}: already gputrace traces")
     except ImportFailed as e:
         raise CommandError(str(e)) from None
-    trace = load_trace(args.files)
+    from gputrace import progress
+
     tmp = f"{args.output}.tmp{os.getpid()}"
     try:
-        write_by_rank(tmp, trace.metadata, trace.table)
+        with progress.shown():
+            trace = load_trace(args.files)
+            progress.update(f"writing {args.output}", 0, None)
+            write_by_rank(tmp, trace.metadata, trace.table)
         os.replace(tmp, args.output)
     except OSError as e:
         if os.path.exists(tmp):

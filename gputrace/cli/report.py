@@ -19,7 +19,13 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     out = args.output or output_name(args.trace[0], ".html")
     check_output(out)
-    print(write(analysis(args, detail=True), out, args.rank, args.trace))
+    from gputrace import progress
+
+    with progress.shown():
+        a = analysis(args, detail=True)
+        progress.update("writing the report", 0, None)
+        line = write(a, out, args.rank, args.trace)
+    print(line)
     return 0
 
 

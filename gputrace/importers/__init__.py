@@ -81,6 +81,7 @@ def import_paths(paths: list[str]):  # type: ignore[no-untyped-def]
     TensorFlow profiles (files, or log directories holding them)."""
     import pyarrow.compute as pc
 
+    from gputrace import progress
     from gputrace.importers import kineto, nsys, tfprof
     from gputrace.importers.common import Rows
     from gputrace.trace.reader import Trace
@@ -112,7 +113,7 @@ def import_paths(paths: list[str]):  # type: ignore[no-untyped-def]
             raise ImportFailed(f"{p} is a gputrace trace already")
     seen: dict[int, str] = {}
     unnamed = 0
-    for f in kineto_files:
+    for f in progress.each(kineto_files, "importing Kineto files"):
         try:
             dist = kineto._top_level(f, "distributedInfo")
         except (ImportFailed, OSError, ValueError):

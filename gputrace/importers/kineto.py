@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from gputrace import progress
 from gputrace.importers.common import (
     HostOps,
     ImportFailed,
@@ -223,7 +224,8 @@ def read(path: str, rank: int, rows: Rows, *, phases: Sequence[tuple[Any, int, i
     raws = doc.top.traceEvents or []
     doc.top.traceEvents = None
     del doc
-    for lo in range(0, len(raws), _BATCH):
+    for lo in progress.each(range(0, len(raws), _BATCH),
+                            f"converting {os.path.basename(path)} (batches of events)"):
         _convert_batch(_events(raws[lo:lo + _BATCH], lo), lo, rank, rows, base_ns, gpu_only,
                  threads, launches, fixed, h2d, phases, iters, iter_threads, ops, counts)
     counts["events"] = len(raws)

@@ -12,6 +12,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from gputrace import progress
 from gputrace.trace.reader import collector_weight, index_shards, merge_metadata
 from gputrace.trace.writer import by_rank, write_ranks
 
@@ -54,7 +55,9 @@ def merge_shards(shard_dir: str, out: str, top: dict[str, Any] | None = None,
 
     def ranks() -> Iterator[pa.Table]:
         nonlocal rows
-        for rank in sorted(set().union(*(s.ranks for s in shards))):
+        for rank in progress.each(sorted(set().union(*(s.ranks for s in shards))),
+                                  f"merging {len(shards)} shards into {os.path.basename(out)}"
+                                  " (ranks)"):
             table = by_rank(pa.concat_tables([s.read(rank) for s in shards if rank in s.ranks],
                                              promote_options="permissive"))
             rows += table.num_rows

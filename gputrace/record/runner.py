@@ -412,9 +412,11 @@ def record(opts: RecordOptions) -> RecordResult:
     try:
         top = _finish(rec, sampler, collectors, exit_code, cpu0, wall0)
         lost = rec.write_error
+        from gputrace import progress
         from gputrace.record.merge import merge_shards
 
-        res = merge_shards(shard_dir, output, top=top)
+        with progress.shown(not opts.quiet):
+            res = merge_shards(shard_dir, output, top=top)
     except Exception as e:  # noqa: BLE001 - the job's exit code is the result all the same
         print(f"gputrace: could not write {output}: {lost or reason(e)}; what was recorded "
               f"until then is kept in {shard_dir} (`gputrace recover {output}` once that is "
