@@ -5,6 +5,8 @@
         for batch in s.iterate(loader):
             with s.phase("forward"): ...
             s.step()
+
+    r = gputrace.analyze("run.arrow")       # what `gputrace analyze --json` says, as objects
 """
 
 from __future__ import annotations
@@ -16,11 +18,24 @@ from gputrace.recorder import current
 from gputrace.session import Session, iterate, record_sample, record_span, step
 
 if TYPE_CHECKING:
+    from gputrace.api import AnalysisError, Result, analyze
     from gputrace.trace.reader import Trace
 
 __version__ = "0.1.0"
-__all__ = ["Session", "current", "iterate", "load", "phase", "record_sample", "record_span",
-           "step", "__version__"]
+__all__ = ["AnalysisError", "Result", "Session", "analyze", "current", "iterate", "load",
+           "phase", "record_sample", "record_span", "step", "__version__"]
+
+_API = ("analyze", "Result", "AnalysisError")
+
+
+def __getattr__(name: str) -> Any:
+    """`gputrace.analyze` and its result types, imported when first used (the analyzers
+    stay out of a training job that only records)."""
+    if name in _API:
+        from gputrace import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'gputrace' has no attribute {name!r}")
 
 
 def load(*paths: Any) -> Trace:

@@ -182,3 +182,42 @@ def write(a: Analysis, path: str, rank: int | None = None, source: str = "") -> 
     with open(path, "wb") as f:
         f.write(page)
     return len(page)
+
+
+# -- in a notebook: one chart, or the whole page, as an output cell's HTML ------------------
+
+FRAGMENT = """
+(function () {
+  const id = %s, spec = %s;
+  window.gputraceViews = window.gputraceViews || {};
+  vegaEmbed("#vis-" + id, spec, {mode: "vega-lite", renderer: "svg", actions: false})
+    .then(r => {
+      window.gputraceViews[id] = r.view;
+      const n = Object.keys(window.gputraceViews).length;
+      if (n >= document.querySelectorAll("section.chart").length)
+        document.body.dataset.rendered = String(n);
+    })
+    .catch(e => { document.body.dataset.rendered = "error"; console.error(e); });
+})();
+"""
+
+
+def fragment(chart: Chart, script: str, uid: str) -> str:
+    """One chart as an HTML fragment for a notebook's output: a section as on the page, and
+    the Vega bundle (`vega_script()`), run only by the first fragment of a page (each output
+    carries it, so a saved notebook draws its charts offline whichever outputs it keeps)."""
+    spec = json.dumps(chart.spec, separators=(",", ":")).replace("</", "<\\/")
+    script = script.replace("</script", "<\\/script")
+    return (f'<section id="{_e(uid)}" class="chart gputrace-chart" data-chart="{_e(chart.id)}">'
+            f"<h3>{_e(chart.title)}</h3><p>{_e(chart.caption)}</p>"
+            f'<div class="vis" id="vis-{_e(uid)}"></div></section>\n'
+            f"<script>if (!window.vegaEmbed) {{ (function () {{\n{script}\n}})(); }}</script>\n"
+            f"<script>{FRAGMENT % (json.dumps(uid), spec)}</script>\n")
+
+
+def framed(page: str, height: int = 900) -> str:
+    """A whole report page inside an iframe (its own document: its styles and scripts stay
+    apart from the notebook's)."""
+    return (f'<iframe class="gputrace-report" srcdoc="{html.escape(page, quote=True)}" '
+            f'style="width:100%;height:{int(height)}px;border:1px solid #ddd" '
+            'sandbox="allow-scripts"></iframe>')

@@ -1,0 +1,258 @@
+"""Analysis from Python and notebooks: `gputrace.analyze(paths, ...)`.
+
+    import gputrace
+    r = gputrace.analyze("run.arrow")
+    r.to_dict()                        # == `gputrace analyze run.arrow --json`
+    r.to_pandas("iterations")          # a DataFrame per table (pandas; polars: to_polars)
+    r.chart("breakdown")               # a chart, drawn inline in Jupyter (offline)
+    r.report()                         # the whole HTML report, inline
+
+The result holds the analyzers' own frozen results (`Analysis`, `RankAnalysis`, ...); its
+JSON document is made by the one serializer `analyze --json` uses, and its tables are built
+from that document, so the three say the same thing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+from collections.abc import Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any
+
+from gputrace.analyzers import Analysis, RankAnalysis
+from gputrace.analyzers.findings import Finding
+from gputrace.analyzers.model import ModelResult, Speedup, UnitStats
+from gputrace.analyzers.replay import Replay, Scenario
+from gputrace.report.tables import MissingExtra, Table
+
+__all__ = ["AnalysisError", "ChartView", "MissingExtra", "ReportView", "Result", "Scenario",
+           "Table", "analyze"]
+
+TABLES = ("breakdown", "iterations", "units", "ranks", "findings", "speedup", "what_if")
+
+
+class AnalysisError(ValueError):
+    """Bad input (a missing or foreign file, a wrong option): the one line the command
+    line would print."""
+
+
+def analyze(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *,
+            rank: int | None = None, skip: int | None = None,
+            gpus: Sequence[int] | str = (2, 4, 8, 16),
+            link_bandwidth: float | str | None = None,
+            what_if: Sequence[str | Scenario] | str = (), shared_io: bool = False,
+            jobs: int | None = None, executor: Executor | None = None, align: bool = True,
+            progress: bool | None = None) -> Result:
+    """Analyze a trace as `gputrace analyze` does, with the same options.
+
+    `paths`: a trace file, several, a directory of shards, the name of a multi-node
+    recording, Kineto JSON or Nsight Systems SQLite. `rank`: the rank shown (default: the
+    slowest). `skip`: warm-up iterations left out. `gpus`: GPU counts of the speedup model.
+    `link_bandwidth`: bytes/s or text like "7GB/s". `what_if`: replay scenarios, text like
+    "gpus=16,bandwidth=2x,bucket_cap_mb=5" or `Scenario`s. `jobs`: worker processes for the
+    ranks; `executor`: a concurrent.futures Executor to analyze them in instead (e.g. a Dask
+    `Client.get_executor()`). `progress`: draw progress bars (default: on a terminal only).
+    Raises AnalysisError with the command line's one-line message on bad input."""
+    from gputrace import progress as bars
+    from gputrace.cli import CommandError
+    from gputrace.cli.analyze import analysis
+
+    single = isinstance(paths, (str, os.PathLike))
+    names = [os.fspath(p) for p in ([paths] if single else paths)]  # type: ignore[list-item]
+    if not names:
+        raise AnalysisError("no trace given")
+    if isinstance(what_if, str):
+        what_if = [what_if]
+    if link_bandwidth is not None and not isinstance(link_bandwidth, str):
+        link_bandwidth = f"{float(link_bandwidth):.17g}".replace("e+", "e")
+    args = argparse.Namespace(
+        trace=names, rank=rank, skip=skip,
+        gpus=gpus if isinstance(gpus, str) else ",".join(str(int(g)) for g in gpus),
+        link_bandwidth=link_bandwidth, what_if=list(what_if), shared_io=shared_io, jobs=jobs,
+        dask=None, ray=None, no_align=not align)
+    try:
+        with bars.shown(progress):
+            a = analysis(args, detail=True, use=executor)
+    except CommandError as e:
+        raise AnalysisError(str(e)) from None
+    return Result(a, rank if rank is not None else a.slowest_rank, " ".join(names))
+
+
+@dataclass(frozen=True)
+class Result:
+    """One analysis and the rank it shows (default: the slowest), as `analyze` reports it."""
+
+    analysis: Analysis
+    rank: int
+    source: str = ""
+    _doc: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    # -- the analyzers' results for the shown rank ---------------------------------------
+
+    @property
+    def shown(self) -> RankAnalysis:
+        return self.analysis.ranks[self.rank]
+
+    @property
+    def ranks(self) -> dict[int, RankAnalysis]:
+        return self.analysis.ranks
+
+    @property
+    def world_size(self) -> int:
+        return self.analysis.world_size
+
+    @property
+    def slowest_rank(self) -> int:
+        return self.analysis.slowest_rank
+
+    @property
+    def model(self) -> ModelResult:
+        return self.shown.model
+
+    @property
+    def units(self) -> list[UnitStats]:
+        return self.shown.model.units
+
+    @property
+    def speedup(self) -> Speedup:
+        return self.shown.speedup
+
+    @property
+    def replay(self) -> Replay | None:
+        return self.shown.replay
+
+    @property
+    def findings(self) -> list[Finding]:
+        return self.shown.findings
+
+    @property
+    def headline(self) -> str:
+        from gputrace.report.terminal import headline
+
+        return headline(self.shown)
+
+    # -- the JSON document and its tables --------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """The `analyze --json` document (a fresh copy)."""
+        if not self._doc:
+            from gputrace.report.json import to_dict
+
+            self._doc.update(to_dict(self.analysis, self.rank))
+        return json.loads(json.dumps(self._doc))
+
+    def to_json(self, indent: int | None = 1) -> str:
+        """The document as `analyze --json` prints it."""
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def table(self, name: str) -> Table:
+        """One of TABLES: `breakdown` (the shown rank's terms, mean and std), `iterations`
+        (every iteration of every rank), `units` (comm units of every rank), `ranks` (one
+        row per rank), `findings`, `speedup` (points of the speedup model), `what_if`
+        (replayed scenarios)."""
+        from gputrace.report import tables
+
+        if name not in TABLES:
+            raise KeyError(f"no table {name!r}; the tables are {', '.join(TABLES)}")
+        if name == "iterations":
+            return tables.iterations(self.analysis)
+        return getattr(tables, name)(self.to_dict())
+
+    def to_pandas(self, name: str = "breakdown") -> Any:
+        """A table as a pandas DataFrame (the `notebook` extra)."""
+        return self.table(name).to_pandas()
+
+    def to_polars(self, name: str = "breakdown") -> Any:
+        """A table as a polars DataFrame (polars installed)."""
+        return self.table(name).to_polars()
+
+    # -- charts and the report ---------------------------------------------------------------
+
+    @property
+    def chart_ids(self) -> list[str]:
+        """The report's charts this analysis has data for, in the page's order."""
+        from gputrace.report.charts import charts
+
+        return [c.id for c in charts(self.analysis, self.shown)]
+
+    def chart(self, chart_id: str = "breakdown") -> ChartView:
+        """One of the report's charts (its Vega-Lite spec), drawn inline in Jupyter."""
+        from gputrace.report.charts import charts
+
+        made = {c.id: c for c in charts(self.analysis, self.shown)}
+        if chart_id not in made:
+            raise KeyError(f"no chart {chart_id!r} for this trace; it has "
+                           f"{', '.join(made) or 'none'}")
+        return ChartView(made[chart_id])
+
+    def report(self, height: int = 900) -> ReportView:
+        """The whole HTML report (as `gputrace report`), inline in Jupyter; `.save(path)`."""
+        from gputrace.report.html import render, vega_script
+
+        return ReportView(render(self.analysis, self.rank, vega_script(), self.source), height)
+
+    def _repr_html_(self) -> str:
+        import html
+
+        items = "".join(f"<li><b>{html.escape(f.severity)}</b> {html.escape(f.message)}</li>"
+                        for f in self.findings)
+        return (f"<div class=\"gputrace-result\"><p><b>{html.escape(self.headline)}</b></p>"
+                f"<p>rank {self.rank} of {self.world_size}; {html.escape(self.source)}</p>"
+                f"{self.table('breakdown')._repr_html_()}<ul>{items}</ul></div>")
+
+    def __repr__(self) -> str:
+        return f"<gputrace analysis of {self.source or 'a trace'}: rank {self.rank} of " \
+               f"{self.world_size}. {self.headline}>"
+
+
+@dataclass(frozen=True)
+class ChartView:
+    """A report chart: `spec` is its Vega-Lite specification; in Jupyter it draws itself
+    with the Vega bundle the report embeds (no network)."""
+
+    chart: Any      # report.charts.Chart
+
+    @property
+    def id(self) -> str:
+        return str(self.chart.id)
+
+    @property
+    def spec(self) -> dict[str, Any]:
+        return dict(self.chart.spec)
+
+    def to_html(self) -> str:
+        from gputrace.report.html import fragment, vega_script
+
+        return fragment(self.chart, vega_script(), f"gputrace-{self.id}-{secrets.token_hex(4)}")
+
+    def _repr_html_(self) -> str:
+        return self.to_html()
+
+    def __repr__(self) -> str:
+        return f"<gputrace chart {self.id}: {self.chart.title}>"
+
+
+@dataclass(frozen=True)
+class ReportView:
+    """The report page; shown in Jupyter in a frame of its own."""
+
+    html: str
+    height: int = 900
+
+    def save(self, path: str | os.PathLike[str]) -> int:
+        data = self.html.encode("utf-8")
+        with open(path, "wb") as f:
+            f.write(data)
+        return len(data)
+
+    def _repr_html_(self) -> str:
+        from gputrace.report.html import framed
+
+        return framed(self.html, self.height)
+
+    def __repr__(self) -> str:
+        return f"<gputrace report page, {len(self.html) / 1e6:.2f} MB>"

@@ -1,0 +1,164 @@
+"""The analysis as tables (rows of plain values) for DataFrames: built from the `analyze
+--json` document (report.json.to_dict), so a table and the JSON say the same thing, plus
+the per-iteration figures the JSON summarizes (from an analysis made with detail=True).
+
+pandas and polars are optional: `Table.to_pandas()` / `to_polars()` import them when called
+and say in one line which extra to install when they are missing."""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from gputrace.analyzers import Analysis
+from gputrace.analyzers.steps import TERMS
+
+
+class MissingExtra(ImportError):
+    """An optional dependency a call needs is not installed (one line: what to install)."""
+
+
+def need(module: str, extra: str, what: str) -> Any:
+    """Import an optional module, or raise MissingExtra naming the extra to install."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise MissingExtra(f"{what} needs {module}: pip install 'gputrace[{extra}]'") from None
+
+
+@dataclass(frozen=True)
+class Table:
+    """A named table: its columns in order and its rows (tuples of plain values)."""
+
+    name: str
+    columns: tuple[str, ...]
+    rows: tuple[tuple[Any, ...], ...]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def records(self) -> list[dict[str, Any]]:
+        return [dict(zip(self.columns, r, strict=True)) for r in self.rows]
+
+    def column(self, name: str) -> list[Any]:
+        i = self.columns.index(name)
+        return [r[i] for r in self.rows]
+
+    def to_arrow(self) -> Any:
+        import pyarrow as pa
+
+        return pa.table({c: pa.array(self.column(c)) for c in self.columns}) if self.rows \
+            else pa.table({c: pa.array([], pa.null()) for c in self.columns})
+
+    def to_pandas(self) -> Any:
+        pd = need("pandas", "notebook", "a DataFrame")
+        return pd.DataFrame.from_records(list(self.rows), columns=list(self.columns))
+
+    def to_polars(self) -> Any:
+        pl = need("polars", "polars", "a polars DataFrame")
+        return pl.from_arrow(self.to_arrow())
+
+    def _repr_html_(self) -> str:
+        head = "".join(f"<th>{html.escape(c)}</th>" for c in self.columns)
+        body = "".join("<tr>" + "".join(f"<td>{html.escape(_cell(v))}</td>" for v in r)
+                       + "</tr>" for r in self.rows)
+        return (f'<table class="gputrace-table" data-table="{html.escape(self.name)}">'
+                f"<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
+
+    def __repr__(self) -> str:
+        return f"<gputrace table {self.name}: {len(self.rows)} rows, columns " \
+               f"{', '.join(self.columns)}>"
+
+
+def _cell(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return "" if v is None else str(v)
+
+
+def _table(name: str, records: Sequence[dict[str, Any]], first: Sequence[str] = ()
+           ) -> Table:
+    """Rows of dicts as a table: `first` columns, then every other key in order of sight."""
+    cols: dict[str, None] = dict.fromkeys(first)
+    for r in records:
+        cols.update(dict.fromkeys(r))
+    names = tuple(cols)
+    return Table(name, names, tuple(tuple(_plain(r.get(c)) for c in names) for r in records))
+
+
+def _plain(v: Any) -> Any:
+    """Lists (a unit's layers, a finding's evidence) as tuples: hashable, one cell."""
+    if isinstance(v, list):
+        return tuple(v)
+    return v
+
+
+def breakdown(doc: dict[str, Any]) -> Table:
+    """The shown rank's breakdown: one row per term, mean and std over the analyzed
+    iterations (seconds), as `breakdown` in the JSON."""
+    return Table("breakdown", ("term", "mean", "std"),
+                 tuple((k, v["mean"], v["std"]) for k, v in doc["breakdown"].items()))
+
+
+def units(doc: dict[str, Any]) -> Table:
+    """Every rank's comm units (buckets, layers, collectives) with the JSON's keys."""
+    return _table("units", [{"rank": int(r), **u} for r, rd in doc["ranks"].items()
+                            for u in rd["units"]], ("rank",))
+
+
+def findings(doc: dict[str, Any]) -> Table:
+    return _table("findings", [{"rank": int(r), **f} for r, rd in doc["ranks"].items()
+                               for f in rd["findings"]], ("rank", "id", "severity", "message"))
+
+
+def what_if(doc: dict[str, Any]) -> Table:
+    """The shown rank's what-if scenarios (the only rank given intervals), as in the JSON."""
+    wi = doc.get("what_if") or {}
+    return _table("what_if", wi.get("scenarios") or [], ("label",))
+
+
+def speedup(doc: dict[str, Any]) -> Table:
+    return _table("speedup", doc["speedup"]["points"],
+                  ("gpus", "speedup", "efficiency", "t_iter", "t_comm"))
+
+
+def ranks(doc: dict[str, Any]) -> Table:
+    """One row per rank: its breakdown means, comm and I/O overlap, waits, model."""
+    out = []
+    for r, rd in doc["ranks"].items():
+        row: dict[str, Any] = {"rank": int(r), "host": rd.get("host", ""),
+                               "slowest": int(r) == doc["slowest_rank"],
+                               "iterations": rd["iterations"]["count"],
+                               "analyzed": rd["iterations"]["analyzed"]}
+        row.update({k: v["mean"] for k, v in rd["breakdown"].items()})
+        for what in ("comm", "io"):
+            row.update({f"{what}_{k}": v for k, v in rd["overlap"][what].items()})
+        row.update(comm_wait_s=rd["comm_wait_s"], comm_transfer_s=rd["comm_transfer_s"],
+                   strategy=rd["model"]["strategy"], case=rd["model"]["case"],
+                   predicted_t_iter=rd["model"]["predicted_t_iter"],
+                   relative_error=rd["model"]["relative_error"])
+        out.append(row)
+    return _table("ranks", out)
+
+
+def iterations(a: Analysis) -> Table:
+    """Every iteration of every rank (an analysis made with detail=True): its step, whether
+    it is warm-up (left out of the means), its start (seconds from the earliest iteration of
+    the run) and its terms (seconds), with the comm it left exposed."""
+    starts = [int(ra.detail.series.start_ns[0]) for ra in a.ranks.values()
+              if ra.detail is not None and ra.detail.series.step.size]
+    t0 = min(starts) if starts else 0
+    rows = []
+    for r, ra in sorted(a.ranks.items()):
+        if ra.detail is None:
+            continue
+        s = ra.detail.series
+        for i in range(s.step.size):
+            rows.append((r, int(s.step[i]), i < s.warmup, (int(s.start_ns[i]) - t0) / 1e9,
+                         *(float(s.terms[k][i]) for k in TERMS), float(s.comm_exposed_s[i])))
+    return Table("iterations", ("rank", "step", "warmup", "start_s", *TERMS,
+                                "comm_exposed_s"), tuple(rows))
