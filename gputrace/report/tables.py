@@ -97,6 +97,15 @@ def _plain(v: Any) -> Any:
     return v
 
 
+# the columns of tables whose rows may be none (the keys report.json writes for each row;
+# keys it adds later come after these)
+UNIT_COLUMNS = ("rank", "index", "layers", "bytes", "ready_s", "start_s", "end_s", "duration_s",
+                "hidden", "hidden_fraction")
+SCENARIO_COLUMNS = ("label", "gpus", "bandwidth_x", "bucket_rule", "bucket_bytes", "buckets",
+                    "comm_s", "exposed_s", "t_iter", "speedup", "t_iter_low", "t_iter_high",
+                    "reference_t_iter", "extrapolated")
+
+
 def breakdown(doc: dict[str, Any]) -> Table:
     """The shown rank's breakdown: one row per term, mean and std over the analyzed
     iterations (seconds), as `breakdown` in the JSON."""
@@ -107,7 +116,7 @@ def breakdown(doc: dict[str, Any]) -> Table:
 def units(doc: dict[str, Any]) -> Table:
     """Every rank's comm units (buckets, layers, collectives) with the JSON's keys."""
     return _table("units", [{"rank": int(r), **u} for r, rd in doc["ranks"].items()
-                            for u in rd["units"]], ("rank",))
+                            for u in rd["units"]], UNIT_COLUMNS)
 
 
 def findings(doc: dict[str, Any]) -> Table:
@@ -118,7 +127,7 @@ def findings(doc: dict[str, Any]) -> Table:
 def what_if(doc: dict[str, Any]) -> Table:
     """The shown rank's what-if scenarios (the only rank given intervals), as in the JSON."""
     wi = doc.get("what_if") or {}
-    return _table("what_if", wi.get("scenarios") or [], ("label",))
+    return _table("what_if", wi.get("scenarios") or [], SCENARIO_COLUMNS)
 
 
 def speedup(doc: dict[str, Any]) -> Table:
