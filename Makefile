@@ -11,7 +11,7 @@ APT := DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 -q
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[torch,tf,dev]'
+	$(BIN)/python -m pip install -q -e '.[torch,tf,dev,notebook]'
 	rm -f $(VENV)/.installed-*; touch $@
 
 demo: $(STAMP)
