@@ -3,7 +3,7 @@ timing its own phases with perf_counter: the transformer job of the overhead ben
 of the tests that check the analysis against the job's own clock.
 
     python bench/train_gpt.py OUT.json [--impl auto|hf|torch] [--blocks 12] [--width 128]
-                              [--iterations 20] [--batch 4] [--seq 32] [--compile]
+                              [--iterations 20] [--batch 4] [--seq 32] [--compile [--compile-backend B]]
                               [--threads N] [--print-loss]
 
 `--impl hf` builds `transformers.GPT2LMHeadModel` from a config (bench/requirements-gpt.txt);
@@ -124,6 +124,8 @@ def main() -> None:
     p.add_argument("--iterations", type=int, default=20)
     p.add_argument("--threads", type=int, default=1, help="torch threads (1; 0: torch's default)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--compile-backend", default="inductor",
+                   help="torch.compile's backend (inductor; aot_eager compiles no C++)")
     p.add_argument("--print-loss", action="store_true")
     a = p.parse_args()
 
@@ -140,7 +142,7 @@ def main() -> None:
     if world > 1:
         model = nn.parallel.DistributedDataParallel(model)
     if a.compile:
-        model = torch.compile(model)
+        model = torch.compile(model, backend=a.compile_backend)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(int(os.environ.get("RANK", "0")))
     data = torch.randint(0, a.vocab, (4, a.batch, a.seq + 1), generator=g)
