@@ -8,6 +8,11 @@ iteration is the cost of a span. Prints JSON. The fastest block is the one least
 by the rest of a shared machine, which makes this far steadier than timing a real model.
 
     python bench/hookcost.py [--layers 20] [--iterations 300] [--blocks 9]
+    python bench/hookcost.py --compare REF [--rounds 5]
+
+--compare runs the measurement of this tree and of gputrace at git revision REF (e.g. the
+commit before a change) in alternating subprocesses, --rounds each, and prints both side
+by side: median cost per span and the ratio.
 """
 
 from __future__ import annotations
@@ -15,8 +20,36 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
+import subprocess
+import sys
 import tempfile
 import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def compare(ref: str, rounds: int, child: list[str]) -> None:
+    """This tree's cost per span beside REF's, measured in alternating subprocesses."""
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "gputrace"],
+                                 capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        trees = {f"{ref}": tmp, "this tree": str(ROOT)}
+        got: dict[str, list[dict]] = {k: [] for k in trees}
+        for _ in range(rounds):
+            for name, path in trees.items():
+                p = subprocess.run([sys.executable, __file__, *child], capture_output=True,
+                                   text=True, check=True,
+                                   env=dict(os.environ, PYTHONPATH=path))
+                got[name].append(json.loads(p.stdout.splitlines()[-1]))
+    med = {k: statistics.median(r["us_per_span"] for r in v) for k, v in got.items()}
+    for name, runs in got.items():
+        each = ", ".join(f"{r['us_per_span']:.2f}" for r in runs)
+        print(f"{name:>12}: {med[name]:6.2f} us per span (rounds: {each}; "
+              f"{runs[0]['spans_per_iteration']:.1f} spans per iteration)")
+    print(f"this tree / {ref}: {med['this tree'] / med[ref]:.2f}x")
 
 
 def main() -> None:
@@ -24,7 +57,13 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=20)
     ap.add_argument("--iterations", type=int, default=300)
     ap.add_argument("--blocks", type=int, default=9)
+    ap.add_argument("--compare", metavar="REF", help="also measure gputrace at git REF")
+    ap.add_argument("--rounds", type=int, default=5)
     a = ap.parse_args()
+    if a.compare:
+        compare(a.compare, a.rounds, ["--layers", str(a.layers), "--iterations",
+                                      str(a.iterations), "--blocks", str(a.blocks)])
+        return
 
     import torch
 

@@ -145,6 +145,10 @@ class Recorder:
         self.close_hooks: list[Any] = []
         # deques: append and popleft are atomic, so a flush never loses a racing append
         self._spans: deque[tuple[Any, ...]] = deque()
+        # spans timed with time.perf_counter_ns (hot hooks skip the clock's method call);
+        # the flusher moves them onto the trace clock
+        self._perf_spans: deque[tuple[Any, ...]] = deque()
+        self.push_perf = self._perf_spans.append
         self._rows: deque[Row] = deque()
         self._swap = threading.Lock()
         self._write = threading.Lock()
@@ -193,7 +197,10 @@ class Recorder:
     def flush(self) -> None:
         with self._swap:
             spans = _drain(self._spans)
+            perf = _drain(self._perf_spans)
             rows = _drain(self._rows)
+        if perf:
+            spans += _on_clock(perf, self.clock.from_perf(0))
         for hook in list(self.flush_hooks):
             try:
                 rows.extend(hook(spans, self._closed))
@@ -252,7 +259,7 @@ class Recorder:
             self._thread.join(timeout=5)
         end = Clock.anchor()
         # a process with something to say (events, or a collector's status) leaves a shard
-        if self._writer is not None or self._spans or self._rows or \
+        if self._writer is not None or self._spans or self._perf_spans or self._rows or \
                 self.metadata.get("collectors"):
             self.instant("user", "gputrace.end", args={"monotonic_ns": end["monotonic_ns"],
                                                        "realtime_ns": end["realtime_ns"]})
@@ -270,7 +277,10 @@ class Recorder:
         self.path = path
         self.pid = os.getpid()
         self.metadata = dict(self.metadata, pid=self.pid, role="process")
-        self._spans, self._rows = deque(), deque()
+        # cleared in place: hooks hold the bound appends (push_perf)
+        self._spans.clear()
+        self._perf_spans.clear()
+        self._rows.clear()
         self.flush_hooks = []   # the parent's GPU subscriptions do not carry over a fork
         self.close_hooks = []
         self.threads = {}
@@ -289,7 +299,7 @@ class Recorder:
     def span(self, cat: str, name: str, start_ns: int, end_ns: int, *, layer: int = -1,
              nbytes: int | None = None, args: dict[str, Any] | str | None = None,
              step: int | None = None, tid: int | None = None) -> None:
-        if isinstance(args, dict):
+        if args is not None and args.__class__ is not str:
             # default=str: a value JSON cannot hold is kept as its text, never an exception
             args = json.dumps(args, separators=(",", ":"), default=str)
         if tid is None:
@@ -321,12 +331,7 @@ class Recorder:
 
     def peek_spans(self) -> list[tuple[Any, ...]]:
         """The spans not yet flushed, left in place (a copy; appends may race it)."""
-        for _ in range(8):
-            try:
-                return list(self._spans)
-            except RuntimeError:   # appended to while copied: try again
-                continue
-        return []
+        return _copy(self._spans) + _on_clock(_copy(self._perf_spans), self.clock.from_perf(0))
 
     def add_rows(self, rows: list[Row]) -> None:
         self._rows.extend(rows)
@@ -402,6 +407,20 @@ def _columns(spans: list[tuple[Any, ...]], rows: list[Row], host: str, rank: int
         cols += [none] * (len(more) - len(cols))
         cols = [(*x, *y) for x, y in zip(cols, more, strict=True)]
     return cols
+
+
+def _copy(d: deque[Any]) -> list[Any]:
+    for _ in range(8):
+        try:
+            return list(d)
+        except RuntimeError:   # appended to while copied: try again
+            continue
+    return []
+
+
+def _on_clock(spans: list[tuple[Any, ...]], offset: int) -> list[tuple[Any, ...]]:
+    """Spans timed with perf_counter_ns, on the trace clock."""
+    return [(c, n, s + offset, e + offset, *rest) for c, n, s, e, *rest in spans]
 
 
 def _drain(d: deque[Any]) -> list[Any]:

@@ -10,11 +10,12 @@ from gputrace import recorder as _recorder
 
 def instrument(model: Any = None, optimizer: Any = None, loader: Any = None,
                session: Any = None, gpu_timeline: str | None = "auto") -> str:
-    """Install gputrace's global torch hooks on the session's recorder (or the current one).
+    """Install gputrace's torch hooks on the session's recorder (or the current one).
 
-    The hooks are global (every module, optimizer and DataLoader), so `model`, `optimizer`
-    and `loader` are optional; a model given here has its layers numbered now, in
-    registration order, instead of at its first forward. `gpu_timeline` ("auto", "cupti",
+    Optimizers and DataLoaders are hooked globally, and models are found as they are built
+    (and, here, among the models that exist already), so `model`, `optimizer` and `loader`
+    are optional; a model given here has its layers numbered now, in registration order,
+    instead of at its first forward. `gpu_timeline` ("auto", "cupti",
     "kineto", or None for none) starts the GPU kernel/copy timeline as `record
     --gpu-timeline` does, unless one runs already. Returns the torch collector's status.
     """
@@ -32,7 +33,19 @@ def instrument(model: Any = None, optimizer: Any = None, loader: Any = None,
         from gputrace.collectors import start_gpu_timeline
 
         start_gpu_timeline(rec, torch, gpu_timeline)
-    if model is not None and torch_collector._installed is not None:
-        for m in model.modules():
-            torch_collector._installed.layer_for(m)
+    state = torch_collector._installed
+    if state is not None:
+        if model is not None:
+            state.modules.adopt([model])
+            from gputrace.collectors.torch_modules import choose
+
+            for m, params in choose(model, state.modules.mode):
+                state.layer_for(m, params)
+        else:
+            import gc
+
+            import torch
+
+            module = torch.nn.Module
+            state.modules.adopt(o for o in gc.get_objects() if issubclass(type(o), module))
     return status

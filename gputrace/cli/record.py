@@ -22,6 +22,9 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tf-steps", metavar="START:COUNT",
                    help="TensorFlow: the steps its profiler records phases over (5:10); "
                    "'all' for the whole run, 'off' for iterations only")
+    p.add_argument("--layers", choices=("blocks", "leaves", "off"),
+                   help="PyTorch modules timed per layer: blocks (default: transformer blocks, "
+                   "stages), leaves (every module with parameters) or off (phases only)")
     p.add_argument("--redact-argv", action="store_true",
                    help="keep only program and flag names of argv in the trace")
     p.add_argument("--kill-after", type=float, default=10.0, metavar="S",
@@ -46,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         collectors=[c.strip() for c in args.collectors.split(",") if c.strip()],
         force=args.force, redact_argv=args.redact_argv, gpu_timeline=args.gpu_timeline,
         kill_after_s=args.kill_after, per_host=True if args.per_host else None,
-        tf_steps=args.tf_steps,
+        tf_steps=args.tf_steps, layers=args.layers,
         quiet=args.quiet)
     if args.report:
         from gputrace.cli.report import check_output

@@ -1,7 +1,8 @@
 """PyTorch auto-instrumentation: the paper's phases from an unchanged training script.
 
 Installed by the `record` bootstrap right after the job imports torch (or by
-`gputrace.torch.instrument` in a harness). It uses only cheap, global hooks:
+`gputrace.torch.instrument` in a harness). It uses only cheap hooks, none that puts every
+module call on torch's hooked path:
 
 - iteration: iterations tile the loop. With a DataLoader one begins when the loop asks for
   the batch that follows an optimizer step; without one, where the previous one ended (the
@@ -12,11 +13,12 @@ Installed by the `record` bootstrap right after the job imports torch (or by
 - update: global optimizer step pre/post hooks (any loop shape);
 - io: the wait in `DataLoader.__next__` on the loop's thread (exposed I/O), and each batch's
   fetch in the loader's workers (total I/O work);
-- forward: global module forward pre/post hooks; a span per module that owns parameters,
-  `layer` 1..L in execution order from the input side, plus one span for the outermost call,
-  and one (`loss`) from the last outermost call's end to the backward (the loss computed
-  outside the model is part of the forward pass);
-- backward: `torch.autograd.backward` entry/exit, and per layer the end of its last
+- forward: forward pre/post hooks on each model's root (found as the model is built, see
+  torch_modules): one span for the outermost call, and one (`loss`) from the last outermost
+  call's end to the backward (the loss computed outside the model is part of the forward
+  pass); per-module hooks on the modules `GPUTRACE_LAYERS` chooses (blocks, leaves, off): a
+  span each, `layer` 1..L in execution order from the input side;
+- backward: `torch.autograd.backward` entry/exit, and per timed layer the end of its last
   parameter's gradient accumulation (post-accumulate-grad hooks), with `bytes` = the bytes
   of the gradients the layer produces (what its all-reduce would move; replay uses it);
 - comm: every DistributedDataParallel bucket, timed by wrapping its comm hook (the default
@@ -33,28 +35,29 @@ import torch
 
 from gputrace.collectors import torch_guard
 from gputrace.collectors.torch_ddp import maybe_hook_ddp, patch_ddp
-from gputrace.collectors.torch_guard import _guarded
+from gputrace.collectors.torch_guard import _guarded, _hook_failed
 from gputrace.collectors.torch_iterations import _Iterations
+from gputrace.collectors.torch_modules import Modules, env_mode
 from gputrace.recorder import Recorder
 
 _installed: _State | None = None
 
 
 class _State:
-    def __init__(self, rec: Recorder) -> None:
+    def __init__(self, rec: Recorder, layers: str = "blocks") -> None:
         self.rec = rec
         self.now = rec.clock.now_ns
+        self.push = rec.push_perf                 # a span timed with perf_counter_ns
         self.layer_of: dict[int, int] = {}        # id(module) -> layer (0: owns no params)
         self.param_layer: dict[int, int] = {}     # id(param) -> layer
         self.layer_nparams: dict[int, int] = {}   # layer -> params that get gradients
         self.layer_grad_bytes: dict[int, int] = {}  # layer -> bytes of those gradients
         self.layer_names: dict[int, str] = {}
         self.next_layer = 1
-        self.fwd_t0: dict[int, list[int]] = {}
-        self.depth = 0
+        self.depth = 0                            # > 0 inside the outermost forward
         self.root_t0 = 0
         self.root_name = ""
-        self.bwd_depth = 0
+        self.bwd_depth = 0                        # > 0 inside torch.autograd.backward
         self.bwd_t0 = 0
         self.last_mark = 0                        # end of the last finished layer backward
         self.grad_count: dict[int, int] = {}
@@ -67,65 +70,76 @@ class _State:
         self.ddp_hooked: set[int] = set()
         self.notes: list[str] = []
         self.lock = threading.Lock()
+        self.modules = Modules(self, layers)
 
     # -- forward -------------------------------------------------------------------------
-    def layer_for(self, module: torch.nn.Module) -> int:
+    def layer_for(self, module: torch.nn.Module, params: list[Any] | None = None) -> int:
+        """The layer of `module` (numbered at first sight, 1..L), its gradients' hooks
+        registered: `params` (a block's whole subtree) or the module's own parameters. A
+        parameter already in a layer (tied weights) stays in that one. 0: owns none."""
         key = id(module)
         layer = self.layer_of.get(key)
         if layer is not None:
             return layer
-        params = [p for p in module._parameters.values() if p is not None]
+        if params is None:
+            params = [p for p in module._parameters.values() if p is not None]
         if not params:
             self.layer_of[key] = 0
             return 0
         with self.lock:
+            layer = self.layer_of.get(key)
+            if layer is not None:
+                return layer
             layer = self.next_layer
             self.next_layer += 1
-        self.layer_of[key] = layer
+            self.layer_of[key] = layer
         self.layer_names[layer] = type(module).__name__
         grads = nbytes = 0
         for p in params:
+            if id(p) in self.param_layer:
+                continue
             self.param_layer[id(p)] = layer
             if p.requires_grad and p.is_leaf:   # a non-leaf (functional_call) has no .grad
                 grads += 1
                 nbytes += p.numel() * p.element_size()
-                p.register_post_accumulate_grad_hook(self.grad_ready)
+                p.register_post_accumulate_grad_hook(self._grad_hook(layer))
         self.layer_nparams[layer] = grads
         self.layer_grad_bytes[layer] = nbytes
         return layer
 
     @_guarded
-    def forward_pre(self, module: torch.nn.Module, args: Any) -> None:
+    def root_pre(self, module: torch.nn.Module, args: Any) -> None:
+        """A model root's forward begins (nested roots only count depth)."""
         t = self.now()
         if self.depth == 0:
             self.its.forward(t, torch.is_grad_enabled())
             self.root_t0 = t
             self.root_name = type(module).__name__
-            maybe_hook_ddp(self, module)
+            if module not in self.modules.seen:
+                maybe_hook_ddp(self, module)
+                self.modules.first_forward(module)
         self.depth += 1
-        if self.layer_for(module):
-            self.fwd_t0.setdefault(id(module), []).append(t)
 
     @_guarded
-    def forward_post(self, module: torch.nn.Module, args: Any, out: Any) -> None:
-        t = self.now()
-        layer = self.layer_of.get(id(module), 0)
-        if layer:
-            starts = self.fwd_t0.get(id(module))
-            if starts:
-                self.rec.span("forward", self.layer_names[layer], starts.pop(), t, layer=layer)
+    def root_post(self, module: torch.nn.Module, args: Any, out: Any) -> None:
         self.depth = max(self.depth - 1, 0)
         if self.depth == 0:
+            t = self.now()
             self.rec.span("forward", self.root_name, self.root_t0, t)
             self.last_fwd_end = self.loss_from = t
 
     # -- backward ------------------------------------------------------------------------
-    @_guarded
-    def grad_ready(self, param: torch.Tensor) -> None:
+    def _grad_hook(self, layer: int) -> Any:
+        def hook(param: torch.Tensor) -> None:
+            try:
+                self.grad_ready(layer)
+            except Exception as e:  # noqa: BLE001 - a profiler never takes down the job
+                _hook_failed("grad_ready", e)
+        return hook
+
+    def grad_ready(self, layer: int) -> None:
+        """One of `layer`'s gradients is accumulated; the last one ends its backward."""
         t = self.now()
-        layer = self.param_layer.get(id(param))
-        if layer is None:
-            return
         with self.lock:
             n = self.grad_count.get(layer, 0) + 1
             self.grad_count[layer] = n
@@ -252,24 +266,24 @@ def auto_instrument(rec: Recorder) -> str:
         if _installed.rec is not rec:
             _installed.rec = rec
             _installed.now = rec.clock.now_ns
+            _installed.push = rec.push_perf
             _installed.its = _Iterations(rec)
             torch_guard.set_recorder(rec)
         return "ok"
-    state = _State(rec)
+    layers = env_mode()
+    state = _State(rec, layers)
     _installed = state
     torch_guard.set_recorder(rec)
-    from torch.nn.modules import module as nn_module
     from torch.optim import optimizer as optim_module
 
-    nn_module.register_module_forward_pre_hook(state.forward_pre)
-    nn_module.register_module_forward_hook(state.forward_post)
+    state.modules.install()
     optim_module.register_optimizer_step_pre_hook(state.step_pre)
     optim_module.register_optimizer_step_post_hook(state.step_post)
     _patch_backward(state)
     _patch_dataloader(state)
     patch_ddp(lambda: _installed)
     rec.metadata.setdefault("software", {})["torch"] = torch.__version__
-    rec.metadata["torch"] = {"cuda": bool(torch.cuda.is_available())}
+    rec.metadata["torch"] = {"cuda": bool(torch.cuda.is_available()), "layers": layers}
     return "ok"
 
 

@@ -59,6 +59,7 @@ class RecordOptions:
     per_host: bool | None = None   # host in the file name (None: when the job spans nodes)
     node_of: str = ""              # with per_host: the name given (-o), the run's name
     tf_steps: str | None = None    # START:COUNT | all | off (TensorFlow's profiler window)
+    layers: str | None = None      # blocks | leaves | off (PyTorch modules timed)
 
 
 @dataclass
@@ -342,6 +343,8 @@ def _prepare(opts: RecordOptions, shard_dir: str, clock: Clock
     env["GPUTRACE_GPU_TIMELINE"] = opts.gpu_timeline
     if opts.tf_steps is not None:
         env["GPUTRACE_TF_STEPS"] = opts.tf_steps
+    if opts.layers is not None:
+        env["GPUTRACE_LAYERS"] = opts.layers
     for name in IN_PROCESS_COLLECTORS:
         if name not in opts.collectors:
             env[f"GPUTRACE_NO_{name.upper()}"] = "1"

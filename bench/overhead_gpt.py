@@ -1,0 +1,99 @@
+"""Recording overhead on a transformer: bench/train_gpt.py (GPT-2-shaped, 12 blocks, AdamW;
+transformers' GPT2LMHeadModel when installed, see bench/requirements-gpt.txt) plain and under
+`gputrace record`, one process and 2-rank gloo DDP.
+
+Each round runs every mode once, in a shuffled order, so drift on a shared machine hits all
+of them alike; the table gives the median iteration after warm-up (the loop's own clock) and
+the ratio to plain with a 95 % interval from resampling rounds. Goal: <= 1.02x plain.
+
+    python bench/overhead_gpt.py [--rounds 12] [--iterations 20] [--ranks 1,2]
+                                 [--modes gputrace,leaves,off] [--job-args ARGS] [--tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shlex
+import tempfile
+from pathlib import Path
+
+from common import PY, chosen_modes, machine, median, ratio_ci, run, table
+
+import gputrace
+
+JOB = str(Path(__file__).parent / "train_gpt.py")
+# gputrace: the default (--layers blocks); leaves / off: the other granularities
+MODES = ("plain", "gputrace", "leaves", "off")
+
+
+def command(mode: str, ranks: int, out: Path, trace: Path, job_args: list[str]) -> list[str]:
+    job = [JOB, str(out), *job_args]
+    job = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
+           *job] if ranks > 1 else [PY, *job]
+    if mode == "plain":
+        return job
+    layers = [] if mode == "gputrace" else ["--layers", mode]
+    return [PY, "-m", "gputrace", "record", "-q", *layers, "-o", str(trace), "--", *job]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=12)
+    p.add_argument("--iterations", type=int, default=20)
+    p.add_argument("--ranks", default="1,2")
+    p.add_argument("--modes", default="gputrace", help=f"among {', '.join(MODES[1:])}")
+    p.add_argument("--job-args", default="", help="more options for bench/train_gpt.py")
+    p.add_argument("--tiny", action="store_true", help="one quick round (keeps it working)")
+    a = p.parse_args()
+    modes = chosen_modes(p, a.modes, MODES)
+    extra = shlex.split(a.job_args)
+    if a.tiny:
+        a.rounds, a.iterations = 1, 6
+        extra += ["--blocks", "2"]
+    extra += ["--iterations", str(a.iterations)]
+    rows = []
+    spans_per_iter = ""
+    with tempfile.TemporaryDirectory() as tmp:
+        for ranks in [int(x) for x in a.ranks.split(",")]:
+            runs: dict[str, list[list[float]]] = {m: [] for m in modes}
+            for r in range(a.rounds):
+                for m in random.Random(f"{ranks}-{r}").sample(modes, len(modes)):
+                    out = Path(tmp) / f"{m}-{ranks}-{r}.json"
+                    trace = Path(tmp) / f"{m}-{ranks}-{r}.arrow"
+                    run(command(m, ranks, out, trace, extra))
+                    steps = json.loads(out.read_text())
+                    times = [(s["end"] - s["start"]) / 1e9 for s in steps]
+                    runs[m].append(times[3:] if len(times) > 4 else times)
+                    if m == "gputrace" and r == 0 and ranks == 1:
+                        t = gputrace.load(trace).table
+                        kind = t.column("kind").cast("string").to_numpy(False)
+                        cat = t.column("cat").cast("string").to_numpy(False)
+                        spans_per_iter = f"{(kind == 'span').sum() / (cat == 'iteration').sum():.1f}"
+                    print(f"ranks {ranks} round {r} {m}: {median(runs[m][-1]) * 1e3:.1f} ms",
+                          flush=True)
+            base = median([t for x in runs["plain"] for t in x])
+            row = [f"{ranks} process{'es' if ranks > 1 else ''}", str(a.rounds),
+                   f"{base * 1e3:.1f} ms"]
+            for m in modes[1:]:
+                mine = median([t for x in runs[m] for t in x])
+                lo, hi = ratio_ci(runs[m], runs["plain"])
+                per_round = [median(x) / median(y) for x, y in zip(runs[m], runs["plain"],
+                                                                     strict=True)]
+                row += [f"{mine * 1e3:.1f} ms", f"{mine / base:.3f}x [{lo:.3f}, {hi:.3f}]",
+                        f"{median(per_round):.3f}x"]
+            rows.append(row)
+    print(table(f"Recording overhead: median iteration of bench/train_gpt.py "
+                f"{' '.join(extra)}", ["job", "rounds", "plain",
+                                       *(h for m in modes[1:]
+                                         for h in (m, "ratio [95 %]", "median of rounds"))],
+                rows))
+    print(f"spans per iteration recorded (1 process, default): {spans_per_iter}")
+    print("ratio [95 % interval]: bootstrap over rounds (a round's runs kept as a pair); "
+          "median of rounds: the median of the rounds' own ratios")
+    print(f"machine: {machine()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,222 @@
+"""Which modules of a PyTorch job are timed, and the per-module hooks that time them.
+
+No global module hook: those put every module call of the model (dropout, activations,
+attention internals) on torch's slower hooked path, and make `torch.compile(module)` warn.
+Instead, torch's global *registration* hooks (called when a module gets a parameter or a
+child, never when a module runs) follow how models are built: a module that owns parameters,
+directly or through its children, and is nobody's child is a model root and carries a forward
+pre-hook and hook; when it becomes a child (of a bigger model, DistributedDataParallel,
+`torch.compile`'s wrapper), they move to its new parent. At a root's first forward the
+modules to time are chosen (`GPUTRACE_LAYERS`):
+
+- `blocks` (default): the smallest modules that together own the parameters at block level:
+  each child of a container (`nn.ModuleList`, `nn.Sequential`, `nn.ModuleDict`) that owns
+  parameters (a transformer block, a stage), else every module with parameters of its own;
+- `leaves`: every module with parameters of its own;
+- `off`: none (phases and iterations only, no per-layer spans).
+
+Each chosen module gets its own forward pre-hook and hook (a `forward` span with `layer`);
+its parameters' post-accumulate-grad hooks give its backward. A compiled model
+(`torch.compile`) keeps only the parameter hooks: a hook inside the compiled region would
+break its graph.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import weakref
+from typing import Any
+
+from torch import nn
+
+from gputrace.collectors.torch_guard import _hook_failed
+
+MODES = ("blocks", "leaves", "off")
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
+def mode_from_env(value: str | None) -> str:
+    """GPUTRACE_LAYERS: blocks (default), leaves or off; anything else is one line and the
+    default."""
+    if not value:
+        return "blocks"
+    v = value.strip().lower()
+    if v in MODES:
+        return v
+    print(f"gputrace: GPUTRACE_LAYERS={value!r} is not one of {', '.join(MODES)}; "
+          "using blocks", file=sys.stderr)
+    return "blocks"
+
+
+def _owns(m: nn.Module) -> bool:
+    return any(p is not None for p in m._parameters.values())
+
+
+def _compiled(m: nn.Module) -> bool:
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
+
+
+def choose(root: nn.Module, mode: str) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+    """The modules to time under `root`, in registration order, each with the parameters
+    whose gradients make its backward (a block: all of its subtree's; otherwise its own)."""
+    if mode == "off":
+        return []
+    out: list[tuple[nn.Module, list[nn.Parameter]]] = []
+    has: dict[int, bool] = {}
+
+    def holds(m: nn.Module) -> bool:
+        k = id(m)
+        if k not in has:
+            has[k] = _owns(m) or any(holds(c) for c in m._modules.values() if c is not None)
+        return has[k]
+
+    seen: set[int] = set()
+
+    def walk(m: nn.Module, in_container: bool) -> None:
+        if id(m) in seen:
+            return
+        seen.add(id(m))
+        kids = [c for c in m._modules.values() if c is not None and holds(c)]
+        if mode == "blocks" and in_container and kids and not isinstance(m, _CONTAINERS):
+            out.append((m, list(m.parameters())))
+            return
+        if _owns(m):
+            out.append((m, [p for p in m._parameters.values() if p is not None]))
+        for c in kids:
+            walk(c, isinstance(m, _CONTAINERS))
+
+    walk(root, False)
+    return out
+
+
+class Modules:
+    """Follows module construction (registration hooks) and keeps root hooks on the roots;
+    attaches the per-module timing hooks of a root at its first forward."""
+
+    def __init__(self, state: Any, mode: str) -> None:
+        self.st = state
+        self.mode = mode
+        self.held: weakref.WeakSet[nn.Module] = weakref.WeakSet()     # owns params, subtree
+        self.parented: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self.roots: weakref.WeakKeyDictionary[nn.Module, tuple[Any, Any]] = \
+            weakref.WeakKeyDictionary()
+        self.seen: weakref.WeakSet[nn.Module] = weakref.WeakSet()     # roots that ran
+        self.timed: weakref.WeakKeyDictionary[nn.Module, list[Any]] = \
+            weakref.WeakKeyDictionary()
+        self.lock = threading.Lock()
+
+    # -- construction ----------------------------------------------------------------------
+    def install(self) -> None:
+        from torch.nn.modules import module as nn_module
+
+        nn_module.register_module_parameter_registration_hook(self._on_param)
+        nn_module.register_module_module_registration_hook(self._on_child)
+
+    def _on_param(self, module: nn.Module, name: str, param: Any) -> None:
+        try:
+            if param is not None and module not in self.held:
+                self.held.add(module)
+                if module not in self.parented:
+                    self.make_root(module)
+        except Exception as e:  # noqa: BLE001 - a profiler never takes down the job
+            _hook_failed("the parameter registration hook", e)
+
+    def _on_child(self, parent: nn.Module, name: str, child: Any) -> None:
+        try:
+            if child is None:
+                return
+            self.parented.add(child)
+            self.unroot(child)
+            if child in self.held and parent not in self.held:
+                self.held.add(parent)
+                if parent not in self.parented:
+                    self.make_root(parent)
+        except Exception as e:  # noqa: BLE001
+            _hook_failed("the module registration hook", e)
+
+    def adopt(self, modules: Any) -> None:
+        """Modules built before the hooks were installed: the roots among them."""
+        mods = [m for m in modules if isinstance(m, nn.Module)]
+        children = {id(c) for m in mods for c in m._modules.values() if c is not None}
+        for m in mods:
+            if id(m) in children:
+                self.parented.add(m)
+            elif m not in self.roots and any(True for _ in m.parameters()):
+                self.held.add(m)
+                self.make_root(m)
+
+    def make_root(self, m: nn.Module) -> None:
+        if m in self.roots:
+            return
+        st = self.st
+        pre = m.register_forward_pre_hook(st.root_pre)
+        post = m.register_forward_hook(st.root_post, always_call=True)
+        self.roots[m] = (pre, post)
+
+    def unroot(self, m: nn.Module) -> None:
+        handles = self.roots.pop(m, None)
+        if handles is not None:
+            for h in handles:
+                h.remove()
+
+    # -- first forward of a root -----------------------------------------------------------
+    def first_forward(self, root: nn.Module) -> None:
+        with self.lock:
+            if root in self.seen:
+                return
+            self.seen.add(root)
+        chosen = choose(root, self.mode)
+        st = self.st
+        if _compiled(root):
+            # hooks inside the compiled region would break its graph: the parameters' hooks
+            # only, layers numbered in registration order
+            for m, params in chosen:
+                for h in self.timed.pop(m, []):
+                    h.remove()
+                st.layer_for(m, params)
+            return
+        for m, params in chosen:
+            if m not in self.timed:
+                self.timed[m] = self._attach(m, params)
+
+    def _attach(self, m: nn.Module, params: list[nn.Parameter]) -> list[Any]:
+        """A forward span per call of `m`, appended as one tuple (perf_counter_ns times,
+        converted when flushed): one clock read and one append in the pre-hook, one clock
+        read, one tuple and one append in the hook."""
+        st = self.st
+        perf = time.perf_counter_ns
+        tid = threading.get_native_id
+        starts: list[int] = []
+        push = starts.append
+        pop = starts.pop
+        layer = 0
+        name = type(m).__name__
+
+        def pre(mod: Any, args: Any) -> None:
+            nonlocal layer
+            push(perf())
+            if not layer:
+                try:
+                    layer = st.layer_for(mod, params)
+                except Exception as e:  # noqa: BLE001 - a profiler never takes down the job
+                    _hook_failed("forward_pre", e)
+
+        def post(mod: Any, args: Any, out: Any) -> None:
+            t = perf()
+            try:
+                st.push(("forward", name, pop(), t, tid(), st.rec.step, layer, None, None))
+            except IndexError:   # hooked during this very call: its start was not taken
+                pass
+            except Exception as e:  # noqa: BLE001
+                _hook_failed("forward_post", e)
+
+        return [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
+
+
+def env_mode() -> str:
+    return mode_from_env(os.environ.get("GPUTRACE_LAYERS"))

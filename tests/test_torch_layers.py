@@ -1,0 +1,175 @@
+"""Per-module hooks instead of global ones: a GPT-2-shaped transformer (bench/train_gpt.py, plain
+PyTorch) that times its own phases, recorded with `--layers blocks` (the default), `leaves`
+and `off`; its analysis against the job's own clock, per-block backward under 2-rank gloo
+DDP feeding the comm units, and a torch.compile job whose output gputrace leaves alone."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from gputrace import load  # noqa: E402
+from tests.conftest import run_gputrace  # noqa: E402
+from tests.truth import compare, matched, per_iteration  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB = str(ROOT / "bench" / "train_gpt.py")
+BLOCKS = 4
+JOB_ARGS = ["--impl", "torch", "--blocks", str(BLOCKS), "--iterations", "14"]
+# execution order: wte, wpe, the blocks, ln_f, lm_head (its weight is wte's: no gradient
+# of its own)
+L_FWD = BLOCKS + 4
+L_BWD = BLOCKS + 3
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One recording per --layers choice (None: the default)."""
+    d = tmp_path_factory.mktemp("layers")
+    cache: dict[str | None, tuple[list, Path]] = {}
+
+    def get(layers: str | None) -> tuple[list, Path]:
+        if layers not in cache:
+            truth, out = d / f"{layers}.json", d / f"{layers}.arrow"
+            opt = ["--layers", layers] if layers else []
+            p = run_gputrace("record", "-q", *opt, "-o", str(out), "--", sys.executable,
+                             JOB, str(truth), *JOB_ARGS, timeout=600)
+            assert p.returncode == 0, p.stderr
+            cache[layers] = (json.loads(truth.read_text()), out)
+        return cache[layers]
+
+    return get
+
+
+def spans(path: Path) -> list[dict]:
+    return [r for r in load(path).table.to_pylist() if r["kind"] == "span"]
+
+
+def layers_per_step(rows: list[dict], cat: str) -> dict[int, set[int]]:
+    out: dict[int, set[int]] = defaultdict(set)
+    for r in rows:
+        if r["cat"] == cat and r["layer"] >= 1:
+            out[r["step"]].add(r["layer"])
+    return out
+
+
+PHASES = {"t_iter": [], "t_f": ["forward"], "t_b": ["backward"], "t_u": ["update"]}
+
+
+@pytest.mark.parametrize("layers", [None, "leaves", "off"])
+def test_phases_match_the_jobs_own_clock_at_every_granularity(runs, layers):
+    truth, out = runs(layers)
+    tr = load(out)
+    assert tr.metadata["collectors"]["torch"]["status"] == "ok"
+    rs = per_iteration(tr)
+    pairs = matched(rs, truth)
+    compare(rs, truth, pairs, PHASES, 0.05)
+
+
+def test_blocks_are_the_default_and_time_each_block(runs):
+    truth, out = runs(None)
+    rows = spans(out)
+    fwd, bwd = layers_per_step(rows, "forward"), layers_per_step(rows, "backward")
+    steps = sorted(s for s in bwd if s >= 0)
+    assert len(steps) >= 12
+    for s in steps:
+        assert fwd[s] == set(range(1, L_FWD + 1)), s
+        assert bwd[s] == set(range(1, L_BWD + 1)), s
+    names = {r["layer"]: r["name"] for r in rows if r["cat"] == "forward" and r["layer"] >= 1}
+    assert [names[i] for i in range(3, 3 + BLOCKS)] == ["Block"] * BLOCKS
+
+
+def test_per_block_backward_tiles_the_jobs_own_backward(runs):
+    """The blocks' backward spans run from backward's start to the last gradient: their sum
+    is the job's own backward time (perf_counter around loss.backward())."""
+    truth, out = runs(None)
+    rs = per_iteration(load(out))
+    pairs = matched(rs, truth)[3:]
+    rows = spans(out)
+    per_step: dict[int, float] = defaultdict(float)
+    for r in rows:
+        if r["cat"] == "backward" and r["layer"] >= 1:
+            per_step[r["step"]] += (r["end_ns"] - r["start_ns"]) / 1e9
+    steps = sorted(s for s in per_step if s >= 0)
+    import numpy as np
+
+    ratios = [per_step[steps[k]] / truth[i]["backward"] for i, k in pairs if k < len(steps)]
+    assert len(ratios) >= 8
+    assert abs(float(np.median(ratios)) - 1) <= 0.05, ratios
+
+
+def test_leaves_time_every_module_with_parameters(runs):
+    _, out = runs("leaves")
+    rows = spans(out)
+    per_block = 6          # ln_1, c_attn, c_proj, ln_2, c_fc, c_proj
+    fwd = layers_per_step(rows, "forward")
+    steps = [s for s in fwd if s >= 0]
+    assert steps and all(fwd[s] == set(range(1, per_block * BLOCKS + 4 + 1)) for s in steps)
+
+
+def test_off_records_phases_without_layers(runs):
+    _, out = runs("off")
+    rows = spans(out)
+    assert not [r for r in rows if r["cat"] in ("forward", "backward") and r["layer"] >= 1]
+    cats = {r["cat"] for r in rows}
+    assert {"iteration", "forward", "backward", "update"} <= cats
+    shards = load(out).metadata["shards"]
+    assert [s["torch"]["layers"] for s in shards if "torch" in s] == ["off"]
+
+
+def test_ddp_comm_units_hold_the_blocks(tmp_path):
+    """2-rank gloo DDP of the transformer: every bucket knows the blocks it holds, the buckets
+    together hold every block with gradients, and move exactly the model's gradient bytes."""
+    out = tmp_path / "ddp.arrow"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           "2", JOB, str(tmp_path / "t.json"), "--impl", "torch", "--blocks", str(BLOCKS),
+           "--iterations", "8"]
+    p = run_gputrace("record", "-q", "-o", str(out), "--", *cmd, timeout=600)
+    assert p.returncode == 0, p.stderr
+    sys.path.insert(0, str(ROOT / "bench"))
+    from train_gpt import GPT
+
+    model = GPT(1024, 32, 128, BLOCKS, 4)
+    grad_bytes = sum(q.numel() * q.element_size() for q in model.parameters())
+    rows = spans(out)
+    for rank in (0, 1):
+        comm = [r for r in rows if r["cat"] == "comm" and r["rank"] == rank and r["step"] >= 1]
+        by_step: dict[int, list[dict]] = defaultdict(list)
+        for r in comm:
+            by_step[r["step"]].append(r)
+        assert len(by_step) >= 6
+        for s, units in by_step.items():
+            held = [set(json.loads(r["args"])["layers"]) for r in units]
+            assert all(held), (rank, s)
+            assert set().union(*held) == set(range(1, L_BWD + 1)), (rank, s)
+            assert sum(r["bytes"] for r in units) == grad_bytes
+    p = run_gputrace("analyze", str(out), "--json", check=True)
+    units = json.loads(p.stdout)["units"]
+    assert units and all(u["layers"] for u in units)
+
+
+def test_torch_compile_job_output_is_its_own(tmp_path):
+    """torch.compile with gputrace's hooks in place prints nothing more than without them
+    (global module hooks made torch warn into the job's output)."""
+    cmd = [sys.executable, JOB, str(tmp_path / "t.json"), "--impl", "torch", "--blocks", "2",
+           "--iterations", "3", "--compile", "--compile-backend", "aot_eager", "--print-loss"]
+    plain = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert plain.returncode == 0, plain.stderr
+    out = tmp_path / "c.arrow"
+    rec = run_gputrace("record", "-q", "-o", str(out), "--", *cmd, timeout=600, cwd=tmp_path)
+    assert rec.returncode == 0, rec.stderr
+    assert "step 2 loss" in plain.stdout
+    assert (rec.stdout, rec.stderr) == (plain.stdout, plain.stderr)
+    # and the compiled model's phases and per-block backward are still there
+    rows = spans(out)
+    assert {"forward", "backward", "update"} <= {r["cat"] for r in rows}
+    assert layers_per_step(rows, "backward")[1] == set(range(1, 2 + 3 + 1))
