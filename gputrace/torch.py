@@ -42,10 +42,5 @@ def instrument(model: Any = None, optimizer: Any = None, loader: Any = None,
             for m, params in choose(model, state.modules.mode):
                 state.layer_for(m, params)
         else:
-            import gc
-
-            import torch
-
-            module = torch.nn.Module
-            state.modules.adopt(o for o in gc.get_objects() if issubclass(type(o), module))
+            state.modules.adopt_live()
     return status

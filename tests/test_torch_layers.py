@@ -173,3 +173,24 @@ def test_torch_compile_job_output_is_its_own(tmp_path):
     rows = spans(out)
     assert {"forward", "backward", "update"} <= {r["cat"] for r in rows}
     assert layers_per_step(rows, "backward")[1] == set(range(1, 2 + 3 + 1))
+
+
+def test_copied_and_pickled_models_run_and_a_loaded_model_is_found(tmp_path):
+    """gputrace's module hooks never go into a copy of the model (an EMA deepcopy, a
+    torch.save of the whole model): the job runs as without gputrace, and a model made by
+    unpickling (no construction seen) is found at its first backward and timed from its
+    second iteration on."""
+    out = tmp_path / "c.arrow"
+    job = [sys.executable, str(ROOT / "tests" / "jobs" / "copied_models.py"), "6"]
+    plain = subprocess.run(job, capture_output=True, text=True, timeout=300)
+    p = run_gputrace("record", "-q", "-o", str(out), "--", *job, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == plain.stdout and "gputrace" not in p.stderr
+    first = int(p.stdout.split()[-1])
+    rows = spans(out)
+    steps = {r["step"] for r in rows if r["cat"] == "update"}
+    assert len(steps) == first + 6
+    fwd = layers_per_step(rows, "forward")
+    for s in range(first + 1, first + 6):
+        assert len(fwd[s]) == 2, (s, dict(fwd))   # the loaded model's two Linear layers
+    assert fwd[0] and not fwd[0] & fwd[first + 1]  # new layers, not the first model's

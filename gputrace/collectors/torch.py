@@ -71,6 +71,8 @@ class _State:
         self.notes: list[str] = []
         self.lock = threading.Lock()
         self.modules = Modules(self, layers)
+        self.adopted = False                      # the live models were looked for once
+        self.root_ran = False                     # a root's forward since the last backward
 
     # -- forward -------------------------------------------------------------------------
     def layer_for(self, module: torch.nn.Module, params: list[Any] | None = None) -> int:
@@ -112,6 +114,7 @@ class _State:
         """A model root's forward begins (nested roots only count depth)."""
         t = self.now()
         if self.depth == 0:
+            self.root_ran = True
             self.its.forward(t, torch.is_grad_enabled())
             self.root_t0 = t
             self.root_name = type(module).__name__
@@ -161,6 +164,13 @@ class _State:
                 self.rec.span("forward", "loss", self.loss_from, t)
             self.loss_from = 0
             self.its.backward()
+            if not self.root_ran and not self.adopted:
+                # a backward, but no model root ran its forward since the last one: the
+                # model was made without construction (unpickled): find it once, time it
+                # from the next forward on
+                self.adopted = True
+                self.modules.adopt_live()
+            self.root_ran = False
         self.bwd_depth += 1
 
     @_guarded

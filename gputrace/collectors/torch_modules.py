@@ -94,6 +94,36 @@ def choose(root: nn.Module, mode: str) -> list[tuple[nn.Module, list[nn.Paramete
     return out
 
 
+class _Hook:
+    """A module hook of gputrace's that never takes gputrace into a copy of the model: a deep
+    copy (an EMA model, a teacher) shares it, as global hooks were shared, instead of
+    copying the recorder; a pickled model (`torch.save(model)`) holds a no-op in its place."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+    def __copy__(self) -> _Hook:
+        return self
+
+    def __deepcopy__(self, memo: Any) -> _Hook:
+        return self
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return (_NoHook, ())
+
+
+class _NoHook:
+    """What an unpickled model holds where gputrace's hook was."""
+
+    def __call__(self, *args: Any) -> None:
+        return None
+
+
 class Modules:
     """Follows module construction (registration hooks) and keeps root hooks on the roots;
     attaches the per-module timing hooks of a root at its first forward."""
@@ -150,12 +180,20 @@ class Modules:
                 self.held.add(m)
                 self.make_root(m)
 
+    def adopt_live(self) -> None:
+        """Every module alive now (the garbage collector's view): for models built before
+        the hooks were installed, or made without construction (unpickled, deep copies)."""
+        import gc
+
+        module = nn.Module
+        self.adopt(o for o in gc.get_objects() if issubclass(type(o), module))
+
     def make_root(self, m: nn.Module) -> None:
         if m in self.roots:
             return
         st = self.st
-        pre = m.register_forward_pre_hook(st.root_pre)
-        post = m.register_forward_hook(st.root_post, always_call=True)
+        pre = m.register_forward_pre_hook(_Hook(st.root_pre))
+        post = m.register_forward_hook(_Hook(st.root_post), always_call=True)
         self.roots[m] = (pre, post)
 
     def unroot(self, m: nn.Module) -> None:
@@ -215,7 +253,7 @@ class Modules:
             except Exception as e:  # noqa: BLE001
                 _hook_failed("forward_post", e)
 
-        return [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
+        return [m.register_forward_pre_hook(_Hook(pre)), m.register_forward_hook(_Hook(post))]
 
 
 def env_mode() -> str:
