@@ -197,29 +197,46 @@ def _timelines(sp: Spans, cr: col.Rows, rs: RankSteps, sel: np.ndarray
             f0, f1 = (int(need[fg[0]]), int(ready[fg[-1]])) if fg else (0, 0)
         fwd = _side(fg, need, ready, svc, unit, f0, f1, waits)
         red = [j for j in order if roles[j] in ("reduce_grad", "hsdp_all_reduce")]
-        rg = {int(unit[j]): j for j in order if roles[j] == "reshard_gather"}
-        # backward: one position per reduce-scatter (its unit's backward ends at its issue)
-        by_unit: dict[int, list[int]] = {}
-        for j in red:
-            by_unit.setdefault(int(unit[j]), []).append(j)
-        seq = sorted(by_unit, key=lambda u: min(start[j] for j in by_unit[u]))
+        rgs = [j for j in order if roles[j] == "reshard_gather"]
         if b0 < 0:
-            b0 = int(min((need[j] for j in rg.values()), default=start[red[0]] if red else 0))
+            b0 = int(min([need[j] for j in rgs] + [start[j] for j in red] or [0]))
         tail_end = max([b1] + [int(we[j]) for j in red if has_wait[j]])
+        # backward positions in measured order: a re-gather opens one (its unit's compute
+        # follows it), a reduce-scatter closes one (its unit's backward ended at its issue)
+        events = sorted([(int(need[j]), 0, j) for j in rgs] + [(int(start[j]), 1, j)
+                                                               for j in red])
         prev = b0
-        comp, gs, rsv, us = [], [], [], []
-        for u in seq:
-            issue = int(min(start[j] for j in by_unit[u]))
-            comp.append(max(issue - prev - waits.inside(prev, issue), 0) / 1e9)
-            gs.append(float(svc[rg[u]]) if u in rg else None)
-            rsv.append(float(sum(svc[j] for j in by_unit[u])))
-            us.append(u)
-            prev = max(prev, issue)
+        comp, gs, rsv, us, blk = [], [], [], [], []
+        cur_g: float | None = None
+        cur_u = -1
+        for t_ev, is_red, j in events:
+            if is_red and comp and rsv[-1] is None and us[-1] == int(unit[j]) and \
+                    t_ev <= prev:   # HSDP: the all-reduce right after its reduce-scatter
+                rsv[-1] = None
+            c = max(t_ev - prev - waits.inside(prev, t_ev), 0) / 1e9
+            if not is_red:
+                comp.append(c)
+                gs.append(cur_g)
+                rsv.append(None)
+                us.append(cur_u)
+                blk.append(False)
+                cur_g, cur_u = float(svc[j]), int(unit[j])
+                prev = max(prev, int(ready[j]))
+            else:
+                comp.append(c)
+                gs.append(cur_g)
+                rsv.append(float(svc[j]))
+                us.append(int(unit[j]) if cur_u < 0 else cur_u)
+                blk.append(bool(sync[j] or (has_wait[j] and ws[j] - start[j] <= 0.1 * max(
+                    end[j] - start[j], 1))))
+                cur_g, cur_u = None, -1
+                prev = max(prev, t_ev)
         comp.append(max(tail_end - prev - waits.inside(prev, tail_end), 0) / 1e9)
-        gs.append(None)
+        gs.append(cur_g)
         rsv.append(None)
-        us.append(-1)
-        bwd = sim.Side(0.0, comp, gs, rsv, us)
+        us.append(cur_u)
+        blk.append(False)
+        bwd = sim.Side(0.0, comp, gs, rsv, us, blk)
         t_iter = float(rs.terms["t_iter"][k])
         out.append(sim.Timeline(fwd, bwd, (f1 - f0) / 1e9, (tail_end - b0) / 1e9, t_iter))
         gathers.append({int(unit[j]): float(svc[j]) for j in fg})

@@ -27,6 +27,9 @@ class Side:
     gather_s: list[float | None]          # per unit: all-gather / re-gather (None: none)
     reduce_s: list[float | None] = field(default_factory=list)   # backward: reduce-scatter
     units: list[int] = field(default_factory=list)               # unit index per position
+    # backward: the job waited for the reduce-scatter right after issuing it (CPU FSDP, a
+    # synchronous reduce): the next unit's compute starts when it ends
+    blocking: list[bool] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -87,10 +90,11 @@ def run_side(side: Side, depth: int, k: Knobs, gathers: list[float | None] | Non
         return ch
 
     t = side.pre_s
-    if depth >= 1:   # the first units' gathers are issued at the side's start
-        for j in range(min(depth, n)):
-            if gs[j] is not None:
-                g_end[j] = put(0.0, gs[j])
+    order = [j for j in range(n) if gs[j] is not None]   # positions that gather
+    nth = {j: i for i, j in enumerate(order)}
+    if depth >= 1:   # the first gathers are issued at the side's start
+        for j in order[:depth]:
+            g_end[j] = put(0.0, gs[j])
     exposed = 0.0
     for j in range(n):
         if gs[j] is not None and j not in g_end:
@@ -98,12 +102,16 @@ def run_side(side: Side, depth: int, k: Knobs, gathers: list[float | None] | Non
         ready = max(t, g_end.get(j, t))
         exposed += ready - t
         t = ready
-        nxt = j + depth
-        if depth >= 1 and nxt < n and gs[nxt] is not None:
-            g_end[nxt] = put(t, gs[nxt])
+        if depth >= 1 and j in nth and nth[j] + depth < len(order):
+            nxt = order[nth[j] + depth]
+            if nxt not in g_end:
+                g_end[nxt] = put(t, gs[nxt])
         t += side.compute_s[j]
         if rs[j] is not None:
             put(t, rs[j])
+            if side.blocking and side.blocking[j]:
+                exposed += max(ch - t, 0.0)
+                t = max(t, ch)
     tail = max(ch - t, 0.0) if side.reduce_s else 0.0
     return t + tail, exposed, tail, comm
 
@@ -115,8 +123,17 @@ def simulate(tl: Timeline, k: Knobs, forward_gathers: dict[int, float] | None = 
     if k.reshard is False:
         bg = [None] * len(bg)
     elif k.reshard is True and forward_gathers is not None:
-        bg = [g if g is not None else (None if u == root else forward_gathers.get(u))
-              for g, u in zip(bg, tl.backward.units, strict=True)]
+        seen: set[int] = set()
+        add = []
+        for g, u, r in zip(bg, tl.backward.units, tl.backward.reduce_s or [None] * len(bg),
+                           strict=True):
+            # a re-gather ahead of the backward of each unit that gathered in forward
+            if g is None and r is not None and u not in seen and u in forward_gathers:
+                add.append(forward_gathers[u])
+                seen.add(u)
+            else:
+                add.append(g)
+        bg = add
     f, fe, _, fc = run_side(tl.forward, k.prefetch_forward, k)
     b, be, bt, bc = run_side(tl.backward, k.prefetch_backward, k, bg)
     return Result(f, b, fe, be + bt, fc + bc)
