@@ -165,3 +165,19 @@ def test_replay_prefetch_hides_an_all_gather_under_the_previous_units_compute():
     assert none.exposed_forward_s == pytest.approx(12.0)      # every gather waited for
     assert one.exposed_forward_s == pytest.approx(4.0)        # only the first
     assert sim.predict(tl, sim.Knobs(1, 0), sim.Knobs(0, 0)) == pytest.approx(43.0 - 8.0)
+
+
+def test_imported_nccl_kernels_are_comm_of_their_kind(shared_data):
+    """A PyTorch profiler trace of a real NCCL job: every ncclKernel_* is one collective of
+    the kind its name says (counted in the file itself)."""
+    import gzip
+    import re
+
+    path = shared_data / "kineto" / "nccl_data.json.gz"
+    names = re.findall(r'"name": *"ncclKernel_([A-Za-z]+)_', gzip.open(path, "rt").read())
+    want = {{"AllReduce": "all_reduce", "Broadcast": "broadcast"}[n] for n in names}
+    d = json.loads(run_gputrace("analyze", str(path), "--json", check=True).stdout)
+    c = d["collectives"]
+    assert c["recorded"] == len(names)
+    assert set(c["kinds"]) == want
+    assert {u["kind"] for u in d["units"]} <= want and d["comm_missing"] is None

@@ -334,6 +334,10 @@ def analyze_spans(sp: fr.Spans, o: Options) -> RankPart:
     sharded = shd.analyze_sharded(sp, cr, rs, sel, o.world, o.link_bytes_per_s) \
         if col.is_sharded(cr) else None
     model = build_model(rs, sel)
+    kinds = col.unit_kinds(col.for_model(sp, cr), cr, rs.iterations.start)
+    if kinds:
+        model = replace(model, units=[replace(u, kind=kinds.get(u.index, u.kind))
+                                      for u in model.units])
     comm = _overlap(rs.comm, sel)
     if sharded is not None:
         model, comm = sharded.model, sharded.overlap

@@ -254,3 +254,27 @@ def missing_message(world: int, single_rank_only: bool = False) -> str:
             "figure, Case or speedup can be given; record with a gputrace whose torch "
             "collector captures torch.distributed collectives, or import a trace that has "
             "the NCCL kernels")
+
+
+def unit_kinds(sp: Spans, r: Rows, it_start: np.ndarray) -> dict[int, str]:
+    """The kind of each gradient unit index (launch order within its iteration), as the
+    data-parallel model numbers them: GPU comm records when there are any, else host spans."""
+    if not r.n:
+        return {}
+    grad = gradient_mask(sp, r)
+    on_gpu = sp.device[r.idx] >= 0
+    use = grad & (on_gpu if (grad & on_gpu).any() else ~on_gpu)
+    j = np.flatnonzero(use)
+    if not j.size:
+        return {}
+    t = sp.start[r.idx[j]]
+    it = np.searchsorted(it_start, t, side="right") - 1
+    order = np.lexsort((t, it))
+    j, it = j[order], it[order]
+    first = np.r_[0, np.flatnonzero(np.diff(it)) + 1]
+    pos = np.arange(j.size) - np.repeat(first, np.diff(np.r_[first, j.size]))
+    out: dict[int, dict[str, int]] = {}
+    for p, k in zip(pos.tolist(), (r.kind[x] for x in j.tolist()), strict=True):
+        c = out.setdefault(p, {})
+        c[k] = c.get(k, 0) + 1
+    return {p: max(c, key=lambda k: c[k]) for p, c in out.items()}
