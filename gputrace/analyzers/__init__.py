@@ -29,6 +29,7 @@ from gputrace.analyzers.model import ModelResult, Speedup, build_model, speedup,
 from gputrace.analyzers.outliers import Outlier, find_outliers
 from gputrace.analyzers.replay import MIB, Replay, Scenario, replay, why_no_replay
 from gputrace.analyzers.steps import TERMS, RankSteps, analyze_rank, warmup_skip
+from gputrace.analyzers.timeline_comm import with_collectives
 from gputrace.trace.reader import RankedTrace, RankSource, read_rank
 
 
@@ -342,6 +343,8 @@ def analyze_spans(sp: fr.Spans, o: Options) -> RankPart:
     if sharded is not None:
         model, comm = sharded.model, sharded.overlap
     timeline = iteration_timeline(sp, rs, representative(rs, sel)) if o.detail and n else None
+    if timeline is not None:
+        timeline = with_collectives(timeline, sp, cr)
     u = rs.units
     its = rs.iterations
     return RankPart(
