@@ -16,6 +16,7 @@ from gputrace.analyzers import analyze
 from gputrace.analyzers import shardsim as sim
 from gputrace.trace import load, write_trace
 from tests.conftest import run_gputrace
+from tests.test_report import browser, open_in_browser  # noqa: F401 (a fixture)
 from tests.tracebuilder import Builder, ddp_iterations
 
 JOB = str(Path(__file__).parent / "jobs" / "fsdp_train.py")
@@ -181,3 +182,114 @@ def test_imported_nccl_kernels_are_comm_of_their_kind(shared_data):
     assert c["recorded"] == len(names)
     assert set(c["kinds"]) == want
     assert {u["kind"] for u in d["units"]} <= want and d["comm_missing"] is None
+
+
+# -- the HTML report and the timeline export of a real FSDP recording ------------------------
+
+ROLE_PHASE = {"unshard": ("all_gather", "forward"), "reshard_gather": ("all_gather", "backward"),
+              "reduce_grad": ("reduce_scatter", "backward")}
+
+
+@pytest.mark.slow
+def test_fsdp_report_in_chromium(fsdp, browser, tmp_path):  # noqa: F811 (the fixture)
+    path, prefix = fsdp("fsdp2")
+    page_path = tmp_path / "fsdp.html"
+    p = run_gputrace("analyze", str(path), "--json", "--report", str(page_path), check=True)
+    d = json.loads(p.stdout)
+    state, page = open_in_browser(browser, page_path, tmp_path / "shots")
+    assert {"timeline", "fsdp-units"} <= set(state)
+    # the units' bars: one row per unit, in unit order, with the JSON's units
+    units = d["sharded"]["units"]
+    lanes = sorted({(u["unit"], u["name"]) for u in units})
+    labels = [f"unit {u} {n}" if n else f"unit {u} (root)" for u, n in lanes]
+    assert state["fsdp-units"]["y"] == labels
+    parts = sum((u["exposed_s"] > 0) + (u["duration_s"] * u["count"] - u["exposed_s"] > 1e-7)
+                for u in units)
+    assert state["fsdp-units"]["items"]["marks"] == parts
+    assert {"all-gather exposed", "re-gather exposed", "reduce-scatter exposed"} <= set(
+        state["fsdp-units"]["colour"])
+    # the timeline: a lane per unit, every collective of the iteration drawn, all-gathers on
+    # the forward side, re-gathers and reduce-scatters on the backward side
+    tl = analyze(load(str(path)), detail=True).main.detail.timeline
+    assert set(labels) <= set(tl.lanes) and set(labels) <= set(state["timeline"]["y"])
+    assert state["timeline"]["items"]["layer_0_marks"] == len(tl.bars)
+    assert not any(ln.startswith("units (") for ln in tl.lanes)
+    fwd_end = max(b.end_s for b in tl.bars if b.what == "forward")
+    bwd_start = min(b.start_s for b in tl.bars if b.what == "backward")
+    comm = [b for b in tl.bars if b.lane.startswith("unit ")]
+    for b in comm:
+        if b.what.startswith("all-gather"):
+            assert b.end_s <= fwd_end + 1e-6, b
+        else:
+            assert b.what.startswith(("re-gather", "reduce-scatter")), b
+            assert b.start_s >= bwd_start - 1e-6, b
+    # as many per kind as the job counted itself in that iteration (gloo: one bar each)
+    own = json.load(open(f"{prefix}.rank{d['slowest_rank']}.json"))
+    calls = [c for c in own["calls"] if c["it"] == tl.step]
+    for what, (kind, phase) in (("all-gather", ROLE_PHASE["unshard"]),
+                                ("re-gather", ROLE_PHASE["reshard_gather"]),
+                                ("reduce-scatter", ROLE_PHASE["reduce_grad"])):
+        assert sum(b.what.startswith(what) for b in comm) == sum(
+            c["kind"] == kind and c["phase"] == phase for c in calls), what
+    # the collectives by kind table, with the JSON's counts
+    for k, v in d["collectives"]["kinds"].items():
+        row = page.inner_text(f'#collectives-table tr[data-kind="{k}"]').split("\t")
+        assert float(row[2]) == pytest.approx(v["count"], rel=0.01), row
+    page.close()
+
+
+@pytest.mark.slow
+def test_fsdp_export_slices_carry_kind_bytes_group_unit_and_role(fsdp, tmp_path):
+    path, prefix = fsdp("fsdp2")
+    out = tmp_path / "fsdp.json"
+    run_gputrace("export", str(path), "--format", "chrome", "-o", str(out), check=True)
+    ev = json.loads(out.read_text())["traceEvents"]
+    procs = {e["pid"]: e["args"]["name"] for e in ev
+             if e["ph"] == "M" and e["name"] == "process_name"}
+    for rank in (0, 1):
+        comm = [e["args"] for e in ev if e.get("cat") == "comm"
+                and procs[e["pid"]] == f"rank {rank}"]
+        assert comm
+        for a in comm:      # FSDP's, and the job's own barrier
+            assert a["group_size"] == 2 and a["group_ranks"] == "0,1" and "bytes" in a
+            if a["kind"] in ("all_gather", "reduce_scatter"):
+                assert a["fsdp"] == "fsdp2" and a["role"] in ROLE_PHASE
+                assert isinstance(a["prefetch"], bool)
+                assert isinstance(a["unit"], str) and a["layer"] >= 1
+        comm = [a for a in comm if a.get("fsdp")]
+        own = json.load(open(f"{prefix}.rank{rank}.json"))
+        for it in {c["it"] for c in own["calls"]}:
+            mine = [a for a in comm if a.get("step") == it]
+            calls = [c for c in own["calls"] if c["it"] == it]
+            for role, (kind, phase) in ROLE_PHASE.items():
+                got = [a for a in mine if a["role"] == role]
+                want = [c for c in calls if c["kind"] == kind and c["phase"] == phase]
+                assert len(got) == len(want), (it, role)
+                assert sum(a["bytes"] for a in got) == pytest.approx(
+                    sum(c["bytes"] for c in want), rel=0.01), (it, role)
+            # each unit's role once per iteration, the forward's prefetch as recorded
+            assert len({(a["unit"], a["role"]) for a in mine}) == len(mine)
+
+
+def test_exported_wait_is_a_slice_inside_its_collective(tmp_path):
+    """An async all-to-all the job waited on from 30 to 38 ms of a 10-40 ms collective."""
+    b = Builder()
+    ms = 1_000_000
+    b.span("iteration", 0, 100, step=0)
+    b.span("comm", 10, 40, name="all_to_all", step=0, args={
+        "kind": "all_to_all", "bytes_out": 4096, "async": True, "phase": "forward",
+        "group": {"size": 2, "ranks": [0, 1], "name": "0"},
+        "wait": [round((30 + b.clock_ms) * ms), round((38 + b.clock_ms) * ms)]})
+    b.write(tmp_path / "w.arrow")
+    out = tmp_path / "w.json"
+    run_gputrace("export", str(tmp_path / "w.arrow"), "--format", "chrome", "-o", str(out),
+                 check=True)
+    ev = [e for e in json.loads(out.read_text())["traceEvents"] if e["ph"] == "X"]
+    coll = next(e for e in ev if e["cat"] == "comm")
+    wait = next(e for e in ev if e["cat"] == "comm_wait")
+    assert coll["args"]["kind"] == "all_to_all" and coll["args"]["bytes_out"] == 4096
+    assert coll["args"]["async"] is True and coll["args"]["wait_ns"] == 8 * ms
+    assert wait["name"] == "wait: all_to_all" and wait["tid"] == coll["tid"]
+    assert wait["ts"] == pytest.approx(coll["ts"] + 20_000)
+    assert wait["dur"] == pytest.approx(8_000)
+    assert coll["ts"] <= wait["ts"] and wait["ts"] + wait["dur"] <= coll["ts"] + coll["dur"]

@@ -35,7 +35,7 @@ def unit_bars(ra: RankAnalysis) -> Chart | None:
             ms.append(round(v * 1e3, 4))
             count.append(round(u.count, 3))
             mb.append(round(u.nbytes / max(u.count, 1e-9) / 1e6, 3))
-    present = [w for w in PALETTE if w in set(what)]
+    present = [w for w in PALETTE if w in {x for x, v in zip(what, ms, strict=True) if v > 0}]
     data, flat = _columns(unit=label, what=what, ms=ms, count=count, mb=mb)
     spec = {
         "width": WIDTH, "height": {"step": 22}, "data": data,
