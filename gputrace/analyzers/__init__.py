@@ -28,6 +28,9 @@ from gputrace.analyzers.findings_comm import shd_findings
 from gputrace.analyzers.model import ModelResult, Speedup, build_model, speedup, unit_waits
 from gputrace.analyzers.outliers import Outlier, find_outliers
 from gputrace.analyzers.replay import MIB, Replay, Scenario, replay, why_no_replay
+from gputrace.analyzers.shardinputs import Inputs as ShardInputs
+from gputrace.analyzers.shardinputs import arrivals_of
+from gputrace.analyzers.shardinputs import inputs as shard_inputs
 from gputrace.analyzers.steps import TERMS, RankSteps, analyze_rank, warmup_skip
 from gputrace.analyzers.timeline_comm import with_collectives
 from gputrace.trace.reader import RankedTrace, RankSource, read_rank
@@ -309,6 +312,7 @@ class RankPart:
     timeline: IterationTimeline | None = None
     collectives: col.Collectives = field(default_factory=col.Collectives)
     sharded: shd.Sharded | None = None
+    shard_inputs: ShardInputs | None = None   # what the sharded analysis reads, kept small
 
     @property
     def sel(self) -> np.ndarray:
@@ -332,8 +336,9 @@ def analyze_spans(sp: fr.Spans, o: Options) -> RankPart:
     skipped = warmup_skip(n, o.skip)
     sel = np.arange(skipped, n)
     colls = shd.summarize_rank(sp, cr, rs, sel)
-    sharded = shd.analyze_sharded(sp, cr, rs, sel, o.world, o.link_bytes_per_s) \
-        if col.is_sharded(cr) else None
+    si = shard_inputs(sp, cr, rs) if col.is_sharded(cr) else None
+    sharded = shd.analyze_sharded(si, rs, sel, o.world, o.link_bytes_per_s) \
+        if si is not None else None
     model = build_model(rs, sel)
     kinds = col.unit_kinds(col.for_model(sp, cr), cr, rs.iterations.start)
     if kinds:
@@ -359,7 +364,7 @@ def analyze_spans(sp: fr.Spans, o: Options) -> RankPart:
         if sel.size else None,
         window=(int(its.start[0]), int(its.end[-1])) if n else (0, 0),
         series=iteration_series(rs, skipped) if o.detail else None, timeline=timeline,
-        collectives=colls, sharded=sharded)
+        collectives=colls, sharded=sharded, shard_inputs=si if sharded is not None else None)
 
 
 def analyze_frame(f: fr.Frame, o: Options) -> FramePart:
@@ -484,6 +489,13 @@ def combine(parts: list[FramePart], md: dict[str, Any], opts: Options, probe: An
     sels = {r: p.sel for r, p in ranks.items()}
     offsets = {r: clock.offset_ns(p.host) for r, p in ranks.items()} if clock else {}
     waits, arrivals = _comm_wait(steps, sels, offsets) if len(ranks) > 1 else ({}, {})
+    for r, p in list(ranks.items()):    # FSDP: replay again, knowing when the last rank came
+        if p.shard_inputs is not None and r in arrivals:
+            arr = arrivals_of(p.shard_inputs, p.steps.units.start, arrivals[r])
+            sh = shd.analyze_sharded(p.shard_inputs, p.steps, p.sel, world,
+                                     opts.link_bytes_per_s, arrive=arr)
+            if sh is not None:
+                ranks[r] = replace(p, sharded=sh, model=sh.model)
     shared = _shared(steps, {r: p.devices for r, p in ranks.items()}, md)
     missing = col.missing_message(world) if world > 1 and \
         not any(p.collectives.recorded for p in ranks.values()) else None

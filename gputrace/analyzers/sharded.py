@@ -15,8 +15,8 @@ import numpy as np
 from gputrace.analyzers import collectives as col
 from gputrace.analyzers import overlap as ov
 from gputrace.analyzers import shardsim as sim
-from gputrace.analyzers.frame import Spans
 from gputrace.analyzers.model import ModelResult, Speedup, SpeedupPoint, UnitStats, mean_terms
+from gputrace.analyzers.shardinputs import Inputs, summarize_rank  # noqa: F401 (here too)
 from gputrace.analyzers.steps import RankSteps
 
 RESAMPLES = 200
@@ -100,37 +100,6 @@ def _n(x: float) -> str:
     return f"{x:.0f}" if abs(x - round(x)) < 0.05 else f"{x:.1f}"
 
 
-def _window(sp: Spans, cat: str, it_of: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
-    m = np.flatnonzero(sp.of(cat) & (sp.device < 0) & (it_of >= 0))
-    lo = np.full(n, -1, np.int64)
-    hi = np.full(n, -1, np.int64)
-    big = np.iinfo(np.int64).max
-    lo[:] = big
-    np.minimum.at(lo, it_of[m], sp.start[m])
-    np.maximum.at(hi, it_of[m], sp.end[m])
-    lo[lo == big] = -1
-    return lo, hi
-
-
-def _iteration_of(rs: RankSteps, t: np.ndarray) -> np.ndarray:
-    its = rs.iterations
-    k = np.searchsorted(its.start, t, side="right") - 1
-    ok = (k >= 0) & (t < its.end[np.clip(k, 0, its.start.size - 1)])
-    return np.where(ok, k, -1)
-
-
-def summarize_rank(sp: Spans, cr: col.Rows, rs: RankSteps, sel: np.ndarray
-                   ) -> col.Collectives:
-    """Per-kind totals of a rank's comm (collectives.summarize with its iterations and
-    host compute)."""
-    if not cr.n:
-        return col.Collectives()
-    compute_m = (sp.of("forward") | sp.of("backward") | sp.of("update") | sp.of("h2d")) & \
-        sp.lasting()
-    compute = ov.union(sp.start[compute_m], sp.end[compute_m])
-    return col.summarize(sp, cr, _iteration_of(rs, sp.start[cr.idx]), sel, compute)
-
-
 class _Waits:
     """The intervals the job stood still for comm in one iteration, to subtract from the
     compute between unit boundaries."""
@@ -144,20 +113,19 @@ class _Waits:
         return float(ov.measure(self.u, np.int64(lo), np.int64(hi)))
 
 
-def _timelines(sp: Spans, cr: col.Rows, rs: RankSteps, sel: np.ndarray
+def _timelines(si: Inputs, rs: RankSteps, sel: np.ndarray, arrive: np.ndarray | None = None
                ) -> tuple[list[sim.Timeline], dict, list[dict[int, float]]]:
     """Per analyzed iteration, the measured sides; per-row facts; forward gather service
-    times by unit (for the reshard what-if)."""
-    n = rs.iterations.start.size
+    times by unit (for the reshard what-if). `arrive`: per comm row, when the last rank
+    arrived at it: a synchronous collective's wait for it is this rank's pace (the slower
+    rank's compute), kept as compute in the replay, not as transfer."""
+    cr = si.cr
     f_idx = np.flatnonzero(np.array([bool(f) for f in cr.fsdp], bool))
-    it_all = _iteration_of(rs, sp.start)
-    fwd_lo, fwd_hi = _window(sp, "forward", it_all, n)
-    bwd_lo, bwd_hi = _window(sp, "backward", it_all, n)
-    rows = cr.idx[f_idx]
-    it_of = it_all[rows]
-    start, end = sp.start[rows], sp.end[rows]
+    fwd_lo, fwd_hi, bwd_lo, bwd_hi = si.fwd_lo, si.fwd_hi, si.bwd_lo, si.bwd_hi
+    it_of = si.it_of[f_idx]
+    start, end = si.start[f_idx], si.end[f_idx]
     roles = [_role(cr.kind[j], cr.role[j], cr.phase[j]) for j in f_idx]
-    unit = sp.layer[rows].astype(np.int64)
+    unit = si.layer[f_idx]
     if (unit < 1).any():   # no unit index: number units by name, in first-gather order
         names: dict[str, int] = {}
         for j in np.argsort(start, kind="stable"):
@@ -168,15 +136,24 @@ def _timelines(sp: Spans, cr: col.Rows, rs: RankSteps, sel: np.ndarray
     ws, we = cr.wait_s[f_idx], cr.wait_e[f_idx]
     sync = ~cr.is_async[f_idx]
     has_wait = ws >= 0
-    need = np.where(has_wait, ws, np.where(sync, start, end))
+    arr_all = si.start if arrive is None else arrive
+    arr = arr_all[f_idx]
+    # exposed (reported): from when the rank stood still; in the replay a synchronous call
+    # needs its unit's parameters once the last rank is in it
+    need0 = np.where(has_wait, ws, np.where(sync, start, end))
+    need = np.where(has_wait, ws, np.where(sync, arr, end))
+    issue = np.where(sync, arr, start)
     ready = np.where(has_wait, we, end)
-    # exposure intervals: waits, synchronous calls (every comm row of the rank)
+    # the intervals the rank stood still for comm: waits, synchronous calls (from the last
+    # rank's arrival; before it, the rank waited for a slower peer's compute)
     all_sync = cr.contract & ~cr.is_async & (cr.wait_s < 0)
-    ex_s = np.concatenate([cr.wait_s[cr.wait_s >= 0], sp.start[cr.idx][all_sync]])
-    ex_e = np.concatenate([cr.wait_e[cr.wait_s >= 0], sp.end[cr.idx][all_sync]])
-    svc = np.zeros(rows.size)
+    ex_s = np.concatenate([cr.wait_s[cr.wait_s >= 0], arr_all[all_sync]])
+    ex_e = np.concatenate([cr.wait_e[cr.wait_s >= 0], si.end[all_sync]])
+    svc = np.zeros(f_idx.size)
     facts = {"it": it_of, "role": roles, "unit": unit, "start": start, "end": end,
-             "exposed": np.maximum(ready - need, 0), "svc": svc, "rows": f_idx}
+             "exposed": np.maximum(ready - need0, 0), "svc": svc, "rows": f_idx,
+             "peer": np.where(sync & ~has_wait, arr - start, 0),
+             "beside": np.where(sync & ~has_wait, 0, np.where(has_wait, ws, end) - start)}
     out: list[sim.Timeline] = []
     gathers: list[dict[int, float]] = []
     for k in sel.tolist():
@@ -186,7 +163,7 @@ def _timelines(sp: Spans, cr: col.Rows, rs: RankSteps, sel: np.ndarray
         order = mine[np.argsort(start[mine], kind="stable")]
         ch = -math.inf
         for j in order:   # service on the one channel: from when the channel was free
-            svc[j] = (end[j] - max(start[j], ch)) / 1e9
+            svc[j] = (end[j] - max(start[j], ch, arr[j])) / 1e9
             ch = max(ch, end[j])
         waits = _Waits(ex_s, ex_e)
         f0, f1 = fwd_lo[k], fwd_hi[k]
@@ -203,7 +180,7 @@ def _timelines(sp: Spans, cr: col.Rows, rs: RankSteps, sel: np.ndarray
         tail_end = max([b1] + [int(we[j]) for j in red if has_wait[j]])
         # backward positions in measured order: a re-gather opens one (its unit's compute
         # follows it), a reduce-scatter closes one (its unit's backward ended at its issue)
-        events = sorted([(int(need[j]), 0, j) for j in rgs] + [(int(start[j]), 1, j)
+        events = sorted([(int(need[j]), 0, j) for j in rgs] + [(int(issue[j]), 1, j)
                                                                for j in red])
         prev = b0
         comp, gs, rsv, us, blk = [], [], [], [], []
@@ -301,11 +278,14 @@ def _ring(n: int) -> float:
     return (n - 1) / n if n > 1 else 0.0
 
 
-def analyze_sharded(sp: Spans, cr: col.Rows, rs: RankSteps, sel: np.ndarray, world: int,
+def analyze_sharded(si: Inputs, rs: RankSteps, sel: np.ndarray, world: int,
                     link_bytes_per_s: float | None = None,
-                    gpus: Sequence[int] = (2, 4, 8, 16)) -> Sharded | None:
-    """The sharded view of one rank (None when it has no FSDP collective in `sel`)."""
-    tls, facts, fgathers = _timelines(sp, cr, rs, sel)
+                    gpus: Sequence[int] = (2, 4, 8, 16),
+                    arrive: np.ndarray | None = None) -> Sharded | None:
+    """The sharded view of one rank (None when it has no FSDP collective in `sel`);
+    `arrive`: per comm row, when the last rank arrived at it (from the other ranks)."""
+    cr = si.cr
+    tls, facts, fgathers = _timelines(si, rs, sel, arrive)
     if not tls:
         return None
     n_it = max(len(tls), 1)
@@ -358,8 +338,26 @@ def analyze_sharded(sp: Spans, cr: col.Rows, rs: RankSteps, sel: np.ndarray, wor
         "compute begins, its reduce-scatter issued when its backward ends",
         "service times scale with the bytes each rank moves, (N-1)/N of the full parameters, "
         "and inversely with the link bandwidth; latency is not modeled",
-        "comm on the CPU that took cycles from compute is not given back when comm goes away",
     ]
+    peer = float(np.sum(facts["peer"][inside])) / 1e9 / n_it
+    beside = float(np.sum(np.maximum(facts["beside"][inside], 0))) / 1e9 / n_it
+    if arrive is not None:
+        assumptions.append(
+            f"a synchronous collective's wait for the last rank to arrive ({peer * 1e3:.1f} ms "
+            "per iteration, measured against the other ranks) is the slower rank's pace: it "
+            "stays, as compute, where the collective goes away; only the rest is transfer")
+    else:
+        assumptions.append("the wait for the last rank inside a collective is not known "
+                           "(one rank's trace): it is counted as transfer")
+    if beside > 0:
+        assumptions.append(
+            f"collectives ran beside this rank's compute for {beside * 1e3:.1f} ms per "
+            "iteration; on the CPU what they took from compute is not given back")
+    else:
+        assumptions.append(
+            "no collective ran beside this rank's compute (synchronous calls, as gloo's on the "
+            "CPU: the issuing thread waits, and bytes move only once every rank is in the "
+            "call), so compute between unit boundaries had no comm to give back")
     scen: list[tuple[str, sim.Knobs]] = []
     if resharded:
         scen.append(("reshard_after_forward=False", replace(base, reshard=False)))
