@@ -293,3 +293,25 @@ def test_exported_wait_is_a_slice_inside_its_collective(tmp_path):
     assert wait["ts"] == pytest.approx(coll["ts"] + 20_000)
     assert wait["dur"] == pytest.approx(8_000)
     assert coll["ts"] <= wait["ts"] and wait["ts"] + wait["dur"] <= coll["ts"] + coll["dur"]
+
+
+@pytest.mark.slow
+def test_fsdp_replay_keeps_the_measured_wait_for_the_last_rank(fsdp):
+    """The replay's peer wait per iteration equals the wait brute-forced from both ranks'
+    rows of the same collective (same step, role and unit)."""
+    path, _ = fsdp("fsdp2")
+    d = json.loads(run_gputrace("analyze", str(path), "--json", check=True).stdout)
+    rows: dict[tuple, dict[int, int]] = {}
+    for r in load(str(path)).table.to_pylist():
+        if r["kind"] == "span" and r["cat"] == "comm" and r["args"] and '"role"' in r["args"]:
+            a = json.loads(r["args"])
+            rows.setdefault((r["step"], a["role"], r["layer"]), {})[r["rank"]] = r["start_ns"]
+    for rank, ra in d["ranks"].items():
+        its = ra["iterations"]
+        skip, n = its["warmup_skipped"], its["count"] - its["warmup_skipped"]
+        own = sum(max(max(by.values()) - by[int(rank)], 0) for (step, _, _), by in rows.items()
+                  if step >= skip and len(by) == 2) / 1e9 / n
+        line = next(x for x in ra["sharded"]["assumptions"] if "last rank to arrive" in x)
+        got = float(line.split("arrive (")[1].split(" ms")[0]) / 1e3
+        assert got == pytest.approx(own, rel=0.05, abs=3e-4), (line, own)
+        assert own > 0   # two ranks on shared cores never arrive at once
