@@ -17,8 +17,13 @@ class Builder:
         self.clock_ms = clock_ms
 
     def span(self, cat, start_ms, end_ms, *, name=None, rank=0, pid=1, tid=1, step=-1,
-             layer=-1, nbytes=None, layers=None, src_kind=None, device=-1, stream=-1):
-        args = json.dumps({"layers": layers}) if layers is not None else None
+             layer=-1, nbytes=None, layers=None, src_kind=None, device=-1, stream=-1,
+             args=None):
+        """`args`: a dict written as the row's args (beside `layers`)."""
+        a = dict(args or {})
+        if layers is not None:
+            a["layers"] = layers
+        args = json.dumps(a) if a else None
         start_ms, end_ms = start_ms + self.clock_ms, end_ms + self.clock_ms
         self.rows.append(("span", cat, name or cat, int(start_ms * MS), int(end_ms * MS), None,
                           None, self.host, rank, pid, tid, device, stream, step, layer, nbytes,

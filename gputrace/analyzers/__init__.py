@@ -11,7 +11,9 @@ from typing import Any
 import numpy as np
 
 from gputrace import progress
+from gputrace.analyzers import collectives as col
 from gputrace.analyzers import frame as fr
+from gputrace.analyzers import sharded as shd
 from gputrace.analyzers.bandwidth import Bandwidth, analyze_bandwidth, bandwidth_series
 from gputrace.analyzers.clocks import ClockAlignment, UnitTimes, estimate
 from gputrace.analyzers.detail import (
@@ -23,10 +25,15 @@ from gputrace.analyzers.detail import (
     representative,
 )
 from gputrace.analyzers.findings import Finding, find
+from gputrace.analyzers.findings_comm import shd_findings
 from gputrace.analyzers.model import ModelResult, Speedup, build_model, speedup, unit_waits
 from gputrace.analyzers.outliers import Outlier, find_outliers
 from gputrace.analyzers.replay import MIB, Replay, Scenario, replay, why_no_replay
+from gputrace.analyzers.shardinputs import Inputs as ShardInputs
+from gputrace.analyzers.shardinputs import arrivals_of
+from gputrace.analyzers.shardinputs import inputs as shard_inputs
 from gputrace.analyzers.steps import TERMS, RankSteps, analyze_rank, warmup_skip
+from gputrace.analyzers.timeline_comm import with_collectives
 from gputrace.trace.reader import RankedTrace, RankSource, read_rank
 
 
@@ -59,6 +66,9 @@ class RankAnalysis:
     detail: RankDetail | None = None    # per-iteration figures and a timeline, when asked for
     replay_unavailable: str | None = None   # why there is no what-if replay
     host: str = ""
+    collectives: col.Collectives = field(default_factory=col.Collectives)
+    comm_missing: str | None = None     # several ranks, no collective recorded: why no figure
+    sharded: shd.Sharded | None = None  # FSDP: units, exposed per unit, model and what-ifs
 
 
 @dataclass(frozen=True)
@@ -301,6 +311,9 @@ class RankPart:
     window: tuple[int, int]       # first start, last end of every iteration
     series: IterationSeries | None = None
     timeline: IterationTimeline | None = None
+    collectives: col.Collectives = field(default_factory=col.Collectives)
+    sharded: shd.Sharded | None = None
+    shard_inputs: ShardInputs | None = None   # what the sharded analysis reads, kept small
 
     @property
     def sel(self) -> np.ndarray:
@@ -317,26 +330,42 @@ class FramePart:
 
 def analyze_spans(sp: fr.Spans, o: Options) -> RankPart:
     """Everything one rank's spans give on their own: a pure function of them."""
-    rs = analyze_rank(sp)
+    cr = col.rows(sp)
+    rs = analyze_rank(col.for_model(sp, cr))
     extra = _extra_findings(sp, rs)
     n = rs.iterations.start.size
     skipped = warmup_skip(n, o.skip)
     sel = np.arange(skipped, n)
+    colls = shd.summarize_rank(sp, cr, rs, sel)
+    si = shard_inputs(sp, cr, rs) if col.is_sharded(cr) else None
+    sharded = shd.analyze_sharded(si, rs, sel, o.world, o.link_bytes_per_s) \
+        if si is not None else None
+    model = build_model(rs, sel)
+    kinds = col.unit_kinds(col.for_model(sp, cr), cr, rs.iterations.start)
+    if kinds:
+        model = replace(model, units=[replace(u, kind=kinds.get(u.index, u.kind))
+                                      for u in model.units])
+    comm = _overlap(rs.comm, sel)
+    if sharded is not None:
+        model, comm = sharded.model, sharded.overlap
     timeline = iteration_timeline(sp, rs, representative(rs, sel)) if o.detail and n else None
+    if timeline is not None:
+        timeline = with_collectives(timeline, sp, cr)
     u = rs.units
     its = rs.iterations
     return RankPart(
         rank=sp.rank, host=sp.host, iterations=int(n), warmup_skipped=skipped,
         synthetic=its.synthetic, breakdown={k: _stat(rs.terms[k][sel]) for k in TERMS},
-        comm=_overlap(rs.comm, sel), io=_overlap(rs.io, sel),
-        comm_exposed_s=float(np.mean(rs.comm.exposed_s[sel])) if sel.size else 0.0,
-        model=build_model(rs, sel), findings=extra, steps=rs,
+        comm=comm, io=_overlap(rs.io, sel),
+        comm_exposed_s=comm["exposed_s"],
+        model=model, findings=extra, steps=rs,
         devices=tuple(int(d) for d in np.unique(sp.device[sp.on_gpu()])),
         all_units=UnitTimes(its.step[u.it], u.index, u.start, u.end),
         analyzed=(int(its.start[sel[0]]), int(its.end[sel[-1]]), int(sel.size))
         if sel.size else None,
         window=(int(its.start[0]), int(its.end[-1])) if n else (0, 0),
-        series=iteration_series(rs, skipped) if o.detail else None, timeline=timeline)
+        series=iteration_series(rs, skipped) if o.detail else None, timeline=timeline,
+        collectives=colls, sharded=sharded, shard_inputs=si if sharded is not None else None)
 
 
 def analyze_frame(f: fr.Frame, o: Options) -> FramePart:
@@ -363,6 +392,9 @@ def replay_rank(p: RankPart, arrivals: np.ndarray | None, world: int, o: Options
     """A rank's what-if replay and speedup, given when the last rank arrived at each of its
     comm units (`arrivals`): a pure function of its part (run in the workers too)."""
     rs, sel = p.steps, p.sel
+    if p.sharded is not None:
+        return None, p.sharded.speedup, ("a sharded (FSDP) run: its what-ifs replay the "
+                                         "sharded timeline (see sharded)")
     rp = replay(rs, sel, p.model, world, list(o.gpus), o.link_bytes_per_s, list(o.what_if),
                 intervals=intervals, arrivals=arrivals, host_bytes_per_s=o.host_bytes_per_s)
     sp_ = speedup(p.model, world, list(o.gpus), o.link_bytes_per_s, o.shared_io,
@@ -460,13 +492,28 @@ def combine(parts: list[FramePart], md: dict[str, Any], opts: Options, probe: An
     sels = {r: p.sel for r, p in ranks.items()}
     offsets = {r: clock.offset_ns(p.host) for r, p in ranks.items()} if clock else {}
     waits, arrivals = _comm_wait(steps, sels, offsets) if len(ranks) > 1 else ({}, {})
+    for r, p in list(ranks.items()):    # FSDP: replay again, knowing when the last rank came
+        if p.shard_inputs is not None and r in arrivals:
+            arr = arrivals_of(p.shard_inputs, p.steps.units.start, arrivals[r])
+            sh = shd.analyze_sharded(p.shard_inputs, p.steps, p.sel, world,
+                                     opts.link_bytes_per_s, arrive=arr)
+            if sh is not None:
+                ranks[r] = replace(p, sharded=sh, model=sh.model)
     shared = _shared(steps, {r: p.devices for r, p in ranks.items()}, md)
+    missing = col.missing_message(world) if world > 1 and \
+        not any(p.collectives.recorded for p in ranks.values()) else None
     order = list(ranks)
     args = ([ranks[r] for r in order], [arrivals.get(r) for r in order],
             [world] * len(order), [opts] * len(order), [shared] * len(order))
-    done = list(progress.each(executor.map(replay_rank, *args)
-                              if executor is not None and len(order) > 1
-                              else map(replay_rank, *args), "replaying ranks", len(order)))
+    if missing:   # nothing to predict from: say so, never scale a comm never seen
+        done = [(None, replace(speedup(ranks[r].model, world, []), points=[],
+                               unavailable=missing),
+                 f"{why_no_replay(ranks[r].steps, ranks[r].sel, world, opts.link_bytes_per_s)}"
+                 f"; {missing}") for r in order]
+    else:
+        done = list(progress.each(executor.map(replay_rank, *args)
+                                  if executor is not None and len(order) > 1
+                                  else map(replay_rank, *args), "replaying ranks", len(order)))
     replays = dict(zip(order, done, strict=True))
     out: dict[int, RankAnalysis] = {}
     for r, p in ranks.items():
@@ -484,14 +531,16 @@ def combine(parts: list[FramePart], md: dict[str, Any], opts: Options, probe: An
             rd = RankDetail(p.series, p.timeline,
                             bandwidth_series(samples, lo, hi, probe) if samples else [], lo)
         w = waits.get(r)
-        more = {"findings": p.findings + _replay_findings(rp, world)}
+        more = {"findings": p.findings + _replay_findings(rp, world)
+                + shd_findings(p, missing)}
         out[r] = RankAnalysis(
             rank=r, iterations=p.iterations, warmup_skipped=p.warmup_skipped,
             synthetic_iterations=p.synthetic, breakdown=p.breakdown, comm=p.comm, io=p.io,
             model=p.model, speedup=sp_, bandwidth=bw,
             findings=_agree(find(p.model, p.comm, p.io, bw, more), rp, world),
             comm_wait_s=w[0] if w else None, comm_transfer_s=w[1] if w else None,
-            replay=rp, detail=rd, replay_unavailable=why, host=p.host)
+            replay=rp, detail=rd, replay_unavailable=why, host=p.host,
+            collectives=p.collectives, comm_missing=missing, sharded=p.sharded)
     slowest = max(out, key=lambda r: out[r].breakdown["t_iter"].mean)
     main = out[slowest]
     if main.replay is not None:

@@ -102,6 +102,7 @@ class UnitStats:
     duration_s: float
     hidden: bool
     hidden_fraction: float
+    kind: str = "all_reduce"   # the collective's kind (analyzers.collectives.KINDS)
 
 
 @dataclass(frozen=True)
@@ -318,11 +319,17 @@ def speedup(m: ModelResult, world_size: int, gpus: Sequence[int],
             share = d / measured_comm if measured_comm else 1.0
             return share * ring_factor(N) * grad_bytes / link_bytes_per_s
     else:
-        assumptions.append("no comm measured and no link bandwidth or gradient bytes known: "
-                           "comm is free")
-
-        def comm_at(N: int, d: float) -> float:
-            return 0.0
+        # never "comm is free": a prediction for N GPUs needs what the comm would move and
+        # how fast
+        need = [w for w, ok in (("the gradient bytes (backward spans with bytes, as the torch "
+                                 "collector records them)", grad_bytes > 0),
+                                ("a link bandwidth (run `gputrace probe` on this host before "
+                                 "recording, or pass --link-bandwidth)",
+                                 bool(link_bytes_per_s))) if not ok]
+        assumptions.append("no comm measured")
+        return Speedup("8", n, [], assumptions, None, link_bytes_per_s, grad_bytes,
+                       "one process and no comm measured: a prediction for N GPUs needs "
+                       + " and ".join(need), shared)
 
     overlapped = not (m.strategy == "sequential" or not comm_units)
     equation = "8" if not overlapped else ("9" if m.strategy == "wfbp" else "11")

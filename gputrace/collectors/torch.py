@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from gputrace.collectors import torch_guard
+from gputrace.collectors import torch_comm, torch_guard
 from gputrace.collectors.torch_ddp import maybe_hook_ddp, patch_ddp
 from gputrace.collectors.torch_guard import _guarded, _hook_failed
 from gputrace.collectors.torch_iterations import _Iterations
@@ -292,6 +292,7 @@ def auto_instrument(rec: Recorder) -> str:
     _patch_backward(state)
     _patch_dataloader(state)
     patch_ddp(lambda: _installed)
+    torch_comm.install(lambda: _installed)
     rec.metadata.setdefault("software", {})["torch"] = torch.__version__
     rec.metadata["torch"] = {"cuda": bool(torch.cuda.is_available()), "layers": layers}
     return "ok"

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from gputrace.collectors.torch_comm import ddp_hook_enter, ddp_hook_exit
 from gputrace.collectors.torch_guard import _hook_failed
 
 
@@ -49,7 +50,11 @@ def timed_hook(self: Any, hook: Any) -> Any:
             _hook_failed("the DDP comm hook", e)
             return hook(state, bucket)
         step = rec.step
-        fut = hook(state, bucket)
+        prev = ddp_hook_enter()   # the bucket's collectives are this span, not their own
+        try:
+            fut = hook(state, bucket)
+        finally:
+            ddp_hook_exit(prev)
 
         def done(f: Any) -> Any:
             rec.span("comm", "allreduce", t0, now(), layer=index, nbytes=nbytes,

@@ -25,6 +25,12 @@ PALETTE = {
     "update": "#b279a2", "comm exposed": "#e45756", "comm hidden": "#72b7b2",
     "other": "#bab0ac", "comm": "#ff9da6", "kernel": "#9d755d", "memcpy": "#79706e",
     "memset": "#d8b5a5", "sync": "#d6d6d6",
+    # collectives (charts_comm): strong where the job stood still for them, pale where hidden
+    "all-gather exposed": "#d62728", "all-gather hidden": "#ff9896",
+    "re-gather exposed": "#9467bd", "re-gather hidden": "#c5b0d5",
+    "reduce-scatter exposed": "#8c564b", "reduce-scatter hidden": "#c49c94",
+    "HSDP all-reduce exposed": "#e377c2", "HSDP all-reduce hidden": "#f7b6d2",
+    "collective exposed": "#e45756", "collective hidden": "#72b7b2",
 }
 
 # the breakdown's stack, bottom to top: (term, label, colour key)
@@ -436,6 +442,8 @@ def evidence(finding_id: str) -> str | None:
 
 def charts(a: Analysis, ra: RankAnalysis) -> list[Chart]:
     """Every chart the analysis has data for, in page order."""
-    made = (breakdown(ra), timeline(ra), rank_heatmap(a), comm_wait(a), bandwidth(ra),
-            speedup(ra), what_if(ra))
+    from gputrace.report.charts_comm import unit_bars
+
+    made = (breakdown(ra), timeline(ra), unit_bars(ra), rank_heatmap(a), comm_wait(a),
+            bandwidth(ra), speedup(ra), what_if(ra))
     return [c for c in made if c is not None]

@@ -3,7 +3,9 @@
 Tracks: per rank a process; in it one track per host thread (`pid/tid`) and one per GPU
 stream (`GPU d stream s`); samples become counter tracks (`name` or `name@GPU d`).
 Spans that overlap without nesting on one thread go to extra lanes of that thread, so
-every track's slices nest as the formats require.
+every track's slices nest as the formats require. A collective's slice carries its kind,
+bytes, process group and, under FSDP, its unit, role and prefetch; the job's wait on it is a
+slice nested in it (`wait: <kind>`, cat `comm_wait`).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def _columns(table: pa.Table) -> dict[str, Any]:
     def np_(name: str, fill: int = -1) -> np.ndarray:
         return table.column(name).fill_null(fill).to_numpy()
 
-    return {
+    cols = {
         "kind": table.column("kind").cast(pa.string()).to_pylist(),
         "cat": table.column("cat").cast(pa.string()).to_pylist(),
         "name": table.column("name").cast(pa.string()).to_pylist(),
@@ -45,7 +47,74 @@ def _columns(table: pa.Table) -> dict[str, Any]:
         "stream": np_("stream"), "step": np_("step"), "layer": np_("layer"),
         "phase": table.column("phase").cast(pa.string()).to_pylist()
         if "phase" in table.column_names else [None] * table.num_rows,
+        "bytes": np_("bytes"),
+        "args": table.column("args").cast(pa.string()).to_pylist()
+        if "args" in table.column_names else [None] * table.num_rows,
     }
+    return _with_waits(cols)
+
+
+COMM_ARGS = ("kind", "bytes_out", "async", "fsdp", "unit", "role", "prefetch")
+
+
+def _comm_args(cols: dict[str, Any], i: int) -> dict[str, Any]:
+    """A collective's record-contract args, flattened for a viewer's argument panel."""
+    raw = cols["args"][i]
+    try:
+        a = json.loads(raw) if raw else {}
+    except ValueError:
+        return {}
+    if not isinstance(a, dict):
+        return {}
+    out: dict[str, Any] = {k: a[k] for k in COMM_ARGS if k in a and a[k] is not None}
+    g = a.get("group")
+    if isinstance(g, dict):
+        for k in ("size", "name"):
+            if k in g:
+                out[f"group_{k}"] = g[k]
+        if isinstance(g.get("ranks"), list):
+            out["group_ranks"] = ",".join(str(r) for r in g["ranks"])
+    if isinstance(a.get("layers"), list):
+        out["layers"] = ",".join(str(x) for x in a["layers"])
+    w = a.get("wait")
+    if isinstance(w, list) and len(w) == 2:
+        out["wait_ns"] = int(w[1]) - int(w[0])
+    return out
+
+
+def _with_waits(cols: dict[str, Any]) -> dict[str, Any]:
+    """Append a row per collective the job waited on: its wait, inside the collective's
+    slice on the same thread (clipped to it, so that it nests)."""
+    extra: list[tuple[int, int, int]] = []    # (row, start, end)
+    for i, (cat, raw) in enumerate(zip(cols["cat"], cols["args"], strict=True)):
+        if cat != "comm" or not raw or '"wait"' not in raw or cols["kind"][i] != "span":
+            continue
+        try:
+            w = json.loads(raw).get("wait")
+            ws, we = int(w[0]), int(w[1])
+        except (ValueError, TypeError, IndexError, AttributeError):
+            continue
+        s, e = int(cols["start"][i]), int(cols["end"][i])
+        a, b = max(ws, s), min(we, e) if e >= 0 else we
+        if b > a:
+            extra.append((i, a, b))
+    if not extra:
+        return cols
+    rows = [i for i, _, _ in extra]
+    out = dict(cols)
+    for k, v in cols.items():
+        if isinstance(v, np.ndarray):
+            out[k] = np.concatenate([v, v[rows]])
+        else:
+            out[k] = v + [v[i] for i in rows]
+    n = len(cols["kind"])
+    out["start"][n:] = [a for _, a, _ in extra]
+    out["end"][n:] = [b for _, _, b in extra]
+    out["cat"][n:] = ["comm_wait"] * len(extra)
+    out["name"][n:] = [f"wait: {cols['name'][i]}" for i in rows]
+    out["args"][n:] = [None] * len(extra)
+    out["bytes"][n:] = -1
+    return out
 
 
 def _lanes(idx: list[int], start: np.ndarray, end: np.ndarray) -> list[list[int]]:
@@ -96,7 +165,7 @@ def tracks(cols: dict[str, Any]) -> tuple[list[_Track], dict[tuple[int, str], li
 
 def _label(cols: dict[str, Any], i: int) -> str:
     cat, name = cols["cat"][i], cols["name"][i]
-    if cat in ("kernel", "memcpy", "memset", "user", "sync") or name == cat:
+    if cat in ("kernel", "memcpy", "memset", "user", "sync", "comm_wait") or name == cat:
         return name
     return f"{cat}: {name}"
 
@@ -108,6 +177,10 @@ def _slice_args(cols: dict[str, Any], i: int) -> dict[str, Any]:
             a[k] = int(cols[k][i])
     if cols["phase"][i]:
         a["phase"] = cols["phase"][i]
+    if cols["cat"][i] == "comm":
+        if cols["bytes"][i] >= 0:
+            a["bytes"] = int(cols["bytes"][i])
+        a.update(_comm_args(cols, i))
     return a
 
 
@@ -232,7 +305,9 @@ def _write_perfetto(path: str, cols: dict[str, Any], span_tracks: list[_Track],
                     for k, v in _slice_args(cols, i).items():
                         a = p.track_event.debug_annotations.add()
                         a.name = k
-                        if isinstance(v, int):
+                        if isinstance(v, bool):
+                            a.bool_value = v
+                        elif isinstance(v, int):
                             a.int_value = v
                         else:
                             a.string_value = str(v)

@@ -15,6 +15,7 @@ from typing import Any
 
 from gputrace.analyzers import Analysis, RankAnalysis
 from gputrace.report.charts import Chart, charts, evidence
+from gputrace.report.charts_comm import kinds_table
 from gputrace.report.terminal import PHASES, STRATEGY, headline
 
 VEGA_LITE = "6.4"      # the Vega-Lite version the specs are written for
@@ -152,7 +153,7 @@ def render(a: Analysis, rank: int | None, script: str, source: str = "") -> str:
     body = ["<h1>gputrace report</h1>", *_summary(a, ra, source),
             "<nav>" + "".join(f'<a href="#{c.id}">{_e(c.title.split(":")[0])}</a>'
                               for c in drawn.values()) + "</nav>",
-            *_findings(ra, drawn)]
+            *_findings(ra, drawn), *kinds_table(ra)]
     for c in drawn.values():
         body.append(f'<section id="{c.id}" class="chart"><h2>{_e(c.title)}</h2>'
                     f'<p class="caption">{_e(c.caption)}</p>'

@@ -8,6 +8,7 @@ from typing import Any
 from gputrace.analyzers import Analysis, RankAnalysis
 from gputrace.analyzers.outliers import Outlier
 from gputrace.analyzers.replay import Replay
+from gputrace.report.json_comm import collectives_dict, sharded_dict
 
 FORMAT = "gputrace-analysis"
 VERSION = 1
@@ -41,7 +42,7 @@ def rank_dict(ra: RankAnalysis) -> dict[str, Any]:
         "units": [{"index": u.index, "layers": list(u.layers) if u.layers else None,
                    "bytes": _num(u.nbytes), "ready_s": u.ready_s, "start_s": u.start_s,
                    "end_s": u.end_s, "duration_s": u.duration_s, "hidden": u.hidden,
-                   "hidden_fraction": u.hidden_fraction} for u in m.units],
+                   "hidden_fraction": u.hidden_fraction, "kind": u.kind} for u in m.units],
         "speedup": {
             "equation": sp.equation, "measured_world_size": sp.world_size,
             "gradient_bytes": sp.grad_bytes,
@@ -67,6 +68,9 @@ def rank_dict(ra: RankAnalysis) -> dict[str, Any]:
         "what_if": _what_if(ra.replay),
         "what_if_unavailable": ra.replay_unavailable,
         "host": ra.host,
+        "comm_missing": ra.comm_missing,
+        "collectives": collectives_dict(ra),
+        "sharded": sharded_dict(ra),
     }
 
 

@@ -14,6 +14,7 @@ from gputrace.analyzers.model import UnitStats
 from gputrace.analyzers.replay import MIB, Outcome, Replay, Scenario
 from gputrace.fmt import mb, rate
 from gputrace.report import console
+from gputrace.report.collectives import headline_case, render_kinds, render_sharded
 
 PHASES = (("t_io", "waiting for data (I/O)"), ("t_h2d", "host to device copies"),
            ("t_f", "forward"), ("t_b", "backward"), ("t_u", "update (optimizer)"),
@@ -50,6 +51,7 @@ def headline(ra: RankAnalysis) -> str:
         case = "communication runs after backward, not overlapped"
     else:
         case = "single process: no gradient communication"
+    case = headline_case(ra) or case
     share = parts[top] / t_iter if t_iter else 0
     return (f"{_ms(t_iter)} per iteration. {case}. Largest share: {top_name} "
             f"({_ms(parts[top])}, {share:.0%}).")
@@ -169,8 +171,9 @@ def render(a: Analysis, rank: int | None = None, file: IO[str] | None = None,
     if ra.comm_wait_s is not None:
         con.print(f"comm across ranks: {_ms(ra.comm_wait_s)} waiting for peers, "
                   f"{_ms(ra.comm_transfer_s or 0)} transferring, per iteration")
+    render_kinds(con, ra)
     m = ra.model
-    if m.units:
+    if m.units and ra.sharded is None:
         ut = Table(title="Gradient units in launch order (times from iteration start)",
                    title_justify="left", box=None, padding=(0, 2))
         for c in ("unit", "layers", "MB", "ready", "start", "end", "hidden"):
@@ -186,9 +189,14 @@ def render(a: Analysis, rank: int | None = None, file: IO[str] | None = None,
         if len(m.units) > 12:
             con.print(f"({len(m.units) - 12} units not shown)")
         con.print(ut)
+    render_sharded(con, ra)
     con.print()
     strategy = STRATEGY.get(m.strategy, m.strategy) if ra.comm["total_s"] > 0 else \
         "single process, no gradient comm (eq. 1; eq. 4 with pipelined I/O)"
+    if ra.comm_missing:
+        strategy = "unknown: no collective recorded (eq. 1 over the measured phases)"
+    elif ra.sharded is not None:
+        strategy = f"{ra.sharded.label}: sharded iteration (docs/sharded.md)"
     con.print(f"[bold]Model[/]: {strategy}" + (f", Case {m.case}" if m.case else ""))
     con.print(f"  eq. {m.equation} predicts {_ms(m.predicted_t_iter)} per iteration; measured "
               f"{_ms(m.measured_t_iter)} ({m.relative_error:+.1%})")
@@ -221,7 +229,9 @@ def render(a: Analysis, rank: int | None = None, file: IO[str] | None = None,
         if sp.allreduce_efficiency is not None:
             con.print(f"  all-reduce efficiency (eq. 12): {sp.allreduce_efficiency:.1%} of "
                       f"{rate(sp.link_bytes_per_s or 0)}")
-    if ra.replay is not None and ra.replay.outcomes:
+    if ra.sharded is not None:
+        pass   # its what-ifs are above
+    elif ra.replay is not None and ra.replay.outcomes:
         _what_if(con, ra.replay, m.measured_t_iter)
     elif ra.replay_unavailable:
         con.print()

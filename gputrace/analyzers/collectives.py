@@ -1,0 +1,280 @@
+"""Every collective a rank issued, by kind: which comm spans are gradient units of the
+data-parallel model (DDP's buckets, NCCL kernels, a job's own gradient all-reduces) and which
+are other collectives (a buffer broadcast, a barrier, an MoE all-to-all, FSDP's all-gathers),
+per-kind totals per iteration, and whether a multi-rank trace recorded any collective at all.
+
+Comm spans follow the record contract: cat `comm`, name = kind, `args` with `kind`,
+`bytes_out`, `group`, `async`, `phase`, `wait` [start_ns, end_ns] and, under FSDP, `fsdp`,
+`unit`, `role`, `prefetch`. DDP's bucket spans (name `allreduce`, no `kind`) stay gradient
+units exactly as before."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from gputrace.analyzers import overlap as ov
+from gputrace.analyzers.frame import Spans
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send_recv",
+         "barrier", "reduce", "gather", "scatter")
+
+# NCCL kernel names (ncclKernel_AllGather_RING_LL_Sum_int8_t, ncclDevKernel_ReduceScatter_...,
+# ncclKernel_SendRecv, nccl:all_gather) and gloo's own ranges (gloo:all_reduce) -> kind
+_KERNEL = [(re.compile(p, re.I), k) for p, k in (
+    (r"all_?gather|allgather", "all_gather"),
+    (r"reduce_?scatter|reducescatter", "reduce_scatter"),
+    (r"all_?reduce|allreduce", "all_reduce"),
+    (r"all_?to_?all|alltoall", "all_to_all"),
+    (r"send_?recv|sendrecv|\bsend\b|\brecv\b|_send|_recv", "send_recv"),
+    (r"broadcast|bcast", "broadcast"),
+    (r"barrier", "barrier"),
+    (r"reduce", "reduce"),
+    (r"gather", "gather"),
+    (r"scatter", "scatter"),
+)]
+
+# the roles of FSDP's collectives (args.role) and the side of the iteration they belong to
+ROLES = ("unshard", "reshard_gather", "reduce_grad", "hsdp_all_reduce")
+
+
+def kind_of(name: str) -> str | None:
+    """A collective's kind from a span or kernel name (`allreduce`, an NCCL kernel's)."""
+    if name in KINDS:
+        return name
+    for pat, k in _KERNEL:
+        if pat.search(name):
+            return k
+    return None
+
+
+@dataclass(frozen=True)
+class Rows:
+    """The parsed comm spans of one rank, one entry each (in span order)."""
+
+    idx: np.ndarray            # rows into the rank's Spans
+    kind: list[str]
+    contract: np.ndarray       # bool: carries args.kind (recorded by the collector)
+    nbytes: np.ndarray         # float, nan unknown
+    bytes_out: np.ndarray
+    is_async: np.ndarray
+    phase: list[str]
+    wait_s: np.ndarray         # ns, -1 none
+    wait_e: np.ndarray
+    fsdp: list[str]            # "" when not FSDP's
+    unit: list[str | None]
+    role: list[str]
+    prefetch: np.ndarray
+    group_size: np.ndarray     # -1 unknown
+
+    @property
+    def n(self) -> int:
+        return int(self.idx.size)
+
+
+def _parse(a: str | None) -> dict[str, Any]:
+    if not a:
+        return {}
+    try:
+        v = json.loads(a)
+    except ValueError:
+        return {}
+    return v if isinstance(v, dict) else {}
+
+
+def _int(v: Any, default: int = -1) -> int:
+    return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else default
+
+
+def rows(sp: Spans) -> Rows:
+    """Parse every comm span's args (each distinct args string once)."""
+    idx = np.flatnonzero(sp.of("comm"))
+    if idx.size:
+        taken = sp.args.take(pa.array(idx))
+        if isinstance(taken, pa.ChunkedArray):
+            taken = taken.combine_chunks()
+        enc = taken.dictionary_encode()
+        parsed = [_parse(a) for a in enc.dictionary.to_pylist()] + [{}]
+        codes = enc.indices.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
+        args = [parsed[c] for c in codes.tolist()]
+    else:
+        args = []
+    kinds, phase, fsdp, unit, role = [], [], [], [], []
+    n = idx.size
+    contract = np.zeros(n, bool)
+    bout = np.full(n, np.nan)
+    asy = np.zeros(n, bool)
+    ws = np.full(n, -1, np.int64)
+    we = np.full(n, -1, np.int64)
+    pre = np.zeros(n, bool)
+    gsize = np.full(n, -1, np.int64)
+    for j, (i, a) in enumerate(zip(idx.tolist(), args, strict=True)):
+        k = a.get("kind")
+        contract[j] = isinstance(k, str) and k in KINDS
+        if not contract[j]:
+            k = kind_of(sp.names[sp.name[i]]) or "all_reduce"
+        kinds.append(k)
+        phase.append(str(a.get("phase") or ""))
+        fsdp.append(str(a.get("fsdp") or ""))
+        u = a.get("unit")
+        unit.append(u if isinstance(u, str) else None)
+        role.append(str(a.get("role") or ""))
+        bo = a.get("bytes_out")
+        if isinstance(bo, (int, float)):
+            bout[j] = float(bo)
+        asy[j] = bool(a.get("async"))
+        w = a.get("wait")
+        if isinstance(w, list) and len(w) == 2 and all(isinstance(x, int) for x in w) and \
+                w[1] >= w[0]:
+            ws[j], we[j] = w
+        pre[j] = bool(a.get("prefetch"))
+        g = a.get("group")
+        if isinstance(g, dict):
+            gsize[j] = _int(g.get("size"))
+    return Rows(idx, kinds, contract, sp.nbytes[idx], bout, asy, phase, ws, we, fsdp, unit,
+                role, pre, gsize)
+
+
+def is_sharded(r: Rows) -> bool:
+    """The rank ran FSDP (or another sharded strategy the collector names)."""
+    return any(r.fsdp)
+
+
+def gradient_mask(sp: Spans, r: Rows) -> np.ndarray:
+    """Which of the comm rows are gradient units for the data-parallel (DDP) model.
+
+    - spans without args.kind (DDP's buckets, imported NCCL kernels, gloo ranges): as before;
+    - under FSDP every collective is comm: the sharded model reads them all;
+    - else, when the rank shows DDP buckets, no recorded collective is (the buckets' own
+      collectives are not recorded twice; a buffer broadcast or a barrier is not gradient);
+    - else a job's own all-reduces issued in backward, update or outside any phase (manual
+      gradient averaging) are, other collectives are not."""
+    g = ~r.contract
+    if is_sharded(r):
+        return np.ones(r.n, bool)
+    if (~r.contract & (sp.device[r.idx] < 0)).any():
+        return g
+    own = np.array([c and k == "all_reduce" and ph in ("backward", "update", "none", "")
+                    for c, k, ph in zip(r.contract, r.kind, r.phase, strict=True)], bool)
+    return g | own
+
+
+def for_model(sp: Spans, r: Rows) -> Spans:
+    """The rank's spans as the data-parallel model reads them: comm spans that are not
+    gradient units get the category `collective` (analyzed here, by kind)."""
+    other = r.idx[~gradient_mask(sp, r)]
+    if not other.size:
+        return sp
+    cats = list(sp.cats)
+    if "collective" not in cats:
+        cats.append("collective")
+    cat = sp.cat.copy()
+    cat[other] = cats.index("collective")
+    return replace(sp, cat=cat, cats=cats, _mask_cache={})
+
+
+@dataclass(frozen=True)
+class KindTotal:
+    kind: str
+    count: float          # per analyzed iteration
+    nbytes: float         # this rank's input bytes per iteration
+    bytes_out: float
+    time_s: float         # summed durations per iteration
+    exposed_s: float      # the part the job stood still for, per iteration
+    gradient: bool        # counted as gradient units by the data-parallel model
+
+
+@dataclass(frozen=True)
+class Collectives:
+    """What one rank's comm spans say, by kind (per analyzed iteration)."""
+
+    kinds: list[KindTotal] = field(default_factory=list)
+    recorded: int = 0               # comm spans of any kind in the whole trace
+    in_iterations: int = 0          # of them, inside analyzed iterations
+    sharded: str | None = None      # "fsdp2" / "fsdp1" when FSDP issued them
+    group_sizes: tuple[int, ...] = ()
+
+    def total(self, key: str) -> float:
+        return float(sum(getattr(k, key) for k in self.kinds))
+
+
+def exposed_ns(sp: Spans, r: Rows, compute: ov.Union) -> np.ndarray:
+    """Per comm row, the time the job stood still for it: its `wait` interval when recorded;
+    a synchronous call on the loop's thread in full; else the part no compute covers."""
+    out = np.zeros(r.n)
+    if not r.n:
+        return out
+    s, e = sp.start[r.idx], sp.end[r.idx]
+    has_wait = r.wait_s >= 0
+    out[has_wait] = (r.wait_e - r.wait_s)[has_wait]
+    sync = r.contract & ~r.is_async & ~has_wait
+    out[sync] = (e - s)[sync]
+    rest = ~has_wait & ~sync
+    if rest.any():
+        cov = ov._cover_before(compute, e[rest]) - ov._cover_before(compute, s[rest])
+        out[rest] = np.maximum((e - s)[rest] - cov, 0)
+    return out
+
+
+def summarize(sp: Spans, r: Rows, it_of: np.ndarray, sel: np.ndarray, compute: ov.Union
+              ) -> Collectives:
+    """Per-kind totals over the analyzed iterations `sel` (it_of: each comm row's iteration,
+    -1 outside any)."""
+    if not r.n:
+        return Collectives()
+    grad = gradient_mask(sp, r)
+    inside = np.isin(it_of, sel)
+    n_it = max(int(sel.size), 1)
+    dur = (sp.end[r.idx] - sp.start[r.idx]) / 1e9
+    exp = exposed_ns(sp, r, compute) / 1e9
+    kinds = np.array(r.kind)
+    out = []
+    for k in [k for k in KINDS if k in set(r.kind)]:
+        m = inside & (kinds == k)
+        if not m.any():
+            continue
+        out.append(KindTotal(k, float(m.sum()) / n_it, float(np.nansum(r.nbytes[m])) / n_it,
+                             float(np.nansum(r.bytes_out[m])) / n_it,
+                             float(dur[m].sum()) / n_it, float(exp[m].sum()) / n_it,
+                             bool(grad[m].any())))
+    sharded = next((f for f in r.fsdp if f), None)
+    sizes = tuple(sorted({int(g) for g in r.group_size if g > 0}))
+    return Collectives(out, r.n, int(inside.sum()), sharded, sizes)
+
+
+def missing_message(world: int, single_rank_only: bool = False) -> str:
+    """The headline's words for a multi-rank trace without one collective."""
+    return (f"{world} ranks, but no collective was recorded: the ranks' communication "
+            "(all-reduce, all-gather, reduce-scatter...) is not in this trace, so no comm "
+            "figure, Case or speedup can be given; record with a gputrace whose torch "
+            "collector captures torch.distributed collectives, or import a trace that has "
+            "the NCCL kernels")
+
+
+def unit_kinds(sp: Spans, r: Rows, it_start: np.ndarray) -> dict[int, str]:
+    """The kind of each gradient unit index (launch order within its iteration), as the
+    data-parallel model numbers them: GPU comm records when there are any, else host spans."""
+    if not r.n:
+        return {}
+    grad = gradient_mask(sp, r)
+    on_gpu = sp.device[r.idx] >= 0
+    use = grad & (on_gpu if (grad & on_gpu).any() else ~on_gpu)
+    j = np.flatnonzero(use)
+    if not j.size:
+        return {}
+    t = sp.start[r.idx[j]]
+    it = np.searchsorted(it_start, t, side="right") - 1
+    order = np.lexsort((t, it))
+    j, it = j[order], it[order]
+    first = np.r_[0, np.flatnonzero(np.diff(it)) + 1]
+    pos = np.arange(j.size) - np.repeat(first, np.diff(np.r_[first, j.size]))
+    out: dict[int, dict[str, int]] = {}
+    for p, k in zip(pos.tolist(), (r.kind[x] for x in j.tolist()), strict=True):
+        c = out.setdefault(p, {})
+        c[k] = c.get(k, 0) + 1
+    return {p: max(c, key=lambda k: c[k]) for p, c in out.items()}

@@ -1,0 +1,428 @@
+"""Sharded data parallel (FSDP2 `fully_shard`, FSDP1): per unit and iteration the forward
+all-gather, the backward re-gather and the reduce-scatter; hidden vs exposed per unit (an
+all-gather is exposed by the time its unit's compute waited for it, a reduce-scatter by the
+time the step waited for it); the model of a sharded iteration, Case 1 / Case 2 per side,
+the speedup for N GPUs and what-ifs replayed on the measured timeline (shardsim)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from gputrace.analyzers import collectives as col
+from gputrace.analyzers import overlap as ov
+from gputrace.analyzers import shardsim as sim
+from gputrace.analyzers.model import ModelResult, Speedup, SpeedupPoint, UnitStats, mean_terms
+from gputrace.analyzers.shardinputs import Inputs, summarize_rank  # noqa: F401 (here too)
+from gputrace.analyzers.steps import RankSteps
+
+RESAMPLES = 200
+HIDDEN = 0.1          # a collective is hidden when the job waited less than this share of it
+
+
+def _role(kind: str, role: str, phase: str) -> str:
+    if role in col.ROLES:
+        return role
+    if kind == "all_gather":
+        return "reshard_gather" if phase == "backward" else "unshard"
+    if kind == "reduce_scatter":
+        return "reduce_grad"
+    return "hsdp_all_reduce" if kind == "all_reduce" else ""
+
+
+@dataclass(frozen=True)
+class UnitRow:
+    """One FSDP unit's collective of one role, means per analyzed iteration."""
+
+    unit: int
+    name: str
+    role: str
+    kind: str
+    count: float
+    nbytes: float
+    start_s: float       # from iteration start
+    end_s: float
+    duration_s: float
+    exposed_s: float
+    prefetched: float    # fraction issued by prefetch
+
+
+@dataclass(frozen=True)
+class WhatIf:
+    label: str
+    t_iter: float
+    low: float
+    high: float
+    exposed_s: float
+    comm_s: float
+    knobs: dict[str, object]
+
+
+@dataclass(frozen=True)
+class Sharded:
+    strategy: str                 # fsdp2 / fsdp1
+    world: int
+    units: list[UnitRow]
+    per_iteration: dict[str, float]       # role -> collectives per iteration
+    kinds: dict[str, float]               # kind -> collectives per iteration
+    exposed: dict[str, float]             # forward / backward / total exposed s per iteration
+    cases: dict[str, int]                 # forward / backward -> 1 or 2
+    exposed_units: dict[str, list[int]]   # side -> units whose collective was exposed
+    prefetch: dict[str, int]              # measured depth per side
+    reshard_after_forward: bool           # the backward re-gathered
+    model: ModelResult
+    overlap: dict[str, float]
+    speedup: Speedup
+    what_if: list[WhatIf]
+    baseline_t_iter: float
+    baseline_error: float
+    assumptions: list[str] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return {"fsdp2": "FSDP", "fsdp1": "FSDP (FullyShardedDataParallel)"}.get(
+            self.strategy, self.strategy.upper())
+
+    def headline(self) -> str:
+        ag = self.kinds.get("all_gather", 0.0)
+        rs = self.kinds.get("reduce_scatter", 0.0)
+        ar = self.kinds.get("all_reduce", 0.0)
+        more = f" and {_n(ar)} all-reduces" if ar else ""
+        return (f"{self.label}, {self.world} rank{'s' if self.world != 1 else ''}: "
+                f"{_n(ag)} all-gathers and {_n(rs)} reduce-scatters{more} per iteration, "
+                f"{self.exposed['total_s'] * 1e3:.1f} ms exposed")
+
+
+def _n(x: float) -> str:
+    return f"{x:.0f}" if abs(x - round(x)) < 0.05 else f"{x:.1f}"
+
+
+class _Waits:
+    """The intervals the job stood still for comm in one iteration, to subtract from the
+    compute between unit boundaries."""
+
+    def __init__(self, s: np.ndarray, e: np.ndarray) -> None:
+        self.u = ov.union(s, e)
+
+    def inside(self, lo: float, hi: float) -> float:
+        if hi <= lo:
+            return 0.0
+        return float(ov.measure(self.u, np.int64(lo), np.int64(hi)))
+
+
+def _timelines(si: Inputs, rs: RankSteps, sel: np.ndarray, arrive: np.ndarray | None = None
+               ) -> tuple[list[sim.Timeline], dict, list[dict[int, float]]]:
+    """Per analyzed iteration, the measured sides; per-row facts; forward gather service
+    times by unit (for the reshard what-if). `arrive`: per comm row, when the last rank
+    arrived at it: a synchronous collective's wait for it is this rank's pace (the slower
+    rank's compute), kept as compute in the replay, not as transfer."""
+    cr = si.cr
+    f_idx = np.flatnonzero(np.array([bool(f) for f in cr.fsdp], bool))
+    fwd_lo, fwd_hi, bwd_lo, bwd_hi = si.fwd_lo, si.fwd_hi, si.bwd_lo, si.bwd_hi
+    it_of = si.it_of[f_idx]
+    start, end = si.start[f_idx], si.end[f_idx]
+    roles = [_role(cr.kind[j], cr.role[j], cr.phase[j]) for j in f_idx]
+    unit = si.layer[f_idx]
+    if (unit < 1).any():   # no unit index: number units by name, in first-gather order
+        names: dict[str, int] = {}
+        for j in np.argsort(start, kind="stable"):
+            nm = cr.unit[f_idx[j]] or ""
+            names.setdefault(nm, len(names) + 1)
+        unit = np.array([u if u >= 1 else names[cr.unit[f_idx[j]] or ""]
+                         for j, u in enumerate(unit.tolist())], np.int64)
+    ws, we = cr.wait_s[f_idx], cr.wait_e[f_idx]
+    sync = ~cr.is_async[f_idx]
+    has_wait = ws >= 0
+    arr_all = si.start if arrive is None else arrive
+    arr = arr_all[f_idx]
+    # exposed (reported): from when the rank stood still; in the replay a synchronous call
+    # needs its unit's parameters once the last rank is in it
+    need0 = np.where(has_wait, ws, np.where(sync, start, end))
+    need = np.where(has_wait, ws, np.where(sync, arr, end))
+    issue = np.where(sync, arr, start)
+    ready = np.where(has_wait, we, end)
+    # the intervals the rank stood still for comm: waits, synchronous calls (from the last
+    # rank's arrival; before it, the rank waited for a slower peer's compute)
+    all_sync = cr.contract & ~cr.is_async & (cr.wait_s < 0)
+    ex_s = np.concatenate([cr.wait_s[cr.wait_s >= 0], arr_all[all_sync]])
+    ex_e = np.concatenate([cr.wait_e[cr.wait_s >= 0], si.end[all_sync]])
+    svc = np.zeros(f_idx.size)
+    facts = {"it": it_of, "role": roles, "unit": unit, "start": start, "end": end,
+             "exposed": np.maximum(ready - need0, 0), "svc": svc, "rows": f_idx,
+             "peer": np.where(sync & ~has_wait, arr - start, 0),
+             "beside": np.where(sync & ~has_wait, 0, np.where(has_wait, ws, end) - start)}
+    out: list[sim.Timeline] = []
+    gathers: list[dict[int, float]] = []
+    for k in sel.tolist():
+        mine = np.flatnonzero(it_of == k)
+        if not mine.size:
+            continue
+        order = mine[np.argsort(start[mine], kind="stable")]
+        ch = -math.inf
+        for j in order:   # service on the one channel: from when the channel was free
+            svc[j] = (end[j] - max(start[j], ch, arr[j])) / 1e9
+            ch = max(ch, end[j])
+        waits = _Waits(ex_s, ex_e)
+        f0, f1 = fwd_lo[k], fwd_hi[k]
+        b0, b1 = bwd_lo[k], bwd_hi[k]
+        fg = [j for j in order if roles[j] == "unshard"]
+        fg.sort(key=lambda j: need[j])
+        if f0 < 0:
+            f0, f1 = (int(need[fg[0]]), int(ready[fg[-1]])) if fg else (0, 0)
+        fwd = _side(fg, need, ready, svc, unit, f0, f1, waits)
+        red = [j for j in order if roles[j] in ("reduce_grad", "hsdp_all_reduce")]
+        rgs = [j for j in order if roles[j] == "reshard_gather"]
+        if b0 < 0:
+            b0 = int(min([need[j] for j in rgs] + [start[j] for j in red] or [0]))
+        tail_end = max([b1] + [int(we[j]) for j in red if has_wait[j]])
+        # backward positions in measured order: a re-gather opens one (its unit's compute
+        # follows it), a reduce-scatter closes one (its unit's backward ended at its issue)
+        events = sorted([(int(need[j]), 0, j) for j in rgs] + [(int(issue[j]), 1, j)
+                                                               for j in red])
+        prev = b0
+        comp, gs, rsv, us, blk = [], [], [], [], []
+        cur_g: float | None = None
+        cur_u = -1
+        for t_ev, is_red, j in events:
+            if is_red and comp and rsv[-1] is None and us[-1] == int(unit[j]) and \
+                    t_ev <= prev:   # HSDP: the all-reduce right after its reduce-scatter
+                rsv[-1] = None
+            c = max(t_ev - prev - waits.inside(prev, t_ev), 0) / 1e9
+            if not is_red:
+                comp.append(c)
+                gs.append(cur_g)
+                rsv.append(None)
+                us.append(cur_u)
+                blk.append(False)
+                cur_g, cur_u = float(svc[j]), int(unit[j])
+                prev = max(prev, int(ready[j]))
+            else:
+                comp.append(c)
+                gs.append(cur_g)
+                rsv.append(float(svc[j]))
+                us.append(int(unit[j]) if cur_u < 0 else cur_u)
+                blk.append(bool(sync[j] or (has_wait[j] and ws[j] - start[j] <= 0.1 * max(
+                    end[j] - start[j], 1))))
+                cur_g, cur_u = None, -1
+                prev = max(prev, t_ev)
+        comp.append(max(tail_end - prev - waits.inside(prev, tail_end), 0) / 1e9)
+        gs.append(cur_g)
+        rsv.append(None)
+        us.append(cur_u)
+        blk.append(False)
+        bwd = sim.Side(0.0, comp, gs, rsv, us, blk)
+        t_iter = float(rs.terms["t_iter"][k])
+        out.append(sim.Timeline(fwd, bwd, (f1 - f0) / 1e9, (tail_end - b0) / 1e9, t_iter))
+        gathers.append({int(unit[j]): float(svc[j]) for j in fg})
+    return out, facts, gathers
+
+
+def _side(gs: list[int], need: np.ndarray, ready: np.ndarray, svc: np.ndarray,
+          unit: np.ndarray, lo: int, hi: int, waits: _Waits) -> sim.Side:
+    if not gs:
+        return sim.Side(max(hi - lo - waits.inside(lo, hi), 0) / 1e9, [], [], [], [])
+    pre = max(int(need[gs[0]]) - lo - waits.inside(lo, int(need[gs[0]])), 0) / 1e9
+    comp = []
+    last = int(ready[gs[0]])
+    for i, j in enumerate(gs):
+        r = max(int(ready[j]), last)
+        nxt = int(need[gs[i + 1]]) if i + 1 < len(gs) else max(hi, r)
+        comp.append(max(nxt - r - waits.inside(r, nxt), 0) / 1e9)
+        last = max(r, nxt)
+    return sim.Side(pre, comp, [float(svc[j]) for j in gs], [], [int(unit[j]) for j in gs])
+
+
+def _unit_rows(facts: dict, cr: col.Rows, rs: RankSteps, sel: np.ndarray) -> list[UnitRow]:
+    it = facts["it"]
+    inside = np.isin(it, sel)
+    n_it = max(sel.size, 1)
+    t0 = rs.iterations.start[np.clip(it, 0, None)]
+    groups: dict[tuple[int, str], list[int]] = {}
+    for j in np.flatnonzero(inside).tolist():
+        groups.setdefault((int(facts["unit"][j]), facts["role"][j]), []).append(j)
+    out = []
+    for (u, role), js in groups.items():
+        a = np.array(js)
+        rows = facts["rows"][a]
+        out.append(UnitRow(
+            u, next((cr.unit[r] for r in rows if cr.unit[r] is not None), "") or "",
+            role, cr.kind[rows[0]], a.size / n_it, float(np.nansum(cr.nbytes[rows])) / n_it,
+            float(np.mean((facts["start"][a] - t0[a]) / 1e9)),
+            float(np.mean((facts["end"][a] - t0[a]) / 1e9)),
+            float(np.mean((facts["end"][a] - facts["start"][a]) / 1e9)),
+            float(np.sum(facts["exposed"][a]) / 1e9) / n_it,
+            float(np.mean(cr.prefetch[rows]))))
+    out.sort(key=lambda r: r.start_s)
+    return out
+
+
+def _depth(cr: col.Rows, facts: dict, role: str) -> int:
+    js = [j for j, r in enumerate(facts["role"]) if r == role]
+    if not js:
+        return 1 if role == "reshard_gather" else 0
+    return 1 if np.mean(cr.prefetch[facts["rows"][js]]) > 0.5 else 0
+
+
+def _mean_ci(v: np.ndarray) -> tuple[float, float, float]:
+    if v.size < 4:
+        return float(np.mean(v)), math.nan, math.nan
+    rng = np.random.default_rng(0)
+    means = v[rng.integers(0, v.size, (RESAMPLES, v.size))].mean(axis=1)
+    return float(np.mean(v)), float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+
+
+def _ring(n: int) -> float:
+    return (n - 1) / n if n > 1 else 0.0
+
+
+def analyze_sharded(si: Inputs, rs: RankSteps, sel: np.ndarray, world: int,
+                    link_bytes_per_s: float | None = None,
+                    gpus: Sequence[int] = (2, 4, 8, 16),
+                    arrive: np.ndarray | None = None) -> Sharded | None:
+    """The sharded view of one rank (None when it has no FSDP collective in `sel`);
+    `arrive`: per comm row, when the last rank arrived at it (from the other ranks)."""
+    cr = si.cr
+    tls, facts, fgathers = _timelines(si, rs, sel, arrive)
+    if not tls:
+        return None
+    n_it = max(len(tls), 1)
+    units = _unit_rows(facts, cr, rs, sel)
+    strategy = next(f for f in cr.fsdp if f)
+    world = max(world, max((int(g) for g in cr.group_size), default=1), 1)
+    inside = np.isin(facts["it"], sel)
+    roles = np.array(facts["role"])
+    per_role = {r: float(np.sum(inside & (roles == r))) / n_it for r in col.ROLES}
+    kinds: dict[str, float] = {}
+    for j in np.flatnonzero(inside).tolist():
+        k = cr.kind[facts["rows"][j]]
+        kinds[k] = kinds.get(k, 0.0) + 1.0 / n_it
+    exp_f = sum(u.exposed_s for u in units if u.role == "unshard")
+    exp_b = sum(u.exposed_s for u in units if u.role != "unshard")
+    exposed = {"forward_s": exp_f, "backward_s": exp_b, "total_s": exp_f + exp_b}
+    ex_units = {
+        "forward": sorted({u.unit for u in units if u.role == "unshard"
+                           and u.exposed_s > HIDDEN * u.duration_s * u.count}),
+        "backward": sorted({u.unit for u in units if u.role == "reshard_gather"
+                            and u.exposed_s > HIDDEN * u.duration_s * u.count}),
+    }
+    fwd_gathers = [u for u in units if u.role == "unshard"]
+    first = fwd_gathers[0].unit if fwd_gathers else None
+    cases = {"forward": 1 if all(u == first for u in ex_units["forward"]) else 2}
+    reduces = [u for u in units if u.role == "reduce_grad"]
+    last_red = reduces[-1].unit if reduces else None
+    red_exposed = sorted({u.unit for u in reduces if u.unit != last_red
+                          and u.exposed_s > HIDDEN * u.duration_s * u.count})
+    cases["backward"] = 1 if not ex_units["backward"] and not red_exposed else 2
+    ex_units["backward"] = sorted(set(ex_units["backward"]) | set(red_exposed))
+    resharded = per_role["reshard_gather"] > 0
+    base = sim.Knobs(_depth(cr, facts, "unshard"), _depth(cr, facts, "reshard_gather"))
+    root = first
+    kw = {"forward_gathers": None, "root": root}
+
+    def preds(k: sim.Knobs) -> np.ndarray:
+        return np.array([sim.predict(tl, k, base, forward_gathers=g, root=root)
+                         for tl, g in zip(tls, fgathers, strict=True)])
+
+    base_pred = np.array([tl.t_iter - tl.forward_s - tl.backward_s
+                          + (r.forward_s + r.backward_s)
+                          for tl in tls for r in [sim.simulate(tl, base, **kw)]])
+    measured = float(np.mean([tl.t_iter for tl in tls]))
+    baseline = float(np.mean(base_pred))
+    err = (baseline - measured) / measured if measured > 0 else 0.0
+    assumptions = [
+        "collectives of one process group run one after another, in issue order (one channel)",
+        "compute between unit boundaries stays as measured; a unit's gather is needed when its "
+        "compute begins, its reduce-scatter issued when its backward ends",
+        "service times scale with the bytes each rank moves, (N-1)/N of the full parameters, "
+        "and inversely with the link bandwidth; latency is not modeled",
+    ]
+    peer = float(np.sum(facts["peer"][inside])) / 1e9 / n_it
+    beside = float(np.sum(np.maximum(facts["beside"][inside], 0))) / 1e9 / n_it
+    if arrive is not None:
+        assumptions.append(
+            f"a synchronous collective's wait for the last rank to arrive ({peer * 1e3:.1f} ms "
+            "per iteration, measured against the other ranks) is the slower rank's pace: it "
+            "stays, as compute, where the collective goes away; only the rest is transfer")
+    else:
+        assumptions.append("the wait for the last rank inside a collective is not known "
+                           "(one rank's trace): it is counted as transfer")
+    if beside > 0:
+        assumptions.append(
+            f"collectives ran beside this rank's compute for {beside * 1e3:.1f} ms per "
+            "iteration; on the CPU what they took from compute is not given back")
+    else:
+        assumptions.append(
+            "no collective ran beside this rank's compute (synchronous calls, as gloo's on the "
+            "CPU: the issuing thread waits, and bytes move only once every rank is in the "
+            "call), so compute between unit boundaries had no comm to give back")
+    scen: list[tuple[str, sim.Knobs]] = []
+    if resharded:
+        scen.append(("reshard_after_forward=False", replace(base, reshard=False)))
+    elif len(fwd_gathers) > 1:
+        scen.append(("reshard_after_forward=True", replace(base, reshard=True)))
+    for d in (0, 1, 2):
+        if d != base.prefetch_forward:
+            scen.append((f"forward prefetch {d}", replace(base, prefetch_forward=d)))
+        if d != base.prefetch_backward and resharded:
+            scen.append((f"backward prefetch {d}", replace(base, prefetch_backward=d)))
+    for x in (2.0, 0.5):
+        scen.append((f"link x{x:g}", replace(base, bandwidth_x=x)))
+    what = []
+    for label, k in scen:
+        v = preds(k)
+        m, lo, hi = _mean_ci(v)
+        r = [sim.simulate(tl, k, forward_gathers=g, root=root)
+             for tl, g in zip(tls, fgathers, strict=True)]
+        what.append(WhatIf(label, m, lo, hi,
+                           float(np.mean([x.exposed_forward_s + x.exposed_backward_s
+                                          for x in r])),
+                           float(np.mean([x.comm_s for x in r])),
+                           {"prefetch_forward": k.prefetch_forward,
+                            "prefetch_backward": k.prefetch_backward,
+                            "bandwidth_x": k.bandwidth_x, "reshard": k.reshard}))
+    sp_ = _speedup(tls, fgathers, base, root, world, gpus, link_bytes_per_s, assumptions)
+    terms = mean_terms(rs, sel)
+    ustats = [UnitStats(i, None, u.nbytes / max(u.count, 1e-9), u.start_s, u.start_s, u.end_s,
+                        u.duration_s, u.exposed_s <= HIDDEN * u.duration_s * u.count,
+                        max(0.0, 1 - u.exposed_s / max(u.duration_s * u.count, 1e-12)),
+                        kind=u.kind) for i, u in enumerate(units)]
+    model = ModelResult(
+        "fsdp", max(cases.values()), None, None, "S", baseline, measured, err, False, None,
+        terms, ustats,
+        [f"sharded iteration (docs/sharded.md): forward Case {cases['forward']}, backward "
+         f"Case {cases['backward']}; replaying the measured timeline gives "
+         f"{baseline * 1e3:.1f} ms ({err:+.1%})"])
+    t_comm = terms.get("t_comm", 0.0)
+    ovl = {"total_s": t_comm, "hidden_s": max(t_comm - exposed["total_s"], 0.0),
+           "exposed_s": min(exposed["total_s"], t_comm) if t_comm else exposed["total_s"]}
+    ovl["hidden_fraction"] = ovl["hidden_s"] / t_comm if t_comm > 0 else 0.0
+    return Sharded(strategy, world, units, per_role, kinds, exposed, cases, ex_units,
+                   {"forward": base.prefetch_forward, "backward": base.prefetch_backward},
+                   resharded, model, ovl, sp_, what, baseline, err, assumptions)
+
+
+def _speedup(tls: list[sim.Timeline], fg: list[dict[int, float]], base: sim.Knobs,
+             root: int | None, world: int, gpus: Sequence[int], link: float | None,
+             assumptions: list[str]) -> Speedup:
+    one = float(np.mean([sim.one_gpu(tl, base) for tl in tls]))
+    pts = []
+    unavailable = None
+    if world < 2:
+        unavailable = ("one rank: its collectives move nothing between GPUs, so there is no "
+                       "measured transfer to scale")
+    else:
+        for n in gpus:
+            k = replace(base, scale=_ring(n) / _ring(world))
+            t = float(np.mean([sim.predict(tl, k, base, forward_gathers=g, root=root)
+                               for tl, g in zip(tls, fg, strict=True)]))
+            s = n * one / t if t > 0 else 0.0
+            r = [sim.simulate(tl, k) for tl in tls]
+            pts.append(SpeedupPoint(n, s, s / n, t, float(np.mean([x.comm_s for x in r]))))
+    asm = ["weak scaling: the same batch per GPU, so compute per unit stays",
+           f"all-gather and reduce-scatter move (N-1)/N of the full bytes per rank: "
+           f"their measured service times at {world} ranks scale by ((N-1)/N)/"
+           f"(({world}-1)/{world})"] + assumptions[:2]
+    return Speedup("S", world, pts, asm, None, link, 0.0, unavailable)

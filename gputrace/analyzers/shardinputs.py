@@ -1,0 +1,83 @@
+"""What the sharded (FSDP) analysis reads of one rank's spans, kept small (a row per comm
+span and a value per iteration) so that the analysis can run again once every rank's part is
+in: then a synchronous collective's wait for the last rank to arrive is known, and the
+replay counts it as that rank's pace (compute), not as transfer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from gputrace.analyzers import collectives as col
+from gputrace.analyzers import overlap as ov
+from gputrace.analyzers.frame import Spans
+from gputrace.analyzers.steps import RankSteps
+
+
+@dataclass(frozen=True)
+class Inputs:
+    cr: col.Rows
+    start: np.ndarray        # per comm row, ns
+    end: np.ndarray
+    layer: np.ndarray        # per comm row: the FSDP unit index (-1 unknown)
+    it_of: np.ndarray        # per comm row: its iteration, -1 outside any
+    fwd_lo: np.ndarray       # per iteration: the host forward's first start / last end, -1
+    fwd_hi: np.ndarray
+    bwd_lo: np.ndarray
+    bwd_hi: np.ndarray
+
+
+def window(sp: Spans, cat: str, it_of: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    m = np.flatnonzero(sp.of(cat) & (sp.device < 0) & (it_of >= 0))
+    lo = np.full(n, -1, np.int64)
+    hi = np.full(n, -1, np.int64)
+    big = np.iinfo(np.int64).max
+    lo[:] = big
+    np.minimum.at(lo, it_of[m], sp.start[m])
+    np.maximum.at(hi, it_of[m], sp.end[m])
+    lo[lo == big] = -1
+    return lo, hi
+
+
+def iteration_of(rs: RankSteps, t: np.ndarray) -> np.ndarray:
+    its = rs.iterations
+    k = np.searchsorted(its.start, t, side="right") - 1
+    ok = (k >= 0) & (t < its.end[np.clip(k, 0, its.start.size - 1)])
+    return np.where(ok, k, -1)
+
+
+def inputs(sp: Spans, cr: col.Rows, rs: RankSteps) -> Inputs:
+    n = rs.iterations.start.size
+    it_all = iteration_of(rs, sp.start)
+    fl, fh = window(sp, "forward", it_all, n)
+    bl, bh = window(sp, "backward", it_all, n)
+    return Inputs(cr, sp.start[cr.idx].copy(), sp.end[cr.idx].copy(),
+                  sp.layer[cr.idx].astype(np.int64), it_all[cr.idx], fl, fh, bl, bh)
+
+
+def summarize_rank(sp: Spans, cr: col.Rows, rs: RankSteps, sel: np.ndarray
+                   ) -> col.Collectives:
+    """Per-kind totals of a rank's comm (collectives.summarize with its iterations and
+    host compute)."""
+    if not cr.n:
+        return col.Collectives()
+    compute_m = (sp.of("forward") | sp.of("backward") | sp.of("update") | sp.of("h2d")) & \
+        sp.lasting()
+    compute = ov.union(sp.start[compute_m], sp.end[compute_m])
+    return col.summarize(sp, cr, iteration_of(rs, sp.start[cr.idx]), sel, compute)
+
+
+def arrivals_of(si: Inputs, unit_start: np.ndarray, unit_arrival: np.ndarray) -> np.ndarray:
+    """Per comm row, when the last rank arrived at it (ns, own clock), from the model's comm
+    units (under FSDP, the same collectives, matched by their start); its own start where
+    not known."""
+    out = si.start.copy()
+    if not unit_start.size:
+        return out
+    order = np.argsort(unit_start, kind="stable")
+    us = unit_start[order]
+    k = np.clip(np.searchsorted(us, si.start), 0, us.size - 1)
+    hit = us[k] == si.start
+    out[hit] = unit_arrival[order][k[hit]]
+    return np.minimum(np.maximum(out, si.start), np.maximum(si.end, si.start))

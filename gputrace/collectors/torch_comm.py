@@ -1,0 +1,361 @@
+"""Every torch.distributed collective the job issues, as one `comm` span.
+
+The public collectives of `torch.distributed` (all_reduce, all_gather[_single|_into_tensor],
+reduce_scatter[_single|_tensor], broadcast, all_to_all[_single], send/recv/isend/irecv,
+batch_isend_irecv, barrier, reduce, gather, scatter) are replaced, in `distributed_c10d` and
+in the `torch.distributed` namespace alike, by a wrapper that times the call on the issuing
+thread. A synchronous call is a span over the call. An asynchronous one (a `Work` returned)
+ends when the job's `wait()` on it returns or its future completes, whichever is seen first;
+the job's wait is kept as `args.wait` when the work was still running when it began (the
+time its compute stood still for it).
+
+A collective issued inside another (all_gather_into_tensor calls all_gather_single) or by a
+DistributedDataParallel comm hook (its buckets are timed there) is not recorded again. The
+record's fields are described in the trace format's comm contract: name/`kind`, `bytes`
+(this rank's input), `bytes_out`, `group`, `async`, `phase`, `wait`, and for FSDP the unit
+(`layer`, `fsdp`, `unit`, `role`, `prefetch`), which torch_fsdp sets on the thread while a
+unit issues its collectives.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from gputrace.collectors.torch_guard import _hook_failed
+
+_native_tid = threading.get_native_id
+
+
+class _Local(threading.local):
+    busy = False          # inside a recorded collective, or a DDP comm hook
+    ctx: Any = None       # the FSDP unit issuing collectives on this thread (torch_fsdp)
+    prefetch = False      # that unit's all-gather is a prefetch
+
+
+TLS = _Local()
+
+
+def _no_state() -> Any:
+    return None
+
+
+_state: Callable[[], Any] = _no_state
+_updating = [0]          # inside optimizer.step()
+_groups: dict[Any, str] = {}
+_pending: dict[int, _Entry] = {}
+_lock = threading.Lock()
+_installed = False
+_Work: list[Any] = [type(None)]
+
+
+def ddp_hook_enter() -> bool:
+    """DistributedDataParallel's comm hook is running on this thread: its collectives are
+    the bucket's, timed by the hook's wrapper. Returns the previous value for `ddp_hook_exit`."""
+    prev = TLS.busy
+    TLS.busy = True
+    return prev
+
+
+def ddp_hook_exit(prev: bool) -> None:
+    TLS.busy = prev
+
+
+# -- arguments ------------------------------------------------------------------------------
+def _nb(t: Any) -> int:
+    try:
+        return t.numel() * t.element_size()
+    except AttributeError:
+        return 0
+
+
+def _nbl(ts: Any) -> int:
+    return sum(_nb(t) for t in ts) if ts else 0
+
+
+# name -> (kind, input (pos, kw, is_list) | None, output ... | None, group (pos, kw))
+_SPECS: dict[str, tuple[str, Any, Any, tuple[int, str]]] = {
+    "all_reduce": ("all_reduce", (0, "tensor", 0), (0, "tensor", 0), (2, "group")),
+    "all_gather": ("all_gather", (1, "tensor", 0), (0, "tensor_list", 1), (2, "group")),
+    "all_gather_single": ("all_gather", (1, "input_tensor", 0), (0, "output_tensor", 0),
+                          (2, "group")),
+    "all_gather_into_tensor": ("all_gather", (1, "input_tensor", 0), (0, "output_tensor", 0),
+                               (2, "group")),
+    "_all_gather_base": ("all_gather", (1, "input_tensor", 0), (0, "output_tensor", 0),
+                         (2, "group")),
+    "reduce_scatter": ("reduce_scatter", (1, "input_list", 1), (0, "output", 0), (3, "group")),
+    "reduce_scatter_single": ("reduce_scatter", (1, "input", 0), (0, "output", 0),
+                              (3, "group")),
+    "reduce_scatter_tensor": ("reduce_scatter", (1, "input", 0), (0, "output", 0),
+                              (3, "group")),
+    "_reduce_scatter_base": ("reduce_scatter", (1, "input", 0), (0, "output", 0),
+                             (3, "group")),
+    "broadcast": ("broadcast", (0, "tensor", 0), (0, "tensor", 0), (2, "group")),
+    "reduce": ("reduce", (0, "tensor", 0), (0, "tensor", 0), (3, "group")),
+    "gather": ("gather", (0, "tensor", 0), (1, "gather_list", 1), (3, "group")),
+    "scatter": ("scatter", (1, "scatter_list", 1), (0, "tensor", 0), (3, "group")),
+    "all_to_all_single": ("all_to_all", (1, "input", 0), (0, "output", 0), (4, "group")),
+    "all_to_all": ("all_to_all", (1, "input_tensor_list", 1), (0, "output_tensor_list", 1),
+                   (2, "group")),
+    "send": ("send_recv", (0, "tensor", 0), None, (2, "group")),
+    "isend": ("send_recv", (0, "tensor", 0), None, (2, "group")),
+    "recv": ("send_recv", None, (0, "tensor", 0), (2, "group")),
+    "irecv": ("send_recv", None, (0, "tensor", 0), (2, "group")),
+    "barrier": ("barrier", None, None, (0, "group")),
+}
+
+
+def _arg(a: tuple[Any, ...], k: dict[str, Any], spec: tuple[Any, ...]) -> Any:
+    i = spec[0]
+    return a[i] if len(a) > i else k.get(spec[1])
+
+
+def _bytes(a: tuple[Any, ...], k: dict[str, Any], spec: Any) -> int:
+    if spec is None:
+        return 0
+    v = _arg(a, k, spec)
+    return _nbl(v) if spec[2] else _nb(v)
+
+
+def _group_json(group: Any) -> str:
+    """{"size", "ranks" (up to 64), "name"} of a process group, computed once per group."""
+    if group is None:
+        from torch.distributed import distributed_c10d as c10d
+
+        group = c10d._world.default_pg
+    s = _groups.get(group)
+    if s is None:
+        from torch.distributed import distributed_c10d as c10d
+
+        size = group.size()
+        d: dict[str, Any] = {"size": size}
+        if size <= 64:
+            d["ranks"] = c10d.get_process_group_ranks(group)
+        d["name"] = str(getattr(group, "group_name", ""))
+        s = _groups[group] = json.dumps(d, separators=(",", ":"))
+    return s
+
+
+def _phase(st: Any) -> str:
+    if st.bwd_depth > 0:
+        return "backward"
+    if st.depth > 0:
+        return "forward"
+    return "update" if _updating[0] > 0 else "none"
+
+
+# -- records --------------------------------------------------------------------------------
+class _Entry:
+    __slots__ = ("rec", "kind", "t0", "tid", "step", "layer", "nin", "head", "out", "ws",
+                 "we", "waiting", "done", "emitted")
+
+    def __init__(self, rec: Any, kind: str, t0: int, tid: int, step: int, layer: int,
+                 nin: int, head: str) -> None:
+        self.rec, self.kind, self.t0, self.tid, self.step = rec, kind, t0, tid, step
+        self.layer, self.nin, self.head = layer, nin, head
+        self.out: set[int] = set()   # its works still running (ids)
+        self.ws = self.we = 0        # the job's wait on it: first start, last end
+        self.waiting = 0             # waits in progress
+        self.done = 0                # when its last future completed
+        self.emitted = False
+
+    def emit(self, end: int, wait: bool) -> None:
+        args = self.head + (f',"wait":[{self.ws},{self.we}]}}' if wait else "}")
+        self.rec.span("comm", self.kind, self.t0, end, layer=self.layer, nbytes=self.nin,
+                      args=args, step=self.step, tid=self.tid)
+
+
+def _record(kind: str, a: tuple[Any, ...], k: dict[str, Any], spec: tuple[Any, ...],
+            t0: int, t1: int, res: Any) -> None:
+    st = _state()
+    if st is None:
+        return
+    rec = st.rec
+    if kind == "batch":
+        ops = a[0] if a else k.get("p2p_op_list") or []
+        kind = "send_recv"
+        nin = sum(_nb(op.tensor) for op in ops if _is_send(op.op))
+        nout = sum(_nb(op.tensor) for op in ops if not _is_send(op.op))
+        group = ops[0].group if ops else None
+    else:
+        nin = _bytes(a, k, spec[1])
+        nout = _bytes(a, k, spec[2])
+        group = _arg(a, k, spec[3])
+    works = _works(res)
+    ctx = TLS.ctx
+    layer, fsdp = (-1, "") if ctx is None else ctx.for_kind(kind)
+    head = (f'{{"kind":"{kind}","bytes_out":{nout},"group":{_group_json(group)},'
+            f'"async":{"true" if works else "false"},"phase":"{_phase(st)}"{fsdp}')
+    tid = _native_tid()
+    if tid not in rec.threads:
+        rec._new_thread(tid)
+    e = _Entry(rec, kind, t0, tid, rec.step, layer, nin, head)
+    if not works:
+        e.emit(t1, False)
+        return
+    with _lock:
+        for w in works:
+            _pending[id(w)] = e
+            e.out.add(id(w))
+    for w in works:
+        try:
+            w.get_future().then(functools.partial(_completed, e, w))
+        except Exception:  # noqa: BLE001 - no future here: the job's wait() ends it
+            pass
+
+
+def _is_send(op: Any) -> bool:
+    return getattr(op, "__name__", "") == "isend"
+
+
+def _works(res: Any) -> list[Any]:
+    Work = _Work[0]
+    if isinstance(res, Work):
+        return [res]
+    if isinstance(res, list) and res and all(isinstance(w, Work) for w in res):
+        return res
+    return []
+
+
+def _finish(e: _Entry, w: Any, t: int, waited: bool) -> None:
+    """Work w of entry e completed at t: its future did, or (`waited`) the job's wait() on
+    it returned. The entry is written once all its works completed and no wait is open."""
+    with _lock:
+        if _pending.get(id(w)) is e:
+            del _pending[id(w)]
+        e.out.discard(id(w))
+        if waited:
+            e.waiting -= 1
+            e.we = t
+        else:
+            e.done = max(e.done, t)
+        if e.emitted or e.out or e.waiting:
+            return
+        e.emitted = True
+    end = min(e.done, e.we) if e.done and e.we else (e.done or e.we)
+    e.emit(end, e.ws > 0)
+
+
+def _completed(e: _Entry, w: Any, fut: Any) -> None:
+    try:
+        _finish(e, w, _state_now(), False)
+    except Exception as x:  # noqa: BLE001
+        _hook_failed("collective completion", x)
+
+
+def _state_now() -> int:
+    st = _state()
+    return st.now() if st is not None else 0
+
+
+# -- patches --------------------------------------------------------------------------------
+def _wrap(name: str, orig: Any) -> Any:
+    spec = _SPECS.get(name)
+    kind = spec[0] if spec else "batch"
+    tls = TLS
+
+    @functools.wraps(orig)
+    def collective(*a: Any, **k: Any) -> Any:
+        if tls.busy:
+            return orig(*a, **k)
+        st = _state()
+        if st is None:
+            return orig(*a, **k)
+        now = st.now
+        t0 = now()
+        tls.busy = True
+        try:
+            res = orig(*a, **k)
+        finally:
+            tls.busy = False
+        t1 = now()
+        try:
+            _record(kind, a, k, spec, t0, t1, res)
+        except Exception as e:  # noqa: BLE001 - the collective ran; only its record is lost
+            _hook_failed(f"torch.distributed.{name}", e)
+        return res
+
+    collective._gputrace_orig = orig  # type: ignore[attr-defined]
+    return collective
+
+
+def _patch_wait() -> None:
+    from torch.distributed import Work
+
+    _Work[0] = Work
+    orig = Work.wait
+    if getattr(orig, "_gputrace_orig", None) is not None:
+        return
+
+    @functools.wraps(orig)
+    def wait(self: Any, *a: Any, **k: Any) -> Any:
+        e = _pending.get(id(self)) if _pending else None
+        if e is None or e.emitted:
+            return orig(self, *a, **k)
+        try:
+            ws = _state_now()
+            with _lock:
+                e.ws = e.ws or ws
+                e.waiting += 1
+        except Exception as x:  # noqa: BLE001
+            _hook_failed("Work.wait", x)
+            return orig(self, *a, **k)
+        try:
+            return orig(self, *a, **k)
+        finally:
+            try:
+                _finish(e, self, _state_now(), True)
+            except Exception as x:  # noqa: BLE001
+                _hook_failed("Work.wait", x)
+
+    wait._gputrace_orig = orig  # type: ignore[attr-defined]
+    Work.wait = wait
+
+
+def install(state: Callable[[], Any]) -> None:
+    """Patch the collectives once per process; `state()` is the torch collector's state
+    (its recorder, clock and phase depths), None while nothing records."""
+    global _state, _installed
+    _state = state
+    if _installed:
+        return
+    _installed = True
+    try:
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+    except Exception:  # noqa: BLE001 - a torch built without distributed
+        return
+    if not dist.is_available():
+        return
+    try:
+        for name in (*_SPECS, "batch_isend_irecv"):
+            orig = getattr(c10d, name, None)
+            if orig is None or getattr(orig, "_gputrace_orig", None) is not None:
+                continue
+            w = _wrap(name, orig)
+            setattr(c10d, name, w)
+            if getattr(dist, name, None) is orig:
+                setattr(dist, name, w)
+        _patch_wait()
+        _patch_optimizer()
+    except Exception as e:  # noqa: BLE001
+        _hook_failed("torch.distributed collectives", e)
+    from gputrace.collectors import torch_fsdp
+
+    torch_fsdp.install()
+
+
+def _patch_optimizer() -> None:
+    from torch.optim import optimizer as optim_module
+
+    def pre(opt: Any, args: Any, kwargs: Any) -> None:
+        _updating[0] += 1
+
+    def post(opt: Any, args: Any, kwargs: Any) -> None:
+        _updating[0] = max(_updating[0] - 1, 0)
+
+    optim_module.register_optimizer_step_pre_hook(pre)
+    optim_module.register_optimizer_step_post_hook(post)

@@ -1,0 +1,247 @@
+"""FSDP units: which unit issued a collective, in which role, and whether it prefetched.
+
+A unit is an FSDP module's parameter group: an `FSDPParamGroup` (FSDP2, `fully_shard`) or a
+`FlatParamHandle` (FSDP1, `FullyShardedDataParallel`). While a unit all-gathers its
+parameters or reduces its gradients, the unit is set on the thread (`torch_comm.TLS.ctx`)
+and the collectives it issues carry it: `layer` = the unit's index, 1..U in the order units
+first gather (forward order; 1 nearest the input), and `fsdp`, `unit` (the module's name in
+the model, "" for the root), `role` (`unshard`, `reshard_gather`, `reduce_grad`,
+`hsdp_all_reduce`) and `prefetch` in args.
+
+FSDP's modules are patched when they are imported (a finder on sys.meta_path), or at once if
+they already are.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.machinery
+import json
+import sys
+import threading
+from typing import Any
+
+from gputrace.collectors.torch_comm import TLS
+from gputrace.collectors.torch_guard import _hook_failed
+
+FSDP2 = "torch.distributed.fsdp._fully_shard._fsdp_param_group"
+FSDP1 = "torch.distributed.fsdp._runtime_utils"
+_WRAPPER_PARTS = frozenset(("_fsdp_wrapped_module", "_checkpoint_wrapped_module"))
+
+_units: dict[int, _Unit] = {}
+_next = [1]
+_lock = threading.Lock()
+_roots: list[Any] = []      # FSDP1 root modules (to name units)
+
+
+class _Ctx:
+    """What a unit's collectives carry while it issues them in one role."""
+
+    __slots__ = ("layer", "parts")
+
+    def __init__(self, layer: int, parts: dict[str, str], other: str) -> None:
+        self.layer = layer
+        self.parts = parts
+        self.parts[""] = other
+
+    def for_kind(self, kind: str) -> tuple[int, str]:
+        p = self.parts.get(kind)
+        return self.layer, self.parts[""] if p is None else p
+
+
+class _Unit:
+    __slots__ = ("owner", "index", "head", "ctxs")
+
+    def __init__(self, owner: Any, index: int, fsdp: str, name: str) -> None:
+        self.owner = owner      # keeps id(owner) unique while the unit is known
+        self.index = index
+        self.head = f',"fsdp":"{fsdp}","unit":{json.dumps(name)}'
+        self.ctxs: dict[tuple[str, bool], _Ctx] = {}
+
+    def ctx(self, role: str, prefetch: bool) -> _Ctx:
+        c = self.ctxs.get((role, prefetch))
+        if c is None:
+            pf = "true" if prefetch else "false"
+
+            def part(r: str) -> str:
+                return f'{self.head},"role":"{r}","prefetch":{pf}'
+
+            if role == "reduce_grad":
+                parts = {"reduce_scatter": part("reduce_grad"),
+                         "all_reduce": part("hsdp_all_reduce")}
+            elif role == "reduce_grad_no_shard":
+                parts = {"all_reduce": part("reduce_grad")}
+            else:
+                parts = {"all_gather": part(role)}
+            c = self.ctxs[(role, prefetch)] = _Ctx(self.index, parts, self.head)
+        return c
+
+
+def _unit(owner: Any, fsdp: str, name: Any) -> _Unit:
+    u = _units.get(id(owner))
+    if u is None or u.owner is not owner:
+        with _lock:
+            index = _next[0]
+            _next[0] += 1
+        u = _units[id(owner)] = _Unit(owner, index, fsdp, name() if callable(name) else name)
+    return u
+
+
+def _within(ctx_of: Any, orig: Any, where: str) -> Any:
+    """`orig`, run with the unit context `ctx_of(*args)` set on the thread."""
+    tls = TLS
+
+    @functools.wraps(orig)
+    def run(*a: Any, **k: Any) -> Any:
+        try:
+            ctx = ctx_of(*a)
+        except Exception as e:  # noqa: BLE001 - the unit goes unnamed, FSDP runs on
+            _hook_failed(where, e)
+            ctx = None
+        if ctx is None:
+            return orig(*a, **k)
+        prev = tls.ctx
+        tls.ctx = ctx
+        try:
+            return orig(*a, **k)
+        finally:
+            tls.ctx = prev
+
+    run._gputrace_orig = orig  # type: ignore[attr-defined]
+    return run
+
+
+def _prefetching(orig: Any) -> Any:
+    tls = TLS
+
+    @functools.wraps(orig)
+    def run(*a: Any, **k: Any) -> Any:
+        prev = tls.prefetch
+        tls.prefetch = True
+        try:
+            return orig(*a, **k)
+        finally:
+            tls.prefetch = prev
+
+    run._gputrace_orig = orig  # type: ignore[attr-defined]
+    return run
+
+
+# -- FSDP2 ----------------------------------------------------------------------------------
+def _patch_fsdp2(mod: Any) -> None:
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    cls = mod.FSDPParamGroup
+    if getattr(cls.unshard, "_gputrace_orig", None) is not None:
+        return
+    pre_backward = TrainingState.PRE_BACKWARD
+
+    def unit(pg: Any) -> _Unit:
+        return _unit(pg, "fsdp2", lambda: getattr(pg, "_module_fqn", "") or "")
+
+    def unshard_ctx(pg: Any, *a: Any) -> _Ctx:
+        role = "reshard_gather" if pg._training_state == pre_backward else "unshard"
+        return unit(pg).ctx(role, TLS.prefetch)
+
+    def reduce_ctx(pg: Any, *a: Any) -> _Ctx:
+        return unit(pg).ctx("reduce_grad", False)
+
+    cls.unshard = _within(unshard_ctx, cls.unshard, "FSDPParamGroup.unshard")
+    cls.post_backward = _within(reduce_ctx, cls.post_backward, "FSDPParamGroup.post_backward")
+    prefetch = cls.__dict__.get("_prefetch_unshard")
+    if isinstance(prefetch, staticmethod):
+        cls._prefetch_unshard = staticmethod(_prefetching(prefetch.__func__))
+
+
+# -- FSDP1 ----------------------------------------------------------------------------------
+def _name_of(module: Any) -> str:
+    for root in _roots:
+        for name, m in root.named_modules():
+            if m is module:
+                return ".".join(p for p in name.split(".") if p not in _WRAPPER_PARTS)
+    return ""
+
+
+def _patch_fsdp1(mod: Any) -> None:
+    if getattr(mod._unshard, "_gputrace_orig", None) is not None:
+        return
+    from torch.distributed.fsdp._flat_param import HandleTrainingState
+
+    backward_pre = HandleTrainingState.BACKWARD_PRE
+
+    def unit(handle: Any) -> _Unit:
+        module = getattr(handle, "_fully_sharded_module", None)
+        return _unit(handle, "fsdp1", lambda: _name_of(module))
+
+    def unshard_ctx(state: Any, handle: Any, *a: Any) -> _Ctx | None:
+        if not handle:
+            return None
+        role = "reshard_gather" if handle._training_state == backward_pre else "unshard"
+        return unit(handle).ctx(role, TLS.prefetch)
+
+    def reduce_ctx(state: Any, handle: Any, *a: Any) -> _Ctx | None:
+        return unit(handle).ctx("reduce_grad", False) if handle else None
+
+    def no_shard_ctx(state: Any, handle: Any, *a: Any) -> _Ctx | None:
+        return unit(handle).ctx("reduce_grad_no_shard", False) if handle else None
+
+    orig_lazy = mod._lazy_init
+
+    @functools.wraps(orig_lazy)
+    def _lazy_init(state: Any, root_module: Any) -> Any:
+        if not any(r is root_module for r in _roots):
+            _roots.append(root_module)
+        return orig_lazy(state, root_module)
+
+    mod._lazy_init = _lazy_init
+    mod._unshard = _within(unshard_ctx, mod._unshard, "FSDP _unshard")
+    mod._reduce_grad = _within(reduce_ctx, mod._reduce_grad, "FSDP _reduce_grad")
+    mod._reduce_grad_no_shard = _within(no_shard_ctx, mod._reduce_grad_no_shard,
+                                        "FSDP _reduce_grad_no_shard")
+    mod._prefetch_handle = _prefetching(mod._prefetch_handle)
+
+
+_PATCHES = {FSDP2: _patch_fsdp2, FSDP1: _patch_fsdp1}
+
+
+def _patch(name: str, module: Any) -> None:
+    try:
+        _PATCHES[name](module)
+    except Exception as e:  # noqa: BLE001 - FSDP's collectives are still recorded, unit-less
+        _hook_failed(f"FSDP units ({name})", e)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Patches FSDP's modules right after they are first imported."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name not in _PATCHES:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            return None
+        orig = loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            orig(module)
+            _patch(name, module)
+
+        try:
+            loader.exec_module = exec_module
+        except Exception:  # noqa: BLE001 - a loader that takes no attributes: unpatched
+            return None
+        return spec
+
+
+def install() -> None:
+    waiting = False
+    for name in _PATCHES:
+        mod = sys.modules.get(name)
+        if mod is not None:
+            _patch(name, mod)
+        else:
+            waiting = True
+    if waiting and not any(isinstance(f, _Finder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())

@@ -1,0 +1,87 @@
+"""The terminal's sections on collectives: a multi-rank trace without any, collectives by
+kind, and a sharded (FSDP) run's units, Cases and what-ifs."""
+
+from __future__ import annotations
+
+import math
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from gputrace.analyzers import RankAnalysis
+
+ROLE = {"unshard": "forward all-gather", "reshard_gather": "backward re-gather",
+        "reduce_grad": "reduce-scatter", "hsdp_all_reduce": "HSDP all-reduce"}
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.1f} ms" if abs(s) < 10 else f"{s:.2f} s"
+
+
+def headline_case(ra: RankAnalysis) -> str | None:
+    """The headline's clause about comm when collectives decide it, else None."""
+    if ra.comm_missing:
+        return ra.comm_missing.split(": the ranks'")[0] + \
+            ": the ranks' communication is not in this trace, so no comm figure or speedup"
+    if ra.sharded is not None:
+        return ra.sharded.headline()
+    return None
+
+
+def render_kinds(con: Console, ra: RankAnalysis) -> None:
+    """Per-kind totals, when the rank issued collectives besides DDP's buckets."""
+    c = ra.collectives
+    if not c.kinds or (len(c.kinds) == 1 and c.kinds[0].gradient and ra.sharded is None):
+        return
+    t = Table(title="Collectives by kind (per iteration)", title_justify="left", box=None,
+              padding=(0, 2))
+    for h in ("kind", "count", "MB in", "time", "exposed", "in the model"):
+        t.add_column(h, justify="left" if h in ("kind", "in the model") else "right")
+    for k in c.kinds:
+        t.add_row(k.kind, f"{k.count:.3g}", f"{k.nbytes / 1e6:.2f}", _ms(k.time_s),
+                  _ms(k.exposed_s), "sharded" if ra.sharded is not None else
+                  ("gradient" if k.gradient else "other (not gradient)"))
+    con.print(t)
+
+
+def render_sharded(con: Console, ra: RankAnalysis) -> None:
+    sh = ra.sharded
+    if sh is None:
+        return
+    con.print()
+    t = Table(title=f"{sh.label} units (means per iteration; times from iteration start)",
+              title_justify="left", box=None, padding=(0, 2))
+    for h in ("unit", "name", "collective", "MB", "start", "end", "exposed", "prefetched"):
+        t.add_column(h, justify="left" if h in ("name", "collective") else "right")
+    rows = sh.units if len(sh.units) <= 40 else sh.units[:20] + sh.units[-20:]
+    for u in rows:
+        t.add_row(str(u.unit), escape(u.name or "(root)"), ROLE.get(u.role, u.role),
+                  f"{u.nbytes / max(u.count, 1e-9) / 1e6:.2f}", _ms(u.start_s), _ms(u.end_s),
+                  ("[red]" if u.exposed_s > 0.1 * u.duration_s * u.count else "[green]")
+                  + _ms(u.exposed_s) + "[/]", f"{u.prefetched:.0%}")
+    con.print(t)
+    if len(sh.units) > 40:
+        con.print(f"({len(sh.units) - 40} rows not shown; all in --json)")
+    ex = sh.exposed
+    con.print(f"exposed: forward {_ms(ex['forward_s'])} (Case {sh.cases['forward']}), "
+              f"backward {_ms(ex['backward_s'])} (Case {sh.cases['backward']}); "
+              f"prefetch depth forward {sh.prefetch['forward']}, backward "
+              f"{sh.prefetch['backward']}; reshard_after_forward "
+              f"{'on' if sh.reshard_after_forward else 'off'}")
+    con.print()
+    w = Table(title="What if: t_iter from a replay of the measured sharded timeline",
+              title_justify="left", box=None, padding=(0, 2))
+    for h in ("change", "t_iter", "95 % interval", "vs measured", "exposed"):
+        w.add_column(h, justify="left" if h == "change" else "right")
+    m = sh.model.measured_t_iter
+    for o in sh.what_if:
+        iv = "-" if math.isnan(o.low) else f"[{_ms(o.low)}, {_ms(o.high)}]"
+        w.add_row(escape(o.label), _ms(o.t_iter), iv, f"{o.t_iter / m - 1:+.0%}" if m else "-",
+                  _ms(o.exposed_s))
+    con.print(w)
+    con.print(f"  [dim]replaying the measured configuration gives {_ms(sh.baseline_t_iter)} "
+              f"({sh.baseline_error:+.1%}); each prediction is the measured iteration plus the "
+              "replayed change[/]")
+    for a in sh.assumptions:
+        con.print(f"  [dim]assumes {escape(a)}[/]")

@@ -1,0 +1,48 @@
+"""`analyze --json` keys for collectives (added beside the stable keys): `collectives` (per
+kind, per iteration), `sharded` (FSDP units, Cases, what-ifs) and `comm_missing`."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from gputrace.analyzers import RankAnalysis
+
+
+def _num(x: float | None) -> float | None:
+    if x is None or (isinstance(x, float) and (math.isnan(x) or math.isinf(x))):
+        return None
+    return float(x)
+
+
+def collectives_dict(ra: RankAnalysis) -> dict[str, Any]:
+    c = ra.collectives
+    return {"recorded": c.recorded, "in_iterations": c.in_iterations,
+            "strategy": c.sharded or ("ddp" if any(k.gradient for k in c.kinds) else None),
+            "group_sizes": list(c.group_sizes),
+            "kinds": {k.kind: {"count": k.count, "bytes": k.nbytes,
+                               "bytes_out": _num(k.bytes_out), "time_s": k.time_s,
+                               "exposed_s": k.exposed_s, "gradient": k.gradient}
+                      for k in c.kinds}}
+
+
+def sharded_dict(ra: RankAnalysis) -> dict[str, Any] | None:
+    sh = ra.sharded
+    if sh is None:
+        return None
+    return {
+        "strategy": sh.strategy, "world_size": sh.world, "headline": sh.headline(),
+        "per_iteration": dict(sh.per_iteration), "kinds": dict(sh.kinds),
+        "exposed": dict(sh.exposed), "cases": dict(sh.cases),
+        "exposed_units": {k: list(v) for k, v in sh.exposed_units.items()},
+        "prefetch": dict(sh.prefetch), "reshard_after_forward": sh.reshard_after_forward,
+        "baseline_t_iter": sh.baseline_t_iter, "baseline_error": sh.baseline_error,
+        "assumptions": list(sh.assumptions),
+        "units": [{"unit": u.unit, "name": u.name, "role": u.role, "kind": u.kind,
+                   "count": u.count, "bytes": u.nbytes, "start_s": u.start_s,
+                   "end_s": u.end_s, "duration_s": u.duration_s, "exposed_s": u.exposed_s,
+                   "prefetched": u.prefetched} for u in sh.units],
+        "what_if": [{"label": w.label, "t_iter": w.t_iter, "t_iter_low": _num(w.low),
+                     "t_iter_high": _num(w.high), "exposed_s": w.exposed_s,
+                     "comm_s": w.comm_s, **w.knobs} for w in sh.what_if],
+    }
