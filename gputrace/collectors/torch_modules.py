@@ -196,6 +196,24 @@ class Modules:
         post = m.register_forward_hook(_Hook(st.root_post), always_call=True)
         self.roots[m] = (pre, post)
 
+    def outermost(self, m: nn.Module) -> None:
+        """The root's hooks around every other hook of it: hooks registered after ours (FSDP2's
+        pre-forward all-gather is prepended, its post-forward appended) run inside the
+        forward, as its time is the job's. Re-registered at the first forward (from the
+        next call on; torch has taken this call's hooks already)."""
+        handles = self.roots.get(m)
+        if handles is None:
+            return
+        pre_h, post_h = handles
+        pres, posts = list(m._forward_pre_hooks), list(m._forward_hooks)
+        if pres[:1] == [pre_h.id] and posts[-1:] == [post_h.id]:
+            return
+        pre, post = m._forward_pre_hooks[pre_h.id], m._forward_hooks[post_h.id]
+        for h in handles:
+            h.remove()
+        self.roots[m] = (m.register_forward_pre_hook(pre, prepend=True),
+                         m.register_forward_hook(post, always_call=True))
+
     def unroot(self, m: nn.Module) -> None:
         handles = self.roots.pop(m, None)
         if handles is not None:
@@ -208,6 +226,7 @@ class Modules:
             if root in self.seen:
                 return
             self.seen.add(root)
+        self.outermost(root)
         chosen = choose(root, self.mode)
         st = self.st
         if _compiled(root):
