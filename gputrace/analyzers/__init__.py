@@ -14,8 +14,8 @@ from gputrace import progress
 from gputrace.analyzers import collectives as col
 from gputrace.analyzers import frame as fr
 from gputrace.analyzers import sharded as shd
-from gputrace.analyzers.bandwidth import Bandwidth, analyze_bandwidth, bandwidth_series
-from gputrace.analyzers.clocks import ClockAlignment, UnitTimes, estimate
+from gputrace.analyzers.bandwidth import analyze_bandwidth, bandwidth_series
+from gputrace.analyzers.clocks import UnitTimes, estimate
 from gputrace.analyzers.detail import (
     IterationSeries,
     IterationTimeline,
@@ -26,9 +26,12 @@ from gputrace.analyzers.detail import (
 )
 from gputrace.analyzers.findings import Finding, find
 from gputrace.analyzers.findings_comm import shd_findings
+from gputrace.analyzers.findings_replay import _agree, _extra_findings, _replay_findings
 from gputrace.analyzers.model import ModelResult, Speedup, build_model, speedup, unit_waits
-from gputrace.analyzers.outliers import Outlier, find_outliers
-from gputrace.analyzers.replay import MIB, Replay, Scenario, replay, why_no_replay
+from gputrace.analyzers.outliers import find_outliers
+from gputrace.analyzers.ranks import _comm_wait, _host_bandwidth, _shared
+from gputrace.analyzers.replay import Replay, Scenario, replay, why_no_replay
+from gputrace.analyzers.results import Analysis, NothingToAnalyze, RankAnalysis, Stat, _stat
 from gputrace.analyzers.shardinputs import Inputs as ShardInputs
 from gputrace.analyzers.shardinputs import arrivals_of
 from gputrace.analyzers.shardinputs import inputs as shard_inputs
@@ -37,203 +40,12 @@ from gputrace.analyzers.timeline_comm import with_collectives
 from gputrace.trace.reader import RankedTrace, RankSource, read_rank
 
 
-class NothingToAnalyze(Exception):
-    """The trace holds no spans (only samples, or nothing)."""
-
-
-@dataclass(frozen=True)
-class Stat:
-    mean: float
-    std: float
-
-
-@dataclass(frozen=True)
-class RankAnalysis:
-    rank: int
-    iterations: int
-    warmup_skipped: int
-    synthetic_iterations: bool
-    breakdown: dict[str, Stat]
-    comm: dict[str, float]
-    io: dict[str, float]
-    model: ModelResult
-    speedup: Speedup
-    bandwidth: Bandwidth | None
-    findings: list[Finding]
-    comm_wait_s: float | None = None
-    comm_transfer_s: float | None = None
-    replay: Replay | None = None
-    detail: RankDetail | None = None    # per-iteration figures and a timeline, when asked for
-    replay_unavailable: str | None = None   # why there is no what-if replay
-    host: str = ""
-    collectives: col.Collectives = field(default_factory=col.Collectives)
-    comm_missing: str | None = None     # several ranks, no collective recorded: why no figure
-    sharded: shd.Sharded | None = None  # FSDP: units, exposed per unit, model and what-ifs
-
-
-@dataclass(frozen=True)
-class Analysis:
-    ranks: dict[int, RankAnalysis]
-    slowest_rank: int
-    world_size: int
-    metadata: dict[str, Any] = field(default_factory=dict)
-    clock: ClockAlignment | None = None     # host clock offsets (several hosts)
-    outliers: list[Outlier] = field(default_factory=list)
-    slowest_why: Outlier | None = None      # the slowest rank, told as an outlier is
-
-    @property
-    def main(self) -> RankAnalysis:
-        return self.ranks[self.slowest_rank]
-
-
-def _stat(v: np.ndarray) -> Stat:
-    if v.size == 0:
-        return Stat(0.0, 0.0)
-    return Stat(float(np.mean(v)), float(np.std(v, ddof=1)) if v.size > 1 else 0.0)
-
-
 def _overlap(h: Any, sel: np.ndarray) -> dict[str, float]:
     tot = float(np.mean(h.total_s[sel])) if sel.size else 0.0
     hid = float(np.mean(h.hidden_s[sel])) if sel.size else 0.0
     exp = float(np.mean(h.exposed_s[sel])) if sel.size else 0.0
     return {"total_s": tot, "hidden_s": hid, "exposed_s": exp,
             "hidden_fraction": hid / tot if tot > 0 else 0.0}
-
-
-def _comm_wait(steps: dict[int, RankSteps], sels: dict[int, np.ndarray],
-               offsets: dict[int, int] | None = None
-               ) -> tuple[dict[int, tuple[float, float]], dict[int, np.ndarray]]:
-    """Where several ranks show the same unit of the same step, the transfer can only start
-    when the last rank arrives: wait = that moment - own start; transfer = end - that.
-    `offsets`: what to subtract from each rank's times to put it on one clock (its host's
-    clock offset). Returns per rank (wait, transfer) seconds per iteration, and the last
-    arrival (ns, on the rank's own clock) of each of its unit rows (its own start where no
-    other rank shows the unit)."""
-    offsets = offsets or {}
-    parts = []
-    for r, rs in steps.items():
-        u = rs.units
-        rows = u.rows(sels[r])
-        off = offsets.get(r, 0)
-        parts.append((np.full(rows.size, r), rs.iterations.step[u.it[rows]], u.index[rows],
-                      u.start[rows] - off, u.end[rows] - off, rows))
-    rank, step, index, start, end, row = (np.concatenate(x) for x in zip(*parts, strict=True))
-    arrivals = {r: rs.units.start.copy() for r, rs in steps.items()}
-    if not rank.size:
-        return {}, arrivals
-    order = np.lexsort((rank, index, step))
-    rank, step, index, start, end, row = (x[order] for x in (rank, step, index, start, end,
-                                                             row))
-    new = np.r_[True, (step[1:] != step[:-1]) | (index[1:] != index[:-1])]
-    group = np.cumsum(new) - 1
-    first = np.flatnonzero(new)
-    size = np.diff(np.r_[first, rank.size])[group]
-    last = np.maximum.reduceat(start, first)[group]   # the last rank to arrive
-    shared = size >= 2
-    wait = np.where(shared, (last - start) / 1e9, 0.0)
-    xfer = np.where(shared, np.maximum(end - last, 0) / 1e9, 0.0)
-    out = {}
-    for r in steps:
-        m = shared & (rank == r)
-        if m.any():
-            iters = max(len(sels[r]), 1)
-            out[r] = (float(wait[m].sum()) / iters, float(xfer[m].sum()) / iters)
-            arrivals[r][row[m]] = np.minimum(last[m], end[m]) + offsets.get(r, 0)
-    return out, arrivals
-
-
-def _shared(steps: dict[int, RankSteps], devices: dict[int, tuple[int, ...]], md: Any
-            ) -> str | None:
-    """What the measured ranks shared: one host's cores (ranks computing on the CPU, all on
-    one host) or one GPU (ranks whose GPU records name the same device on one host)."""
-    if len(steps) < 2:
-        return None
-    hosts = md.get("hosts") if isinstance(md, dict) else None
-    one_host = isinstance(hosts, list) and len(hosts) == 1
-    if not one_host:
-        return None
-    if not any(rs.gpu for rs in steps.values()):
-        cpus = md.get("cpus") if isinstance(md.get("cpus"), int) else None
-        return (f"the {cpus} CPU cores of host {hosts[0]}" if cpus else
-                f"the CPU cores of host {hosts[0]}") + f" ({len(steps)} ranks computing on it)"
-    used: dict[int, int] = {}
-    for devs in devices.values():
-        for d in devs:
-            used[d] = used.get(d, 0) + 1
-    both = [d for d, n in used.items() if n > 1]
-    if both:
-        return f"GPU {both[0]} of host {hosts[0]} ({used[both[0]]} ranks on it)"
-    return None
-
-
-def _host_bandwidth(md: Any) -> float | None:
-    """The host's own all-reduce bus bandwidth over gloo (`gputrace probe` among local
-    processes on the CPU): the least CPU each byte of comm on the CPU costs."""
-    probe = md.get("probe") if isinstance(md, dict) else None
-    v = ((probe or {}).get("results") or {}).get("allreduce_bus") if isinstance(probe, dict) \
-        else None
-    if isinstance(v, dict) and v.get("backend") == "gloo" and \
-            isinstance(v.get("bytes_per_s"), (int, float)):
-        return float(v["bytes_per_s"])
-    return None
-
-
-def _extra_findings(sp: fr.Spans, rs: RankSteps) -> list[Finding]:
-    out = []
-    memcpy = sp.of("memcpy") | sp.of("h2d")
-    pageable = np.flatnonzero(memcpy & sp.kind_is("src", "pageable"))
-    if pageable.size:
-        b = float(np.nansum(sp.nbytes[pageable]))
-        out.append(Finding(
-            "h2d_pageable", "moderate",
-            f"{len(pageable)} host-to-device copies ({b / 1e6:.1f} MB) come from pageable "
-            "memory, which copies slower than pinned: use DataLoader(pin_memory=True)."))
-    return out
-
-
-def _replay_findings(rp: Replay | None, world: int) -> list[Finding]:
-    """The bucket size the replay finds fastest at the run's own size, when it saves >= 5%."""
-    if rp is None or world < 2:
-        return []
-    own = [o for o in rp.outcomes if o.scenario.gpus == world and o.scenario.bandwidth_x == 1
-           and o.scenario.bucket_bytes is not None]
-    if not own:
-        return []
-    best = min(own, key=lambda o: o.t_iter)
-    gain = 1 - best.t_iter / rp.measured_t_iter
-    if gain < 0.05:
-        return []
-    what = "one bucket" if best.scenario.bucket_bytes == float("inf") else \
-        f"DDP(bucket_cap_mb={best.scenario.bucket_bytes / MIB:g})"
-    return [Finding("what_if_buckets", "moderate",
-                    f"Replay: {what} ({best.buckets} units) would take "
-                    f"{best.t_iter * 1e3:.1f} ms per iteration instead of "
-                    f"{rp.measured_t_iter * 1e3:.1f} ms ({-gain:+.0%}), exposing "
-                    f"{best.exposed_s * 1e3:.1f} ms of comm after backward.")]
-
-
-def _agree(findings: list[Finding], rp: Replay | None, world: int) -> list[Finding]:
-    """A finding that recommends a change cites the replay's prediction for it, and does not
-    recommend what the replay says would not help."""
-    out = []
-    for f in findings:
-        if f.id == "comm_tail" and rp is not None:
-            own = [o for o in rp.outcomes if o.scenario.gpus == max(world, 2)
-                   and o.scenario.bandwidth_x == 1 and o.scenario.bucket_bytes is not None]
-            best = min(own, key=lambda o: o.t_iter) if own else None
-            if best is not None:
-                head = f.message.split(": a smaller last bucket")[0]
-                if best.t_iter < 0.98 * rp.measured_t_iter:
-                    msg = (f"{head}: smaller buckets would shorten it (replay: "
-                           f"{best.scenario.label}, {best.t_iter * 1e3:.1f} ms against "
-                           f"{rp.measured_t_iter * 1e3:.1f} ms measured).")
-                else:
-                    msg = (f"{head}; the replay finds no bucket size that shortens the "
-                           f"iteration (best: {best.scenario.label}, {best.t_iter * 1e3:.1f} "
-                           f"ms against {rp.measured_t_iter * 1e3:.1f} ms measured).")
-                f = Finding(f.id, f.severity, msg)
-        out.append(f)
-    return out
 
 
 _trim: Any = None     # glibc's malloc_trim, once looked up (False: none here)

@@ -1,0 +1,69 @@
+"""Findings that follow from a rank's spans and from the what-if replay, and the agreement of
+every recommendation with what the replay predicts."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gputrace.analyzers import frame as fr
+from gputrace.analyzers.findings import Finding
+from gputrace.analyzers.replay import MIB, Replay
+from gputrace.analyzers.steps import RankSteps
+
+
+def _extra_findings(sp: fr.Spans, rs: RankSteps) -> list[Finding]:
+    out = []
+    memcpy = sp.of("memcpy") | sp.of("h2d")
+    pageable = np.flatnonzero(memcpy & sp.kind_is("src", "pageable"))
+    if pageable.size:
+        b = float(np.nansum(sp.nbytes[pageable]))
+        out.append(Finding(
+            "h2d_pageable", "moderate",
+            f"{len(pageable)} host-to-device copies ({b / 1e6:.1f} MB) come from pageable "
+            "memory, which copies slower than pinned: use DataLoader(pin_memory=True)."))
+    return out
+
+
+def _replay_findings(rp: Replay | None, world: int) -> list[Finding]:
+    """The bucket size the replay finds fastest at the run's own size, when it saves >= 5%."""
+    if rp is None or world < 2:
+        return []
+    own = [o for o in rp.outcomes if o.scenario.gpus == world and o.scenario.bandwidth_x == 1
+           and o.scenario.bucket_bytes is not None]
+    if not own:
+        return []
+    best = min(own, key=lambda o: o.t_iter)
+    gain = 1 - best.t_iter / rp.measured_t_iter
+    if gain < 0.05:
+        return []
+    what = "one bucket" if best.scenario.bucket_bytes == float("inf") else \
+        f"DDP(bucket_cap_mb={best.scenario.bucket_bytes / MIB:g})"
+    return [Finding("what_if_buckets", "moderate",
+                    f"Replay: {what} ({best.buckets} units) would take "
+                    f"{best.t_iter * 1e3:.1f} ms per iteration instead of "
+                    f"{rp.measured_t_iter * 1e3:.1f} ms ({-gain:+.0%}), exposing "
+                    f"{best.exposed_s * 1e3:.1f} ms of comm after backward.")]
+
+
+def _agree(findings: list[Finding], rp: Replay | None, world: int) -> list[Finding]:
+    """A finding that recommends a change cites the replay's prediction for it, and does not
+    recommend what the replay says would not help."""
+    out = []
+    for f in findings:
+        if f.id == "comm_tail" and rp is not None:
+            own = [o for o in rp.outcomes if o.scenario.gpus == max(world, 2)
+                   and o.scenario.bandwidth_x == 1 and o.scenario.bucket_bytes is not None]
+            best = min(own, key=lambda o: o.t_iter) if own else None
+            if best is not None:
+                head = f.message.split(": a smaller last bucket")[0]
+                if best.t_iter < 0.98 * rp.measured_t_iter:
+                    msg = (f"{head}: smaller buckets would shorten it (replay: "
+                           f"{best.scenario.label}, {best.t_iter * 1e3:.1f} ms against "
+                           f"{rp.measured_t_iter * 1e3:.1f} ms measured).")
+                else:
+                    msg = (f"{head}; the replay finds no bucket size that shortens the "
+                           f"iteration (best: {best.scenario.label}, {best.t_iter * 1e3:.1f} "
+                           f"ms against {rp.measured_t_iter * 1e3:.1f} ms measured).")
+                f = Finding(f.id, f.severity, msg)
+        out.append(f)
+    return out

@@ -1,0 +1,73 @@
+"""What an analysis returns: frozen results per rank and for the run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from gputrace.analyzers import collectives as col
+from gputrace.analyzers import sharded as shd
+from gputrace.analyzers.bandwidth import Bandwidth
+from gputrace.analyzers.clocks import ClockAlignment
+from gputrace.analyzers.detail import RankDetail
+from gputrace.analyzers.findings import Finding
+from gputrace.analyzers.model import ModelResult, Speedup
+from gputrace.analyzers.outliers import Outlier
+from gputrace.analyzers.replay import Replay
+
+
+class NothingToAnalyze(Exception):
+    """The trace holds no spans (only samples, or nothing)."""
+
+
+@dataclass(frozen=True)
+class Stat:
+    mean: float
+    std: float
+
+
+@dataclass(frozen=True)
+class RankAnalysis:
+    rank: int
+    iterations: int
+    warmup_skipped: int
+    synthetic_iterations: bool
+    breakdown: dict[str, Stat]
+    comm: dict[str, float]
+    io: dict[str, float]
+    model: ModelResult
+    speedup: Speedup
+    bandwidth: Bandwidth | None
+    findings: list[Finding]
+    comm_wait_s: float | None = None
+    comm_transfer_s: float | None = None
+    replay: Replay | None = None
+    detail: RankDetail | None = None    # per-iteration figures and a timeline, when asked for
+    replay_unavailable: str | None = None   # why there is no what-if replay
+    host: str = ""
+    collectives: col.Collectives = field(default_factory=col.Collectives)
+    comm_missing: str | None = None     # several ranks, no collective recorded: why no figure
+    sharded: shd.Sharded | None = None  # FSDP: units, exposed per unit, model and what-ifs
+
+
+@dataclass(frozen=True)
+class Analysis:
+    ranks: dict[int, RankAnalysis]
+    slowest_rank: int
+    world_size: int
+    metadata: dict[str, Any] = field(default_factory=dict)
+    clock: ClockAlignment | None = None     # host clock offsets (several hosts)
+    outliers: list[Outlier] = field(default_factory=list)
+    slowest_why: Outlier | None = None      # the slowest rank, told as an outlier is
+
+    @property
+    def main(self) -> RankAnalysis:
+        return self.ranks[self.slowest_rank]
+
+
+def _stat(v: np.ndarray) -> Stat:
+    if v.size == 0:
+        return Stat(0.0, 0.0)
+    return Stat(float(np.mean(v)), float(np.std(v, ddof=1)) if v.size > 1 else 0.0)
