@@ -30,7 +30,7 @@ import time
 import weakref
 from typing import Any
 
-from torch import nn
+import torch.nn as nn
 
 from gputrace.collectors.torch_guard import _hook_failed
 
