@@ -182,7 +182,6 @@ class Recorder:
         # The interval runs from the start of the last flush: one that took longer (the
         # first, on a busy machine, can take a second) is followed by the next at once, so
         # what arrived meanwhile is not left a whole interval more.
-        _warm_arrow()
         last = time.monotonic()
         while True:
             interval = self.flush_interval_s if self._writer is not None \
@@ -445,19 +444,6 @@ class _DeadWriter:
 
 
 _current: Recorder | None = None
-
-
-def _warm_arrow() -> None:
-    """pyarrow imports pandas (when installed) the first time it converts an array: seconds
-    on a busy machine, and fatal at interpreter exit ("can't register atexit after
-    shutdown": that batch was lost). Done here, on the flusher thread as it starts, it is
-    over before the job records much and before any fork of a DataLoader worker."""
-    try:
-        import pyarrow as pa
-
-        pa.array([0], pa.int64())
-    except Exception:  # noqa: BLE001 - the first flush says what is wrong, if anything
-        pass
 
 
 def current() -> Recorder | None:

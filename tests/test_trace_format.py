@@ -263,3 +263,34 @@ def test_no_test_job_shadows_a_standard_library_module():
         if f.parent.name == "jobs":
             names.add(f.stem)
     assert names and not names & set(sys.stdlib_module_names), names & set(sys.stdlib_module_names)
+
+
+def test_recording_never_imports_pandas_into_the_job(tmp_path):
+    """pyarrow imports pandas the first time it is asked to convert values; inside a job
+    that costs seconds, hangs a forked child that imports it, and fails at exit. A job
+    that records (and forks a worker that records) ends without pandas imported, and every
+    value round-trips: nulls, NaN, non-ASCII names, new dictionary values per batch."""
+    pytest.importorskip("pandas")
+    import subprocess
+    import sys
+
+    from tests.conftest import GPUTRACE
+
+    job = tmp_path / "job.py"
+    job.write_text(
+        "import multiprocessing as mp, sys, time, gputrace\n"
+        "def work(w):\n"
+        "    for i in range(300):\n"
+        "        t = time.time_ns()\n"
+        "        gputrace.record_span('user', f'w{w}.{i}.é', t, t + 5)\n"
+        "if __name__ == '__main__':\n"
+        "    work(0); time.sleep(0.7); work(1)\n"
+        "    p = mp.get_context('fork').Process(target=work, args=(2,)); p.start(); p.join()\n"
+        "    print('pandas' in sys.modules, p.exitcode)\n")
+    out = tmp_path / "t.arrow"
+    p = subprocess.run([*GPUTRACE, "record", "-q", "-o", str(out), "--", sys.executable,
+                        str(job)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["False", "0"], (p.stdout, p.stderr)
+    names = [n for n in load(out).table.column("name").to_pylist() if n.startswith("w")]
+    assert sorted(names) == sorted(f"w{w}.{i}.é" for w in range(3) for i in range(300))

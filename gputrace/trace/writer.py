@@ -7,10 +7,12 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from gputrace.fmt import reason
+from gputrace.trace import arrays
 from gputrace.trace.schema import COLUMNS, DICT_COLUMNS, schema
 
 Row = tuple[Any, ...]  # values in schema.COLUMN_NAMES order; trailing extensions optional
@@ -21,43 +23,58 @@ _COMPRESSION = "zstd" if pa.Codec.is_available("zstd") else "lz4"
 class _DictEncoder:
     """Keeps one growing dictionary per column so every batch only adds a delta."""
 
-    __slots__ = ("index", "values")
+    __slots__ = ("index", "values", "_arr")
 
     def __init__(self) -> None:
         # Seeded: pyarrow treats an empty first dictionary growing later as a replacement,
-        # which the IPC file format forbids.
-        self.index: dict[str, int] = {"": 0}
+        # which the IPC file format forbids. None is no value: its code (-1) is a null.
+        self.index: dict[str | None, int] = {"": 0, None: -1}
         self.values: list[str] = [""]
+        self._arr = arrays.strings(self.values)
+
+    def _code(self, v: str | None) -> int:
+        i = self.index.get(v)
+        if i is None:
+            i = self.index[v] = len(self.values)
+            self.values.append(v)  # type: ignore[arg-type]
+        return i
+
+    def _dictionary(self) -> pa.Array:
+        if len(self._arr) < len(self.values):
+            self._arr = pa.concat_arrays(
+                [self._arr, arrays.strings(self.values[len(self._arr):])])
+        return self._arr
+
+    def _array(self, codes: np.ndarray) -> pa.DictionaryArray:
+        isnull = codes < 0
+        out = arrays.indices(np.where(isnull, 0, codes), isnull if isnull.any() else None)
+        return pa.DictionaryArray.from_arrays(out, self._dictionary())
 
     def encode(self, col: Sequence[str | None]) -> pa.DictionaryArray:
         """Encode Python strings (None: null); codes are given in order of first appearance,
-        as `encode_arrow` gives them."""
-        return self.encode_arrow(pa.array(col, pa.string()))
+        as `encode_arrow` gives them. Known values are looked up at C speed."""
+        try:
+            codes = np.fromiter(map(self.index.__getitem__, col), np.int32, len(col))
+        except KeyError:       # a value not seen before: given its code in order
+            codes = np.fromiter(map(self._code, col), np.int32, len(col))
+        return self._array(codes)
 
     def encode_arrow(self, col: pa.Array | pa.ChunkedArray) -> pa.DictionaryArray:
         """Encode a string column against the growing dictionary (vectorized: only the
         distinct values of the column go through Python)."""
-        import numpy as np
-
         if isinstance(col, pa.ChunkedArray):
             col = col.combine_chunks()
         if pa.types.is_dictionary(col.type):
             col = col.cast(pa.string())
         enc = pc.dictionary_encode(col)
-        local = enc.dictionary.to_pylist()
-        index, values = self.index, self.values
-        mapping = np.empty(len(local), dtype=np.int32)
-        for j, v in enumerate(local):
-            i = index.get(v)
-            if i is None:
-                i = index[v] = len(values)
-                values.append(v)
-            mapping[j] = i
+        mapping = np.fromiter(map(self._code, enc.dictionary.to_pylist()), np.int32,
+                              len(enc.dictionary))
         idx = enc.indices
-        codes = mapping[idx.fill_null(0).to_numpy(zero_copy_only=False)] if len(local) else \
-            np.zeros(len(idx), np.int32)
-        out = pa.array(codes, pa.int32(), mask=idx.is_null().to_numpy(zero_copy_only=False))
-        return pa.DictionaryArray.from_arrays(out, pa.array(values, pa.string()))
+        codes = mapping[idx.fill_null(0).to_numpy(zero_copy_only=False)] if len(mapping) \
+            else np.zeros(len(idx), np.int32)
+        if idx.null_count:
+            codes[idx.is_null().to_numpy(zero_copy_only=False)] = -1
+        return self._array(codes)
 
 
 class TraceWriter:
@@ -107,13 +124,15 @@ class TraceWriter:
         if not columns or not len(columns[0]) or self._writer is None:
             return
         columns = [*columns, *[(None,) * len(columns[0])] * (len(COLUMNS) - len(columns))]
-        arrays = []
+        out = []
         for (name, typ, _, _), col in zip(COLUMNS, columns, strict=True):
             if name in DICT_COLUMNS:
-                arrays.append(self._encoders[name].encode(col))
+                out.append(self._encoders[name].encode(col))
+            elif pa.types.is_string(typ):
+                out.append(arrays.strings(col))
             else:
-                arrays.append(pa.array(col, typ))
-        self._write_batch(pa.RecordBatch.from_arrays(arrays, schema=self.schema))
+                out.append(arrays.numbers(col, typ))
+        self._write_batch(pa.RecordBatch.from_arrays(out, schema=self.schema))
 
     def write_table(self, table: pa.Table, max_rows: int = 1 << 20) -> None:
         """Write a table already in schema order, in batches; dictionaries grow by deltas, so

@@ -1,0 +1,66 @@
+"""Arrow arrays from Python values without pyarrow's pandas shim.
+
+`pa.array` asks pyarrow whether pandas is installed, and the first time it asks, pyarrow
+imports pandas: seconds of CPU inside the training job, a module lock held across the job's
+`fork()` of its DataLoader workers (a child that then imports pandas hangs), and an error at
+interpreter exit ("can't register atexit after shutdown") that loses the last batch. The
+writer inside the job builds its arrays from numpy buffers instead, which asks nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+_NUMPY = {pa.int64(): np.int64, pa.int32(): np.int32, pa.int16(): np.int16,
+          pa.int8(): np.int8, pa.float64(): np.float64, pa.float32(): np.float32}
+
+
+def _validity(nulls: np.ndarray) -> tuple[pa.Buffer | None, int]:
+    n = int(nulls.sum())
+    if not n:
+        return None, 0
+    return pa.py_buffer(np.packbits(~nulls, bitorder="little")), n
+
+
+def numbers(col: Sequence[Any], typ: pa.DataType) -> pa.Array:
+    """A numeric column (None: null)."""
+    dt = _NUMPY[typ]
+    n = len(col)
+    if not col.count(None):
+        values = np.fromiter(col, dtype=dt, count=n)
+        valid, nulls = None, 0
+    else:
+        isnull = np.fromiter((v is None for v in col), dtype=bool, count=n)
+        values = np.fromiter((0 if v is None else v for v in col), dtype=dt, count=n)
+        valid, nulls = _validity(isnull)
+    return pa.Array.from_buffers(typ, n, [valid, pa.py_buffer(values)], null_count=nulls)
+
+
+def indices(codes: np.ndarray, isnull: np.ndarray | None = None) -> pa.Array:
+    """int32 dictionary indices (`isnull`: where they are null)."""
+    codes = np.ascontiguousarray(codes, dtype=np.int32)
+    valid, nulls = _validity(isnull) if isnull is not None else (None, 0)
+    return pa.Array.from_buffers(pa.int32(), len(codes), [valid, pa.py_buffer(codes)],
+                                 null_count=nulls)
+
+
+def strings(col: Sequence[str | None]) -> pa.Array:
+    """A string column (None: null)."""
+    n = len(col)
+    data = [b"" if v is None else str(v).encode("utf-8", "replace") for v in col]
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    if n:
+        np.cumsum(np.fromiter(map(len, data), dtype=np.int64, count=n), out=offsets[1:])
+    isnull = np.fromiter((v is None for v in col), dtype=bool, count=n)
+    valid, nulls = _validity(isnull)
+    if offsets[-1] < 2**31:
+        typ, offsets = pa.string(), offsets.astype(np.int32)
+    else:
+        typ = pa.large_string()
+    arr = pa.Array.from_buffers(typ, n, [valid, pa.py_buffer(offsets),
+                                         pa.py_buffer(b"".join(data))], null_count=nulls)
+    return arr if typ == pa.string() else arr.cast(pa.string())
