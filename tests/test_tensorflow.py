@@ -75,6 +75,81 @@ def test_eager_gradient_tape_loop_matches_its_own_clock(tmp_path):
     assert done["steps"] == 10
 
 
+def segments(truth: list[dict], pairs: list[tuple[int, int]]) -> dict[int, list]:
+    """The matched (truth step, iteration) pairs of each of the loop's optimizers."""
+    out: dict[int, list] = {}
+    for i, k in pairs:
+        out.setdefault(truth[i]["segment"], []).append((i, k))
+    return out
+
+
+@needs_tf
+@pytest.mark.slow
+def test_tensorflow_first_and_tf_keras_only_with_every_optimizer(tmp_path):
+    """`import tensorflow as tf` first and only `tf.keras`, as most TensorFlow code begins:
+    Adam, SGD, AdamW and RMSprop in turn, through `apply_gradients` and `apply`, each
+    against the loop's own clock: t_iter within 5 %, the phases within 15 %."""
+    truth_path = tmp_path / "truth.json"
+    names = ["Adam", "SGD", "AdamW", "RMSprop"]
+    out = record(tmp_path, "tf_first", JOB, str(truth_path), "--tf-first", "--steps", "12",
+                 "--optimizers", ",".join(names))
+    truth = json.loads(truth_path.read_text())
+    tr = load(out)
+    assert len(spans(tr, "iteration")) == len(truth) == 48
+    rs = per_iteration(tr)
+    by_seg = segments(truth, matched(rs, truth))
+    assert sorted(by_seg) == [0, 1, 2, 3]
+    for pairs in by_seg.values():
+        compare(rs, truth, pairs, {"t_iter": [], "t_io": ["io"], "t_f": ["forward"],
+                                   "t_b": ["backward"], "t_u": ["update"]}, 0.15)
+    # each segment's updates are its optimizer's (apply_gradients in 0 and 2, apply in 1, 3)
+    ups = spans(tr, "update")
+    for seg, name in enumerate(names):
+        lo = min(t["start"] for t in truth if t["segment"] == seg)
+        hi = max(t["end"] for t in truth if t["segment"] == seg)
+        got = {u["name"] for u in ups if lo <= u["start_ns"] < hi}
+        assert got == {name}, (seg, got)
+
+
+@needs_tf
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, names", [("function", "AdamW,SGD"), ("strategy", "RMSprop")])
+def test_compiled_and_strategy_run_steps_are_iterations(tmp_path, mode, names):
+    """A `tf.function` training step (tf.keras only, tensorflow imported first), and one
+    that calls `strategy.run`: an iteration each, t_iter within 5 % of the loop's own; the
+    phases from TensorFlow's profiler."""
+    truth_path = tmp_path / "truth.json"
+    out = record(tmp_path, mode, JOB, str(truth_path), "--tf-first", "--mode", mode,
+                 "--steps", "12", "--optimizers", names, opts=("--tf-steps", "all"))
+    truth = json.loads(truth_path.read_text())
+    tr = load(out)
+    assert len(spans(tr, "iteration")) == len(truth)
+    rs = per_iteration(tr)
+    for pairs in segments(truth, matched(rs, truth)).values():
+        compare(rs, truth, pairs, {"t_iter": []}, 0.15)
+    b = analysis(out)["breakdown"]
+    for term in ("t_f", "t_b", "t_u"):
+        assert b[term]["mean"] > 0, (term, b)
+
+
+@needs_tf
+@pytest.mark.slow
+def test_tf_keras_optimizers_in_an_eager_loop(tmp_path):
+    """tf_keras (Keras 2, for code written for TF_USE_LEGACY_KERAS), where installed."""
+    if importlib.util.find_spec("tf_keras") is None:
+        pytest.skip("tf_keras is not installed")
+    truth_path = tmp_path / "truth.json"
+    out = record(tmp_path, "legacy", JOB, str(truth_path), "--tf-first", "--legacy",
+                 "--steps", "12", "--optimizers", "Adam,SGD")
+    truth = json.loads(truth_path.read_text())
+    tr = load(out)
+    assert len(spans(tr, "iteration")) == len(truth) == 24
+    rs = per_iteration(tr)
+    for pairs in segments(truth, matched(rs, truth)).values():
+        compare(rs, truth, pairs, {"t_iter": [], "t_io": ["io"], "t_f": ["forward"],
+                                   "t_b": ["backward"], "t_u": ["update"]}, 0.15)
+
+
 @needs_tf
 @pytest.mark.slow
 def test_keras_fit_sample_iterations_are_its_steps_and_phases_cover_them(tmp_path):
