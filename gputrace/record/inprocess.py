@@ -46,6 +46,7 @@ def boot(shard_dir: str) -> _recorder.Recorder:
     if os.environ.get("GPUTRACE_NO_TENSORFLOW") != "1":
         _when_imported("tensorflow", _on_tensorflow)
         _when_imported("keras", _on_keras)
+        _when_imported("tf_keras", _on_keras)   # Keras 2 (TF_USE_LEGACY_KERAS)
     return rec
 
 
