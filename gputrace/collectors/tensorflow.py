@@ -82,6 +82,25 @@ def window_from_env(value: str | None) -> tuple[int, int] | None:
         return DEFAULT_WINDOW
 
 
+def subtract(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of the intervals `a` that no interval of `b` covers."""
+    out: list[tuple[int, int]] = []
+    cuts = sorted(b)
+    for s, e in sorted(a):
+        at = s
+        for bs, be in cuts:
+            if be <= at or bs >= e:
+                continue
+            if bs > at:
+                out.append((at, bs))
+            at = max(at, be)
+            if at >= e:
+                break
+        if at < e:
+            out.append((at, e))
+    return out
+
+
 class _State:
     def __init__(self, rec: Recorder, window: tuple[int, int] | None) -> None:
         self.rec = rec
@@ -106,8 +125,21 @@ class _State:
         self.converted: dict[str, int] = {}
         self.tf_start: Any = None           # TensorFlow's own profiler start (unwrapped)
         self.comm_bytes: dict[str, int] = {}    # all-reduce op (graph name) -> its bytes
+        self.fw_from: int | None = None     # fit: Keras's own work since then (framework)
+        self.fw_outside: list[tuple[int, int]] = []   # ... outside its step function
+        self.fit_windows: list[tuple[int, int]] = []  # fit's iterations while profiling
 
     # -- iterations ----------------------------------------------------------------------
+    def framework_until(self, t: int) -> None:
+        """Keras's own per-step work in fit (the loop, its logs, the callbacks, the step
+        function's call), from where it began to t: a `framework` span on the loop's
+        thread."""
+        if self.fw_from is not None and t > self.fw_from:
+            self.rec.span("framework", "keras", self.fw_from, t)
+            if self.profiling:
+                self.fw_outside.append((self.fw_from, t))
+        self.fw_from = None
+
     def begin(self, t: int) -> None:
         if self.open_t is None:
             if self.k == 0 and self.window == (0, -1) and self.tf_ops and \
@@ -137,6 +169,8 @@ class _State:
                     if self.profiling:
                         self.windows.append((s, e))
                         self.profiled_steps += 1
+                        if self.in_fit and graph:
+                            self.fit_windows.append((s, e))
                 self.k += 1
             acted = self._window()
             if reopen:
@@ -208,6 +242,7 @@ class _State:
             shutil.copytree(self.logdir, keep if r.rank < 0 else
                             os.path.join(keep, f"rank{r.rank}"), dirs_exist_ok=True)
         rows = Rows()
+        executions: list[tuple[int, int]] = []
         for path in tfprof.profile_files(self.logdir):
             hosts, devices = tfprof.read_xspace(path)
             for h in hosts:
@@ -216,6 +251,13 @@ class _State:
                                    windows=self.windows, comm_bytes=self.comm_bytes)
                 for k, v in c.counts.items():
                     self.converted[k] = self.converted.get(k, 0) + v
+                executions += c.executions
+        if executions:
+            # fit's step function, inside: what the loop did outside its graph's execution
+            # (the tf.function call's dispatch, Keras's Optional of the step's outputs)
+            for s, e in subtract(subtract(self.fit_windows, executions), self.fw_outside):
+                r.span("framework", "keras: step dispatch", s, e, tid=self.loop_tid)
+            self.converted["framework"] = len(self.fit_windows)
             for d in devices:
                 self.converted["gpu"] = self.converted.get("gpu", 0) + tfprof.gpu_rows(
                     d, rows, rank=r.rank, optimizers=self.optimizers)

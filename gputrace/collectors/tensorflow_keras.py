@@ -28,6 +28,7 @@ def _callback_class(keras: Any) -> Any:
             self._open = False
             self._end = 0               # the latest batch end (on Keras's thread when async)
             self._graph = True
+            self._wrapped: tuple[Any, Any, Any] | None = None
 
         def _steps(self) -> int:
             spe = getattr(getattr(self, "model", None), "steps_per_execution", 1)
@@ -46,16 +47,22 @@ def _callback_class(keras: Any) -> Any:
             self._s.tf_ops = backend == "tensorflow"
             self._s.in_fit += 1
             _quiet_torch_iterations(self._s.rec, True)
+            if self._graph:
+                self._wrapped = _time_step_function(self._s, model)
 
         @_safe
         def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
             s = self._s
             t = s.now()
             if self._open:
+                s.framework_until(t)
                 s.end_step(t, self._graph, self._steps())   # iterations tile the loop
             else:
                 s.begin(t)
                 self._open = True
+            # from the iteration's start (after the profiler's start or stop, when one
+            # happened at this boundary): Keras's own work, until its step function runs
+            s.fw_from = s.open_t if self._graph else None
 
         @_safe
         def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
@@ -68,7 +75,9 @@ def _callback_class(keras: Any) -> Any:
             if self._open:
                 start = s.open_t if s.open_t is not None else 0
                 end = self._end if self._end > start else s.now()
+                s.framework_until(end)
                 s.end_step(end, self._graph, self._steps(), reopen=False)
+            s.fw_from = None
             self._open = False
             s.open_t = None
 
@@ -81,12 +90,48 @@ def _callback_class(keras: Any) -> Any:
             self._last()
             s = self._s
             s.in_fit = max(s.in_fit - 1, 0)
+            _unwrap_step_function(self._wrapped)
+            self._wrapped = None
             s.tf_ops = True
             if s.window is not None and s.window[1] < 0 and s.profiling:
                 s.stop_profiler()    # `all`: the whole fit
             _quiet_torch_iterations(s.rec, False)
 
     return GputraceSteps
+
+
+def _time_step_function(state: _State, model: Any) -> tuple[Any, Any, Any] | None:
+    """Time the step function fit calls once per step (`model.train_function`, made before
+    the callbacks' train begin): what Keras does in an iteration outside it (its loop, the
+    logs, the callbacks) is its own per-step work, recorded as `framework` spans. Returns
+    what to put back at train end."""
+    fn = getattr(model, "train_function", None)
+    if not callable(fn) or getattr(fn, "_gputrace", False):
+        return None
+    now = state.now
+
+    @functools.wraps(fn)
+    def train_function(*args: Any, **kwargs: Any) -> Any:
+        _step_called(state, now())
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            state.fw_from = now()       # Keras's own work again, until the next call
+
+    train_function._gputrace = True  # type: ignore[attr-defined]
+    model.train_function = train_function
+    return model, fn, train_function
+
+
+@_safe
+def _step_called(state: _State, t: int) -> None:
+    state.framework_until(t)
+
+
+@_safe
+def _unwrap_step_function(wrapped: tuple[Any, Any, Any] | None) -> None:
+    if wrapped is not None and getattr(wrapped[0], "train_function", None) is wrapped[2]:
+        wrapped[0].train_function = wrapped[1]
 
 
 def _quiet_torch_iterations(rec: Recorder, quiet: bool) -> None:
