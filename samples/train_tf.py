@@ -74,7 +74,10 @@ def launch(a: argparse.Namespace, argv: list[str]) -> int:
 
 
 class StepTimes:
-    """Each step's own time (from one batch's begin to the next), for --times-json."""
+    """Each step's own time (from one batch's begin to the next), for --times-json, and
+    when fit runs the step function Keras made for it (`model.train_function`, called once
+    per step between the batch's begin and end): what is left of a step is Keras's own
+    per-step work (its loop, logs, callbacks)."""
 
     def __init__(self) -> None:
         import keras
@@ -82,6 +85,20 @@ class StepTimes:
         outer = self
 
         class Callback(keras.callbacks.Callback):
+            def on_train_begin(self, logs: object = None) -> None:
+                fn = getattr(self.model, "train_function", None)
+                if fn is None:
+                    return
+
+                def timed(*args: object, **kwargs: object) -> object:
+                    t0 = time.time_ns()
+                    try:
+                        return fn(*args, **kwargs)
+                    finally:
+                        outer.calls.append((t0, time.time_ns()))
+
+                self.model.train_function = timed
+
             def on_train_batch_begin(self, batch: int, logs: object = None) -> None:
                 outer.begins.append(time.time_ns())
 
@@ -90,6 +107,7 @@ class StepTimes:
 
         self.begins: list[int] = []
         self.ends: list[int] = []
+        self.calls: list[tuple[int, int]] = []
         self.callback = Callback()
 
 
@@ -217,7 +235,7 @@ def train(a: argparse.Namespace) -> None:
     if a.times_json and first:
         with open(a.times_json, "w") as f:
             json.dump({"begin_ns": times.begins, "end_ns": times.ends,
-                       "parameters": model.count_params()}, f)
+                       "call_ns": times.calls, "parameters": model.count_params()}, f)
 
 
 def main(argv: list[str] | None = None) -> int:

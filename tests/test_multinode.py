@@ -280,3 +280,35 @@ def test_two_nodes_under_torchrun_with_skewed_clocks(tmp_path):
                                                         abs=units * err + 1e-6)
     # as recorded, node A's ranks would seem to wait for node B's 25 ms more in every unit
     assert raw["ranks"]["0"]["comm_wait_s"] > truth["ranks"]["0"]["comm_wait_s"] + 10e-3
+
+
+def test_two_hosts_recording_into_one_path_at_once_keep_both_traces(tmp_path):
+    """A cluster tool that starts one command per node, with RANK and WORLD_SIZE set by hand
+    and no launcher variable saying the job spans nodes: both nodes' traces are kept, and
+    `analyze run.arrow` finds both."""
+    from tests.test_record import record_together
+
+    run = tmp_path / "run"
+    run.mkdir()
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "OMPI_", "PMI_", "GPUTRACE_HOST"))}
+    if _can_unshare():
+        def wrap(rank, cmd):
+            return ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"',
+                    f"node{'AB'[rank]}", *cmd]
+    else:
+        pytest.skip("needs root and unshare --uts to give each recording its own hostname")
+    ps = record_together(run / "run.arrow", tmp_path / "barrier", [0, 1], wrap=wrap, env=env)
+    assert [p.returncode for p in ps] == [0, 0], [p.stderr for p in ps]
+    said = [line for p in ps for line in p.stderr.splitlines() if "run.arrow was" in line]
+    assert len(said) == 1 and "beside it" in said[0], said
+    files = sorted(os.listdir(run))
+    assert len(files) == 2 and "run.arrow" in files, files
+    # the part beside is named after its host: nodeA's or nodeB's, whichever came second
+    assert set(files) - {"run.arrow"} <= {"run.nodeA.arrow", "run.nodeB.arrow"}
+    a = analysis(str(run / "run.arrow"))
+    assert a["hosts"] == {"nodeA": [0], "nodeB": [1]}
+    assert all(a["ranks"][r]["iterations"]["count"] >= 3 for r in "01")
+    info = json.loads(run_gputrace("info", "--json", str(run / "run.arrow"),
+                                   check=True).stdout)
+    assert info["hosts"] == ["nodeA", "nodeB"]

@@ -13,6 +13,7 @@ import pyarrow.compute as pc
 import pytest
 
 from gputrace.trace import load
+from gputrace.trace.parts import metadata_of
 from gputrace.trace.reader import open_by_rank
 from tests.conftest import GPUTRACE, run_gputrace
 
@@ -234,3 +235,68 @@ def test_users_own_sitecustomize_still_runs(tmp_path):
                        env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert marker.read_text() == "ran"
+
+
+TOGETHER = str(os.path.join(os.path.dirname(__file__), "jobs", "together.py"))
+
+
+def record_together(out, barrier, ranks, force=False, wrap=lambda rank, cmd: cmd,
+                    env=None) -> list[subprocess.CompletedProcess[str]]:
+    """`gputrace record -o out` once per rank, all started at once, each job waiting for the
+    others (so the recordings overlap); RANK and WORLD_SIZE set by hand, no launcher."""
+    procs = []
+    for r in ranks:
+        cmd = [*GPUTRACE, "record", "-q", *(["-f"] if force else []), "-o", str(out), "--",
+               sys.executable, TOGETHER, str(barrier), str(len(ranks))]
+        e = dict(env or os.environ, RANK=str(r), WORLD_SIZE=str(len(ranks)))
+        procs.append(subprocess.Popen(wrap(r, cmd), env=e, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    done = []
+    for p in procs:
+        so, se = p.communicate(timeout=180)
+        done.append(subprocess.CompletedProcess(p.args, p.returncode, so, se))
+    return done
+
+
+def test_two_recordings_into_one_path_at_once_keep_both_traces(tmp_path):
+    import json
+
+    run = tmp_path / "run"
+    run.mkdir()
+    out = run / "run.arrow"
+    old = run_gputrace("record", "-q", "-o", str(out), "--", "true", check=True)
+    assert old.returncode == 0
+    old_start = load(out).metadata["start"]["realtime_ns"]
+    # without -f, a trace from before is refused as it always was
+    p = record_together(out, tmp_path / "b0", [0])[0]
+    assert p.returncode == 2 and "exists" in p.stderr
+    # with -f, the earlier trace is replaced, but never a file of the other recording
+    ps = record_together(out, tmp_path / "b1", [0, 1], force=True)
+    assert [p.returncode for p in ps] == [0, 0], [p.stderr for p in ps]
+    said = [line for p in ps for line in p.stderr.splitlines() if f"{out} was" in line]
+    assert len(said) == 1 and "beside it" in said[0], said   # one line, by one of them
+    files = sorted(f for f in os.listdir(run) if f.endswith(".arrow"))
+    assert len(files) == 2 and "run.arrow" in files, files
+    other = next(f for f in files if f != "run.arrow")
+    # one host: its name and the recording's pid tell the part apart
+    part = other.split(".")
+    assert len(part) == 4 and part[0] == "run" and part[2].isdigit() and part[3] == "arrow"
+    mds = [metadata_of(str(run / f)) for f in files]
+    assert sorted(m["ranks"] for m in mds) == [[0], [1]]
+    assert all(m["start"]["realtime_ns"] != old_start for m in mds)
+    assert said[0].split(" beside it")[0].endswith(other)
+    for args in (["analyze", "--json"], ["info", "--json"]):
+        got = json.loads(run_gputrace(*args, str(out), check=True).stdout)
+        if args[0] == "analyze":
+            assert sorted(got["ranks"]) == ["0", "1"]
+            assert all(got["ranks"][r]["iterations"]["count"] >= 3 for r in "01")
+        else:
+            assert sorted(os.path.basename(f) for f in got["files"]) == files
+    # a later recording alone replaces run.arrow with -f; the part left beside it by the
+    # earlier pair is not read with it (it was not recorded at the same moment)
+    p = record_together(out, tmp_path / "b2", [0], force=True)[0]
+    assert p.returncode == 0 and str(out) not in p.stderr
+    assert (run / other).exists()
+    got = json.loads(run_gputrace("info", "--json", str(out), check=True).stdout)
+    assert [os.path.basename(f) for f in got["files"]] == ["run.arrow"]
+    assert not [f for f in os.listdir(run) if f.endswith((".tmp", ".shards"))]

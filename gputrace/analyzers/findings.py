@@ -90,6 +90,9 @@ def find(m: ModelResult, comm: dict[str, float], io: dict[str, float], bw: Bandw
             "unattributed", "moderate",
             f"{other:.3f} s per iteration ({other / t_iter:.0%}) is in no phase: loss, "
             "zero_grad, logging or Python between phases."))
+    fw = t.get("t_framework", 0.0)
+    if fw / t_iter >= 0.05:
+        out.append(_framework_finding(fw, t_iter))
     if t["t_u"] > 0 and (t["t_h2d"] + t["t_f"] + t["t_b"]) > 0:
         from gputrace.analyzers.model import r_u2g
 
@@ -123,3 +126,18 @@ def find(m: ModelResult, comm: dict[str, float], io: dict[str, float], bw: Bandw
     for f in (extra or {}).get("findings", []) or []:
         out.append(f)  # type: ignore[arg-type]
     return out
+
+
+def _framework_finding(fw: float, t_iter: float) -> Finding:
+    """Keras's own per-step work (its loop, logs, callbacks between two runs of the step
+    function), with what `steps_per_execution` would make of it: k steps per call pay it
+    once, so an iteration would take t_iter - fw (1 - 1/k)."""
+    whatif = ", ".join(f"{k}: {(t_iter - fw * (1 - 1 / k)) * 1e3:.1f} ms "
+                       f"({t_iter / (t_iter - fw * (1 - 1 / k)):.2f}x)" for k in (4, 16))
+    return Finding(
+        "framework_overhead", "moderate" if fw / t_iter >= 0.10 else "info",
+        f"Keras's own per-step work (its loop, logs and callbacks between steps) takes "
+        f"{fw * 1e3:.1f} ms of {t_iter * 1e3:.1f} ms per iteration ({fw / t_iter:.0%}). "
+        f"compile(steps_per_execution=k) runs k steps per call and pays it once per call; "
+        f"replayed with that work divided by k, an iteration would take, for k = {whatif}.")
+

@@ -187,7 +187,7 @@ def build_model(rs: RankSteps, sel: np.ndarray) -> ModelResult:
     pipelined = rs.loader_workers > 0 and not math.isnan(float(rs.fetch_s[0]))
     t_io_pipe = float(rs.fetch_s[0]) / rs.loader_workers if pipelined else None
     t_gpu = t["t_h2d"] + t["t_f"] + t["t_b"] + t["t_u"]
-    other = t["t_other"]
+    other = t["t_other"] + t.get("t_framework", 0.0)   # the framework's own work likewise
     if other > 0.05 * measured:
         notes.append(f"{other:.4f} s per iteration is in no phase (loss, zero_grad, Python "
                      "between phases); it is added to every equation as t_other")
@@ -285,7 +285,8 @@ def speedup(m: ModelResult, world_size: int, gpus: Sequence[int],
     than one rank alone; the prediction keeps it as measured and says so. `unit_waits`: per
     unit index, the time this rank waited inside the unit for the last rank to arrive
     (`unit_waits`); a wait is not a transfer and is not scaled with 2(N-1)/N."""
-    t = m.terms
+    t = dict(m.terms)
+    t["t_other"] = t["t_other"] + t.get("t_framework", 0.0)   # neither scales with N
     t_gpu = t["t_h2d"] + t["t_f"] + t["t_b"] + t["t_u"] + t["t_other"]
     t_io_1 = t["t_io"]
     grad_bytes = float(sum(u.nbytes for u in m.units if not math.isnan(u.nbytes))) or \

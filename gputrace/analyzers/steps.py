@@ -12,7 +12,7 @@ import numpy as np
 from gputrace.analyzers import overlap as ov
 from gputrace.analyzers.frame import Spans
 
-TERMS = ("t_iter", "t_io", "t_h2d", "t_f", "t_b", "t_u", "t_comm", "t_other")
+TERMS = ("t_iter", "t_io", "t_h2d", "t_f", "t_b", "t_u", "t_comm", "t_other", "t_framework")
 
 
 @dataclass(frozen=True)
@@ -191,6 +191,8 @@ def analyze_rank(sp: Spans) -> RankSteps:
     layer_bytes = dict(zip(ly_sized.tolist(), sp.nbytes[sized][first].tolist(), strict=True))
     gpu = sp.on_gpu()
     host_comm = sp.of("comm") & (sp.device < 0)
+    # the framework's own per-step work outside every phase (Keras's loop, logs, callbacks)
+    fw = _u(sp, sp.of("framework") & (sp.device < 0))
 
     # which iteration each span belongs to: host spans by their start, GPU records by their
     # launch (a kernel runs long after the host launched it, maybe in the next iteration)
@@ -247,6 +249,11 @@ def analyze_rank(sp: Spans) -> RankSteps:
         # work launched in it (negative here), the one that waits for it longer; the mean
         # is the time in no phase
         terms["t_other"] = t_iter - terms["t_io"] - busy
+        # of the time in no phase, what the framework's own work holds (the host's time,
+        # which may run beside the device's: never more than the time in no phase)
+        terms["t_framework"] = np.clip(ov.measure(fw, lo, hi) / sec, 0.0,
+                                       np.maximum(terms["t_other"], 0.0))
+        terms["t_other"] = terms["t_other"] - terms["t_framework"]
         # a layer's gradient is ready when the GPU has run what was launched for it: the
         # last backward record launched while the host computed that layer's backward
         bwd_gpu = comp & (label == 1)
@@ -270,8 +277,11 @@ def analyze_rank(sp: Spans) -> RankSteps:
             "t_u": ov.measure(upd, lo, hi) / sec,
             "t_comm": ov.measure(comm, lo, hi) / sec,
         }
-        covered = ov.measure(ov.merge(wait, compute, comm), lo, hi) / sec
-        terms["t_other"] = np.maximum(terms["t_iter"] - covered, 0.0)
+        phased = ov.merge(wait, compute, comm)
+        covered = ov.measure(phased, lo, hi) / sec
+        with_fw = ov.measure(ov.merge(phased, fw), lo, hi) / sec
+        terms["t_framework"] = with_fw - covered     # the framework's work in no phase
+        terms["t_other"] = np.maximum(terms["t_iter"] - with_fw, 0.0)
         comm_h = ov.hidden_under(comm, compute, lo, hi)
         # backward's own work: per-layer spans where known (the outer autograd call also
         # waits for DDP's last all-reduce, so its end is not the end of the gradients)

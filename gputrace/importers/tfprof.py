@@ -273,6 +273,9 @@ class Converted:
     iterations: list[tuple[int, int]]
     counts: dict[str, int]
     loop_line: int | None
+    # where the loop's thread ran a compiled function's graph (its ops and their waits),
+    # (start, end): outside them, the loop did the framework's own work
+    executions: list[tuple[int, int]] = field(default_factory=list)
 
 
 def _is_op(name: str) -> bool:
@@ -341,6 +344,7 @@ def convert(h: Host, rows: Rows, *, rank: int, pid: int, loop_tid: int | None = 
     marks: list[tuple[int, int, int]] = []     # (start, end, step) of step markers
     calls: list[tuple[int, int]] = []          # tf.function calls on the loop's thread
     backward_at: list[int] = []
+    executions: list[tuple[int, int]] = []     # a compiled function's graph running
     comm: list[tuple[int, int]] = []           # (start, row) of gradient collectives
     for lid, evs in h.events.items():
         lname = h.lines.get(lid, "")
@@ -363,6 +367,9 @@ def convert(h: Host, rows: Rows, *, rank: int, pid: int, loop_tid: int | None = 
                     calls.append((s, e))
                 continue
             if name.startswith(_EAGER):
+                if lid == loop and name.startswith("__inference_", len(_EAGER)):
+                    executions.append((s, e))
+                    continue
                 if not eager or lid != loop:
                     continue
                 name = name[len(_EAGER):]
@@ -393,7 +400,7 @@ def convert(h: Host, rows: Rows, *, rank: int, pid: int, loop_tid: int | None = 
             rows.add("span", "iteration", "iteration", s, e, tid=ltid, step=k, **base)
     number_units(rows, comm, its if windows is None else windows)
     counts["iterations"] = len(its)
-    return Converted(its, counts, loop)
+    return Converted(its, counts, loop, executions)
 
 
 def number_units(rows: Rows, comm: list[tuple[int, int]], its: list[tuple[int, int]]) -> None:

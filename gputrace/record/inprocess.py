@@ -4,11 +4,13 @@ instrument torch, tensorflow and keras when (and only when) the job imports them
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib.abc
 import importlib.machinery
 import itertools
 import os
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
@@ -44,6 +46,7 @@ def boot(shard_dir: str) -> _recorder.Recorder:
     if os.environ.get("GPUTRACE_NO_TENSORFLOW") != "1":
         _when_imported("tensorflow", _on_tensorflow)
         _when_imported("keras", _on_keras)
+        _when_imported("tf_keras", _on_keras)   # Keras 2 (TF_USE_LEGACY_KERAS)
     return rec
 
 
@@ -142,27 +145,39 @@ class _HookedLoader(importlib.abc.Loader):
 
 
 class _PostImportFinder(importlib.abc.MetaPathFinder):
-    """Runs a callback right after a top-level module finished importing."""
+    """Runs a callback right after a top-level module finished importing.
+
+    It stays on sys.meta_path until the module is really imported: a library asking only
+    whether the module exists (`importlib.util.find_spec("keras")`, as TensorFlow does when
+    it is imported before keras) gets a spec that is never executed, and must not use up
+    the hook."""
 
     def __init__(self, name: str, callback: Callable[[ModuleType], None]) -> None:
         self.name = name
         self.callback = callback
+        self._looking = threading.local()
+
+    def _imported(self, module: ModuleType) -> None:
+        with contextlib.suppress(ValueError):
+            sys.meta_path.remove(self)
+        self.callback(module)
 
     def find_spec(self, fullname: str, path: Sequence[str] | None,
                   target: ModuleType | None = None) -> Any:
-        if fullname != self.name:
+        if fullname != self.name or getattr(self._looking, "now", False):
             return None
+        self._looking.now = True
         try:
-            sys.meta_path.remove(self)
-        except ValueError:
-            pass
-        for finder in sys.meta_path:
-            find = getattr(finder, "find_spec", None)
-            if find is None:
-                continue
-            spec = find(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None:
-                    spec.loader = _HookedLoader(spec.loader, self.callback)
-                return spec
-        return None
+            for finder in list(sys.meta_path):
+                find = getattr(finder, "find_spec", None)
+                if finder is self or find is None:
+                    continue
+                spec = find(fullname, path, target)
+                if spec is not None:
+                    if spec.loader is not None and \
+                            not isinstance(spec.loader, _HookedLoader):
+                        spec.loader = _HookedLoader(spec.loader, self._imported)
+                    return spec
+            return None
+        finally:
+            self._looking.now = False

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +13,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from gputrace import progress
+from gputrace.record.place import temporary
 from gputrace.trace.reader import collector_weight, index_shards, merge_metadata
 from gputrace.trace.writer import by_rank, write_ranks
 
@@ -28,14 +29,17 @@ class MergeResult:
 
 
 def merge_shards(shard_dir: str, out: str, top: dict[str, Any] | None = None,
-                 remove: bool = True) -> MergeResult:
+                 remove: bool = True,
+                 place: Callable[[str, str, dict[str, Any]], str] | None = None
+                 ) -> MergeResult:
     """Read every shard in shard_dir (recovering truncated ones), write `out` sorted by rank
     and time, one rank per record batch (analysis then reads one rank at a time).
 
     Ranks are merged one at a time, each from the shards that hold it, so memory follows
     the largest rank, not the whole run. `top` overrides top-level metadata (the recording
     process's view of the run). The shard directory is removed only after the merged file
-    is safely in place.
+    is safely in place. `place(tmp, out, metadata)` puts the finished file where it goes
+    and returns that path (default: `out`, replaced).
     """
     shards, warnings = index_shards(shard_dir)
     md = merge_metadata([s.metadata for s in shards])
@@ -49,7 +53,7 @@ def merge_shards(shard_dir: str, out: str, top: dict[str, Any] | None = None,
         md["collectors"] = collectors
     if warnings:
         md["recovered"] = warnings
-    tmp = f"{out}.tmp-{os.getpid()}"
+    tmp = temporary(out)
     by_cat: Counter[str] = Counter()
     rows = 0
 
@@ -69,7 +73,10 @@ def merge_shards(shard_dir: str, out: str, top: dict[str, Any] | None = None,
 
     try:
         write_ranks(tmp, md, ranks())
-        os.replace(tmp, out)
+        if place is None:
+            os.replace(tmp, out)
+        else:
+            out = place(tmp, out, md)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)

@@ -28,9 +28,11 @@ from gputrace.collectors import (
     in_process_status,
     make_system_collector,
 )
-from gputrace.fmt import count, reason
+from gputrace.fmt import reason
 from gputrace.probe import embed as embed_probe
 from gputrace.record import BOOTSTRAP_DIR
+from gputrace.record.nodes import node_output, spans_nodes
+from gputrace.record.summary import print_summary
 from gputrace.recorder import Recorder, base_metadata
 from gputrace.trace import shards
 
@@ -81,59 +83,14 @@ def child_env(shard_dir: str, redact_argv: bool) -> dict[str, str]:
     return env
 
 
-def _int_env(name: str) -> int:
-    try:
-        return int(os.environ.get(name, ""))
-    except ValueError:
-        return 0
-
-
-def _nnodes(command: list[str]) -> str | None:
-    """torchrun's --nnodes in a command (`torchrun`, `python -m torch.distributed.run`)."""
-    if not any(os.path.basename(a) == "torchrun" or a in ("torch.distributed.run",
-                                                          "torch.distributed.launch")
-               for a in command[:4]):
-        return None
-    for i, a in enumerate(command):
-        if a == "--nnodes" and i + 1 < len(command):
-            return command[i + 1]
-        if a.startswith("--nnodes="):
-            return a.split("=", 1)[1]
-    return None
-
-
-def spans_nodes(command: list[str]) -> bool:
-    """Whether this recording is one of several, one per node, of a job across nodes, as its
-    launcher tells: torchrun's --nnodes, Slurm's node count, or an MPI world larger than
-    this node's share of it."""
-    nn = _nnodes(command)
-    if nn is not None and nn.strip() not in ("1", "1:1"):
-        return True
-    if max(_int_env("SLURM_NNODES"), _int_env("SLURM_JOB_NUM_NODES")) > 1:
-        return True
-    for world, local in (("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"),
-                         ("PMI_SIZE", "MPI_LOCALNRANKS")):
-        if _int_env(local) and _int_env(world) > _int_env(local):
-            return True
-    return False
-
-
-def node_output(path: str, host: str) -> str:
-    """`run.arrow` -> `run.HOST.arrow`: the file of one node, beside the others; a launcher
-    that starts one `record` per task (srun, mpirun) also puts the task's rank in it."""
-    stem, ext = os.path.splitext(path)
-    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in host) or "host"
-    task = next((os.environ[v] for v in ("SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
-                 if os.environ.get(v, "").isdigit()), None)
-    per_task = task is not None and max(_int_env("SLURM_NTASKS_PER_NODE"),
-                                        _int_env("OMPI_COMM_WORLD_LOCAL_SIZE"),
-                                        _int_env("MPI_LOCALNRANKS")) > 1
-    return f"{stem}.{safe}{f'.{task}' if per_task else ''}{ext or '.arrow'}"
+__all__ = ["RecordError", "RecordOptions", "RecordResult", "node_output", "record",
+           "spans_nodes"]
 
 
 def check_output(path: str, force: bool) -> None:
     """Refuse an output that is a directory, or a trace that exists (without -f). An output
-    that cannot be written is not refused: the job runs untraced (see `record`)."""
+    that cannot be written is not refused: the job runs untraced (see `record`). A file that
+    another recording puts there while this one runs is not replaced (see `place`)."""
     if os.path.isdir(path):
         raise RecordError(f"{path} is a directory; give a file name with -o")
     if os.path.exists(path) and not force:
@@ -324,8 +281,9 @@ def _prepare(opts: RecordOptions, shard_dir: str, clock: Clock
     environment."""
     argv = list(opts.command)
     md = base_metadata("record", argv=argv, rank=-1)
-    if opts.per_host:   # one node's file of several: `analyze run.arrow` finds them all
-        md["node_of"] = opts.node_of
+    # the run this file is a part of: `analyze run.arrow` finds every node's file, and the
+    # file of a recording that found run.arrow taken by another of the same moment
+    md["node_of"] = opts.node_of or os.path.basename(opts.output)
     if opts.redact_argv:
         from gputrace.recorder import redact_argv
         md["argv"] = redact_argv(argv)
@@ -417,9 +375,22 @@ def record(opts: RecordOptions) -> RecordResult:
         lost = rec.write_error
         from gputrace import progress
         from gputrace.record.merge import merge_shards
+        from gputrace.record.place import place
+
+        run = os.path.join(os.path.dirname(output), opts.node_of) if opts.node_of else output
+        moved: list[str] = []
+
+        def put(tmp: str, out: str, md: dict[str, Any]) -> str:
+            where, why = place(tmp, out, md, force=opts.force, run=run)
+            if why:
+                moved.append(why)
+            return where
 
         with progress.shown(not opts.quiet):
-            res = merge_shards(shard_dir, output, top=top)
+            res = merge_shards(shard_dir, output, top=top, place=put)
+        output = res.path
+        for why in moved:   # said even with -q: the file is not where it was asked for
+            print(f"gputrace: {why}", file=sys.stderr)
     except Exception as e:  # noqa: BLE001 - the job's exit code is the result all the same
         print(f"gputrace: could not write {output}: {lost or reason(e)}; what was recorded "
               f"until then is kept in {shard_dir} (`gputrace recover {output}` once that is "
@@ -430,7 +401,8 @@ def record(opts: RecordOptions) -> RecordResult:
     summary = {"rows": res.rows, "rows_by_cat": res.rows_by_cat, "shards": res.shards,
                "ranks": res.metadata.get("ranks", []), "collectors": res.metadata["collectors"],
                "warnings": res.warnings, "sampler": top.get("sampler") or {},
-               "clock_warning": top.get("clock_warning"), "node_of": opts.node_of}
+               "clock_warning": top.get("clock_warning"), "node_of": opts.node_of,
+               "run": run if output != run else None}
     if not opts.quiet:
         print_summary(output, duration, exit_code, summary)
     return RecordResult(exit_code, output, duration, summary)
@@ -458,49 +430,3 @@ def _finish(rec: Recorder, sampler: Sampler | None, collectors: list[SystemColle
         rec.metadata["clock_warning"] = step
     rec.close()
     return dict(rec.metadata)
-
-
-_CAT_SOURCE = {"host": "host", "cpu": "host", "disk": "host", "net": "host", "ib": "infiniband",
-               "gpu": "nvml", "pcie": "nvml", "nvlink": "nvml"}
-
-
-def print_summary(output: str, duration: float, exit_code: int, s: dict[str, Any]) -> None:
-    from rich.markup import escape
-
-    from gputrace.report import console
-
-    con = console(stderr=True)
-    size = os.path.getsize(output)
-    ranks = s["ranks"]
-    con.print(f"[bold]gputrace[/]: recorded {duration:.1f} s, exit code {exit_code}, "
-              f"{'ranks ' + ', '.join(map(str, ranks)) if ranks else 'no ranks'}, "
-              f"{count(s['rows'], 'row')} from {count(s['shards'], 'shard')} "
-              f"-> {escape(output)} ({size / 1e6:.2f} MB)")
-    rows_by_source: dict[str, int] = {}
-    for cat, n in s["rows_by_cat"].items():
-        src = _CAT_SOURCE.get(cat, "spans")
-        rows_by_source[src] = rows_by_source.get(src, 0) + n
-    for name, info in sorted(s["collectors"].items()):
-        status = info.get("status", "?") if isinstance(info, dict) else str(info)
-        if status == "ok":
-            detail = ""
-            if name == "host":
-                detail = f": {count(rows_by_source.get('host', 0), 'sample')}, " \
-                         f"{s['sampler'].get('achieved_hz', 0):.0f} Hz achieved"
-            elif name in ("infiniband", "nvml"):
-                detail = f": {count(rows_by_source.get(name, 0), 'sample')}"
-            con.print(f"  {name:<11} [green]ok[/]{detail}")
-        else:
-            con.print(f"  {name:<11} [yellow]{escape(status)}[/]")
-    con.print(f"  {'spans':<11} {count(rows_by_source.get('spans', 0), 'row')} "
-              "(phases, iterations, torch)")
-    for w in s["warnings"]:
-        con.print(f"[yellow]warning[/]: {escape(w)}")
-    if s.get("clock_warning"):
-        con.print(f"[yellow]warning[/]: {s['clock_warning']}")
-    if s.get("node_of"):
-        run = os.path.join(os.path.dirname(output), s["node_of"])
-        con.print(f"this node's part of a multi-node run; next, once every node is done: "
-                  f"[bold]gputrace analyze {escape(run)}[/] (reads every node's file)")
-    else:
-        con.print(f"next: [bold]gputrace analyze {escape(output)}[/]")

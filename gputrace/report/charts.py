@@ -23,7 +23,7 @@ WIDTH = 760
 PALETTE = {
     "io": "#f58518", "h2d": "#eeca3b", "forward": "#4c78a8", "backward": "#54a24b",
     "update": "#b279a2", "comm exposed": "#e45756", "comm hidden": "#72b7b2",
-    "other": "#bab0ac", "comm": "#ff9da6", "kernel": "#9d755d", "memcpy": "#79706e",
+    "other": "#bab0ac", "framework": "#8c6d31", "comm": "#ff9da6", "kernel": "#9d755d", "memcpy": "#79706e",
     "memset": "#d8b5a5", "sync": "#d6d6d6",
     # collectives (charts_comm): strong where the job stood still for them, pale where hidden
     "all-gather exposed": "#d62728", "all-gather hidden": "#ff9896",
@@ -36,7 +36,8 @@ PALETTE = {
 # the breakdown's stack, bottom to top: (term, label, colour key)
 STACK = (("t_io", "t_io", "io"), ("t_h2d", "t_h2d", "h2d"), ("t_f", "t_f", "forward"),
          ("t_b", "t_b", "backward"), ("t_u", "t_u", "update"),
-         ("exposed", "exposed comm", "comm exposed"), ("t_other", "other", "other"))
+         ("exposed", "exposed comm", "comm exposed"), ("t_framework", "framework", "framework"),
+         ("t_other", "other", "other"))
 
 
 @dataclass(frozen=True)
@@ -430,7 +431,7 @@ EVIDENCE = {"input_bound": "breakdown", "unattributed": "breakdown", "update_hea
             "model_mismatch": "breakdown", "comm_exposed": "timeline", "comm_tail": "timeline",
             "comm_not_overlapped": "timeline", "comm_hidden": "timeline",
             "h2d_pageable": "timeline", "low_bandwidth_": "bandwidth",
-            "what_if_buckets": "what-if"}
+            "what_if_buckets": "what-if", "framework_overhead": "breakdown"}
 
 
 def evidence(finding_id: str) -> str | None:

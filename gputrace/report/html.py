@@ -16,7 +16,7 @@ from typing import Any
 from gputrace.analyzers import Analysis, RankAnalysis
 from gputrace.report.charts import Chart, charts, evidence
 from gputrace.report.charts_comm import kinds_table
-from gputrace.report.terminal import PHASES, STRATEGY, headline
+from gputrace.report.terminal import STRATEGY, headline, phase_rows
 
 VEGA_LITE = "6.4"      # the Vega-Lite version the specs are written for
 INSTALL = "the HTML report needs the report extra: pip install 'gputrace[report]'"
@@ -126,7 +126,7 @@ def _summary(a: Analysis, ra: RankAnalysis, source: str) -> list[str]:
                f"measured ({m.relative_error:+.1%}).</p>")
     rows = "".join(f"<tr><td>{k}</td><td>{_e(label)}</td><td>{_ms(ra.breakdown[k].mean)}</td>"
                    f"<td>{_ms(ra.breakdown[k].std)}</td></tr>"
-                   for k, label in (("t_iter", "iteration"), *PHASES))
+                   for k, label in (("t_iter", "iteration"), *phase_rows(ra)))
     out.append("<table><tr><th>term</th><th></th><th>mean</th><th>&plusmn; std</th></tr>"
                f"{rows}</table>")
     return out

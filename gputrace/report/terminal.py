@@ -20,6 +20,18 @@ PHASES = (("t_io", "waiting for data (I/O)"), ("t_h2d", "host to device copies")
            ("t_f", "forward"), ("t_b", "backward"), ("t_u", "update (optimizer)"),
            ("t_comm", "gradient comm (all of it)"), ("t_other", "in no phase"))
 
+FRAMEWORK = ("t_framework", "framework (its per-step work)")
+
+
+def phase_rows(ra: RankAnalysis) -> tuple[tuple[str, str], ...]:
+    """The breakdown's rows: the phases, and where a framework's own per-step work was
+    measured (Keras's loop, logs and callbacks), its row before the time in no phase."""
+    fw = ra.breakdown.get(FRAMEWORK[0])
+    if fw is None or not fw.mean > 0:
+        return PHASES
+    return (*PHASES[:-1], FRAMEWORK, PHASES[-1])
+
+
 STRATEGY = {
     "sequential": "communication after backward (eq. 4/8)",
     "wfbp": "layer-wise overlap, update per layer (eq. 6/7/9)",
@@ -34,10 +46,11 @@ def _ms(s: float) -> str:
 def headline(ra: RankAnalysis) -> str:
     b = ra.breakdown
     t_iter = b["t_iter"].mean
-    parts = {k: b[k].mean for k, _ in PHASES if k not in ("t_comm",)}
+    rows = phase_rows(ra)
+    parts = {k: b[k].mean for k, _ in rows if k not in ("t_comm",)}
     parts["exposed comm"] = ra.comm["exposed_s"]
     top = max(parts, key=lambda k: parts[k])
-    names = dict(PHASES)
+    names = dict(rows)
     top_name = names.get(top, top)
     m = ra.model
     if m.case == 1 and ra.comm["hidden_s"] < 0.5 * ra.comm["total_s"]:
@@ -153,7 +166,7 @@ def render(a: Analysis, rank: int | None = None, file: IO[str] | None = None,
     bt.add_column("mean", justify="right")
     bt.add_column("± std", justify="right", style="dim")
     bt.add_column("share", justify="right")
-    for key, label in (("t_iter", "iteration"),) + PHASES:
+    for key, label in (("t_iter", "iteration"), *phase_rows(ra)):
         s = ra.breakdown[key]
         share = "" if key == "t_iter" or t_iter == 0 else f"{s.mean / t_iter:.0%}"
         bt.add_row(key, label, _ms(s.mean), _ms(s.std), share)

@@ -20,6 +20,11 @@ from gputrace.trace.schema import (
 
 MAGIC = b"ARROW1"
 
+# how the files of one run are found from its name (re-exported: callers import them here)
+from gputrace.trace.parts import expand_names, node_files  # noqa: E402
+
+__all__ = ["expand_names", "node_files"]
+
 
 @dataclass
 class Trace:
@@ -470,25 +475,6 @@ def open_by_rank(path: str | os.PathLike[str]) -> RankedTrace | None:
     return open_ranked([path])
 
 
-def node_files(path: str | os.PathLike[str]) -> list[str]:
-    """The per-node files of a multi-node recording of `path` (`run.HOST.arrow` for
-    `run.arrow`, each naming `run.arrow` as what it is a part of), sorted."""
-    import glob
-
-    path = os.fspath(path)
-    stem, ext = os.path.splitext(path)
-    out = []
-    for f in sorted(glob.glob(f"{glob.escape(stem)}.*{glob.escape(ext)}")):
-        try:
-            with pa.OSFile(f) as src:
-                md = read_metadata(pa.ipc.open_file(src).schema)
-        except (TraceFormatError, pa.ArrowException, OSError, ValueError):
-            continue
-        if md.get("node_of") == os.path.basename(path):
-            out.append(f)
-    return out
-
-
 def ranked_files(paths: Sequence[str]) -> list[str] | None:
     """The files a rank-by-rank reading of `paths` would read (a directory: its `.arrow`
     files), or None where a path is not there (an unclosed recording: `load` reads it)."""
@@ -506,27 +492,6 @@ def ranked_files(paths: Sequence[str]) -> list[str] | None:
         else:
             return None
     return out or None
-
-
-def expand_names(paths: Iterable[str | os.PathLike[str]]) -> list[str]:
-    """The paths to read, as given, except: a glob pattern (`'run/*.arrow'`, quoted so the
-    shell leaves it) becomes the files it matches, and a trace path that was recorded on
-    several nodes (so does not exist itself) becomes its per-node files (`node_files`).
-    Directories and unclosed recordings are left to the reader."""
-    import glob
-
-    out: list[str] = []
-    for p in map(os.fspath, paths):
-        if os.path.exists(p):
-            out.append(p)
-        elif glob.has_magic(p):
-            found = sorted(glob.glob(p))
-            if not found:
-                raise TraceFormatError(f"{p}: no file matches")
-            out.extend(found)
-        else:
-            out.extend(node_files(p) or [p])
-    return out
 
 
 def collector_weight(info: Any) -> int:

@@ -47,7 +47,8 @@ DICT_COLUMNS = frozenset(n for n, t, _, _ in COLUMNS if pa.types.is_dictionary(t
 DEFAULTS = {n: d for n, _, _, d in COLUMNS}
 
 SPAN_CATS = (
-    "iteration io h2d forward backward update comm kernel memcpy memset sync user".split()
+    "iteration io h2d forward backward update comm kernel memcpy memset sync user framework"
+    .split()
 )
 SAMPLE_CATS = "gpu host disk net ib pcie nvlink cpu".split()
 

@@ -1,20 +1,30 @@
-"""An eager TensorFlow training loop (Keras model, tf.GradientTape, the optimizer's
-apply_gradients) that times itself with perf_counter: the ground truth the TensorFlow tests
-compare gputrace's analysis with.
+"""A TensorFlow training loop (Keras model, tf.GradientTape, the optimizer's apply_gradients
+or apply) that times itself with perf_counter: the ground truth the TensorFlow tests compare
+gputrace's analysis with.
 
-    python tf_timed_loop.py OUT.json [--steps N] [--batch B]
+    python tf_timed_loop.py OUT.json [--steps N] [--batch B] [--optimizers Adam,SGD,...]
+                            [--tf-first] [--legacy] [--mode eager|function|strategy]
 
-Per step it writes the loop's own times (seconds; time.time_ns for boundaries): `io` (the
-wait for the next batch of a tf.data pipeline whose map runs in the loop's own thread),
-`forward` (the model and the loss under the tape, synced with `.numpy()`), `backward`
-(`tape.gradient`, synced), `update` (`apply_gradients`, synced), `other` (a logging
-`.numpy()` and a sleep for the loop's bookkeeping), and `start`/`end`: iterations tile the
-loop, the next one begins where this one ended.
+`--tf-first`: `import tensorflow as tf` before anything else, and Keras only as `tf.keras`
+(how most TensorFlow code begins); `--legacy`: the optimizers and model of `tf_keras`
+(Keras 2). One segment of `--steps` steps per optimizer, in order, the odd ones calling
+`optimizer.apply(grads, vars)` (where the optimizer has it), the others `apply_gradients`.
+
+`--mode eager` (default): per step the loop's own times (seconds; time.time_ns for
+boundaries): `io` (the wait for the next batch of a tf.data pipeline whose map runs in the
+loop's own thread), `forward` (the model and the loss under the tape, synced with
+`.numpy()`), `backward` (`tape.gradient`, synced), `update` (the optimizer, synced), `other`
+(a logging `.numpy()` and a sleep for the loop's bookkeeping). `function`: the step is one
+`tf.function` (batch, tape, gradient, update); `strategy`: that function calls
+`strategy.run` (a one-device MirroredStrategy) for the replica's step. A compiled step is
+timed whole (`step`, its phases are inside the graph). Always `start`/`end`: iterations tile
+the loop, the next one begins where this one ended; `segment`: the optimizer's index.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import time
 
@@ -24,13 +34,23 @@ def main() -> None:
     p.add_argument("out")
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--optimizers", default="SGD")
+    p.add_argument("--tf-first", action="store_true")
+    p.add_argument("--legacy", action="store_true")
+    p.add_argument("--mode", choices=("eager", "function", "strategy"), default="eager")
     a = p.parse_args()
-    import keras
-    import tensorflow as tf
+    if a.tf_first:
+        import tensorflow as tf
+        keras = tf.keras
+    else:
+        import keras
+        import tensorflow as tf
+    if a.legacy:   # Keras 2, as code written for TF_USE_LEGACY_KERAS has it
+        keras = importlib.import_module("tf_keras")
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(1)
-    keras.utils.set_random_seed(0)
+    tf.random.set_seed(0)
     w = tf.random.stateless_normal([256, 256], seed=[1, 2])
 
     def decode(i: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
@@ -39,36 +59,78 @@ def main() -> None:
             x = tf.tanh(tf.matmul(x, w))
         return x, tf.cast(i % 10, tf.int64) * tf.ones([a.batch], tf.int64)
 
-    batches = iter(tf.data.Dataset.range(10_000).map(decode))
-    model = keras.Sequential([keras.Input((256,)), keras.layers.Dense(1024, activation="relu"),
-                              keras.layers.Dense(1024, activation="relu"),
-                              keras.layers.Dense(10)])
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    opt = keras.optimizers.SGD(0.01, momentum=0.9)
+    ds = tf.data.Dataset.range(100_000).map(decode)
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"]) if a.mode == "strategy" else \
+        tf.distribute.get_strategy()
+    batches = iter(strategy.experimental_distribute_dataset(ds) if a.mode == "strategy"
+                   else ds)
     now = time.perf_counter
     steps: list[dict[str, float]] = []
     t_prev = time.time_ns()
-    for _ in range(a.steps):
-        t0 = now()
-        x, y = next(batches)
-        t1 = now()
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        loss.numpy()
-        t2 = now()
-        grads = tape.gradient(loss, model.trainable_variables)
-        grads[-1].numpy()
-        t3 = now()
-        opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
-        opt.iterations.numpy()
-        t4 = now()
-        float(loss.numpy())                     # logging
-        time.sleep(0.002)                       # bookkeeping
-        t5 = now()
-        t_end = time.time_ns()
-        steps.append({"io": t1 - t0, "forward": t2 - t1, "backward": t3 - t2,
-                      "update": t4 - t3, "other": t5 - t4, "start": t_prev, "end": t_end})
-        t_prev = t_end
+    for seg, name in enumerate(a.optimizers.split(",")):
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((256,)),
+                                      keras.layers.Dense(1024, activation="relu"),
+                                      keras.layers.Dense(1024, activation="relu"),
+                                      keras.layers.Dense(10)])
+            opt = getattr(keras.optimizers, name)(0.001)
+        loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        use_apply = seg % 2 == 1 and hasattr(opt, "apply") and not a.legacy
+
+        def update(grads: list, opt=opt, model=model, use_apply=use_apply) -> None:
+            if use_apply:
+                opt.apply(grads, model.trainable_variables)
+            else:
+                opt.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+
+        def replica(x: tf.Tensor, y: tf.Tensor, model=model, loss_fn=loss_fn,
+                    update=update) -> tf.Tensor:
+            with tf.GradientTape() as tape:
+                loss = loss_fn(y, model(x, training=True))
+            update(tape.gradient(loss, model.trainable_variables))
+            return loss
+
+        @tf.function
+        def compiled(it, replica=replica) -> tf.Tensor:
+            x, y = next(it)
+            if a.mode == "strategy":
+                return strategy.reduce("SUM", strategy.run(replica, args=(x, y)), axis=None)
+            return replica(x, y)
+
+        for _ in range(a.steps):
+            if a.mode != "eager":
+                t0 = now()
+                loss = compiled(batches)
+                float(loss.numpy())
+                t4 = now()
+                time.sleep(0.002)                   # bookkeeping
+                t5 = now()
+                t_end = time.time_ns()
+                steps.append({"step": t4 - t0, "other": t5 - t4, "start": t_prev,
+                              "end": t_end, "segment": seg})
+                t_prev = t_end
+                continue
+            t0 = now()
+            x, y = next(batches)
+            t1 = now()
+            with tf.GradientTape() as tape:
+                loss = loss_fn(y, model(x, training=True))
+            loss.numpy()
+            t2 = now()
+            grads = tape.gradient(loss, model.trainable_variables)
+            grads[-1].numpy()
+            t3 = now()
+            update(grads)
+            opt.iterations.numpy()
+            t4 = now()
+            float(loss.numpy())                     # logging
+            time.sleep(0.002)                       # bookkeeping
+            t5 = now()
+            t_end = time.time_ns()
+            steps.append({"io": t1 - t0, "forward": t2 - t1, "backward": t3 - t2,
+                          "update": t4 - t3, "other": t5 - t4, "start": t_prev, "end": t_end,
+                          "segment": seg})
+            t_prev = t_end
     with open(a.out, "w") as f:
         json.dump(steps, f)
 
