@@ -1,0 +1,60 @@
+"""Record the collective jobs of this folder with `gputrace record` (2 ranks over gloo on the
+CPU), each beside its own truth:
+
+    python tests/jobs/record_comm_traces.py OUT_DIR [NAME ...]
+
+NAME: fsdp2 (fully_shard, reshard_after_forward=True), fsdp2-keep (False), fsdp1
+(FullyShardedDataParallel per block), moe (all_gather, broadcast, all_to_all, async
+all_to_all_single and all_reduce, send/recv); all of them when none is given. Writes
+OUT_DIR/NAME.arrow and, per rank, OUT_DIR/NAME.rank<R>.json (the job's own collectives,
+iterations and phase times: tests/jobs/collective_truth.py).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+JOBS = Path(__file__).resolve().parent
+CONFIGS = {
+    "fsdp2": ("fsdp_train.py", "--mode", "fsdp2"),
+    "fsdp2-keep": ("fsdp_train.py", "--mode", "fsdp2-keep"),
+    "fsdp1": ("fsdp_train.py", "--mode", "fsdp1"),
+    "moe": ("moe_exchange.py",),
+}
+
+
+def command(name: str, out_dir: Path, iterations: int = 10) -> list[str]:
+    script, *args = CONFIGS[name]
+    return [sys.executable, "-m", "gputrace", "record", "-f", "-o",
+            str(out_dir / f"{name}.arrow"), "--", sys.executable, "-m",
+            "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+            str(JOBS / script), str(out_dir / name), *args, "--iterations", str(iterations)]
+
+
+def record(name: str, out_dir: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    """Record one configuration; the environment's PYTHONPATH is kept (the source tree)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    root = str(JOBS.parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return subprocess.run(command(name, out_dir), capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def main() -> None:
+    if len(sys.argv) < 2:
+        print(__doc__.strip(), file=sys.stderr)
+        sys.exit(2)
+    out = Path(sys.argv[1])
+    for name in sys.argv[2:] or list(CONFIGS):
+        p = record(name, out)
+        print(f"{name}: exit {p.returncode} -> {out / (name + '.arrow')}")
+        if p.returncode:
+            print(p.stderr[-2000:], file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
