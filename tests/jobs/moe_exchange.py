@@ -7,7 +7,8 @@ Per iteration, in forward: the routing counts all-gathered (dist.all_gather), a 
 broadcast from rank 0 (dist.broadcast), the tokens sent to their experts and back
 (dist.all_to_all of per-rank lists, then an async dist.all_to_all_single the job waits on
 after some compute); in backward: nothing (autograd only); in update: the expert gradients
-all-reduced asynchronously (async_op=True, waited at once) and a send/recv pair between the
+all-reduced asynchronously (async_op=True, waited at once; rank 1 joins 20 ms late, so
+rank 0 stands in its wait) and a send/recv pair between the
 two ranks. The job writes OUT_PREFIX.rank<R>.json with its counted collectives, iterations
 and each wait() it timed (time.time_ns around the call).
 """
@@ -71,12 +72,14 @@ class SyncSGD(torch.optim.SGD):
         grads = [p.grad for g in self.param_groups for p in g["params"]
                  if p.grad is not None]
         flat = torch.cat([g.flatten() for g in grads])
+        rank = dist.get_rank()
+        if rank == 1:
+            time.sleep(0.02)     # rank 0 stands still in its wait() until rank 1 joins
         work = dist.all_reduce(flat, async_op=True)
         t0 = time.time_ns()
         work.wait()
         self.truth.waits.append({"it": self.truth.iteration, "kind": "all_reduce",
                                  "start": t0, "end": time.time_ns()})
-        rank = dist.get_rank()
         token = torch.full((64,), float(rank))
         if rank == 0:
             dist.send(token, 1)

@@ -1,0 +1,169 @@
+"""Every torch.distributed collective recorded: real 2-rank jobs over gloo on the CPU under
+`gputrace record` (FSDP2 resharding after forward and not, FSDP1 wrapped per block, an
+MoE-like exchange issuing its own collectives), each against the job's own count of what
+its process group ran (tests/jobs/collective_truth.py: the ProcessGroup's methods, a layer
+below the torch.distributed functions gputrace wraps) and its own timed waits."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+from gputrace.trace import load  # noqa: E402
+
+JOBS = Path(__file__).resolve().parent / "jobs"
+sys.path.insert(0, str(JOBS))
+from record_comm_traces import record  # noqa: E402
+
+pytestmark = pytest.mark.slow
+ITERATIONS = 10
+FSDP = ("fsdp2", "fsdp2-keep", "fsdp1")
+UNITS = ["", "blocks.0", "blocks.1", "blocks.2", "blocks.3"]   # forward order
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    """Each configuration recorded once for the module: (comm spans by rank, truth by
+    rank)."""
+    out = tmp_path_factory.mktemp("comm")
+    cache: dict[str, tuple[dict[int, list[dict]], dict[int, dict]]] = {}
+
+    def get(name: str):
+        if name not in cache:
+            p = record(name, out)
+            assert p.returncode == 0, f"{name}:\n{p.stdout}\n{p.stderr[-3000:]}"
+            assert "Traceback" not in p.stderr, p.stderr[-3000:]
+            rows = load(out / f"{name}.arrow").table.to_pylist()
+            spans = defaultdict(list)
+            for r in rows:
+                if r["kind"] == "span" and r["cat"] == "comm":
+                    r["a"] = json.loads(r["args"])
+                    spans[r["rank"]].append(r)
+            truth = {k: json.loads((out / f"{name}.rank{k}.json").read_text())
+                     for k in (0, 1)}
+            cache[name] = (dict(spans), truth)
+        return cache[name]
+
+    return get
+
+
+def per_iteration(spans, truth):
+    """[(job iteration, the job's own collectives, gputrace's spans issued inside it)]."""
+    out = []
+    for it in truth["iterations"]:
+        mine = sorted((r for r in spans if it["start"] <= r["start_ns"] <= it["end"]),
+                      key=lambda r: r["start_ns"])
+        calls = [c for c in truth["calls"] if c["it"] == it["it"]]
+        out.append((it, calls, mine))
+    return out
+
+
+def assert_matches_truth(spans, truth):
+    """Per iteration: the same collectives by kind and phase, the same count, bytes within
+    1 %, all on one step, steps consecutive."""
+    steps = []
+    for it, calls, mine in per_iteration(spans, truth):
+        want, got = defaultdict(list), defaultdict(list)
+        for c in calls:
+            want[(c["kind"], c["phase"])].append(c["bytes"])
+        for r in mine:
+            assert r["name"] == r["a"]["kind"]
+            got[(r["name"], r["a"]["phase"])].append(r["bytes"])
+        assert sorted(got) == sorted(want), (it["it"], dict(got), dict(want))
+        for key, b in want.items():
+            assert len(got[key]) == len(b), (it["it"], key)
+            for x, y in zip(sorted(got[key]), sorted(b), strict=True):
+                assert abs(x - y) <= 0.01 * y, (it["it"], key, x, y)
+        assert len({r["step"] for r in mine}) == 1, (it["it"], {r["step"] for r in mine})
+        steps.append(mine[0]["step"])
+    assert steps == list(range(steps[0], steps[0] + len(steps))), steps
+    assert len(steps) == ITERATIONS
+
+
+@pytest.mark.parametrize("name", FSDP)
+def test_fsdp_collectives_match_the_jobs_own_count(recorded, name):
+    spans, truth = recorded(name)
+    for rank in (0, 1):
+        assert_matches_truth(spans[rank], truth[rank])
+        for r in spans[rank]:
+            assert r["a"]["group"]["size"] == 2 and r["a"]["group"]["ranks"] == [0, 1]
+            assert r["end_ns"] >= r["start_ns"]
+            if r["name"] == "all_gather":      # each rank gathers the whole
+                assert r["a"]["bytes_out"] == 2 * r["bytes"]
+            if r["name"] == "reduce_scatter":
+                assert 2 * r["a"]["bytes_out"] == r["bytes"]
+
+
+@pytest.mark.parametrize("name", FSDP)
+def test_fsdp_units_roles_and_order(recorded, name):
+    """Forward all-gathers unit by unit in forward order (1..U), reduce-scatters in backward
+    once per unit, re-gathers in backward only when the forward resharded."""
+    spans, truth = recorded(name)
+    fsdp = "fsdp1" if name == "fsdp1" else "fsdp2"
+    for rank in (0, 1):
+        for _it, calls, mine in per_iteration(spans[rank], truth[rank]):
+            for r in mine:
+                assert r["a"]["fsdp"] == fsdp and r["a"]["unit"] == UNITS[r["layer"] - 1]
+            fwd = [r for r in mine if r["a"]["phase"] == "forward"]
+            assert [r["name"] for r in fwd] == ["all_gather"] * len(UNITS)
+            assert [r["layer"] for r in fwd] == [1, 2, 3, 4, 5]
+            assert {r["a"]["role"] for r in fwd} == {"unshard"}
+            bwd = [r for r in mine if r["a"]["phase"] == "backward"]
+            rs = [r for r in bwd if r["name"] == "reduce_scatter"]
+            assert sorted(r["layer"] for r in rs) == [1, 2, 3, 4, 5]
+            assert {r["a"]["role"] for r in rs} == {"reduce_grad"}
+            # backward reduces the blocks from the output side: block 4 first, block 1 last
+            blocks = [r["layer"] for r in rs if r["layer"] > 1]
+            assert blocks == [5, 4, 3, 2], blocks
+            gathers = [r for r in bwd if r["name"] == "all_gather"]
+            want = [c for c in calls if c["phase"] == "backward" and c["kind"] == "all_gather"]
+            assert len(gathers) == len(want)
+            if name == "fsdp2-keep":
+                assert not gathers
+            else:
+                assert {r["a"]["role"] for r in gathers} == {"reshard_gather"}
+                # the blocks' re-gathers are issued ahead by FSDP's backward prefetch
+                assert sum(r["a"]["prefetch"] for r in gathers) >= 3, gathers
+                # a block's parameters are back before its gradients are reduced
+                for g in gathers:
+                    r = next(x for x in rs if x["layer"] == g["layer"])
+                    assert g["start_ns"] < r["start_ns"]
+
+
+def test_moe_exchange_kinds_bytes_and_waits(recorded):
+    spans, truth = recorded("moe")
+    for rank in (0, 1):
+        assert_matches_truth(spans[rank], truth[rank])
+        mine = spans[rank]
+        kinds = {r["name"] for r in mine}
+        assert {"all_gather", "broadcast", "all_to_all", "all_reduce", "send_recv"} <= kinds
+        for r in mine:
+            assert r["layer"] == -1 and "fsdp" not in r["a"]
+            if r["name"] == "all_gather":
+                assert r["a"]["bytes_out"] == 2 * r["bytes"]
+            if r["name"] == "send_recv":   # rank 0 sends, rank 1 receives
+                assert (r["bytes"], r["a"]["bytes_out"]) == ((256, 0) if rank == 0
+                                                             else (0, 256))
+        # the job's own timed wait() on each async collective holds gputrace's wait
+        waits = truth[rank]["waits"]
+        assert len(waits) == 2 * ITERATIONS
+        for w in waits:
+            r = max((r for r in mine if r["name"] == w["kind"] and r["a"]["async"] and
+                     r["start_ns"] <= w["start"]), key=lambda r: r["start_ns"])
+            if "wait" not in r["a"]:   # it had completed before the job asked
+                assert w["kind"] == "all_to_all" or rank == 1, (w, r)
+                assert r["end_ns"] <= w["end"]
+                continue
+            ws, we = r["a"]["wait"]
+            assert w["start"] <= ws <= we <= w["end"], (w, r["a"]["wait"])
+            assert r["start_ns"] <= ws and r["end_ns"] <= we
+            if rank == 0 and w["kind"] == "all_reduce":   # rank 1 came 20 ms late
+                assert we - ws >= 0.9 * (w["end"] - w["start"]) - 50_000, (w, ws, we)
+        sync = [r for r in mine if not r["a"]["async"]]
+        assert sync and all("wait" not in r["a"] for r in sync)
