@@ -33,12 +33,14 @@ def recorded(tmp_path_factory):
     rank)."""
     out = tmp_path_factory.mktemp("comm")
     cache: dict[str, tuple[dict[int, list[dict]], dict[int, dict]]] = {}
+    logs: dict[str, str] = {}
 
     def get(name: str):
         if name not in cache:
             p = record(name, out)
             assert p.returncode == 0, f"{name}:\n{p.stdout}\n{p.stderr[-3000:]}"
             assert "Traceback" not in p.stderr, p.stderr[-3000:]
+            logs[name] = p.stdout + p.stderr
             rows = load(out / f"{name}.arrow").table.to_pylist()
             spans = defaultdict(list)
             for r in rows:
@@ -50,6 +52,7 @@ def recorded(tmp_path_factory):
             cache[name] = (dict(spans), truth)
         return cache[name]
 
+    get.logs = logs
     return get
 
 
@@ -167,3 +170,35 @@ def test_moe_exchange_kinds_bytes_and_waits(recorded):
                 assert we - ws >= 0.9 * (w["end"] - w["start"]) - 50_000, (w, ws, we)
         sync = [r for r in mine if not r["a"]["async"]]
         assert sync and all("wait" not in r["a"] for r in sync)
+
+
+def test_every_other_call_and_a_failure_of_ours(recorded, tmp_path_factory):
+    """all_gather_into_tensor (all_gather_single inside torch: one record), reduce_scatter
+    of lists and tensors, reduce, gather, scatter, barrier, isend/irecv, an async all_reduce
+    nobody waits on, batch_isend_irecv (one record for the batch); then the recorder's own
+    bookkeeping fails: the collectives still run right and the failure is one line."""
+    spans, truth = recorded("tour")
+    log = recorded.logs["tour"]
+    assert "RESULT ok" in log
+    failed = [ln for ln in log.splitlines() if "instrumentation failed" in ln]
+    assert len(failed) == 2 and all("torch.distributed.all_reduce" in ln and
+                                    "bookkeeping bug" in ln for ln in failed), failed
+    for rank in (0, 1):
+        t = truth[rank]
+        assert len(t["iterations"]) == 3
+        for it, calls, mine in per_iteration(spans[rank], t):
+            batch = [c for c in calls if c["phase"] == "batch"]
+            want = sorted((c["kind"], c["bytes"]) for c in calls if c["phase"] != "batch")
+            got = [r for r in mine if not (r["name"] == "send_recv" and r["a"]["async"] and
+                                           r["bytes"] and r["a"]["bytes_out"])]
+            assert sorted((r["name"], r["bytes"]) for r in got) == want, it["it"]
+            # the batch: one record, its sends' bytes in, its receives' out
+            (b,) = [r for r in mine if r not in got]
+            assert len(batch) == 2 and b["bytes"] == sum(c["bytes"] for c in batch)
+            assert b["a"]["bytes_out"] == b["bytes"] and "wait" in b["a"]
+            unwaited = [r for r in mine if r["name"] == "all_reduce"]
+            assert len(unwaited) == 1 and unwaited[0]["a"]["async"]
+            assert "wait" not in unwaited[0]["a"]
+            assert all(r["a"]["phase"] == "none" for r in mine)
+        after = [r for r in spans[rank] if r["start_ns"] > t["iterations"][-1]["end"]]
+        assert not [r for r in after if r["name"] == "all_reduce"]

@@ -5,7 +5,8 @@ CPU), each beside its own truth:
 
 NAME: fsdp2 (fully_shard, reshard_after_forward=True), fsdp2-keep (False), fsdp1
 (FullyShardedDataParallel per block), moe (all_gather, broadcast, all_to_all, async
-all_to_all_single and all_reduce, send/recv); all of them when none is given. Writes
+all_to_all_single and all_reduce, send/recv), tour (every other call once per iteration, then a failure of the recorder's
+own bookkeeping); all of them when none is given. Writes
 OUT_DIR/NAME.arrow and, per rank, OUT_DIR/NAME.rank<R>.json (the job's own collectives,
 iterations and phase times: tests/jobs/collective_truth.py).
 """
@@ -23,15 +24,17 @@ CONFIGS = {
     "fsdp2-keep": ("fsdp_train.py", "--mode", "fsdp2-keep"),
     "fsdp1": ("fsdp_train.py", "--mode", "fsdp1"),
     "moe": ("moe_exchange.py",),
+    "tour": ("collective_tour.py", "--break"),
 }
 
 
-def command(name: str, out_dir: Path, iterations: int = 10) -> list[str]:
+def command(name: str, out_dir: Path, iterations: int | None = None) -> list[str]:
     script, *args = CONFIGS[name]
     return [sys.executable, "-m", "gputrace", "record", "-f", "-o",
             str(out_dir / f"{name}.arrow"), "--", sys.executable, "-m",
             "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-            str(JOBS / script), str(out_dir / name), *args, "--iterations", str(iterations)]
+            str(JOBS / script), str(out_dir / name), *args,
+            *(["--iterations", str(iterations)] if iterations else [])]
 
 
 def record(name: str, out_dir: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
