@@ -50,6 +50,7 @@ _pending: dict[int, _Entry] = {}
 _lock = threading.Lock()
 _installed = False
 _Work: list[Any] = [type(None)]
+_c10d: list[Any] = [None]
 
 
 def ddp_hook_enter() -> bool:
@@ -123,13 +124,10 @@ def _bytes(a: tuple[Any, ...], k: dict[str, Any], spec: Any) -> int:
 def _group_json(group: Any) -> str:
     """{"size", "ranks" (up to 64), "name"} of a process group, computed once per group."""
     if group is None:
-        from torch.distributed import distributed_c10d as c10d
-
-        group = c10d._world.default_pg
+        group = _c10d[0]._world.default_pg
     s = _groups.get(group)
     if s is None:
-        from torch.distributed import distributed_c10d as c10d
-
+        c10d = _c10d[0]
         size = group.size()
         d: dict[str, Any] = {"size": size}
         if size <= 64:
@@ -184,18 +182,18 @@ def _record(kind: str, a: tuple[Any, ...], k: dict[str, Any], spec: tuple[Any, .
         nin = _bytes(a, k, spec[1])
         nout = _bytes(a, k, spec[2])
         group = _arg(a, k, spec[3])
-    works = _works(res)
+    works = _works(res) if res is not None else ()
     ctx = TLS.ctx
     layer, fsdp = (-1, "") if ctx is None else ctx.for_kind(kind)
     head = (f'{{"kind":"{kind}","bytes_out":{nout},"group":{_group_json(group)},'
             f'"async":{"true" if works else "false"},"phase":"{_phase(st)}"{fsdp}')
+    if not works:    # on this thread (the recorder notes it): GPU launches inside are comm
+        rec.span("comm", kind, t0, t1, layer=layer, nbytes=nin, args=head + "}")
+        return
     tid = _native_tid()
     if tid not in rec.threads:
         rec._new_thread(tid)
     e = _Entry(rec, kind, t0, tid, rec.step, layer, nin, head)
-    if not works:
-        e.emit(t1, False)
-        return
     with _lock:
         for w in works:
             _pending[id(w)] = e
@@ -330,6 +328,7 @@ def install(state: Callable[[], Any]) -> None:
         return
     if not dist.is_available():
         return
+    _c10d[0] = c10d
     try:
         for name in (*_SPECS, "batch_isend_irecv"):
             orig = getattr(c10d, name, None)
