@@ -26,6 +26,35 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from collective_truth import Truth  # noqa: E402
 
 
+def functional(x: torch.Tensor, rank: int) -> list[dict[str, object]]:
+    """c10d's functional collectives and a DTensor gathered whole: what each issued (kind,
+    bytes in and out) and when the job first used its result (time.time_ns around it)."""
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    done = []
+
+    def use(kind: str, nin: int, nout: int, res: torch.Tensor) -> None:
+        t0 = time.time_ns()
+        float(res.sum())             # the first use waits for the collective
+        done.append({"kind": kind, "bytes": nin, "bytes_out": nout, "start": t0,
+                     "end": time.time_ns()})
+
+    y = x[:256].clone()
+    use("all_reduce", 1024, 1024, funcol.all_reduce(y, "sum", dist.group.WORLD))
+    use("all_gather", 1024, 2048, funcol.all_gather_single(y, 0, dist.group.WORLD))
+    mesh = init_device_mesh("cpu", (2,))
+    big = torch.arange(512, dtype=torch.float32)
+    d = distribute_tensor(big, mesh, [Shard(0)])      # scatters from rank 0: not counted
+    t0 = time.time_ns()
+    whole = d.full_tensor()          # all-gathers the shards (1 KiB each)
+    done.append({"kind": "all_gather", "bytes": 1024, "bytes_out": 2048, "start": t0,
+                 "end": time.time_ns(), "dtensor": True})
+    assert torch.equal(whole, big)
+    return done
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("out")
@@ -66,6 +95,7 @@ def main() -> None:
         truth.phase = "none"
         truth.end()
     time.sleep(0.2)                 # the unwaited all-reduces complete on their own
+    truth.functional = functional(x, rank)
     truth.dump(f"{a.out}.rank{rank}.json")
     if a.brk:
         from gputrace.collectors import torch_comm
