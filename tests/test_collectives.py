@@ -23,7 +23,7 @@ from record_comm_traces import record  # noqa: E402
 
 pytestmark = pytest.mark.slow
 ITERATIONS = 10
-FSDP = ("fsdp2", "fsdp2-keep", "fsdp1")
+FSDP = ("fsdp2", "fsdp2-keep", "fsdp2-prefetch", "fsdp1")
 UNITS = ["", "blocks.0", "blocks.1", "blocks.2", "blocks.3"]   # forward order
 
 
@@ -34,6 +34,7 @@ def recorded(tmp_path_factory):
     out = tmp_path_factory.mktemp("comm")
     cache: dict[str, tuple[dict[int, list[dict]], dict[int, dict]]] = {}
     logs: dict[str, str] = {}
+    forwards: dict[str, dict[int, list[dict]]] = defaultdict(lambda: defaultdict(list))
 
     def get(name: str):
         if name not in cache:
@@ -47,12 +48,15 @@ def recorded(tmp_path_factory):
                 if r["kind"] == "span" and r["cat"] == "comm":
                     r["a"] = json.loads(r["args"])
                     spans[r["rank"]].append(r)
+                elif r["kind"] == "span" and r["cat"] == "forward" and r["layer"] >= 1:
+                    forwards[name][r["rank"]].append(r)
             truth = {k: json.loads((out / f"{name}.rank{k}.json").read_text())
                      for k in (0, 1)}
             cache[name] = (dict(spans), truth)
         return cache[name]
 
     get.logs = logs
+    get.forwards = forwards
     return get
 
 
@@ -137,6 +141,32 @@ def test_fsdp_units_roles_and_order(recorded, name):
                 for g in gathers:
                     r = next(x for x in rs if x["layer"] == g["layer"])
                     assert g["start_ns"] < r["start_ns"]
+
+
+def test_fsdp2_prefetch_is_async_and_its_waits_are_the_units(recorded):
+    """Explicit prefetch with asynchronous all-gathers: blocks 2..4 are gathered ahead in
+    forward while the previous block computes, and FSDP's wait for each (in the unit's
+    pre-forward) is the record's `wait`, after its issue and before the unit's compute."""
+    spans, truth = recorded("fsdp2-prefetch")
+    waited = 0
+    for rank in (0, 1):
+        for _it, _calls, mine in per_iteration(spans[rank], truth[rank]):
+            fwd = [r for r in mine if r["a"]["phase"] == "forward"]
+            assert all(r["a"]["async"] for r in fwd)
+            assert [r["a"]["prefetch"] for r in fwd] == [False, False, True, True, True]
+            for r in mine:
+                if "wait" in r["a"]:
+                    ws, we = r["a"]["wait"]
+                    assert r["start_ns"] <= ws <= we and r["end_ns"] <= we
+                    waited += 1
+            # block k's gather is issued before block k-1 computes (its fc1's forward span:
+            # layers 1 inp, 2-3 blocks.0, 4-5 blocks.1, ...)
+            layers = recorded.forwards["fsdp2-prefetch"][rank]
+            for r in fwd[2:]:
+                fc1 = 2 * (r["layer"] - 3) + 2
+                (f,) = [f for f in layers if f["layer"] == fc1 and f["step"] == r["step"]]
+                assert r["start_ns"] < f["start_ns"], (r["layer"], fc1)
+    assert waited > 0
 
 
 def test_moe_exchange_kinds_bytes_and_waits(recorded):

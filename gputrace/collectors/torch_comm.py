@@ -234,7 +234,8 @@ def _finish(e: _Entry, w: Any, t: int, waited: bool) -> None:
             return
         e.emitted = True
     end = min(e.done, e.we) if e.done and e.we else (e.done or e.we)
-    e.emit(end, e.ws > 0)
+    # a wait that began after the completion (its callback came late) hid nothing
+    e.emit(end, e.ws > 0 and not (e.done and e.done <= e.ws))
 
 
 def _completed(e: _Entry, w: Any, fut: Any) -> None:

@@ -1,11 +1,13 @@
 """A small sharded-data-parallel training job (2 ranks over gloo on the CPU) that counts its
 own collectives and times its own iterations and phases.
 
-    torchrun --nproc_per_node 2 fsdp_train.py OUT_PREFIX --mode fsdp2|fsdp2-keep|fsdp1
-        [--iterations N] [--width D] [--blocks B]
+    torchrun --nproc_per_node 2 fsdp_train.py OUT_PREFIX
+        --mode fsdp2|fsdp2-keep|fsdp2-prefetch|fsdp1 [--iterations N] [--width D] [--blocks B]
 
 fsdp2: `fully_shard` on each block and the root (reshard_after_forward=True); fsdp2-keep:
-the same with reshard_after_forward=False; fsdp1: FullyShardedDataParallel wrapped per
+the same with reshard_after_forward=False; fsdp2-prefetch: resharding, each block
+prefetching the next in forward and the previous in backward, all-gathers asynchronous
+(FSDP waits for each in the unit's pre-forward/pre-backward); fsdp1: FullyShardedDataParallel wrapped per
 block. Each rank writes OUT_PREFIX.rank<R>.json: every collective the process group ran
 (collective_truth: kind, input bytes, iteration, phase) and each iteration's start/end
 (time.time_ns) and forward/backward/update seconds (perf_counter).
@@ -50,13 +52,19 @@ class Net(nn.Module):
 
 
 def shard(model: Net, mode: str) -> nn.Module:
-    if mode in ("fsdp2", "fsdp2-keep"):
+    if mode.startswith("fsdp2"):
         from torch.distributed.fsdp import fully_shard
 
         keep = mode == "fsdp2-keep"
         for b in model.blocks:
             fully_shard(b, reshard_after_forward=not keep)
         fully_shard(model, reshard_after_forward=not keep)
+        if mode == "fsdp2-prefetch":
+            blocks = list(model.blocks)
+            for prev, nxt in zip(blocks, blocks[1:], strict=False):
+                prev.set_modules_to_forward_prefetch([nxt])
+                nxt.set_modules_to_backward_prefetch([prev])
+            model._set_unshard_async_op(True)
         return model
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -68,7 +76,7 @@ def shard(model: Net, mode: str) -> nn.Module:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("out")
-    p.add_argument("--mode", default="fsdp2", choices=("fsdp2", "fsdp2-keep", "fsdp1"))
+    p.add_argument("--mode", default="fsdp2", choices=("fsdp2", "fsdp2-keep", "fsdp2-prefetch", "fsdp1"))
     p.add_argument("--iterations", type=int, default=10)
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--blocks", type=int, default=4)
