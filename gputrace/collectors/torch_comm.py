@@ -109,18 +109,6 @@ _SPECS: dict[str, tuple[str, Any, Any, tuple[int, str]]] = {
 }
 
 
-def _arg(a: tuple[Any, ...], k: dict[str, Any], spec: tuple[Any, ...]) -> Any:
-    i = spec[0]
-    return a[i] if len(a) > i else k.get(spec[1])
-
-
-def _bytes(a: tuple[Any, ...], k: dict[str, Any], spec: Any) -> int:
-    if spec is None:
-        return 0
-    v = _arg(a, k, spec)
-    return _nbl(v) if spec[2] else _nb(v)
-
-
 def _group_json(group: Any) -> str:
     """{"size", "ranks" (up to 64), "name"} of a process group, computed once per group."""
     if group is None:
@@ -166,11 +154,20 @@ class _Entry:
                       args=args, step=self.step, tid=self.tid)
 
 
-def _record(kind: str, a: tuple[Any, ...], k: dict[str, Any], spec: tuple[Any, ...],
+def _extractor(spec: Any, nbytes: bool) -> Any:
+    """(args, kwargs) -> the argument `spec` names (its bytes when `nbytes`), made once per
+    function so the call pays no generic lookup."""
+    if spec is None:
+        return lambda a, k: 0
+    i, name = spec[0], spec[1]
+    if not nbytes:
+        return lambda a, k: a[i] if len(a) > i else k.get(name)
+    size = _nbl if spec[2] else _nb
+    return lambda a, k: size(a[i] if len(a) > i else k.get(name))
+
+
+def _record(st: Any, kind: str, a: tuple[Any, ...], k: dict[str, Any], ex: Any,
             t0: int, t1: int, res: Any) -> None:
-    st = _state()
-    if st is None:
-        return
     rec = st.rec
     if kind == "batch":
         ops = a[0] if a else k.get("p2p_op_list") or []
@@ -179,9 +176,9 @@ def _record(kind: str, a: tuple[Any, ...], k: dict[str, Any], spec: tuple[Any, .
         nout = sum(_nb(op.tensor) for op in ops if not _is_send(op.op))
         group = ops[0].group if ops else None
     else:
-        nin = _bytes(a, k, spec[1])
-        nout = _bytes(a, k, spec[2])
-        group = _arg(a, k, spec[3])
+        nin = ex[0](a, k)
+        nout = ex[1](a, k)
+        group = ex[2](a, k)
     works = _works(res) if res is not None else ()
     ctx = TLS.ctx
     layer, fsdp = (-1, "") if ctx is None else ctx.for_kind(kind)
@@ -254,6 +251,8 @@ def _state_now() -> int:
 def _wrap(name: str, orig: Any) -> Any:
     spec = _SPECS.get(name)
     kind = spec[0] if spec else "batch"
+    ex = (_extractor(spec[1], True), _extractor(spec[2], True),
+          _extractor(spec[3], False)) if spec else ()
     tls = TLS
 
     @functools.wraps(orig)
@@ -272,7 +271,7 @@ def _wrap(name: str, orig: Any) -> Any:
             tls.busy = False
         t1 = now()
         try:
-            _record(kind, a, k, spec, t0, t1, res)
+            _record(st, kind, a, k, ex, t0, t1, res)
         except Exception as e:  # noqa: BLE001 - the collective ran; only its record is lost
             _hook_failed(f"torch.distributed.{name}", e)
         return res
