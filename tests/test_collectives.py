@@ -169,6 +169,19 @@ def test_fsdp2_prefetch_is_async_and_its_waits_are_the_units(recorded):
     assert waited > 0
 
 
+def test_hsdp_gradients_all_reduced_per_unit(recorded):
+    """HSDP replicated across the 2 ranks and sharded over 1: no all-gather, no
+    reduce-scatter on the wire, one gradient all-reduce per unit in backward."""
+    spans, truth = recorded("fsdp2-hsdp")
+    for rank in (0, 1):
+        assert_matches_truth(spans[rank], truth[rank])
+        for _it, _calls, mine in per_iteration(spans[rank], truth[rank]):
+            assert [r["name"] for r in mine] == ["all_reduce"] * len(UNITS)
+            assert {r["a"]["role"] for r in mine} == {"hsdp_all_reduce"}
+            assert [r["layer"] for r in mine] == [5, 4, 3, 2, 1]
+            assert [r["a"]["unit"] for r in mine] == UNITS[::-1]
+
+
 def test_moe_exchange_kinds_bytes_and_waits(recorded):
     spans, truth = recorded("moe")
     for rank in (0, 1):

@@ -2,12 +2,14 @@
 own collectives and times its own iterations and phases.
 
     torchrun --nproc_per_node 2 fsdp_train.py OUT_PREFIX
-        --mode fsdp2|fsdp2-keep|fsdp2-prefetch|fsdp1 [--iterations N] [--width D] [--blocks B]
+        --mode fsdp2|fsdp2-keep|fsdp2-prefetch|fsdp2-hsdp|fsdp1 [--iterations N] [--width D]
+        [--blocks B]
 
 fsdp2: `fully_shard` on each block and the root (reshard_after_forward=True); fsdp2-keep:
 the same with reshard_after_forward=False; fsdp2-prefetch: resharding, each block
 prefetching the next in forward and the previous in backward, all-gathers asynchronous
-(FSDP waits for each in the unit's pre-forward/pre-backward); fsdp1: FullyShardedDataParallel wrapped per
+(FSDP waits for each in the unit's pre-forward/pre-backward); fsdp2-hsdp: HSDP on a 2x1
+mesh (replicated across the ranks, sharded over one: gradients all-reduced); fsdp1: FullyShardedDataParallel wrapped per
 block. Each rank writes OUT_PREFIX.rank<R>.json: every collective the process group ran
 (collective_truth: kind, input bytes, iteration, phase) and each iteration's start/end
 (time.time_ns) and forward/backward/update seconds (perf_counter).
@@ -56,9 +58,14 @@ def shard(model: Net, mode: str) -> nn.Module:
         from torch.distributed.fsdp import fully_shard
 
         keep = mode == "fsdp2-keep"
+        mesh = None
+        if mode == "fsdp2-hsdp":   # replicated across the 2 ranks, sharded over 1
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
         for b in model.blocks:
-            fully_shard(b, reshard_after_forward=not keep)
-        fully_shard(model, reshard_after_forward=not keep)
+            fully_shard(b, reshard_after_forward=not keep, mesh=mesh)
+        fully_shard(model, reshard_after_forward=not keep, mesh=mesh)
         if mode == "fsdp2-prefetch":
             blocks = list(model.blocks)
             for prev, nxt in zip(blocks, blocks[1:], strict=False):
@@ -76,7 +83,7 @@ def shard(model: Net, mode: str) -> nn.Module:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("out")
-    p.add_argument("--mode", default="fsdp2", choices=("fsdp2", "fsdp2-keep", "fsdp2-prefetch", "fsdp1"))
+    p.add_argument("--mode", default="fsdp2", choices=("fsdp2", "fsdp2-keep", "fsdp2-prefetch", "fsdp2-hsdp", "fsdp1"))
     p.add_argument("--iterations", type=int, default=10)
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--blocks", type=int, default=4)

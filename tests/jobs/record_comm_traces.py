@@ -4,7 +4,8 @@ CPU), each beside its own truth:
     python tests/jobs/record_comm_traces.py OUT_DIR [NAME ...]
 
 NAME: fsdp2 (fully_shard, reshard_after_forward=True), fsdp2-keep (False), fsdp2-prefetch
-(explicit prefetch of the next/previous block, asynchronous all-gathers), fsdp1
+(explicit prefetch of the next/previous block, asynchronous all-gathers), fsdp2-hsdp
+(replicated on a 2x1 mesh: HSDP's gradient all-reduce), fsdp1
 (FullyShardedDataParallel per block), moe (all_gather, broadcast, all_to_all, async
 all_to_all_single and all_reduce, send/recv), tour (every other call once per iteration, then a failure of the recorder's
 own bookkeeping); all of them when none is given. Writes
@@ -24,6 +25,7 @@ CONFIGS = {
     "fsdp2": ("fsdp_train.py", "--mode", "fsdp2"),
     "fsdp2-keep": ("fsdp_train.py", "--mode", "fsdp2-keep"),
     "fsdp2-prefetch": ("fsdp_train.py", "--mode", "fsdp2-prefetch"),
+    "fsdp2-hsdp": ("fsdp_train.py", "--mode", "fsdp2-hsdp"),
     "fsdp1": ("fsdp_train.py", "--mode", "fsdp1"),
     "moe": ("moe_exchange.py",),
     "tour": ("collective_tour.py", "--break"),
