@@ -203,14 +203,18 @@ def test_moe_exchange_kinds_bytes_and_waits(recorded):
             r = max((r for r in mine if r["name"] == w["kind"] and r["a"]["async"] and
                      r["start_ns"] <= w["start"]), key=lambda r: r["start_ns"])
             if "wait" not in r["a"]:   # it had completed before the job asked
-                assert w["kind"] == "all_to_all" or rank == 1, (w, r)
+                # (or in the microseconds between the job's look and its wait)
+                assert not w["running"] or r["end_ns"] - w["start"] < 200_000, (w, r)
                 assert r["end_ns"] <= w["end"]
                 continue
             ws, we = r["a"]["wait"]
             assert w["start"] <= ws <= we <= w["end"], (w, r["a"]["wait"])
             assert r["start_ns"] <= ws and r["end_ns"] <= we
-            if rank == 0 and w["kind"] == "all_reduce":   # rank 1 came 20 ms late
-                assert we - ws >= 0.9 * (w["end"] - w["start"]) - 50_000, (w, ws, we)
+            if w["running"]:   # the job stood still for it: so did the record
+                assert we - ws >= 0.8 * (w["end"] - w["start"]) - 50_000, (w, ws, we)
+        # rank 1 joins each all-reduce 50 ms late: rank 0 waited for most of them
+        if rank == 0:
+            assert sum(w["running"] for w in waits if w["kind"] == "all_reduce") >= 5
         sync = [r for r in mine if not r["a"]["async"]]
         assert sync and all("wait" not in r["a"] for r in sync)
 

@@ -197,7 +197,8 @@ def _record(st: Any, kind: str, a: tuple[Any, ...], k: dict[str, Any], ex: Any,
             e.out.add(id(w))
     for w in works:
         try:
-            w.get_future().then(functools.partial(_completed, e, w))
+            # on the backend's thread when it completes (no child future, unlike then())
+            w.get_future().add_done_callback(functools.partial(_completed, e, w))
         except Exception:  # noqa: BLE001 - no future here: the job's wait() ends it
             pass
 

@@ -7,10 +7,11 @@ Per iteration, in forward: the routing counts all-gathered (dist.all_gather), a 
 broadcast from rank 0 (dist.broadcast), the tokens sent to their experts and back
 (dist.all_to_all of per-rank lists, then an async dist.all_to_all_single the job waits on
 after some compute); in backward: nothing (autograd only); in update: the expert gradients
-all-reduced asynchronously (async_op=True, waited at once; rank 1 joins 20 ms late, so
+all-reduced asynchronously (async_op=True, waited at once; rank 1 joins 50 ms late, so
 rank 0 stands in its wait) and a send/recv pair between the
 two ranks. The job writes OUT_PREFIX.rank<R>.json with its counted collectives, iterations
-and each wait() it timed (time.time_ns around the call).
+and each wait() it timed (time.time_ns around the call; `running`: the work had not
+completed when the wait began).
 """
 
 from __future__ import annotations
@@ -54,9 +55,10 @@ class MoE(nn.Module):
         work = dist.all_to_all_single(back, out.detach().contiguous(), async_op=True)
         extra = self.expert(send[0]).sum()         # compute while the exchange runs
         t0 = time.time_ns()
+        running = not work.is_completed()
         work.wait()
         self.truth.waits.append({"it": self.truth.iteration, "kind": "all_to_all",
-                                 "start": t0, "end": time.time_ns()})
+                                 "start": t0, "end": time.time_ns(), "running": running})
         return (out.sum() + extra + (back * 0).sum() + scores.sum() * 0) / x.shape[0]
 
 
@@ -74,12 +76,13 @@ class SyncSGD(torch.optim.SGD):
         flat = torch.cat([g.flatten() for g in grads])
         rank = dist.get_rank()
         if rank == 1:
-            time.sleep(0.02)     # rank 0 stands still in its wait() until rank 1 joins
+            time.sleep(0.05)     # rank 0 stands still in its wait() until rank 1 joins
         work = dist.all_reduce(flat, async_op=True)
         t0 = time.time_ns()
+        running = not work.is_completed()
         work.wait()
         self.truth.waits.append({"it": self.truth.iteration, "kind": "all_reduce",
-                                 "start": t0, "end": time.time_ns()})
+                                 "start": t0, "end": time.time_ns(), "running": running})
         token = torch.full((64,), float(rank))
         if rank == 0:
             dist.send(token, 1)
