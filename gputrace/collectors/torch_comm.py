@@ -199,8 +199,9 @@ def _record(st: Any, kind: str, a: tuple[Any, ...], k: dict[str, Any], ex: Any,
         try:
             # on the backend's thread when it completes (no child future, unlike then())
             w.get_future().add_done_callback(functools.partial(_completed, e, w))
-        except Exception:  # noqa: BLE001 - no future here: the job's wait() ends it
-            pass
+        except Exception:  # noqa: BLE001 - no future: the job's wait() ends it, if we see it
+            if type(w).wait is not _Work[0].wait:   # a wait of its own (coalesced work)
+                _finish(e, w, t1, False)
 
 
 def _is_send(op: Any) -> bool:
