@@ -199,8 +199,8 @@ def _record(st: Any, kind: str, a: tuple[Any, ...], k: dict[str, Any], ex: Any,
         try:
             # on the backend's thread when it completes (no child future, unlike then())
             w.get_future().add_done_callback(functools.partial(_completed, e, w))
-        except Exception:  # noqa: BLE001 - no future: the job's wait() ends it, if we see it
-            if type(w).wait is not _Work[0].wait:   # a wait of its own (coalesced work)
+        except Exception:  # noqa: BLE001 - no future: a backend's own Work ends at its wait(),
+            if type(w) is not _Work[0]:  # any other (a coalesced call's) at the call's end
                 _finish(e, w, t1, False)
 
 
