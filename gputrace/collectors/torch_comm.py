@@ -126,10 +126,15 @@ def _group_json(group: Any) -> str:
 
 
 def _phase(st: Any) -> str:
-    if st.bwd_depth > 0:
-        return "backward"
-    if st.depth > 0:
-        return "forward"
+    """The phase open when the call was issued: the torch collector's depths (`bwd_depth`
+    inside backward, `depth` inside the outermost forward), then optimizer.step()."""
+    try:
+        if st.bwd_depth > 0:
+            return "backward"
+        if st.depth > 0:
+            return "forward"
+    except AttributeError:   # a collector without these depths: forward/backward unknown
+        pass
     return "update" if _updating[0] > 0 else "none"
 
 
