@@ -50,6 +50,7 @@ _pending: dict[int, _Entry] = {}
 _lock = threading.Lock()
 _installed = False
 _Work: list[Any] = [type(None)]
+_c10d: list[Any] = [None]
 
 
 def ddp_hook_enter() -> bool:
@@ -108,28 +109,13 @@ _SPECS: dict[str, tuple[str, Any, Any, tuple[int, str]]] = {
 }
 
 
-def _arg(a: tuple[Any, ...], k: dict[str, Any], spec: tuple[Any, ...]) -> Any:
-    i = spec[0]
-    return a[i] if len(a) > i else k.get(spec[1])
-
-
-def _bytes(a: tuple[Any, ...], k: dict[str, Any], spec: Any) -> int:
-    if spec is None:
-        return 0
-    v = _arg(a, k, spec)
-    return _nbl(v) if spec[2] else _nb(v)
-
-
 def _group_json(group: Any) -> str:
     """{"size", "ranks" (up to 64), "name"} of a process group, computed once per group."""
     if group is None:
-        from torch.distributed import distributed_c10d as c10d
-
-        group = c10d._world.default_pg
+        group = _c10d[0]._world.default_pg
     s = _groups.get(group)
     if s is None:
-        from torch.distributed import distributed_c10d as c10d
-
+        c10d = _c10d[0]
         size = group.size()
         d: dict[str, Any] = {"size": size}
         if size <= 64:
@@ -140,10 +126,15 @@ def _group_json(group: Any) -> str:
 
 
 def _phase(st: Any) -> str:
-    if st.bwd_depth > 0:
-        return "backward"
-    if st.depth > 0:
-        return "forward"
+    """The phase open when the call was issued: the torch collector's depths (`bwd_depth`
+    inside backward, `depth` inside the outermost forward), then optimizer.step()."""
+    try:
+        if st.bwd_depth > 0:
+            return "backward"
+        if st.depth > 0:
+            return "forward"
+    except AttributeError:   # a collector without these depths: forward/backward unknown
+        pass
     return "update" if _updating[0] > 0 else "none"
 
 
@@ -168,11 +159,20 @@ class _Entry:
                       args=args, step=self.step, tid=self.tid)
 
 
-def _record(kind: str, a: tuple[Any, ...], k: dict[str, Any], spec: tuple[Any, ...],
+def _extractor(spec: Any, nbytes: bool) -> Any:
+    """(args, kwargs) -> the argument `spec` names (its bytes when `nbytes`), made once per
+    function so the call pays no generic lookup."""
+    if spec is None:
+        return lambda a, k: 0
+    i, name = spec[0], spec[1]
+    if not nbytes:
+        return lambda a, k: a[i] if len(a) > i else k.get(name)
+    size = _nbl if spec[2] else _nb
+    return lambda a, k: size(a[i] if len(a) > i else k.get(name))
+
+
+def _record(st: Any, kind: str, a: tuple[Any, ...], k: dict[str, Any], ex: Any,
             t0: int, t1: int, res: Any) -> None:
-    st = _state()
-    if st is None:
-        return
     rec = st.rec
     if kind == "batch":
         ops = a[0] if a else k.get("p2p_op_list") or []
@@ -181,30 +181,32 @@ def _record(kind: str, a: tuple[Any, ...], k: dict[str, Any], spec: tuple[Any, .
         nout = sum(_nb(op.tensor) for op in ops if not _is_send(op.op))
         group = ops[0].group if ops else None
     else:
-        nin = _bytes(a, k, spec[1])
-        nout = _bytes(a, k, spec[2])
-        group = _arg(a, k, spec[3])
-    works = _works(res)
+        nin = ex[0](a, k)
+        nout = ex[1](a, k)
+        group = ex[2](a, k)
+    works = _works(res) if res is not None else ()
     ctx = TLS.ctx
     layer, fsdp = (-1, "") if ctx is None else ctx.for_kind(kind)
     head = (f'{{"kind":"{kind}","bytes_out":{nout},"group":{_group_json(group)},'
             f'"async":{"true" if works else "false"},"phase":"{_phase(st)}"{fsdp}')
+    if not works:    # on this thread (the recorder notes it): GPU launches inside are comm
+        rec.span("comm", kind, t0, t1, layer=layer, nbytes=nin, args=head + "}")
+        return
     tid = _native_tid()
     if tid not in rec.threads:
         rec._new_thread(tid)
     e = _Entry(rec, kind, t0, tid, rec.step, layer, nin, head)
-    if not works:
-        e.emit(t1, False)
-        return
     with _lock:
         for w in works:
             _pending[id(w)] = e
             e.out.add(id(w))
     for w in works:
         try:
-            w.get_future().then(functools.partial(_completed, e, w))
-        except Exception:  # noqa: BLE001 - no future here: the job's wait() ends it
-            pass
+            # on the backend's thread when it completes (no child future, unlike then())
+            w.get_future().add_done_callback(functools.partial(_completed, e, w))
+        except Exception:  # noqa: BLE001 - no future: a backend's own Work ends at its wait(),
+            if type(w) is not _Work[0]:  # any other (a coalesced call's) at the call's end
+                _finish(e, w, t1, False)
 
 
 def _is_send(op: Any) -> bool:
@@ -236,7 +238,8 @@ def _finish(e: _Entry, w: Any, t: int, waited: bool) -> None:
             return
         e.emitted = True
     end = min(e.done, e.we) if e.done and e.we else (e.done or e.we)
-    e.emit(end, e.ws > 0)
+    # a wait that began after the completion (its callback came late) hid nothing
+    e.emit(end, e.ws > 0 and not (e.done and e.done <= e.ws))
 
 
 def _completed(e: _Entry, w: Any, fut: Any) -> None:
@@ -255,6 +258,8 @@ def _state_now() -> int:
 def _wrap(name: str, orig: Any) -> Any:
     spec = _SPECS.get(name)
     kind = spec[0] if spec else "batch"
+    ex = (_extractor(spec[1], True), _extractor(spec[2], True),
+          _extractor(spec[3], False)) if spec else ()
     tls = TLS
 
     @functools.wraps(orig)
@@ -273,7 +278,7 @@ def _wrap(name: str, orig: Any) -> Any:
             tls.busy = False
         t1 = now()
         try:
-            _record(kind, a, k, spec, t0, t1, res)
+            _record(st, kind, a, k, ex, t0, t1, res)
         except Exception as e:  # noqa: BLE001 - the collective ran; only its record is lost
             _hook_failed(f"torch.distributed.{name}", e)
         return res
@@ -330,6 +335,7 @@ def install(state: Callable[[], Any]) -> None:
         return
     if not dist.is_available():
         return
+    _c10d[0] = c10d
     try:
         for name in (*_SPECS, "batch_isend_irecv"):
             orig = getattr(c10d, name, None)

@@ -8,8 +8,8 @@ first gather (forward order; 1 nearest the input), and `fsdp`, `unit` (the modul
 the model, "" for the root), `role` (`unshard`, `reshard_gather`, `reduce_grad`,
 `hsdp_all_reduce`) and `prefetch` in args.
 
-FSDP's modules are patched when they are imported (a finder on sys.meta_path), or at once if
-they already are.
+FSDP's modules (and c10d's functional collectives, torch_funcol) are patched when they are
+imported (a finder on sys.meta_path), or at once if they already are.
 """
 
 from __future__ import annotations
@@ -202,7 +202,14 @@ def _patch_fsdp1(mod: Any) -> None:
     mod._prefetch_handle = _prefetching(mod._prefetch_handle)
 
 
-_PATCHES = {FSDP2: _patch_fsdp2, FSDP1: _patch_fsdp1}
+def _patch_funcol(mod: Any) -> None:
+    from gputrace.collectors import torch_funcol
+
+    torch_funcol.patch(mod)
+
+
+_PATCHES = {FSDP2: _patch_fsdp2, FSDP1: _patch_fsdp1,
+            "torch.distributed._functional_collectives": _patch_funcol}
 
 
 def _patch(name: str, module: Any) -> None:

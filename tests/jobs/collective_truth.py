@@ -41,6 +41,7 @@ class Truth:
         self.calls: list[dict[str, Any]] = []
         self.iterations: list[dict[str, Any]] = []
         self.waits: list[dict[str, Any]] = []
+        self.functional: list[dict[str, Any]] = []
         for name, kind in KIND.items():
             orig = getattr(ProcessGroup, name, None)
             if orig is None:
@@ -81,4 +82,4 @@ class Truth:
     def dump(self, path: str) -> None:
         with open(path, "w") as f:
             json.dump({"calls": self.calls, "iterations": self.iterations,
-                       "waits": self.waits}, f)
+                       "waits": self.waits, "functional": self.functional}, f)

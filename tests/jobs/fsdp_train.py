@@ -1,11 +1,15 @@
 """A small sharded-data-parallel training job (2 ranks over gloo on the CPU) that counts its
 own collectives and times its own iterations and phases.
 
-    torchrun --nproc_per_node 2 fsdp_train.py OUT_PREFIX --mode fsdp2|fsdp2-keep|fsdp1
-        [--iterations N] [--width D] [--blocks B]
+    torchrun --nproc_per_node 2 fsdp_train.py OUT_PREFIX
+        --mode fsdp2|fsdp2-keep|fsdp2-prefetch|fsdp2-hsdp|fsdp1 [--iterations N] [--width D]
+        [--blocks B]
 
 fsdp2: `fully_shard` on each block and the root (reshard_after_forward=True); fsdp2-keep:
-the same with reshard_after_forward=False; fsdp1: FullyShardedDataParallel wrapped per
+the same with reshard_after_forward=False; fsdp2-prefetch: resharding, each block
+prefetching the next in forward and the previous in backward, all-gathers asynchronous
+(FSDP waits for each in the unit's pre-forward/pre-backward); fsdp2-hsdp: HSDP on a 2x1
+mesh (replicated across the ranks, sharded over one: gradients all-reduced); fsdp1: FullyShardedDataParallel wrapped per
 block. Each rank writes OUT_PREFIX.rank<R>.json: every collective the process group ran
 (collective_truth: kind, input bytes, iteration, phase) and each iteration's start/end
 (time.time_ns) and forward/backward/update seconds (perf_counter).
@@ -50,13 +54,24 @@ class Net(nn.Module):
 
 
 def shard(model: Net, mode: str) -> nn.Module:
-    if mode in ("fsdp2", "fsdp2-keep"):
+    if mode.startswith("fsdp2"):
         from torch.distributed.fsdp import fully_shard
 
         keep = mode == "fsdp2-keep"
+        mesh = None
+        if mode == "fsdp2-hsdp":   # replicated across the 2 ranks, sharded over 1
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
         for b in model.blocks:
-            fully_shard(b, reshard_after_forward=not keep)
-        fully_shard(model, reshard_after_forward=not keep)
+            fully_shard(b, reshard_after_forward=not keep, mesh=mesh)
+        fully_shard(model, reshard_after_forward=not keep, mesh=mesh)
+        if mode == "fsdp2-prefetch":
+            blocks = list(model.blocks)
+            for prev, nxt in zip(blocks, blocks[1:], strict=False):
+                prev.set_modules_to_forward_prefetch([nxt])
+                nxt.set_modules_to_backward_prefetch([prev])
+            model._set_unshard_async_op(True)
         return model
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -68,7 +83,7 @@ def shard(model: Net, mode: str) -> nn.Module:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("out")
-    p.add_argument("--mode", default="fsdp2", choices=("fsdp2", "fsdp2-keep", "fsdp1"))
+    p.add_argument("--mode", default="fsdp2", choices=("fsdp2", "fsdp2-keep", "fsdp2-prefetch", "fsdp2-hsdp", "fsdp1"))
     p.add_argument("--iterations", type=int, default=10)
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--blocks", type=int, default=4)
