@@ -5,7 +5,8 @@ A command opens the bar for its whole run (`shown`); the code doing the work onl
 far it is (`each`, `update`), which costs nothing when no bar is shown: with stdout or stderr
 not a terminal (piped, redirected, a notebook), with `--json`, with GPUTRACE_PROGRESS=0 or
 TERM=dumb. Bars are drawn on stderr and cleared when the work ends, so nothing of them stays
-in what a command prints.
+in what a command prints. Work that is over within DELAY_S (GPUTRACE_PROGRESS_DELAY seconds
+when set) draws none.
 """
 
 from __future__ import annotations
@@ -15,10 +16,13 @@ import contextvars
 import os
 import sys
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+DELAY_S = 0.5      # no bar for work that is over sooner
 
 _current: contextvars.ContextVar[_Bars | None] = contextvars.ContextVar("gputrace_progress",
                                                                         default=None)
@@ -58,16 +62,27 @@ class _Bars:
             redirect_stderr=False)
         self._tasks: dict[str, Any] = {}
         self._lock = threading.Lock()
+        self._t0 = time.monotonic()
+        self._started = False
+        try:
+            self._delay = float(os.environ.get("GPUTRACE_PROGRESS_DELAY", DELAY_S))
+        except ValueError:
+            self._delay = DELAY_S
 
     def __enter__(self) -> _Bars:
-        self._progress.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._progress.stop()
+        if self._started:
+            self._progress.stop()
 
     def update(self, what: str, done: float, total: float | None) -> None:
         with self._lock:
+            if not self._started:
+                if time.monotonic() - self._t0 < self._delay:
+                    return      # drawn once the work has lasted the delay
+                self._progress.start()
+                self._started = True
             task = self._tasks.get(what)
             if task is None:
                 task = self._tasks[what] = self._progress.add_task(what, total=total)

@@ -24,7 +24,8 @@ def on_a_terminal(*args: str, env: dict[str, str] | None = None) -> tuple[int, s
     """Run gputrace with stdout and stderr on a pseudo-terminal; what the terminal got."""
     master, slave = pty.openpty()
     p = subprocess.Popen([*GPUTRACE, *args], stdin=slave, stdout=slave, stderr=slave,
-                         env={**os.environ, "TERM": "xterm", "COLUMNS": "100", **(env or {})},
+                         env={**os.environ, "TERM": "xterm", "COLUMNS": "100",
+                              "GPUTRACE_PROGRESS_DELAY": "0", **(env or {})},
                          close_fds=True)
     os.close(slave)
     out = bytearray()
@@ -71,6 +72,9 @@ def test_no_bar_in_json_output_in_a_pipe_or_when_turned_off(many):
     assert "\x1b[" not in p.stdout + p.stderr
     code, text = on_a_terminal("analyze", str(many), env={"GPUTRACE_PROGRESS": "0"})
     assert code == 0 and "analyzing ranks" not in text
+    # work that ends before the delay (here: one far longer than the analysis) draws none
+    code, text = on_a_terminal("analyze", str(many), env={"GPUTRACE_PROGRESS_DELAY": "600"})
+    assert code == 0 and "analyzing ranks" not in text and "per iteration" in text
 
 
 def test_analyze_with_jobs_and_report_show_their_bars(many, tmp_path):

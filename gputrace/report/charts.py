@@ -15,7 +15,6 @@ from typing import Any
 import numpy as np
 
 from gputrace.analyzers import Analysis, RankAnalysis
-from gputrace.analyzers.replay import MIB, Scenario
 
 WIDTH = 760
 
@@ -86,25 +85,28 @@ def breakdown(ra: RankAnalysis) -> Chart | None:
     s = d.series
     n = s.step.size
     parts = {"exposed": s.comm_exposed_s, **{k: s.terms[k] for k, _, _ in STACK if k in s.terms}}
+    # framework time (Keras's per-step work) only where the run has any, as in the terminal
+    stack = [t for t in STACK if t[0] in parts
+             and (t[0] != "t_framework" or float(np.nansum(parts[t[0]])) > 0)]
     terms, its, ms, order = [], [], [], []
-    for j, (key, label, _) in enumerate(STACK):
+    for j, (key, label, _) in enumerate(stack):
         terms += [label] * n
         its += range(n)
         ms += _ms(parts[key])
         order += [j] * n
     data, flat = _columns(term=terms, iteration=its, ms=ms, order=order,
-                          step=[int(x) for x in s.step] * len(STACK),
-                          warmup=[k < s.warmup for k in range(n)] * len(STACK))
+                          step=[int(x) for x in s.step] * len(stack),
+                          warmup=[k < s.warmup for k in range(n)] * len(stack))
     tdata, tflat = _columns(iteration=range(n), t_iter=_ms(s.terms["t_iter"]),
                             step=[int(x) for x in s.step])
     x = {"field": "iteration", "type": "ordinal",
          "title": f"iteration (the first {s.warmup} faded: warm-up, left out of the means)"
          if s.warmup else "iteration", "axis": {"labelOverlap": True}}
-    labels = [label for _, label, _ in STACK]
+    labels = [label for _, label, _ in stack]
     y: dict[str, Any] = {"field": "ms", "type": "quantitative", "stack": "zero",
                          "title": "ms per iteration"}
     # a slow first iteration would flatten the rest: the axis fits the analyzed ones
-    total = np.maximum(s.terms["t_iter"], sum(np.nan_to_num(parts[k]) for k, _, _ in STACK))
+    total = np.maximum(s.terms["t_iter"], sum(np.nan_to_num(parts[k]) for k, _, _ in stack))
     top = float(np.max(total[s.warmup:])) if n > s.warmup else 0.0
     if top > 0 and float(np.max(total)) > 1.25 * top:
         y["scale"] = {"domain": [0, round(top * 1.15e3, 3)]}
@@ -114,7 +116,7 @@ def breakdown(ra: RankAnalysis) -> Chart | None:
             {"data": data, "transform": flat, "mark": {"type": "bar", "clip": True},
              "encoding": {
                  "x": x, "y": y,
-                 "color": _colour("term", labels, [PALETTE[c] for _, _, c in STACK]),
+                 "color": _colour("term", labels, [PALETTE[c] for _, _, c in stack]),
                  "order": {"field": "order", "type": "quantitative"},
                  "opacity": _fade_warmup(),
                  "tooltip": [{"field": "iteration", "type": "ordinal"},
@@ -321,112 +323,6 @@ def bandwidth(ra: RankAnalysis) -> Chart | None:
                  "where the page cache should serve them.", spec)
 
 
-def speedup(ra: RankAnalysis) -> Chart | None:
-    sp = ra.speedup
-    if not sp.points:
-        return None
-    model = f"model (eq. {sp.equation})"
-    series = [(model, p.gpus, p.speedup, p.efficiency) for p in sp.points]
-    rp = ra.replay
-    if rp is not None:
-        series += [("replay", o.scenario.gpus, o.speedup, o.speedup / o.scenario.gpus)
-                   for o in rp.outcomes if o.scenario == Scenario(o.scenario.gpus)]
-    series += [("ideal", p.gpus, float(p.gpus), 1.0) for p in sp.points]
-    names = list(dict.fromkeys(s for s, _, _, _ in series))
-    data, flat = _columns(series=[s for s, _, _, _ in series], gpus=[g for _, g, _, _ in series],
-                          speedup=[round(v, 4) for _, _, v, _ in series],
-                          efficiency=[round(e, 4) for _, _, _, e in series])
-    gpus = sorted({g for _, g, _, _ in series})
-    x = {"field": "gpus", "type": "quantitative", "title": "GPUs",
-         "scale": {"type": "log", "base": 2}, "axis": {"values": gpus, "format": "d"}}
-    colour = _colour("series", names, [{"replay": "#f58518", "ideal": "#bab0ac"}.get(
-        n, "#4c78a8") for n in names], "bottom")
-
-    def panel(field: str, title: str, fmt: str) -> dict[str, Any]:
-        return {"width": WIDTH // 2 - 60, "height": 240,
-                "mark": {"type": "line", "point": True},
-                "encoding": {"x": x, "y": {"field": field, "type": "quantitative",
-                                           "title": title, "axis": {"format": fmt}},
-                             "color": colour,
-                             "strokeDash": {"condition": {"test": "datum.series === 'ideal'",
-                                                          "value": [4, 3]}, "value": [1, 0]},
-                             "tooltip": [{"field": "series"}, {"field": "gpus"},
-                                         {"field": "speedup", "format": ".2f"},
-                                         {"field": "efficiency", "format": ".0%"}]}}
-
-    spec = {"data": data, "transform": flat,
-            "hconcat": [panel("speedup", "speedup (weak scaling)", ".1f"),
-                        panel("efficiency", "efficiency (speedup / GPUs)", ".0%")]}
-    return Chart("speedup", "Predicted speedup and efficiency vs GPU count",
-                 f"The paper's eq. {sp.equation} from the measured terms beside the replay of "
-                 "the measured gradient timeline: the gap to the dashed ideal is what comm "
-                 "costs at each size.", spec)
-
-
-def _config(s: Scenario) -> str:
-    b = ("measured buckets" if s.bucket_bytes is None else "one bucket"
-         if math.isinf(s.bucket_bytes) else f"bucket_cap_mb={s.bucket_bytes / MIB:g}")
-    return b + ("" if s.bandwidth_x == 1 else f", link x{s.bandwidth_x:g}")
-
-
-def what_if(ra: RankAnalysis) -> Chart | None:
-    rp = ra.replay
-    if rp is None or not rp.outcomes:
-        return None
-    outs = rp.outcomes
-    configs = list(dict.fromkeys(_config(o.scenario) for o in outs))
-    data, flat = _columns(gpus=[o.scenario.gpus for o in outs],
-                          config=[_config(o.scenario) for o in outs],
-                          t_iter=_ms([o.t_iter for o in outs]),
-                          buckets=[o.buckets for o in outs],
-                          comm=_ms([o.comm_s for o in outs]),
-                          exposed=_ms([o.exposed_s for o in outs]),
-                          speedup=[round(o.speedup, 4) for o in outs],
-                          low=[None if math.isnan(o.low) else round(o.low * 1e3, 4)
-                               for o in outs],
-                          high=[None if math.isnan(o.high) else round(o.high * 1e3, 4)
-                                for o in outs],
-                          extrapolated=[o.extrapolated or "no" for o in outs])
-    x = {"field": "gpus", "type": "ordinal", "title": "GPUs"}
-    offset = {"field": "config", "type": "nominal", "sort": configs}
-    spec = {
-        "width": WIDTH, "height": 280,
-        "layer": [
-            {"data": data, "transform": flat, "mark": "bar",
-             "encoding": {
-                 "x": x, "xOffset": offset,
-                 "y": {"field": "t_iter", "type": "quantitative", "title": "t_iter (ms)"},
-                 "opacity": {"condition": {"test": "datum.extrapolated !== 'no'",
-                                           "value": 0.55}, "value": 1},
-                 "color": {"field": "config", "type": "nominal", "sort": configs,
-                           "scale": {"scheme": "tableau10"},
-                           "legend": {"title": None, "orient": "right"}},
-                 "tooltip": [{"field": "config"}, {"field": "gpus"},
-                             {"field": "t_iter", "format": ".1f", "title": "t_iter (ms)"},
-                             {"field": "buckets"},
-                             {"field": "comm", "format": ".1f", "title": "comm (ms)"},
-                             {"field": "exposed", "format": ".1f",
-                              "title": "exposed after backward (ms)"},
-                             {"field": "speedup", "format": ".2f"},
-                             {"field": "low", "format": ".1f", "title": "95 % from (ms)"},
-                             {"field": "high", "format": ".1f", "title": "95 % to (ms)"},
-                             {"field": "extrapolated"}]}},
-            {"data": data, "transform": [*flat, {"filter": "isValid(datum.low)"}],
-             "mark": {"type": "rule", "color": "black", "strokeWidth": 1.5},
-             "encoding": {"x": x, "xOffset": offset,
-                          "y": {"field": "low", "type": "quantitative"},
-                          "y2": {"field": "high"}}},
-            _rule("y", rp.measured_t_iter * 1e3),
-        ],
-    }
-    return Chart("what-if", "What if: replayed t_iter for other GPU counts, buckets and links",
-                 "Each bar is the measured iteration plus the replayed change of its gradient "
-                 "tail, with its 95 % interval from resampled iterations (dashed: measured "
-                 "t_iter); faded bars extrapolate past what the run measured: a lower bar at "
-                 "the run's own GPU count is a setting worth trying.", spec)
-
-
-# which chart shows the evidence of each finding (by id, or id prefix ending in "_")
 EVIDENCE = {"input_bound": "breakdown", "unattributed": "breakdown", "update_heavy": "breakdown",
             "model_mismatch": "breakdown", "comm_exposed": "timeline", "comm_tail": "timeline",
             "comm_not_overlapped": "timeline", "comm_hidden": "timeline",
@@ -444,6 +340,7 @@ def evidence(finding_id: str) -> str | None:
 def charts(a: Analysis, ra: RankAnalysis) -> list[Chart]:
     """Every chart the analysis has data for, in page order."""
     from gputrace.report.charts_comm import unit_bars
+    from gputrace.report.charts_scaling import speedup, what_if
 
     made = (breakdown(ra), timeline(ra), unit_bars(ra), rank_heatmap(a), comm_wait(a),
             bandwidth(ra), speedup(ra), what_if(ra))
