@@ -210,8 +210,9 @@ def test_moe_exchange_kinds_bytes_and_waits(recorded):
             ws, we = r["a"]["wait"]
             assert w["start"] <= ws <= we <= w["end"], (w, r["a"]["wait"])
             assert r["start_ns"] <= ws and r["end_ns"] <= we
-            if w["running"]:   # the job stood still for it: so did the record
-                assert we - ws >= 0.8 * (w["end"] - w["start"]) - 50_000, (w, ws, we)
+            if w["running"]:   # the job stood still for it: so did the record (give or take
+                # the scheduling of two threads' clock reads on a busy machine: 0.5 ms)
+                assert we - ws >= 0.8 * (w["end"] - w["start"]) - 500_000, (w, ws, we)
         # rank 1 joins each all-reduce 50 ms late: rank 0 waited for most of them
         if rank == 0:
             assert sum(w["running"] for w in waits if w["kind"] == "all_reduce") >= 5

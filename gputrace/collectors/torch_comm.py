@@ -187,8 +187,11 @@ def _record(st: Any, kind: str, a: tuple[Any, ...], k: dict[str, Any], ex: Any,
     works = _works(res) if res is not None else ()
     ctx = TLS.ctx
     layer, fsdp = (-1, "") if ctx is None else ctx.for_kind(kind)
+    phase = _phase(st)
+    if phase == "none" and '"role":"unshard"' in fsdp:
+        phase = "forward"   # the root's FSDP pre-forward, run before the model's forward hook
     head = (f'{{"kind":"{kind}","bytes_out":{nout},"group":{_group_json(group)},'
-            f'"async":{"true" if works else "false"},"phase":"{_phase(st)}"{fsdp}')
+            f'"async":{"true" if works else "false"},"phase":"{phase}"{fsdp}')
     if not works:    # on this thread (the recorder notes it): GPU launches inside are comm
         rec.span("comm", kind, t0, t1, layer=layer, nbytes=nin, args=head + "}")
         return
