@@ -143,7 +143,7 @@ class FramePart:
 def analyze_spans(sp: fr.Spans, o: Options) -> RankPart:
     """Everything one rank's spans give on their own: a pure function of them."""
     cr = col.rows(sp)
-    rs = analyze_rank(col.for_model(sp, cr))
+    rs = analyze_rank(col.for_model(sp, cr), col.stood(sp, cr))
     extra = _extra_findings(sp, rs)
     n = rs.iterations.start.size
     skipped = warmup_skip(n, o.skip)

@@ -164,6 +164,17 @@ def gradient_mask(sp: Spans, r: Rows) -> np.ndarray:
     return g | own
 
 
+def stood(sp: Spans, r: Rows) -> tuple[np.ndarray, np.ndarray]:
+    """When the job's thread stood in a collective the model counts as comm: a synchronous
+    one's whole span, an asynchronous one's wait. Recorded collectives only (DDP's buckets
+    run beside the backward): the phases' compute does not include these instants."""
+    g = gradient_mask(sp, r) & r.contract
+    sync = g & ~r.is_async
+    waited = g & r.is_async & (r.wait_s >= 0)
+    return (np.concatenate([sp.start[r.idx[sync]], r.wait_s[waited]]),
+            np.concatenate([sp.end[r.idx[sync]], r.wait_e[waited]]))
+
+
 def for_model(sp: Spans, r: Rows) -> Spans:
     """The rank's spans as the data-parallel model reads them: comm spans that are not
     gradient units get the category `collective` (analyzed here, by kind)."""

@@ -174,7 +174,10 @@ def _units(sp: Spans, comm: np.ndarray, host: np.ndarray, it_of: np.ndarray, n: 
     return Units(k, pos, ready, start, end, sp.nbytes[ci], hidden, code, sets, cuts)
 
 
-def analyze_rank(sp: Spans) -> RankSteps:
+def analyze_rank(sp: Spans, stood: tuple[np.ndarray, np.ndarray] | None = None
+                 ) -> RankSteps:
+    """`stood`: (starts, ends) of the instants the job's thread stood in a collective (a
+    synchronous one, an asynchronous one's wait): comm, so not the host phases' compute."""
     its = find_iterations(sp)
     lo, hi = its.start, its.end
     n = lo.size
@@ -261,10 +264,11 @@ def analyze_rank(sp: Spans) -> RankSteps:
         back = bwd_gpu
         back_start, back_end = sp.start, sp.end
     else:
+        st = ov.union(*stood) if stood is not None else ov.EMPTY
         h2d = _u(sp, sp.of("h2d"))
-        fwd = _u(sp, sp.of("forward"))
-        bwd = _u(sp, per_layer if per_layer.any() else bwd_m)
-        upd = _u(sp, sp.of("update"))
+        fwd = ov.subtract(_u(sp, sp.of("forward")), st)
+        bwd = ov.subtract(_u(sp, per_layer if per_layer.any() else bwd_m), st)
+        upd = ov.subtract(_u(sp, sp.of("update")), st)
         comm_m = sp.of("comm")
         compute = ov.merge(h2d, fwd, bwd, upd)
         comm = _u(sp, comm_m)
