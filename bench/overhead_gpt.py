@@ -7,7 +7,7 @@ of them alike; the table gives the median iteration after warm-up (the loop's ow
 the ratio to plain with a 95 % interval from resampling rounds. Goal: <= 1.02x plain.
 
     python bench/overhead_gpt.py [--rounds 12] [--iterations 20] [--ranks 1,2]
-                                 [--modes gputrace,leaves,off] [--job-args ARGS] [--tiny]
+                                 [--modes gputrace,leaves,off,torch-only] [--job-args ARGS] [--tiny]
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ from common import PY, chosen_modes, machine, median, ratio_ci, run, table
 import gputrace
 
 JOB = str(Path(__file__).parent / "train_gpt.py")
-# gputrace: the default (--layers blocks); leaves / off: the other granularities
-MODES = ("plain", "gputrace", "leaves", "off")
+# gputrace: the default (--layers blocks); leaves / off: the other granularities;
+# torch-only: the default without the host sampler (--collectors torch)
+MODES = ("plain", "gputrace", "leaves", "off", "torch-only")
 
 
 def command(mode: str, ranks: int, out: Path, trace: Path, job_args: list[str]) -> list[str]:
@@ -34,7 +35,8 @@ def command(mode: str, ranks: int, out: Path, trace: Path, job_args: list[str]) 
            *job] if ranks > 1 else [PY, *job]
     if mode == "plain":
         return job
-    layers = [] if mode == "gputrace" else ["--layers", mode]
+    layers = {"gputrace": [], "torch-only": ["--collectors", "torch"]}.get(
+        mode, ["--layers", mode])
     return [PY, "-m", "gputrace", "record", "-q", *layers, "-o", str(trace), "--", *job]
 
 

@@ -10,8 +10,9 @@ of the tests that check the analysis against the job's own clock.
 `torch` an equivalent model in plain PyTorch (embeddings, 12 pre-norm blocks of attention
 and MLP, tied output layer); `auto`: hf when transformers is installed. AdamW. Per optimizer
 step OUT.json gets the loop's own seconds of `forward` (model and loss), `backward`,
-`update` and `other` (zero_grad, logging), and `start`/`end` (time.time_ns: iterations tile
-the loop). `--print-loss` prints each step's loss (rounded), output that does not depend on
+`update` and `other` (zero_grad, logging), `start`/`end` (time.time_ns: iterations tile
+the loop), and the CPU seconds the step took: `cpu` (the process's threads, ours among them
+when recorded) and `main_cpu` (the loop's thread alone), which a busy machine barely moves. `--print-loss` prints each step's loss (rounded), output that does not depend on
 timing.
 """
 
@@ -148,11 +149,13 @@ def main() -> None:
     data = torch.randint(0, a.vocab, (4, a.batch, a.seq + 1), generator=g)
 
     now = time.perf_counter
+    cpu, main_cpu = time.process_time, time.thread_time
     steps = []
     t_prev = time.time_ns()
     for i in range(a.iterations):
         batch = data[i % len(data)]
         x, y = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+        c0, m0 = cpu(), main_cpu()
         t0 = now()
         out = model(x)
         logits = out.logits if hf else out
@@ -169,7 +172,8 @@ def main() -> None:
         t4 = now()
         t_end = time.time_ns()
         steps.append({"forward": t1 - t0, "backward": t2 - t1, "update": t3 - t2,
-                      "other": t4 - t3, "io": 0.0, "h2d": 0.0, "start": t_prev, "end": t_end})
+                      "other": t4 - t3, "io": 0.0, "h2d": 0.0, "start": t_prev, "end": t_end,
+                      "cpu": cpu() - c0, "main_cpu": main_cpu() - m0})
         t_prev = t_end
     if int(os.environ.get("RANK", "0")) == 0:
         with open(a.out, "w") as f:
