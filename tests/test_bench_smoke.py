@@ -16,13 +16,15 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 @pytest.mark.slow
 @pytest.mark.parametrize("script", ["analysis.py", "sampler.py", "overhead.py", "merge.py",
                                     "report.py", "whatif.py", "overhead_tf.py", "scale.py",
-                                    "imports.py"])
+                                    "imports.py", "overhead_gpt.py"])
 def test_benchmark_runs_tiny(script, tmp_path):
     if script == "overhead_tf.py" and importlib.util.find_spec("tensorflow") is None:
         pytest.skip("tensorflow is not installed (make test installs it)")
     args = [sys.executable, str(BENCH / script), "--tiny"]
     if script == "overhead.py":
         args += ["--ranks", "1", "--save", str(tmp_path / "runs.json")]
+    if script == "overhead_gpt.py":
+        args += ["--ranks", "1"]
     p = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=BENCH.parent)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "machine:" in p.stdout and "x" in p.stdout
