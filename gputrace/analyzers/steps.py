@@ -267,7 +267,15 @@ def analyze_rank(sp: Spans, stood: tuple[np.ndarray, np.ndarray] | None = None
         st = ov.union(*stood) if stood is not None else ov.EMPTY
         h2d = _u(sp, sp.of("h2d"))
         fwd = ov.subtract(_u(sp, sp.of("forward")), st)
-        bwd = ov.subtract(_u(sp, per_layer if per_layer.any() else bwd_m), st)
+        phase_b = _u(sp, bwd_m & (sp.device < 0))
+        # backward's own work: the per-layer spans where known (the outer autograd call of
+        # DDP also waits for its last all-reduce, which no span of the job's thread marks).
+        # When the job's thread stood in collectives inside the backward (FSDP's
+        # reduce-scatters, a job's own all-reduce), those are its waits: the rest of the
+        # phase (layers, the framework's hooks between them) is the backward
+        own_waits = ov.total(ov.intersect(phase_b, st)) > 0
+        bwd = ov.subtract(phase_b if own_waits or not per_layer.any() else _u(sp, per_layer),
+                          st)
         upd = ov.subtract(_u(sp, sp.of("update")), st)
         comm_m = sp.of("comm")
         compute = ov.merge(h2d, fwd, bwd, upd)
