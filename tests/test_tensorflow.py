@@ -233,11 +233,31 @@ def test_steps_per_execution_and_the_default_window(tmp_path):
 @needs_tf
 @pytest.mark.slow
 def test_two_multi_worker_mirrored_workers_show_comm_units_a_case_and_the_model(tmp_path):
-    # GPUTRACE_TF_KEEP is left out: with it a worker crashed inside TensorFlow ("double free
-    # or corruption") in 2 of 9 two-worker runs, none in 16 without; not yet understood
+    """By default a multi-worker job is not profiled (TensorFlow's profiler, stopped in a
+    worker while its collectives run, sometimes kills it: "free(): invalid pointer", seen in
+    1 of 8 busy runs of the sample's own profiler without gputrace): both workers train, their
+    iterations are kept, stderr says why there are no phases. With a window asked for, the
+    profile gives comm units, a Case and the model."""
     times = tmp_path / "times.json"
-    out = record(tmp_path, "mw", SAMPLE, "--workers", "2", "--steps", "20", "--times-json",
-                 str(times))
+    plain = tmp_path / "default.arrow"
+    p = run_gputrace("record", "-q", "-o", str(plain), "--", sys.executable, SAMPLE,
+                     "--workers", "2", "--steps", "12", timeout=420)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stderr.count("a multi-worker TensorFlow job: its profiler is not started") == 2
+    its = spans(load(plain), "iteration")
+    assert {r["rank"] for r in its} == {0, 1} and len(its) >= 2 * 11, len(its)
+
+    out = tmp_path / "mw.arrow"
+    for attempt in (1, 2):
+        p = run_gputrace("record", "-q", "-f", "-o", str(out), "--tf-steps", "5:10", "--",
+                         sys.executable, SAMPLE, "--workers", "2", "--steps", "20",
+                         "--times-json", str(times), timeout=420)
+        # the one failure allowed is TensorFlow's own: a worker killed in its profiler
+        crashed = "free(): invalid pointer" in p.stderr or \
+            "stopped sending heartbeats" in p.stderr
+        if p.returncode == 0 or attempt == 2 or not crashed:
+            break
+    assert p.returncode == 0, p.stderr[-3000:]
     tr = load(out)
     assert tr.metadata["ranks"] == [0, 1]
     res = analysis(out, "--gpus", "2,4,8")

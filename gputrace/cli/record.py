@@ -21,7 +21,8 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
                    "torch.profiler's Kineto, or auto: CUPTI, else Kineto when torch has CUDA")
     p.add_argument("--tf-steps", metavar="START:COUNT",
                    help="TensorFlow: the steps its profiler records phases over (5:10); "
-                   "'all' for the whole run, 'off' for iterations only")
+                   "'all' for the whole run, 'off' for iterations only; a multi-worker job is "
+                   "profiled only when asked")
     p.add_argument("--layers", choices=("blocks", "leaves", "off"),
                    help="PyTorch modules timed per layer: blocks (default: transformer blocks, "
                    "stages), leaves (every module with parameters) or off (phases only)")

@@ -15,7 +15,8 @@ before: a job that does not use them pays nothing). Iterations:
 
 Phases: TensorFlow's profiler (`tf.profiler.experimental`) runs over a window of steps
 (`GPUTRACE_TF_STEPS`: `START:COUNT`, default `5:10`; `all` from the first step to the end;
-`off`), and its ops are converted by `gputrace.importers.tfprof`: a compiled step's ops by
+`off`; in a multi-worker job, TF_CONFIG naming more than one task, only a window asked for:
+TensorFlow's profiler can kill a worker there), and its ops are converted by `gputrace.importers.tfprof`: a compiled step's ops by
 their names (forward, `gradient_tape/` = backward, the optimizer's scope = update,
 collectives = comm, the input pipeline's wait = io on the loop's thread, tf.data's own work
 = io on its threads). The profiler's start and stop fall between two iterations, outside
@@ -23,13 +24,15 @@ both. In an eager loop the hooks time the phases themselves, every step: `io` (t
 a tf.data iterator's `__next__`), `forward` (from entering the GradientTape to
 `tape.gradient`), `backward` (`tape.gradient`), `update` (`apply_gradients`). A compiled step
 outside the window is a `user` span `step (not profiled)`: its phases are not known, and
-the analysis holds only iterations whose phases are.
+the analysis holds only iterations whose phases are; where no step is profiled (`off`, a
+multi-worker job by default) every step is an iteration, its time in no phase.
 """
 
 from __future__ import annotations
 
 import atexit
 import functools
+import json
 import os
 import shutil
 import sys
@@ -82,6 +85,15 @@ def window_from_env(value: str | None) -> tuple[int, int] | None:
         return DEFAULT_WINDOW
 
 
+def _multi_worker() -> bool:
+    """TF_CONFIG names a cluster of more than one task (MultiWorkerMirroredStrategy)."""
+    try:
+        cluster = json.loads(os.environ.get("TF_CONFIG") or "{}").get("cluster") or {}
+        return sum(len(v) for v in cluster.values() if isinstance(v, list)) > 1
+    except (ValueError, AttributeError, TypeError):
+        return False
+
+
 def subtract(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """The parts of the intervals `a` that no interval of `b` covers."""
     out: list[tuple[int, int]] = []
@@ -110,6 +122,10 @@ class _State:
         self.open_t: int | None = None      # start of the open iteration
         self.graph = False                  # its phases come from the profiler
         self.profiling = False
+        self.default_window = True          # no window was asked for (GPUTRACE_TF_STEPS)
+        # no step will be profiled (`off`, a multi-worker job): steps are iterations whose
+        # phases are not known (time in no phase), not steps left out beside profiled ones
+        self.unprofiled = window is None
         self.logdir: str | None = None
         self.windows: list[tuple[int, int]] = []   # iterations written while profiling
         self.profiled_steps = 0
@@ -158,11 +174,12 @@ class _State:
 
             if self.k == 0:
                 _refresh_rank(self.rec)
+                self.skip_multi_worker()
             self.loop_tid = _native_tid()
             for j in range(n):
                 s = start + (t - start) * j // n
                 e = start + (t - start) * (j + 1) // n
-                if graph and not self.profiling:
+                if graph and not self.profiling and not self.unprofiled:
                     self.rec.span("user", "step (not profiled)", s, e, step=self.k)
                 else:
                     self.rec.span("iteration", "iteration", s, e, step=self.k)
@@ -190,7 +207,27 @@ class _State:
             return True
         return False
 
+    def skip_multi_worker(self) -> bool:
+        """No window asked for, and a multi-worker job: its profiler is not started (True:
+        no step is profiled). TensorFlow's profiler, stopped in a worker of a multi-worker
+        job while its collectives run, sometimes kills that worker ("free(): invalid
+        pointer"; seen here in 1 of 8 busy 2-worker runs with the job's own profiler and no
+        gputrace): a profiler never takes down the job, so only a window asked for starts it."""
+        if self.unprofiled or not self.default_window or not _multi_worker():
+            return self.unprofiled
+        self.notes.append("TensorFlow's profiler not started in a multi-worker job "
+                          "(--tf-steps START:COUNT starts it)")
+        print("gputrace: a multi-worker TensorFlow job: its profiler is not started (it can "
+              "crash a worker); iterations are recorded without phases, --tf-steps "
+              "START:COUNT profiles those steps", file=sys.stderr)
+        self.window = None
+        self.unprofiled = True
+        self._status()
+        return True
+
     def start_profiler(self) -> bool:
+        if self.skip_multi_worker():
+            return False
         try:
             import tensorflow as tf
 
@@ -290,7 +327,9 @@ class _State:
 def _state_for(rec: Recorder) -> _State:
     global _state
     if _state is None or _state.rec is not rec:
-        _state = _State(rec, window_from_env(os.environ.get("GPUTRACE_TF_STEPS")))
+        asked = os.environ.get("GPUTRACE_TF_STEPS")
+        _state = _State(rec, window_from_env(asked))
+        _state.default_window = not asked
         rec.close_hooks.append(_state.finish)
         _state._status()
     return _state
