@@ -16,8 +16,8 @@ before: a job that does not use them pays nothing). Iterations:
 Phases: TensorFlow's profiler (`tf.profiler.experimental`) runs over a window of steps
 (`GPUTRACE_TF_STEPS`: `START:COUNT`, default `5:10`; `all` from the first step to the end;
 `off`; in a multi-worker job, TF_CONFIG naming more than one task, only a window asked for:
-TensorFlow's profiler can kill a worker there), and its ops are converted by `gputrace.importers.tfprof`: a compiled step's ops by
-their names (forward, `gradient_tape/` = backward, the optimizer's scope = update,
+TensorFlow's profiler can kill a worker there), and its ops are converted by
+`gputrace.importers.tfprof`: a compiled step's ops by their names (forward, `gradient_tape/` = backward, the optimizer's scope = update,
 collectives = comm, the input pipeline's wait = io on the loop's thread, tf.data's own work
 = io on its threads). The profiler's start and stop fall between two iterations, outside
 both. In an eager loop the hooks time the phases themselves, every step: `io` (the wait in
@@ -114,15 +114,16 @@ def subtract(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> list[tuple[i
 
 
 class _State:
-    def __init__(self, rec: Recorder, window: tuple[int, int] | None) -> None:
+    def __init__(self, rec: Recorder, steps: str | None) -> None:
+        """`steps`: GPUTRACE_TF_STEPS as given (None or empty: the default window)."""
         self.rec = rec
         self.now = rec.clock.now_ns
-        self.window = window
+        self.asked = bool(steps)            # a window was asked for
+        self.window = window = window_from_env(steps)
         self.k = 0                          # the next step's index
         self.open_t: int | None = None      # start of the open iteration
         self.graph = False                  # its phases come from the profiler
         self.profiling = False
-        self.default_window = True          # no window was asked for (GPUTRACE_TF_STEPS)
         # no step will be profiled (`off`, a multi-worker job): steps are iterations whose
         # phases are not known (time in no phase), not steps left out beside profiled ones
         self.unprofiled = window is None
@@ -213,7 +214,7 @@ class _State:
         job while its collectives run, sometimes kills that worker ("free(): invalid
         pointer"; seen here in 1 of 8 busy 2-worker runs with the job's own profiler and no
         gputrace): a profiler never takes down the job, so only a window asked for starts it."""
-        if self.unprofiled or not self.default_window or not _multi_worker():
+        if self.unprofiled or self.asked or not _multi_worker():
             return self.unprofiled
         self.notes.append("TensorFlow's profiler not started in a multi-worker job "
                           "(--tf-steps START:COUNT starts it)")
@@ -327,9 +328,7 @@ class _State:
 def _state_for(rec: Recorder) -> _State:
     global _state
     if _state is None or _state.rec is not rec:
-        asked = os.environ.get("GPUTRACE_TF_STEPS")
-        _state = _State(rec, window_from_env(asked))
-        _state.default_window = not asked
+        _state = _State(rec, os.environ.get("GPUTRACE_TF_STEPS"))
         rec.close_hooks.append(_state.finish)
         _state._status()
     return _state
