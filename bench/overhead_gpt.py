@@ -7,7 +7,7 @@ of them alike; the table gives the median iteration after warm-up (the loop's ow
 the ratio to plain with a 95 % interval from resampling rounds. Goal: <= 1.02x plain.
 
     python bench/overhead_gpt.py [--rounds 12] [--iterations 20] [--ranks 1,2]
-                                 [--modes gputrace,leaves,off,torch-only] [--job-args ARGS] [--tiny]
+                                 [--modes gputrace,leaves,off,torch-only,hz20] [--job-args ARGS] [--tiny]
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ import gputrace
 
 JOB = str(Path(__file__).parent / "train_gpt.py")
 # gputrace: the default (--layers blocks); leaves / off: the other granularities;
-# torch-only: the default without the host sampler (--collectors torch)
-MODES = ("plain", "gputrace", "leaves", "off", "torch-only")
+# torch-only: the default without the host sampler (--collectors torch); hz20: the sampler
+# at 20 Hz
+MODES = ("plain", "gputrace", "leaves", "off", "torch-only", "hz20")
 
 
 def command(mode: str, ranks: int, out: Path, trace: Path, job_args: list[str]) -> list[str]:
@@ -35,8 +36,8 @@ def command(mode: str, ranks: int, out: Path, trace: Path, job_args: list[str]) 
            *job] if ranks > 1 else [PY, *job]
     if mode == "plain":
         return job
-    layers = {"gputrace": [], "torch-only": ["--collectors", "torch"]}.get(
-        mode, ["--layers", mode])
+    layers = {"gputrace": [], "torch-only": ["--collectors", "torch"],
+              "hz20": ["--hz", "20"]}.get(mode, ["--layers", mode])
     return [PY, "-m", "gputrace", "record", "-q", *layers, "-o", str(trace), "--", *job]
 
 
@@ -66,6 +67,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for ranks in [int(x) for x in a.ranks.split(",")]:
             runs: dict[str, list[list[float]]] = {m: [] for m in modes}
+            cpus: dict[str, list[list[float]]] = {m: [] for m in modes}   # loop thread's CPU
             for r in range(a.rounds):
                 for m in random.Random(f"{ranks}-{r}").sample(modes, len(modes)):
                     out = Path(tmp) / f"{m}-{ranks}-{r}.json"
@@ -74,6 +76,8 @@ def main() -> None:
                     steps = json.loads(out.read_text())
                     times = [(s["end"] - s["start"]) / 1e9 for s in steps]
                     runs[m].append(times[3:] if len(times) > 4 else times)
+                    mc = [s.get("main_cpu", 0.0) for s in steps]
+                    cpus[m].append(mc[3:] if len(mc) > 4 else mc)
                     if m == "gputrace" and r == 0 and ranks == 1:
                         t = gputrace.load(trace).table
                         kind = t.column("kind").cast("string").to_numpy(False)
@@ -92,19 +96,25 @@ def main() -> None:
                 p10 = _p10([t for x in runs[m] for t in x]) / _p10(
                     [t for x in runs["plain"] for t in x])
                 lo10, hi10 = ratio_ci(runs[m], runs["plain"], q=10)
+                lc, hc = ratio_ci(cpus[m], cpus["plain"])
+                cpu_ratio = median([t for x in cpus[m] for t in x]) / max(
+                    median([t for x in cpus["plain"] for t in x]), 1e-12)
                 row += [f"{mine * 1e3:.1f} ms", f"{mine / base:.3f}x [{lo:.3f}, {hi:.3f}]",
-                        f"{median(per_round):.3f}x", f"{p10:.3f}x [{lo10:.3f}, {hi10:.3f}]"]
+                        f"{median(per_round):.3f}x", f"{p10:.3f}x [{lo10:.3f}, {hi10:.3f}]",
+                        f"{cpu_ratio:.3f}x [{lc:.3f}, {hc:.3f}]"]
             rows.append(row)
     print(table(f"Recording overhead: median iteration of bench/train_gpt.py "
                 f"{' '.join(extra)}", ["job", "rounds", "plain",
                                        *(h for m in modes[1:]
                                          for h in (m, "ratio [95 %]", "median of rounds",
-                                                   "p10 ratio [95 %]"))],
+                                                   "p10 ratio [95 %]", "loop CPU ratio"))],
                 rows))
     print(f"spans per iteration recorded (1 process, default): {spans_per_iter}")
     print("ratio [95 % interval]: bootstrap over rounds (a round's runs kept as a pair); "
           "median of rounds: the median of the rounds' own ratios; p10 ratio: of the 10th "
-          "percentile iterations (those the machine disturbed least)")
+          "percentile iterations (those the machine disturbed least); loop CPU ratio: of the "
+          "CPU seconds of the loop's own thread per iteration (what gputrace adds on that "
+          "thread; time the job waits for a core does not count)")
     print(f"machine: {machine()}")
 
 

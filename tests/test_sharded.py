@@ -91,6 +91,9 @@ def test_fsdp_collectives_and_phases_match_the_jobs_own_count(fsdp, mode):
     rs = round(d["sharded"]["kinds"]["reduce_scatter"])
     assert f"2 ranks: {ag} all-gathers and {rs} reduce-scatters per iteration" in head, head
     assert "comm is free" not in p.stdout
+    # the breakdown's comm row names what it holds: not only gradients
+    assert "comm: all-gathers, reduce-scatters" in p.stdout
+    assert "gradient comm (all of it)" not in p.stdout
 
 
 @pytest.mark.slow

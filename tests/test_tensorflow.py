@@ -246,6 +246,9 @@ def test_two_multi_worker_mirrored_workers_show_comm_units_a_case_and_the_model(
     assert p.stderr.count("a multi-worker TensorFlow job: its profiler is not started") == 2
     its = spans(load(plain), "iteration")
     assert {r["rank"] for r in its} == {0, 1} and len(its) >= 2 * 11, len(its)
+    # no collective without the profiler: the analysis says so, and how to get them
+    head = analysis(plain)["comm_missing"]
+    assert "no collective was recorded" in head and "--tf-steps" in head, head
 
     out = tmp_path / "mw.arrow"
     for _attempt in range(3):

@@ -143,7 +143,8 @@ class FramePart:
 def analyze_spans(sp: fr.Spans, o: Options) -> RankPart:
     """Everything one rank's spans give on their own: a pure function of them."""
     cr = col.rows(sp)
-    rs = analyze_rank(col.for_model(sp, cr), col.stood(sp, cr))
+    msp = col.for_model(sp, cr)
+    rs = analyze_rank(msp, col.stood(sp, cr))
     extra = _extra_findings(sp, rs)
     n = rs.iterations.start.size
     skipped = warmup_skip(n, o.skip)
@@ -153,7 +154,7 @@ def analyze_spans(sp: fr.Spans, o: Options) -> RankPart:
     sharded = shd.analyze_sharded(si, rs, sel, o.world, o.link_bytes_per_s) \
         if si is not None else None
     model = build_model(rs, sel)
-    kinds = col.unit_kinds(col.for_model(sp, cr), cr, rs.iterations.start)
+    kinds = col.unit_kinds(msp, cr, rs.iterations.start)
     if kinds:
         model = replace(model, units=[replace(u, kind=kinds.get(u.index, u.kind))
                                       for u in model.units])
@@ -288,6 +289,13 @@ def analyze(trace: Any, *, skip: int | None = None, gpus: Sequence[int] = (2, 4,
     return combine(parts, md, opts, probe, align, executor)
 
 
+def _tf_unprofiled(md: dict[str, Any]) -> bool:
+    """A TensorFlow job recorded with its profiler off (a multi-worker job by default): its
+    collectives are seen only through that profiler."""
+    tf = (md.get("collectors") or {}).get("tensorflow")
+    return isinstance(tf, dict) and tf.get("profiler_steps") == "off"
+
+
 def combine(parts: list[FramePart], md: dict[str, Any], opts: Options, probe: Any,
             align: bool = True, executor: Executor | None = None) -> Analysis:
     """The analysis of a run from its ranks' parts: the wait for peers in comm (on host
@@ -312,7 +320,7 @@ def combine(parts: list[FramePart], md: dict[str, Any], opts: Options, probe: An
             if sh is not None:
                 ranks[r] = replace(p, sharded=sh, model=sh.model)
     shared = _shared(steps, {r: p.devices for r, p in ranks.items()}, md)
-    missing = col.missing_message(world) if world > 1 and \
+    missing = col.missing_message(world, tf_unprofiled=_tf_unprofiled(md)) if world > 1 and \
         not any(p.collectives.recorded for p in ranks.values()) else None
     order = list(ranks)
     args = ([ranks[r] for r in order], [arrivals.get(r) for r in order],

@@ -71,6 +71,7 @@ class Rows:
     role: list[str]
     prefetch: np.ndarray
     group_size: np.ndarray     # -1 unknown
+    gradient: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))  # gradient_mask
 
     @property
     def n(self) -> int:
@@ -136,8 +137,9 @@ def rows(sp: Spans) -> Rows:
         g = a.get("group")
         if isinstance(g, dict):
             gsize[j] = _int(g.get("size"))
-    return Rows(idx, kinds, contract, sp.nbytes[idx], bout, asy, phase, ws, we, fsdp, unit,
-                role, pre, gsize)
+    r = Rows(idx, kinds, contract, sp.nbytes[idx], bout, asy, phase, ws, we, fsdp, unit,
+             role, pre, gsize)
+    return replace(r, gradient=_gradient(sp, r))
 
 
 def is_sharded(r: Rows) -> bool:
@@ -146,6 +148,12 @@ def is_sharded(r: Rows) -> bool:
 
 
 def gradient_mask(sp: Spans, r: Rows) -> np.ndarray:
+    """Which of the comm rows are gradient units for the data-parallel (DDP) model (found
+    once, when the rows are parsed)."""
+    return r.gradient if r.gradient.size == r.n else _gradient(sp, r)
+
+
+def _gradient(sp: Spans, r: Rows) -> np.ndarray:
     """Which of the comm rows are gradient units for the data-parallel (DDP) model.
 
     - spans without args.kind (DDP's buckets, imported NCCL kernels, gloo ranges): as before;
@@ -258,13 +266,17 @@ def summarize(sp: Spans, r: Rows, it_of: np.ndarray, sel: np.ndarray, compute: o
     return Collectives(out, r.n, int(inside.sum()), sharded, sizes)
 
 
-def missing_message(world: int, single_rank_only: bool = False) -> str:
+def missing_message(world: int, tf_unprofiled: bool = False) -> str:
     """The headline's words for a multi-rank trace without one collective."""
-    return (f"{world} ranks, but no collective was recorded: the ranks' communication "
+    head = (f"{world} ranks, but no collective was recorded: the ranks' communication "
             "(all-reduce, all-gather, reduce-scatter...) is not in this trace, so no comm "
-            "figure, Case or speedup can be given; record with a gputrace whose torch "
-            "collector captures torch.distributed collectives, or import a trace that has "
-            "the NCCL kernels")
+            "figure, Case or speedup can be given; ")
+    if tf_unprofiled:
+        return head + ("TensorFlow's collectives are seen through its profiler, which was "
+                       "off in this run (a multi-worker job's default): record again with "
+                       "--tf-steps START:COUNT to profile those steps")
+    return head + ("record with a gputrace whose torch collector captures torch.distributed "
+                   "collectives, or import a trace that has the NCCL kernels")
 
 
 def unit_kinds(sp: Spans, r: Rows, it_start: np.ndarray) -> dict[int, str]:

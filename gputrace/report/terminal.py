@@ -27,9 +27,13 @@ def phase_rows(ra: RankAnalysis) -> tuple[tuple[str, str], ...]:
     """The breakdown's rows: the phases, and where a framework's own per-step work was
     measured (Keras's loop, logs and callbacks), its row before the time in no phase."""
     fw = ra.breakdown.get(FRAMEWORK[0])
+    rows = PHASES
+    if ra.collectives.sharded:
+        rows = tuple((k, "comm: all-gathers, reduce-scatters (all of it)" if k == "t_comm"
+                      else label) for k, label in rows)
     if fw is None or not fw.mean > 0:
-        return PHASES
-    return (*PHASES[:-1], FRAMEWORK, PHASES[-1])
+        return rows
+    return (*rows[:-1], FRAMEWORK, rows[-1])
 
 
 STRATEGY = {
