@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 from typing import Any
 
 import torch
@@ -41,6 +42,7 @@ from gputrace.collectors.torch_modules import Modules, env_mode
 from gputrace.recorder import Recorder
 
 _installed: _State | None = None
+_perf = time.perf_counter_ns
 
 
 class _State:
@@ -60,8 +62,8 @@ class _State:
         self.bwd_depth = 0                        # > 0 inside torch.autograd.backward
         self.bwd_t0 = 0
         self.last_mark = 0                        # end of the last finished layer backward
-        self.grad_count: dict[int, int] = {}
-        self.grad_last: dict[int, int] = {}
+        self.grads: dict[int, _LayerGrads] = {}   # layer -> its gradients' hook
+        self.off = rec.clock.from_perf(0)         # perf_counter_ns -> trace clock
         self.update_t0 = 0
         self.last_bwd_end = 0
         self.last_fwd_end = 0                     # end of the last outermost forward
@@ -96,16 +98,17 @@ class _State:
             self.next_layer += 1
             self.layer_of[key] = layer
         self.layer_names[layer] = type(module).__name__
-        grads = nbytes = 0
+        hook = self.grads[layer] = _LayerGrads(self, layer)
+        nbytes = 0
         for p in params:
             if id(p) in self.param_layer:
                 continue
             self.param_layer[id(p)] = layer
             if p.requires_grad and p.is_leaf:   # a non-leaf (functional_call) has no .grad
-                grads += 1
+                hook.n += 1
                 nbytes += p.numel() * p.element_size()
-                p.register_post_accumulate_grad_hook(self._grad_hook(layer))
-        self.layer_nparams[layer] = grads
+                p.register_post_accumulate_grad_hook(hook)
+        self.layer_nparams[layer] = hook.n
         self.layer_grad_bytes[layer] = nbytes
         return layer
 
@@ -132,26 +135,12 @@ class _State:
             self.last_fwd_end = self.loss_from = t
 
     # -- backward ------------------------------------------------------------------------
-    def _grad_hook(self, layer: int) -> Any:
-        def hook(param: torch.Tensor) -> None:
-            try:
-                self.grad_ready(layer)
-            except Exception as e:  # noqa: BLE001 - a profiler never takes down the job
-                _hook_failed("grad_ready", e)
-        return hook
-
-    def grad_ready(self, layer: int) -> None:
-        """One of `layer`'s gradients is accumulated; the last one ends its backward."""
-        t = self.now()
+    def layer_done(self, layer: int, t: int) -> None:
+        """The last of `layer`'s gradients was accumulated at `t` (trace clock): its
+        backward span, from the end of the layer before it (or the backward's start)."""
         with self.lock:
-            n = self.grad_count.get(layer, 0) + 1
-            self.grad_count[layer] = n
-            self.grad_last[layer] = t
-            if n < self.layer_nparams.get(layer, 1):
-                return
             start = self.last_mark or self.bwd_t0 or t
             self.last_mark = t
-            del self.grad_count[layer]
         self.rec.span("backward", self.layer_names.get(layer, "layer"), start, t, layer=layer,
                       nbytes=self.layer_grad_bytes.get(layer))
 
@@ -180,8 +169,9 @@ class _State:
             return
         t = self.now()
         with self.lock:
-            partial = [(ly, self.grad_last[ly]) for ly in self.grad_count]
-            self.grad_count.clear()
+            partial = [(g.layer, g.last + self.off) for g in self.grads.values() if g.count]
+            for g in self.grads.values():
+                g.count = 0
             start = self.last_mark
         for layer, end in sorted(partial, key=lambda x: x[1]):  # layers with unused params
             self.rec.span("backward", self.layer_names.get(layer, "layer"), start, end,
@@ -204,6 +194,32 @@ class _State:
         self.rec.span("update", type(opt).__name__, start, t)
         self.loss_from = 0
         self.its.stepped(t)
+
+
+class _LayerGrads:
+    """The post-accumulate-grad hook of one timed layer's parameters (the object itself: one
+    Python frame per parameter, a clock read and a count); the last of them ends the layer's
+    backward. A layer some of whose parameters got no gradient is ended by the backward's
+    exit."""
+
+    __slots__ = ("st", "layer", "n", "count", "last")
+
+    def __init__(self, st: _State, layer: int) -> None:
+        self.st, self.layer, self.n, self.count, self.last = st, layer, 0, 0, 0
+
+    def __call__(self, param: Any) -> None:
+        t = _perf()
+        self.last = t
+        c = self.count + 1
+        if c < self.n:
+            self.count = c
+            return
+        self.count = 0
+        try:
+            st = self.st
+            st.layer_done(self.layer, t + st.off)
+        except Exception as e:  # noqa: BLE001 - a profiler never takes down the job
+            _hook_failed("grad_ready", e)
 
 
 def _patch_dataloader(state: _State) -> None:
@@ -277,6 +293,7 @@ def auto_instrument(rec: Recorder) -> str:
             _installed.rec = rec
             _installed.now = rec.clock.now_ns
             _installed.push = rec.push_perf
+            _installed.off = rec.clock.from_perf(0)
             _installed.its = _Iterations(rec)
             torch_guard.set_recorder(rec)
         return "ok"

@@ -243,36 +243,56 @@ class Modules:
 
     def _attach(self, m: nn.Module, params: list[nn.Parameter]) -> list[Any]:
         """A forward span per call of `m`, appended as one tuple (perf_counter_ns times,
-        converted when flushed): one clock read and one append in the pre-hook, one clock
-        read, one tuple and one append in the hook."""
-        st = self.st
-        perf = time.perf_counter_ns
-        tid = threading.get_native_id
-        starts: list[int] = []
-        push = starts.append
-        pop = starts.pop
-        layer = 0
-        name = type(m).__name__
+        converted when flushed): one Python call, one clock read and one append in the
+        pre-hook; one call, one clock read, one tuple and one append in the hook."""
+        pre = _TimedPre(self.st, params)
+        return [m.register_forward_pre_hook(pre),
+                m.register_forward_hook(_TimedPost(pre, type(m).__name__))]
 
-        def pre(mod: Any, args: Any) -> None:
-            nonlocal layer
-            push(perf())
-            if not layer:
-                try:
-                    layer = st.layer_for(mod, params)
-                except Exception as e:  # noqa: BLE001 - a profiler never takes down the job
-                    _hook_failed("forward_pre", e)
 
-        def post(mod: Any, args: Any, out: Any) -> None:
-            t = perf()
+_perf = time.perf_counter_ns
+_tid = threading.get_native_id
+
+
+class _TimedPre(_Hook):
+    """A timed module's forward pre-hook: its start times (a stack: calls may nest) and its
+    layer, numbered at its first call. The hook is the object itself (one Python frame)."""
+
+    __slots__ = ("st", "params", "starts", "layer")
+
+    def __init__(self, st: Any, params: list[nn.Parameter]) -> None:
+        self.fn = None
+        self.st, self.params, self.starts, self.layer = st, params, [], 0
+
+    def __call__(self, mod: Any, args: Any) -> None:
+        self.starts.append(_perf())
+        if not self.layer:
             try:
-                st.push(("forward", name, pop(), t, tid(), st.rec.step, layer, None, None))
-            except IndexError:   # hooked during this very call: its start was not taken
-                pass
-            except Exception as e:  # noqa: BLE001
-                _hook_failed("forward_post", e)
+                self.layer = self.st.layer_for(mod, self.params)
+            except Exception as e:  # noqa: BLE001 - a profiler never takes down the job
+                _hook_failed("forward_pre", e)
 
-        return [m.register_forward_pre_hook(_Hook(pre)), m.register_forward_hook(_Hook(post))]
+
+class _TimedPost(_Hook):
+    """A timed module's forward hook: the span from its pre-hook's start to now."""
+
+    __slots__ = ("pre", "name")
+
+    def __init__(self, pre: _TimedPre, name: str) -> None:
+        self.fn = None
+        self.pre, self.name = pre, name
+
+    def __call__(self, mod: Any, args: Any, out: Any) -> None:
+        t = _perf()
+        pre = self.pre
+        try:
+            st = pre.st
+            st.push(("forward", self.name, pre.starts.pop(), t, _tid(), st.rec.step,
+                     pre.layer, None, None))
+        except IndexError:   # hooked during this very call: its start was not taken
+            pass
+        except Exception as e:  # noqa: BLE001
+            _hook_failed("forward_post", e)
 
 
 def env_mode() -> str:
