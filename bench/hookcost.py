@@ -4,7 +4,9 @@ thread, timed on a model so small that the framework, not compute, fills each it
 Runs the same loop (forward, backward, optimizer step of --layers tiny Linear layers, one
 thread) plain, then with `gputrace.torch.instrument` on an in-process Session, taking the
 fastest of --blocks blocks of --iterations each; the difference over the spans recorded per
-iteration is the cost of a span. Prints JSON. The fastest block is the one least disturbed
+iteration is the cost of a span. Also counts the Python calls (functions and builtins) the
+loop's thread makes per iteration, plain and instrumented, under `sys.setprofile`: the
+calls per span are exact where the time is at the mercy of the machine. Prints JSON. The fastest block is the one least disturbed
 by the rest of a shared machine, which makes this far steadier than timing a real model.
 
     python bench/hookcost.py [--layers 20] [--iterations 300] [--blocks 9]
@@ -26,6 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,11 +48,14 @@ def compare(ref: str, rounds: int, child: list[str]) -> None:
                                    env=dict(os.environ, PYTHONPATH=path))
                 got[name].append(json.loads(p.stdout.splitlines()[-1]))
     med = {k: statistics.median(r["us_per_span"] for r in v) for k, v in got.items()}
+    calls = {k: v[0].get("calls_per_span") for k, v in got.items()}
     for name, runs in got.items():
         each = ", ".join(f"{r['us_per_span']:.2f}" for r in runs)
         print(f"{name:>12}: {med[name]:6.2f} us per span (rounds: {each}; "
-              f"{runs[0]['spans_per_iteration']:.1f} spans per iteration)")
-    print(f"this tree / {ref}: {med['this tree'] / med[ref]:.2f}x")
+              f"{runs[0]['spans_per_iteration']:.1f} spans per iteration), "
+              f"{calls[name]:.1f} Python calls per span on the loop's thread")
+    print(f"this tree / {ref}: time {med['this tree'] / med[ref]:.2f}x, "
+          f"calls {calls['this tree'] / calls[ref]:.2f}x")
 
 
 def main() -> None:
@@ -84,7 +90,27 @@ def main() -> None:
             opt.step()
         return (time.perf_counter() - t) / a.iterations
 
+    def calls(n: int = 20) -> float:
+        """Python-level calls (functions and builtins) on the loop's thread per iteration:
+        deterministic where the machine's speed is not."""
+        count = [0]
+
+        def prof(frame: Any, event: str, arg: Any) -> None:
+            if event == "call" or event == "c_call":
+                count[0] += 1
+
+        sys.setprofile(prof)
+        try:
+            for _ in range(n):
+                opt.zero_grad()
+                model(x).sum().backward()
+                opt.step()
+        finally:
+            sys.setprofile(None)
+        return count[0] / n
+
     block()   # warm-up
+    plain_calls = calls()
     plain = min(block() for _ in range(a.blocks))
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "t.arrow")
@@ -92,6 +118,7 @@ def main() -> None:
             gputrace.torch.instrument(session=s, gpu_timeline=None)
             block()
             timed = min(block() for _ in range(a.blocks))
+            timed_calls = calls()
         table = gputrace.load(path).table
     its = table.filter(table.column("cat").cast("string").to_numpy(zero_copy_only=False)
                        == "iteration").num_rows
@@ -100,7 +127,9 @@ def main() -> None:
     per_iter = spans / max(its, 1)
     print(json.dumps({"plain_us": plain * 1e6, "instrumented_us": timed * 1e6,
                       "spans_per_iteration": per_iter,
-                      "us_per_span": (timed - plain) * 1e6 / per_iter if per_iter else None}))
+                      "us_per_span": (timed - plain) * 1e6 / per_iter if per_iter else None,
+                      "calls_per_span": (timed_calls - plain_calls) / per_iter
+                      if per_iter else None}))
 
 
 if __name__ == "__main__":

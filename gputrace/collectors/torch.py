@@ -43,6 +43,7 @@ from gputrace.recorder import Recorder
 
 _installed: _State | None = None
 _perf = time.perf_counter_ns
+_tid = threading.get_native_id
 
 
 class _State:
@@ -98,7 +99,7 @@ class _State:
             self.next_layer += 1
             self.layer_of[key] = layer
         self.layer_names[layer] = type(module).__name__
-        hook = self.grads[layer] = _LayerGrads(self, layer)
+        hook = self.grads[layer] = _LayerGrads(self, layer, type(module).__name__)
         nbytes = 0
         for p in params:
             if id(p) in self.param_layer:
@@ -109,7 +110,7 @@ class _State:
                 nbytes += p.numel() * p.element_size()
                 p.register_post_accumulate_grad_hook(hook)
         self.layer_nparams[layer] = hook.n
-        self.layer_grad_bytes[layer] = nbytes
+        self.layer_grad_bytes[layer] = hook.nbytes = nbytes
         return layer
 
     @_guarded
@@ -135,19 +136,11 @@ class _State:
             self.last_fwd_end = self.loss_from = t
 
     # -- backward ------------------------------------------------------------------------
-    def layer_done(self, layer: int, t: int) -> None:
-        """The last of `layer`'s gradients was accumulated at `t` (trace clock): its
-        backward span, from the end of the layer before it (or the backward's start)."""
-        with self.lock:
-            start = self.last_mark or self.bwd_t0 or t
-            self.last_mark = t
-        self.rec.span("backward", self.layer_names.get(layer, "layer"), start, t, layer=layer,
-                      nbytes=self.layer_grad_bytes.get(layer))
-
     @_guarded
     def backward_enter(self) -> None:
         if self.bwd_depth == 0:
-            self.bwd_t0 = self.last_mark = t = self.now()
+            self.bwd_t0 = t = self.now()
+            self.last_mark = t - self.off         # layer marks are on perf_counter_ns
             if self.loss_from and self.depth == 0:
                 # the loss (and its scaling) between the model's forward and this backward
                 self.rec.span("forward", "loss", self.loss_from, t)
@@ -169,10 +162,11 @@ class _State:
             return
         t = self.now()
         with self.lock:
-            partial = [(g.layer, g.last + self.off) for g in self.grads.values() if g.count]
+            off = self.off
+            partial = [(g.layer, g.last + off) for g in self.grads.values() if g.count]
             for g in self.grads.values():
                 g.count = 0
-            start = self.last_mark
+            start = self.last_mark + off
         for layer, end in sorted(partial, key=lambda x: x[1]):  # layers with unused params
             self.rec.span("backward", self.layer_names.get(layer, "layer"), start, end,
                           layer=layer, nbytes=self.layer_grad_bytes.get(layer))
@@ -198,14 +192,20 @@ class _State:
 
 class _LayerGrads:
     """The post-accumulate-grad hook of one timed layer's parameters (the object itself: one
-    Python frame per parameter, a clock read and a count); the last of them ends the layer's
-    backward. A layer some of whose parameters got no gradient is ended by the backward's
-    exit."""
+    Python frame per parameter, a clock read and a count). The last of them ends the layer's
+    backward, from the end of the layer before it (or the backward's start), appended as one
+    perf-clock tuple like a forward span. A layer some of whose parameters got no gradient is
+    ended by the backward's exit.
 
-    __slots__ = ("st", "layer", "n", "count", "last")
+    No lock: one backward's hooks run on one autograd thread per device, and the GIL keeps
+    the read and write of the last mark apart from another's but for a switch between them,
+    which at worst starts a layer of one device at the end of another device's."""
 
-    def __init__(self, st: _State, layer: int) -> None:
-        self.st, self.layer, self.n, self.count, self.last = st, layer, 0, 0, 0
+    __slots__ = ("st", "layer", "name", "nbytes", "n", "count", "last")
+
+    def __init__(self, st: _State, layer: int, name: str) -> None:
+        self.st, self.layer, self.name, self.nbytes = st, layer, name, 0
+        self.n, self.count, self.last = 0, 0, 0
 
     def __call__(self, param: Any) -> None:
         t = _perf()
@@ -217,7 +217,14 @@ class _LayerGrads:
         self.count = 0
         try:
             st = self.st
-            st.layer_done(self.layer, t + st.off)
+            start = st.last_mark or t
+            st.last_mark = t
+            rec = st.rec
+            tid = _tid()
+            if tid not in rec.threads:    # an autograd device thread: named once
+                rec._new_thread(tid)
+            st.push(("backward", self.name, start, t, tid, rec.step, self.layer, self.nbytes,
+                     None))
         except Exception as e:  # noqa: BLE001 - a profiler never takes down the job
             _hook_failed("grad_ready", e)
 
