@@ -26,7 +26,7 @@ class Session:
     instead (the record's own trace gets everything) and `path` is not written.
     """
 
-    def __init__(self, path: str = "trace.arrow", *, hz: float = 100.0,
+    def __init__(self, path: str = "trace.arrow", *, hz: float = 50.0,
                  collectors: Iterable[str] = SYSTEM_COLLECTORS, sampler: bool = True,
                  flush_interval_s: float = 0.5) -> None:
         self.path = os.fspath(path)

@@ -13,7 +13,7 @@ HELP = "run a command (python, torchrun, mpirun, ...) and record a trace of it"
 def prepare_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output", default="trace.arrow", help="trace file (trace.arrow)")
     p.add_argument("-f", "--force", action="store_true", help="overwrite an existing trace")
-    p.add_argument("--hz", type=float, default=100.0, help="system sampling rate (100)")
+    p.add_argument("--hz", type=float, default=50.0, help="system sampling rate (50)")
     p.add_argument("--collectors", default=",".join(ALL_COLLECTORS),
                    help=f"comma-separated subset of {','.join(ALL_COLLECTORS)}")
     p.add_argument("--gpu-timeline", choices=("auto", "cupti", "kineto"), default="auto",

@@ -51,7 +51,7 @@ class RecordError(Exception):
 class RecordOptions:
     command: list[str]
     output: str = "trace.arrow"
-    hz: float = 100.0
+    hz: float = 50.0
     collectors: list[str] = field(default_factory=lambda: list(ALL_COLLECTORS))
     force: bool = False
     redact_argv: bool = False

@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="gputrace-sampler")
     p.add_argument("--pid", type=int, required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--hz", type=float, default=100.0)
+    p.add_argument("--hz", type=float, default=50.0)
     p.add_argument("--collectors", default=",".join(SYSTEM_COLLECTORS))
     a = p.parse_args(argv)
     stop = threading.Event()
