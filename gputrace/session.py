@@ -14,6 +14,7 @@ from gputrace import recorder as _recorder
 from gputrace.collectors import SYSTEM_COLLECTORS
 from gputrace.collectors.ranges import phase
 from gputrace.fmt import reason
+from gputrace.metadata import base_metadata
 
 T = TypeVar("T")
 
@@ -59,7 +60,7 @@ class Session:
         from gputrace.trace import shards
 
         self._dir = shards.create(self.path)
-        md = _recorder.base_metadata("session")
+        md = base_metadata("session")
         from gputrace.probe import embed
 
         embed(md)

@@ -338,7 +338,7 @@ def _refresh_rank(rec: Recorder) -> None:
     """A script that sets TF_CONFIG itself (after gputrace started) has its rank now."""
     if rec.rank >= 0:
         return
-    from gputrace.recorder import tf_config_rank
+    from gputrace.metadata import tf_config_rank
 
     rank, world = tf_config_rank()
     if rank >= 0:

@@ -16,6 +16,7 @@ from types import ModuleType
 from typing import Any
 
 from gputrace import recorder as _recorder
+from gputrace.metadata import base_metadata, hostname
 
 _counter = itertools.count()
 _shard_dir = ""
@@ -23,7 +24,7 @@ _mp_registered = False
 
 
 def shard_path(shard_dir: str) -> str:
-    host = _recorder.hostname().replace("/", "_")
+    host = hostname().replace("/", "_")
     return os.path.join(shard_dir, f"{host}-{os.getpid()}-{next(_counter)}.arrow")
 
 
@@ -31,7 +32,7 @@ def boot(shard_dir: str) -> _recorder.Recorder:
     """Start this process's recorder writing a shard into shard_dir."""
     global _shard_dir
     _shard_dir = shard_dir
-    md = _recorder.base_metadata("process")
+    md = base_metadata("process")
     rec = _recorder.Recorder(shard_path(shard_dir), md).start()
     _recorder.set_current(rec)
     atexit.register(_close_current)

@@ -29,11 +29,12 @@ from gputrace.collectors import (
     make_system_collector,
 )
 from gputrace.fmt import reason
+from gputrace.metadata import base_metadata
 from gputrace.probe import embed as embed_probe
 from gputrace.record import BOOTSTRAP_DIR
 from gputrace.record.nodes import node_output, spans_nodes
 from gputrace.record.summary import print_summary
-from gputrace.recorder import Recorder, base_metadata
+from gputrace.recorder import Recorder
 from gputrace.trace import shards
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
@@ -229,7 +230,7 @@ def output_of(opts: RecordOptions) -> RecordOptions:
         return opts
     from dataclasses import replace
 
-    from gputrace.recorder import hostname
+    from gputrace.metadata import hostname
 
     return replace(opts, output=node_output(opts.output, hostname()), per_host=True,
                    node_of=os.path.basename(opts.output))
@@ -285,7 +286,7 @@ def _prepare(opts: RecordOptions, shard_dir: str, clock: Clock
     # file of a recording that found run.arrow taken by another of the same moment
     md["node_of"] = opts.node_of or os.path.basename(opts.output)
     if opts.redact_argv:
-        from gputrace.recorder import redact_argv
+        from gputrace.metadata import redact_argv
         md["argv"] = redact_argv(argv)
     md["sample_hz"] = opts.hz
     embed_probe(md)

@@ -15,7 +15,8 @@ import psutil
 
 from gputrace.clock import Clock
 from gputrace.collectors import SYSTEM_COLLECTORS, Sampler, Unavailable, make_system_collector
-from gputrace.recorder import Recorder, base_metadata
+from gputrace.metadata import base_metadata
+from gputrace.recorder import Recorder
 
 # exit code when the samples could not all be written (the Session says so, once)
 WRITE_FAILED = 3
