@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import subprocess
@@ -73,3 +74,25 @@ def chosen_modes(p: Any, asked: str, modes: Sequence[str]) -> list[str]:
     if unknown:
         p.error(f"unknown mode(s) {', '.join(sorted(unknown))}; choose from {', '.join(modes)}")
     return ["plain", *(m for m in modes[1:] if m in asked.split(","))]
+
+
+def accounting(costs: list[tuple[str, float, float, float]], tiny: bool) -> str:
+    """gputrace's own work beside the job, counted rather than told from noisy wall times:
+    spans recorded per iteration times what one costs the loop (bench/hookcost.py), and the
+    recording process's CPU as a share of the machine's cores."""
+    args = ["--iterations", "50", "--blocks", "3"] if tiny else []
+    _, p = run([PY, str(Path(__file__).parent / "hookcost.py"), *args])
+    per_span = max(json.loads(p.stdout)["us_per_span"] or 0.0, 0.0) * 1e-6
+    cores = os.cpu_count() or 1
+    rows = []
+    for job, per_iter, base, rec_cpu in costs:
+        hooks = per_iter * per_span / base
+        rows.append([job, f"{per_iter:.1f}", f"{per_iter * per_span * 1e3:.2f} ms",
+                     f"{100 * hooks:.2f}%", f"{100 * rec_cpu / cores:.2f}%",
+                     f"{1 + hooks + rec_cpu / cores:.3f}x"])
+    return (table(f"Cost accounting: {per_span * 1e6:.1f} us per recorded span "
+                  f"(bench/hookcost.py), recording process over {cores} cores",
+                  ["job", "spans/iter", "hooks/iter", "of plain iter", "record's share",
+                   "bound"], rows)
+            + "\nbound: the slowdown if every microsecond of gputrace's work delayed the job "
+              "on a machine whose every core it keeps busy")

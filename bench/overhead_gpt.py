@@ -19,7 +19,7 @@ import shlex
 import tempfile
 from pathlib import Path
 
-from common import PY, chosen_modes, machine, median, ratio_ci, run, table
+from common import PY, accounting, chosen_modes, machine, median, ratio_ci, run, table
 
 import gputrace
 
@@ -63,10 +63,12 @@ def main() -> None:
         extra += ["--blocks", "2"]
     extra += ["--iterations", str(a.iterations)]
     rows = []
+    costs = []   # (job, spans per iteration, plain iteration s, record's CPU per wall s)
     spans_per_iter = ""
     with tempfile.TemporaryDirectory() as tmp:
         for ranks in [int(x) for x in a.ranks.split(",")]:
             runs: dict[str, list[list[float]]] = {m: [] for m in modes}
+            sampler, spans = [0.0, 0.0], [0, 0]   # record's CPU and wall s; spans, iterations
             cpus: dict[str, list[list[float]]] = {m: [] for m in modes}   # loop thread's CPU
             for r in range(a.rounds):
                 for m in random.Random(f"{ranks}-{r}").sample(modes, len(modes)):
@@ -78,11 +80,16 @@ def main() -> None:
                     runs[m].append(times[3:] if len(times) > 4 else times)
                     mc = [s.get("main_cpu", 0.0) for s in steps]
                     cpus[m].append(mc[3:] if len(mc) > 4 else mc)
-                    if m == "gputrace" and r == 0 and ranks == 1:
-                        t = gputrace.load(trace).table
-                        kind = t.column("kind").cast("string").to_numpy(False)
-                        cat = t.column("cat").cast("string").to_numpy(False)
-                        spans_per_iter = f"{(kind == 'span').sum() / (cat == 'iteration').sum():.1f}"
+                    if m == "gputrace":
+                        tr = gputrace.load(trace)
+                        sampler[0] += tr.metadata["sampler"]["cpu_s"]
+                        sampler[1] += tr.metadata["sampler"]["wall_s"]
+                        kind = tr.table.column("kind").cast("string").to_numpy(False)
+                        cat = tr.table.column("cat").cast("string").to_numpy(False)
+                        spans[0] += int((kind == "span").sum())
+                        spans[1] += int((cat == "iteration").sum())
+                        if ranks == 1:
+                            spans_per_iter = f"{spans[0] / max(spans[1], 1):.1f}"
                     print(f"ranks {ranks} round {r} {m}: {median(runs[m][-1]) * 1e3:.1f} ms",
                           flush=True)
             base = median([t for x in runs["plain"] for t in x])
@@ -103,6 +110,9 @@ def main() -> None:
                         f"{median(per_round):.3f}x", f"{p10:.3f}x [{lo10:.3f}, {hi10:.3f}]",
                         f"{cpu_ratio:.3f}x [{lc:.3f}, {hc:.3f}]"]
             rows.append(row)
+            if "gputrace" in modes:
+                costs.append((row[0], spans[0] / max(spans[1], 1), base,
+                              sampler[0] / max(sampler[1], 1e-9)))
     print(table(f"Recording overhead: median iteration of bench/train_gpt.py "
                 f"{' '.join(extra)}", ["job", "rounds", "plain",
                                        *(h for m in modes[1:]
@@ -115,6 +125,9 @@ def main() -> None:
           "percentile iterations (those the machine disturbed least); loop CPU ratio: of the "
           "CPU seconds of the loop's own thread per iteration (what gputrace adds on that "
           "thread; time the job waits for a core does not count)")
+    if costs:
+        print()
+        print(accounting(costs, a.tiny))
     print(f"machine: {machine()}")
 
 
