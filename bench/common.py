@@ -96,3 +96,17 @@ def accounting(costs: list[tuple[str, float, float, float]], tiny: bool) -> str:
                    "bound"], rows)
             + "\nbound: the slowdown if every microsecond of gputrace's work delayed the job "
               "on a machine whose every core it keeps busy")
+
+
+def tally(trace: Path, sampler: list[float], spans: list[int]) -> None:
+    """Adds a recorded run to the totals: the recording process's CPU and wall seconds
+    (`sampler`), the spans and iterations it recorded over all processes (`spans`)."""
+    import gputrace
+
+    tr = gputrace.load(trace)
+    sampler[0] += tr.metadata["sampler"]["cpu_s"]
+    sampler[1] += tr.metadata["sampler"]["wall_s"]
+    kind = tr.table.column("kind").cast("string").to_numpy(False)
+    cat = tr.table.column("cat").cast("string").to_numpy(False)
+    spans[0] += int((kind == "span").sum())
+    spans[1] += int((cat == "iteration").sum())

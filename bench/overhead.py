@@ -21,9 +21,17 @@ import shlex
 import tempfile
 from pathlib import Path
 
-from common import PY, accounting, chosen_modes, machine, median, ratio_ci, run, table
-
-import gputrace
+from common import (
+    PY,
+    accounting,
+    chosen_modes,
+    machine,
+    median,
+    ratio_ci,
+    run,
+    table,
+    tally,
+)
 
 # "hooks only": gputrace's in-process instrumentation without the system sampler, to tell
 # the two costs apart
@@ -86,13 +94,7 @@ def main() -> None:
                     run(command(m, ranks, a.iterations, out, trace, shlex.split(a.sample_args)))
                     times = json.loads(out.read_text())
                     if m == "gputrace":
-                        tr = gputrace.load(trace)
-                        sampler[0] += tr.metadata["sampler"]["cpu_s"]
-                        sampler[1] += tr.metadata["sampler"]["wall_s"]
-                        kind = tr.table.column("kind").cast("string").to_numpy(False)
-                        cat = tr.table.column("cat").cast("string").to_numpy(False)
-                        spans[0] += int((kind == "span").sum())
-                        spans[1] += int((cat == "iteration").sum())
+                        tally(trace, sampler, spans)
                     per_mode[m].append(times[3:] if len(times) > 4 else times)
                 if a.save:
                     a.save.write_text(json.dumps(saved))

@@ -19,9 +19,17 @@ import shlex
 import tempfile
 from pathlib import Path
 
-from common import PY, accounting, chosen_modes, machine, median, ratio_ci, run, table
-
-import gputrace
+from common import (
+    PY,
+    accounting,
+    chosen_modes,
+    machine,
+    median,
+    ratio_ci,
+    run,
+    table,
+    tally,
+)
 
 JOB = str(Path(__file__).parent / "train_gpt.py")
 # gputrace: the default (--layers blocks); leaves / off: the other granularities;
@@ -81,13 +89,7 @@ def main() -> None:
                     mc = [s.get("main_cpu", 0.0) for s in steps]
                     cpus[m].append(mc[3:] if len(mc) > 4 else mc)
                     if m == "gputrace":
-                        tr = gputrace.load(trace)
-                        sampler[0] += tr.metadata["sampler"]["cpu_s"]
-                        sampler[1] += tr.metadata["sampler"]["wall_s"]
-                        kind = tr.table.column("kind").cast("string").to_numpy(False)
-                        cat = tr.table.column("cat").cast("string").to_numpy(False)
-                        spans[0] += int((kind == "span").sum())
-                        spans[1] += int((cat == "iteration").sum())
+                        tally(trace, sampler, spans)
                         if ranks == 1:
                             spans_per_iter = f"{spans[0] / max(spans[1], 1):.1f}"
                     print(f"ranks {ranks} round {r} {m}: {median(runs[m][-1]) * 1e3:.1f} ms",
