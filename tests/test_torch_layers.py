@@ -194,3 +194,32 @@ def test_copied_and_pickled_models_run_and_a_loaded_model_is_found(tmp_path):
     for s in range(first + 1, first + 6):
         assert len(fwd[s]) == 2, (s, dict(fwd))   # the loaded model's two Linear layers
     assert fwd[0] and not fwd[0] & fwd[first + 1]  # new layers, not the first model's
+
+
+def test_block_backward_ends_at_its_last_gradient_with_one_hook_left(tmp_path):
+    """After the first backward a block keeps gputrace's gradient hook on one parameter
+    only (the one whose gradient comes last), and each block's backward still ends when the
+    job's own hooks see its last gradient. A routed block whose last gradient changes gets
+    every hook back: its end is missed in at most one iteration."""
+    truth, out = tmp_path / "t.json", tmp_path / "g.arrow"
+    n = 10
+    p = run_gputrace("record", "-q", "-o", str(out), "--", sys.executable,
+                     str(ROOT / "tests" / "jobs" / "grad_order.py"), str(truth), str(n),
+                     timeout=300)
+    assert p.returncode == 0, p.stderr
+    got = json.loads(truth.read_text())
+    own = {(s, b): t for s, b, t in got["last"]}
+    # the job's own hook on each parameter, and gputrace's on one per static block
+    for b in (0, 1, 3):
+        assert sorted(got["hooks"][b]) == [1] * 5 + [2], (b, got["hooks"])
+    assert all(h == 2 for h in got["hooks"][2]), got["hooks"][2]   # routed: all again
+    ends = {(r["step"], r["layer"] - 1): r["end_ns"] for r in spans(out)
+            if r["cat"] == "backward" and r["layer"] >= 1}
+    steps = sorted({s for s, _ in ends})
+    assert len(steps) == n
+    off = []
+    for b in range(4):
+        for s in steps:
+            if (s, b) not in ends or abs(ends[(s, b)] - own[(s, b)]) > 500_000:
+                off.append((s, b))
+    assert all(b == 2 for _, b in off) and len(off) <= 1, off

@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -106,9 +107,8 @@ class _State:
                 continue
             self.param_layer[id(p)] = layer
             if p.requires_grad and p.is_leaf:   # a non-leaf (functional_call) has no .grad
-                hook.n += 1
                 nbytes += p.numel() * p.element_size()
-                p.register_post_accumulate_grad_hook(hook)
+                hook.add(p)
         self.layer_nparams[layer] = hook.n
         self.layer_grad_bytes[layer] = hook.nbytes = nbytes
         return layer
@@ -167,6 +167,7 @@ class _State:
             for g in self.grads.values():
                 g.count = 0
             start = self.last_mark + off
+            _settle(self.grads)
         for layer, end in sorted(partial, key=lambda x: x[1]):  # layers with unused params
             self.rec.span("backward", self.layer_names.get(layer, "layer"), start, end,
                           layer=layer, nbytes=self.layer_grad_bytes.get(layer))
@@ -197,15 +198,35 @@ class _LayerGrads:
     perf-clock tuple like a forward span. A layer some of whose parameters got no gradient is
     ended by the backward's exit.
 
+    After a backward in which all of a layer's gradients came, only the parameter whose
+    gradient came last keeps the hook (`_settle`): a transformer block has a dozen
+    parameters, and each hook is a call from autograd into Python (a tensor wrapped, a
+    frame), most of what per-block timing cost the loop. Autograd runs a graph's gradients
+    in the same order each time, so that one still ends the layer. Where it does not come
+    while the layers beside it did (a routed expert, a skipped branch), every parameter gets
+    its hook back for good.
+
     No lock: one backward's hooks run on one autograd thread per device, and the GIL keeps
     the read and write of the last mark apart from another's but for a switch between them,
     which at worst starts a layer of one device at the end of another device's."""
 
-    __slots__ = ("st", "layer", "name", "nbytes", "n", "count", "last")
+    __slots__ = ("st", "layer", "name", "nbytes", "n", "count", "last", "final", "done",
+                 "params", "handles", "state", "kept")
 
     def __init__(self, st: _State, layer: int, name: str) -> None:
         self.st, self.layer, self.name, self.nbytes = st, layer, name, 0
         self.n, self.count, self.last = 0, 0, 0
+        self.final: Any = None    # the parameter whose gradient ended the layer's backward
+        self.done = False         # the layer's backward ended in the running backward
+        self.params: list[weakref.ref[Any]] = []   # weak: the model's lifetime is its own
+        self.handles: list[Any] = []
+        self.state = "all"        # "all" hooked, "one" (the last to come), "kept" all again
+        self.kept = -1            # in "one": the index of the parameter that keeps it
+
+    def add(self, p: Any) -> None:
+        self.params.append(weakref.ref(p))
+        self.handles.append(p.register_post_accumulate_grad_hook(self))
+        self.n += 1
 
     def __call__(self, param: Any) -> None:
         t = _perf()
@@ -215,6 +236,8 @@ class _LayerGrads:
             self.count = c
             return
         self.count = 0
+        self.final = param
+        self.done = True
         try:
             st = self.st
             start = st.last_mark or t
@@ -227,6 +250,40 @@ class _LayerGrads:
                      None))
         except Exception as e:  # noqa: BLE001 - a profiler never takes down the job
             _hook_failed("grad_ready", e)
+
+    def keep_last(self) -> None:
+        """Only the parameter whose gradient came last keeps the hook."""
+        for i, (ref, handle) in enumerate(zip(self.params, self.handles, strict=True)):
+            if ref() is self.final:
+                self.kept = i
+            else:
+                handle.remove()
+        self.n, self.state = 1, "one"
+
+    def hook_all(self) -> None:
+        """Every parameter gets its hook back (the kept one has it still)."""
+        self.n, self.state = 0, "kept"
+        for i, ref in enumerate(self.params):
+            p = ref()
+            if p is None:
+                continue
+            if i != self.kept:
+                self.handles[i] = p.register_post_accumulate_grad_hook(self)
+            self.n += 1
+
+
+def _settle(grads: dict[int, _LayerGrads]) -> None:
+    """At the end of a backward: a layer all of whose gradients came keeps one hook; a layer
+    down to one whose hook did not fire while a layer beside it did gets all of them back."""
+    for layer, g in grads.items():
+        if g.done:
+            if g.state == "all" and g.n > 1 and g.final is not None:
+                g.keep_last()
+        elif g.state == "one" and any(
+                (n := grads.get(layer + d)) is not None and n.done for d in (-1, 1)):
+            g.hook_all()
+    for g in grads.values():
+        g.done, g.final = False, None   # the model's parameters are not held past a backward
 
 
 def _patch_dataloader(state: _State) -> None:
