@@ -110,3 +110,76 @@ def tally(trace: Path, sampler: list[float], spans: list[int]) -> None:
     cat = tr.table.column("cat").cast("string").to_numpy(False)
     spans[0] += int((kind == "span").sum())
     spans[1] += int((cat == "iteration").sum())
+
+
+# -- runs side by side on one core -------------------------------------------------------
+# Sequential rounds on a shared virtual machine move by 10-50 % between runs (the host's load
+# on each virtual CPU changes over seconds), far more than the 2 % a recording overhead is
+# allowed. Jobs that run at the same time on one core see the same host: each is given its
+# own session, so the kernel's autogroup scheduling shares the core fairly between the jobs
+# (not between their threads), and a job that needs more CPU per iteration runs its
+# iterations that much slower. An A/A pair of plain runs stays within 1.5 % this way.
+
+def autogroup() -> bool:
+    """The kernel shares a core between sessions (not threads); without it a job with more
+    threads would get more of the core."""
+    try:
+        return Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1"
+    except OSError:
+        return False
+
+
+def pinned(core: int, cmd: list[str]) -> list[str]:
+    """cmd with its process tree held on one core."""
+    return ["taskset", "-c", str(core), *cmd]
+
+
+def detached(core: int, cmd: list[str]) -> list[str]:
+    """cmd held on one core, in a session of its own. The job of `gputrace record` is run
+    this way so that it and the recording process share no session: the kernel weighs a
+    session's claim on each core by where its load is, and a recording process busy on
+    another core would lower the job's share of its own (by about 3 % here)."""
+    return ["setsid", "-w", *pinned(core, cmd)]
+
+
+def together(cmds: list[tuple[list[str], int]], timeout: float = 1800) -> None:
+    """Runs the commands at once, each on its core (`taskset` inside a command may move
+    its job elsewhere) and in its own session, and waits for all; one that fails stops
+    the benchmark with its stderr."""
+    import tempfile
+
+    procs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (cmd, core) in enumerate(cmds):
+            err = open(Path(tmp) / f"{i}.err", "w+")   # noqa: SIM115 - closed below
+            procs.append((cmd, err, subprocess.Popen(
+                pinned(core, cmd), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err,
+                text=True, start_new_session=True)))
+        deadline = time.monotonic() + timeout
+        failed = []
+        for cmd, err, p in procs:
+            try:
+                rc = p.wait(max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                rc = p.wait()
+            if rc != 0:
+                err.seek(0)
+                failed.append(f"{' '.join(cmd)} failed ({rc}):\n{err.read()[-3000:]}")
+            err.close()
+    if failed:
+        raise SystemExit("\n".join(failed))
+
+
+def in_window(runs: list[list[dict[str, Any]]], skip: int = 3) -> list[list[float]]:
+    """Iteration seconds of jobs that ran together, only those inside the window where all
+    of them were past their first `skip` iterations and none had finished yet: outside it a
+    job had the core to itself."""
+    lo = max(r[min(skip, len(r) - 1)]["start"] for r in runs)
+    hi = min(r[-1]["end"] for r in runs)
+    out = [[(s["end"] - s["start"]) / 1e9 for s in r if s["start"] >= lo and s["end"] <= hi]
+           for r in runs]
+    if not all(out):
+        raise SystemExit("the jobs run together had no iteration in common past their warm-up:"
+                         " give them more iterations")
+    return out

@@ -10,11 +10,14 @@ calls per span are exact where the time is at the mercy of the machine. Prints J
 by the rest of a shared machine, which makes this far steadier than timing a real model.
 
     python bench/hookcost.py [--layers 20] [--iterations 300] [--blocks 9]
-    python bench/hookcost.py --compare REF [--rounds 5]
+    python bench/hookcost.py --compare REF [--rounds 5] [--together]
 
 --compare runs the measurement of this tree and of gputrace at git revision REF (e.g. the
 commit before a change) in alternating subprocesses, --rounds each, and prints both side
-by side: median cost per span and the ratio.
+by side: median cost per span and the ratio. With --together the two run at the same time
+on one core, each in its own session (see bench/common.py), so the host's drift, which
+moves a block here by 2x between minutes, hits both alike; a span's cost is then taken
+against the plain blocks of both.
 """
 
 from __future__ import annotations
@@ -33,15 +36,40 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def compare(ref: str, rounds: int, child: list[str]) -> None:
-    """This tree's cost per span beside REF's, measured in alternating subprocesses."""
+def _together(trees: dict[str, str], child: list[str], core: int) -> dict[str, dict]:
+    """One measurement of each tree, all at once on `core`, each in its own session; each
+    span's cost taken against the mean of their plain blocks (run side by side)."""
+    procs = {name: subprocess.Popen(["taskset", "-c", str(core), sys.executable, __file__,
+                                     *child], stdout=subprocess.PIPE, text=True,
+                                    start_new_session=True,
+                                    env=dict(os.environ, PYTHONPATH=path))
+             for name, path in trees.items()}
+    got = {}
+    for name, p in procs.items():
+        out, _ = p.communicate()
+        if p.returncode:
+            raise SystemExit(f"hookcost for {name} failed ({p.returncode})")
+        got[name] = json.loads(out.splitlines()[-1])
+    plain = statistics.mean(r["plain_us"] for r in got.values())
+    for r in got.values():
+        r["us_per_span"] = (r["instrumented_us"] - plain) / r["spans_per_iteration"]
+    return got
+
+
+def compare(ref: str, rounds: int, child: list[str], together: bool = False) -> None:
+    """This tree's cost per span beside REF's, measured in alternating subprocesses (or
+    side by side on one core)."""
     with tempfile.TemporaryDirectory() as tmp:
         archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "gputrace"],
                                  capture_output=True, check=True).stdout
         subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
         trees = {f"{ref}": tmp, "this tree": str(ROOT)}
         got: dict[str, list[dict]] = {k: [] for k in trees}
-        for _ in range(rounds):
+        for r in range(rounds):
+            if together:
+                for name, res in _together(trees, child, r % 2).items():
+                    got[name].append(res)
+                continue
             for name, path in trees.items():
                 p = subprocess.run([sys.executable, __file__, *child], capture_output=True,
                                    text=True, check=True,
@@ -65,10 +93,13 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=9)
     ap.add_argument("--compare", metavar="REF", help="also measure gputrace at git REF")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--together", action="store_true",
+                    help="with --compare: both at once on one core")
     a = ap.parse_args()
     if a.compare:
         compare(a.compare, a.rounds, ["--layers", str(a.layers), "--iterations",
-                                      str(a.iterations), "--blocks", str(a.blocks)])
+                                      str(a.iterations), "--blocks", str(a.blocks)],
+                a.together)
         return
 
     import torch

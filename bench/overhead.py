@@ -6,7 +6,13 @@ table gives the median iteration after warm-up and the ratios to plain, with a 9
 from resampling rounds. Goal: gputrace <= 1.02x plain.
 
     python bench/overhead.py [--iterations 40] [--rounds 3] [--ranks 1,2] [--sample-args ARGS]
-                             [--modes plain,gputrace,...] [--save PATH] [--tiny]
+                             [--modes plain,gputrace,...] [--save PATH]
+                             [--together [--record-core other|same]] [--tiny]
+
+With --together a round's modes run at the same time on one core, each in its own session,
+and their iterations are compared where all of them ran (bench/common.py says why); one
+torch thread per job unless --sample-args names --threads. The recording process runs on
+the other core (--record-core other) or on the job's (same: the strictest figure).
 
 With --save, every run's iteration times are kept in PATH as they come; run again with the
 same PATH (and the same job) to add rounds to those already there.
@@ -24,13 +30,17 @@ from pathlib import Path
 from common import (
     PY,
     accounting,
+    autogroup,
     chosen_modes,
+    detached,
+    in_window,
     machine,
     median,
     ratio_ci,
     run,
     table,
     tally,
+    together,
 )
 
 # "hooks only": gputrace's in-process instrumentation without the system sampler, to tell
@@ -39,9 +49,9 @@ MODES = ("plain", "gputrace", "hooks only", "torch.profiler")
 
 
 def command(mode: str, ranks: int, iterations: int, out: Path, trace: Path,
-            extra: list[str]) -> list[str]:
+            extra: list[str], core: int | None = None) -> list[str]:
     job = ["samples/train_cnn.py", "--preset", "case1", "--iterations", str(iterations),
-           "--times-json", str(out), *extra]
+           "--steps-json" if core is not None else "--times-json", str(out), *extra]
     if ranks > 1:
         job = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
                str(ranks), *job]
@@ -49,6 +59,8 @@ def command(mode: str, ranks: int, iterations: int, out: Path, trace: Path,
         job = [PY, *job]
     if mode == "torch.profiler":
         job.append("--torch-profiler")
+    if core is not None:   # --together
+        job = detached(core, job)
     if mode in ("gputrace", "hooks only"):
         only = ["--collectors", "torch"] if mode == "hooks only" else []
         return [PY, "-m", "gputrace", "record", "-q", *only, "-o", str(trace), "--", *job]
@@ -66,12 +78,24 @@ def main() -> None:
                    help=f"modes to run (plain always runs): {', '.join(MODES)}")
     p.add_argument("--save", type=Path,
                    help="keep the runs in this JSON file, and add to the rounds it holds")
+    p.add_argument("--together", action="store_true",
+                   help="run a round's modes at the same time on one core")
+    p.add_argument("--record-core", choices=("other", "same"), default="other",
+                   help="with --together: where the recording process runs")
     p.add_argument("--tiny", action="store_true", help="one quick round (keeps it working)")
     a = p.parse_args()
     modes = chosen_modes(p, a.modes, MODES)
     if a.tiny:
-        a.iterations, a.rounds = 6, 1
-    job = {"iterations": a.iterations, "sample_args": a.sample_args, "modes": modes}
+        a.iterations, a.rounds = 60 if a.together else 6, 1
+    extra = shlex.split(a.sample_args)
+    if a.together:
+        if not autogroup():
+            print("warning: this kernel does not share a core by session (sched_autogroup "
+                  "off): a job with more threads gets more of it", flush=True)
+        if "--threads" not in extra:
+            extra += ["--threads", "1"]
+    job = {"iterations": a.iterations, "sample_args": a.sample_args, "modes": modes,
+           **({"together": a.record_core} if a.together else {})}
     saved = json.loads(a.save.read_text()) if a.save and a.save.exists() else {"job": job}
     if saved["job"] != job:
         p.error(f"{a.save} holds runs of another job ({saved['job']}); name another file")
@@ -87,15 +111,29 @@ def main() -> None:
             sampler, spans = kept["sampler"], kept.setdefault("spans", [0, 0])
             first = len(per_mode["plain"])
             for r in range(first, first + a.rounds):
-                order = random.Random(f"{ranks}-{r}")
-                for m in order.sample(modes, len(modes)):
-                    out = Path(tmp) / f"{m}-{ranks}-{r}.json"
-                    trace = Path(tmp) / f"{m.replace(' ', '-')}-{ranks}-{r}.arrow"
-                    run(command(m, ranks, a.iterations, out, trace, shlex.split(a.sample_args)))
-                    times = json.loads(out.read_text())
+                order = random.Random(f"{ranks}-{r}").sample(modes, len(modes))
+                outs = {m: (Path(tmp) / f"{m.replace(' ', '-')}-{ranks}-{r}.json",
+                            Path(tmp) / f"{m.replace(' ', '-')}-{ranks}-{r}.arrow")
+                        for m in order}
+                if a.together:   # the jobs on one core, alternating between the cores
+                    core = r % 2
+                    rec_core = 1 - core if a.record_core == "other" else core
+                    together([(command(m, ranks, a.iterations, *outs[m], extra, core),
+                               rec_core if m in ("gputrace", "hooks only") else core)
+                              for m in order])
+                    got = dict(zip(order, in_window(
+                        [json.loads(outs[m][0].read_text()) for m in order]), strict=True))
+                for m in order:
+                    out, trace = outs[m]
+                    if a.together:
+                        times = got[m]
+                    else:
+                        run(command(m, ranks, a.iterations, out, trace, extra))
+                        times = json.loads(out.read_text())
+                        times = times[3:] if len(times) > 4 else times
                     if m == "gputrace":
                         tally(trace, sampler, spans)
-                    per_mode[m].append(times[3:] if len(times) > 4 else times)
+                    per_mode[m].append(times)
                 if a.save:
                     a.save.write_text(json.dumps(saved))
             pooled = {m: [t for run in runs for t in run] for m, runs in per_mode.items()}
@@ -111,9 +149,12 @@ def main() -> None:
                 costs.append((row[0], spans[0] / max(spans[1], 1), base,
                               sampler[0] / sampler[1]))
             rows.append(row)
+    how = (f", together on one core, the recording process on "
+           f"{'the other' if a.record_core == 'other' else 'the same'} core"
+           if a.together else "")
     print(table(f"Recording overhead: median iteration of samples/train_cnn.py --preset case1, "
-                f"{a.sample_args + ', ' if a.sample_args else ''}"
-                f"{a.iterations} iterations a run",
+                f"{' '.join(extra) + ', ' if extra else ''}"
+                f"{a.iterations} iterations a run{how}",
                 ["job", "rounds", "plain", *(h for m in modes[1:] for h in (m, "ratio")),
                  *(["record's CPU"] if "gputrace" in modes else [])], rows))
     print("ratio [95 % interval]: bootstrap over rounds (the runs of a round as a pair); an "

@@ -6,8 +6,16 @@ Each round runs every mode once, in a shuffled order, so drift on a shared machi
 of them alike; the table gives the median iteration after warm-up (the loop's own clock) and
 the ratio to plain with a 95 % interval from resampling rounds. Goal: <= 1.02x plain.
 
+With --together a round's modes run at the same time on one core, each in its own session,
+and their iterations are compared where all of them ran (see bench/common.py): the host's
+drift, which moves sequential runs by 10-50 % here, then hits them alike. The recording
+process (sampler and writer) runs on the other core (--record-core other: like a GPU node,
+where it has a core the job does not use) or on the job's core too (same: every bit of
+gputrace's CPU is taken from the job's share, the strictest figure).
+
     python bench/overhead_gpt.py [--rounds 12] [--iterations 20] [--ranks 1,2]
-                                 [--modes gputrace,leaves,off,torch-only,hz20] [--job-args ARGS] [--tiny]
+                                 [--modes gputrace,leaves,off,torch-only,hz20] [--job-args ARGS]
+                                 [--together [--record-core other|same]] [--tiny]
 """
 
 from __future__ import annotations
@@ -22,13 +30,17 @@ from pathlib import Path
 from common import (
     PY,
     accounting,
+    autogroup,
     chosen_modes,
+    detached,
+    in_window,
     machine,
     median,
     ratio_ci,
     run,
     table,
     tally,
+    together,
 )
 
 JOB = str(Path(__file__).parent / "train_gpt.py")
@@ -38,10 +50,13 @@ JOB = str(Path(__file__).parent / "train_gpt.py")
 MODES = ("plain", "gputrace", "leaves", "off", "torch-only", "hz20")
 
 
-def command(mode: str, ranks: int, out: Path, trace: Path, job_args: list[str]) -> list[str]:
+def command(mode: str, ranks: int, out: Path, trace: Path, job_args: list[str],
+            core: int | None = None) -> list[str]:
     job = [JOB, str(out), *job_args]
     job = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
            *job] if ranks > 1 else [PY, *job]
+    if core is not None:   # --together: see detached() in bench/common.py
+        job = detached(core, job)
     if mode == "plain":
         return job
     layers = {"gputrace": [], "torch-only": ["--collectors", "torch"],
@@ -62,12 +77,19 @@ def main() -> None:
     p.add_argument("--ranks", default="1,2")
     p.add_argument("--modes", default="gputrace", help=f"among {', '.join(MODES[1:])}")
     p.add_argument("--job-args", default="", help="more options for bench/train_gpt.py")
+    p.add_argument("--together", action="store_true",
+                   help="run a round's modes at the same time on one core")
+    p.add_argument("--record-core", choices=("other", "same"), default="other",
+                   help="with --together: where the recording process runs")
     p.add_argument("--tiny", action="store_true", help="one quick round (keeps it working)")
     a = p.parse_args()
+    if a.together and not autogroup():
+        print("warning: this kernel does not share a core by session (sched_autogroup off): "
+              "a job with more threads gets more of it", flush=True)
     modes = chosen_modes(p, a.modes, MODES)
     extra = shlex.split(a.job_args)
     if a.tiny:
-        a.rounds, a.iterations = 1, 6
+        a.rounds, a.iterations = 1, 200 if a.together else 6
         extra += ["--blocks", "2"]
     extra += ["--iterations", str(a.iterations)]
     rows = []
@@ -79,13 +101,24 @@ def main() -> None:
             sampler, spans = [0.0, 0.0], [0, 0]   # record's CPU and wall s; spans, iterations
             cpus: dict[str, list[list[float]]] = {m: [] for m in modes}   # loop thread's CPU
             for r in range(a.rounds):
-                for m in random.Random(f"{ranks}-{r}").sample(modes, len(modes)):
-                    out = Path(tmp) / f"{m}-{ranks}-{r}.json"
-                    trace = Path(tmp) / f"{m}-{ranks}-{r}.arrow"
-                    run(command(m, ranks, out, trace, extra))
+                order = random.Random(f"{ranks}-{r}").sample(modes, len(modes))
+                outs = {m: (Path(tmp) / f"{m}-{ranks}-{r}.json",
+                            Path(tmp) / f"{m}-{ranks}-{r}.arrow") for m in order}
+                if a.together:   # the jobs on one core, alternating between the cores
+                    core = r % 2
+                    rec_core = 1 - core if a.record_core == "other" else core
+                    together([(command(m, ranks, *outs[m], extra, core),
+                               core if m == "plain" else rec_core) for m in order])
+                    got = dict(zip(order, in_window(
+                        [json.loads(outs[m][0].read_text()) for m in order]), strict=True))
+                for m in order:
+                    out, trace = outs[m]
+                    if not a.together:
+                        run(command(m, ranks, out, trace, extra))
                     steps = json.loads(out.read_text())
                     times = [(s["end"] - s["start"]) / 1e9 for s in steps]
-                    runs[m].append(times[3:] if len(times) > 4 else times)
+                    runs[m].append(got[m] if a.together
+                                   else times[3:] if len(times) > 4 else times)
                     mc = [s.get("main_cpu", 0.0) for s in steps]
                     cpus[m].append(mc[3:] if len(mc) > 4 else mc)
                     if m == "gputrace":
@@ -115,8 +148,11 @@ def main() -> None:
             if "gputrace" in modes:
                 costs.append((row[0], spans[0] / max(spans[1], 1), base,
                               sampler[0] / max(sampler[1], 1e-9)))
+    how = (f", together on one core, the recording process on "
+           f"{'the other' if a.record_core == 'other' else 'the same'} core"
+           if a.together else "")
     print(table(f"Recording overhead: median iteration of bench/train_gpt.py "
-                f"{' '.join(extra)}", ["job", "rounds", "plain",
+                f"{' '.join(extra)}{how}", ["job", "rounds", "plain",
                                        *(h for m in modes[1:]
                                          for h in (m, "ratio [95 %]", "median of rounds",
                                                    "p10 ratio [95 %]", "loop CPU ratio"))],

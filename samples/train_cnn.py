@@ -67,6 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--torch-profiler", action="store_true",
                    help="run under torch.profiler (a schedule, no shapes), for comparison")
     p.add_argument("--times-json", help="write rank 0's iteration times (s) to this file")
+    p.add_argument("--steps-json", help="write rank 0's iterations as {start, end} "
+                   "(time.time_ns: they tile the loop) to this file")
     a = p.parse_args(argv)
     defaults = dict(batch_size=32, workers=2, width=16, fc_hidden=128, fc_layers=1,
                     bucket_cap_mb=25.0, image_size=64, decode_cost=0)
@@ -214,6 +216,7 @@ def main(argv: list[str] | None = None) -> None:
                        on_trace_ready=lambda p: None)
         prof.start()
     t_last = time.perf_counter()
+    bounds = [time.time_ns()]   # iteration boundaries on the wall clock (--steps-json)
     while done < a.iterations:
         if sampler is not None:
             sampler.set_epoch(epoch)
@@ -238,6 +241,7 @@ def main(argv: list[str] | None = None) -> None:
                 prof.step()
             now = time.perf_counter()
             times.append(now - t_last)
+            bounds.append(time.time_ns())
             t_last = now
             done += 1
             if done >= a.iterations:
@@ -253,6 +257,12 @@ def main(argv: list[str] | None = None) -> None:
 
         with open(a.times_json, "w") as f:
             json.dump(times, f)
+    if a.steps_json and rank == 0:
+        import json
+        from itertools import pairwise
+
+        with open(a.steps_json, "w") as f:
+            json.dump([{"start": s, "end": e} for s, e in pairwise(bounds)], f)
     if a.comm_hook == "allreduce" and world > 1:
         print(f"rank {rank}: user comm hook ran {calls['n']} times")
     if rank == 0:

@@ -23,8 +23,8 @@ def test_benchmark_runs_tiny(script, tmp_path):
     args = [sys.executable, str(BENCH / script), "--tiny"]
     if script == "overhead.py":
         args += ["--ranks", "1", "--save", str(tmp_path / "runs.json")]
-    if script == "overhead_gpt.py":
-        args += ["--ranks", "1"]
+    if script == "overhead_gpt.py":   # runs side by side on one core (overhead.py: in turn)
+        args += ["--ranks", "1", "--together"]
     p = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=BENCH.parent)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "machine:" in p.stdout and "x" in p.stdout
