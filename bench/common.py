@@ -142,22 +142,25 @@ def detached(core: int, cmd: list[str]) -> list[str]:
     return ["setsid", "-w", *pinned(core, cmd)]
 
 
-def together(cmds: list[tuple[list[str], int]], timeout: float = 1800) -> None:
+def together(cmds: list[tuple[list[str], int]], timeout: float = 1800,
+             envs: list[dict[str, str]] | None = None) -> list[str]:
     """Runs the commands at once, each on its core (`taskset` inside a command may move
-    its job elsewhere) and in its own session, and waits for all; one that fails stops
-    the benchmark with its stderr."""
+    its job elsewhere), in its own session and with its `envs` entry added to the
+    environment, and waits for all; returns their stdouts. One that fails stops the
+    benchmark with its stderr."""
     import tempfile
 
     procs = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, (cmd, core) in enumerate(cmds):
+            out = open(Path(tmp) / f"{i}.out", "w+")   # noqa: SIM115 - closed below
             err = open(Path(tmp) / f"{i}.err", "w+")   # noqa: SIM115 - closed below
-            procs.append((cmd, err, subprocess.Popen(
-                pinned(core, cmd), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err,
-                text=True, start_new_session=True)))
+            procs.append((cmd, out, err, subprocess.Popen(
+                pinned(core, cmd), cwd=ROOT, stdout=out, stderr=err, text=True,
+                start_new_session=True, env=dict(os.environ, **(envs[i] if envs else {})))))
         deadline = time.monotonic() + timeout
-        failed = []
-        for cmd, err, p in procs:
+        failed, stdouts = [], []
+        for cmd, out, err, p in procs:
             try:
                 rc = p.wait(max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -166,9 +169,46 @@ def together(cmds: list[tuple[list[str], int]], timeout: float = 1800) -> None:
             if rc != 0:
                 err.seek(0)
                 failed.append(f"{' '.join(cmd)} failed ({rc}):\n{err.read()[-3000:]}")
+            out.seek(0)
+            stdouts.append(out.read())
+            out.close()
             err.close()
     if failed:
         raise SystemExit("\n".join(failed))
+    return stdouts
+
+
+def together_args(p: Any) -> None:
+    """The options of a benchmark that can run its modes side by side."""
+    p.add_argument("--together", action="store_true",
+                   help="run a round's modes at the same time on one core")
+    p.add_argument("--record-core", choices=("other", "same"), default="other",
+                   help="with --together: where the recording process runs")
+
+
+def together_check(a: Any) -> str:
+    """Warns where the kernel would not share a core fairly; the title's words for how the
+    runs were made."""
+    if not a.together:
+        return ""
+    if not autogroup():
+        print("warning: this kernel does not share a core by session (sched_autogroup off): "
+              "a job with more threads gets more of it", flush=True)
+    return (f", together on one core, the recording process on "
+            f"{'the other' if a.record_core == 'other' else 'the same'} core")
+
+
+def round_together(r: int, order: list[str], command_on: Any, steps: dict[str, Path],
+                   recorded: Sequence[str], record_core: str) -> dict[str, list[float]]:
+    """Round r of side-by-side runs: every mode's job (`command_on(mode, core)`) on one
+    core, alternating between the cores from round to round; the recording process of the
+    `recorded` modes on the other core or the same. Returns each mode's iteration seconds in
+    the window all of them ran (read from its `steps` file)."""
+    core = r % 2
+    rec_core = 1 - core if record_core == "other" else core
+    together([(command_on(m, core), rec_core if m in recorded else core) for m in order])
+    return dict(zip(order, in_window([json.loads(steps[m].read_text()) for m in order]),
+                    strict=True))
 
 
 def in_window(runs: list[list[dict[str, Any]]], skip: int = 3) -> list[list[float]]:

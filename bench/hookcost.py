@@ -39,17 +39,12 @@ ROOT = Path(__file__).resolve().parents[1]
 def _together(trees: dict[str, str], child: list[str], core: int) -> dict[str, dict]:
     """One measurement of each tree, all at once on `core`, each in its own session; each
     span's cost taken against the mean of their plain blocks (run side by side)."""
-    procs = {name: subprocess.Popen(["taskset", "-c", str(core), sys.executable, __file__,
-                                     *child], stdout=subprocess.PIPE, text=True,
-                                    start_new_session=True,
-                                    env=dict(os.environ, PYTHONPATH=path))
-             for name, path in trees.items()}
-    got = {}
-    for name, p in procs.items():
-        out, _ = p.communicate()
-        if p.returncode:
-            raise SystemExit(f"hookcost for {name} failed ({p.returncode})")
-        got[name] = json.loads(out.splitlines()[-1])
+    from common import together
+
+    outs = together([([sys.executable, __file__, *child], core) for _ in trees],
+                     envs=[{"PYTHONPATH": path} for path in trees.values()])
+    got = {name: json.loads(out.splitlines()[-1]) for name, out in zip(trees, outs,
+                                                                       strict=True)}
     plain = statistics.mean(r["plain_us"] for r in got.values())
     for r in got.values():
         r["us_per_span"] = (r["instrumented_us"] - plain) / r["spans_per_iteration"]

@@ -30,17 +30,17 @@ from pathlib import Path
 from common import (
     PY,
     accounting,
-    autogroup,
     chosen_modes,
     detached,
-    in_window,
     machine,
     median,
     ratio_ci,
+    round_together,
     run,
     table,
     tally,
-    together,
+    together_args,
+    together_check,
 )
 
 # "hooks only": gputrace's in-process instrumentation without the system sampler, to tell
@@ -78,22 +78,16 @@ def main() -> None:
                    help=f"modes to run (plain always runs): {', '.join(MODES)}")
     p.add_argument("--save", type=Path,
                    help="keep the runs in this JSON file, and add to the rounds it holds")
-    p.add_argument("--together", action="store_true",
-                   help="run a round's modes at the same time on one core")
-    p.add_argument("--record-core", choices=("other", "same"), default="other",
-                   help="with --together: where the recording process runs")
+    together_args(p)
     p.add_argument("--tiny", action="store_true", help="one quick round (keeps it working)")
     a = p.parse_args()
+    how = together_check(a)
     modes = chosen_modes(p, a.modes, MODES)
     if a.tiny:
         a.iterations, a.rounds = 60 if a.together else 6, 1
     extra = shlex.split(a.sample_args)
-    if a.together:
-        if not autogroup():
-            print("warning: this kernel does not share a core by session (sched_autogroup "
-                  "off): a job with more threads gets more of it", flush=True)
-        if "--threads" not in extra:
-            extra += ["--threads", "1"]
+    if a.together and "--threads" not in extra:
+        extra += ["--threads", "1"]
     job = {"iterations": a.iterations, "sample_args": a.sample_args, "modes": modes,
            **({"together": a.record_core} if a.together else {})}
     saved = json.loads(a.save.read_text()) if a.save and a.save.exists() else {"job": job}
@@ -115,14 +109,12 @@ def main() -> None:
                 outs = {m: (Path(tmp) / f"{m.replace(' ', '-')}-{ranks}-{r}.json",
                             Path(tmp) / f"{m.replace(' ', '-')}-{ranks}-{r}.arrow")
                         for m in order}
-                if a.together:   # the jobs on one core, alternating between the cores
-                    core = r % 2
-                    rec_core = 1 - core if a.record_core == "other" else core
-                    together([(command(m, ranks, a.iterations, *outs[m], extra, core),
-                               rec_core if m in ("gputrace", "hooks only") else core)
-                              for m in order])
-                    got = dict(zip(order, in_window(
-                        [json.loads(outs[m][0].read_text()) for m in order]), strict=True))
+                if a.together:
+                    got = round_together(
+                        r, order,
+                        lambda m, core, n=ranks, o=outs: command(m, n, a.iterations, *o[m], extra, core),
+                        {m: outs[m][0] for m in order}, ("gputrace", "hooks only"),
+                        a.record_core)
                 for m in order:
                     out, trace = outs[m]
                     if a.together:
@@ -149,9 +141,6 @@ def main() -> None:
                 costs.append((row[0], spans[0] / max(spans[1], 1), base,
                               sampler[0] / sampler[1]))
             rows.append(row)
-    how = (f", together on one core, the recording process on "
-           f"{'the other' if a.record_core == 'other' else 'the same'} core"
-           if a.together else "")
     print(table(f"Recording overhead: median iteration of samples/train_cnn.py --preset case1, "
                 f"{' '.join(extra) + ', ' if extra else ''}"
                 f"{a.iterations} iterations a run{how}",

@@ -30,17 +30,17 @@ from pathlib import Path
 from common import (
     PY,
     accounting,
-    autogroup,
     chosen_modes,
     detached,
-    in_window,
     machine,
     median,
     ratio_ci,
+    round_together,
     run,
     table,
     tally,
-    together,
+    together_args,
+    together_check,
 )
 
 JOB = str(Path(__file__).parent / "train_gpt.py")
@@ -77,15 +77,10 @@ def main() -> None:
     p.add_argument("--ranks", default="1,2")
     p.add_argument("--modes", default="gputrace", help=f"among {', '.join(MODES[1:])}")
     p.add_argument("--job-args", default="", help="more options for bench/train_gpt.py")
-    p.add_argument("--together", action="store_true",
-                   help="run a round's modes at the same time on one core")
-    p.add_argument("--record-core", choices=("other", "same"), default="other",
-                   help="with --together: where the recording process runs")
+    together_args(p)
     p.add_argument("--tiny", action="store_true", help="one quick round (keeps it working)")
     a = p.parse_args()
-    if a.together and not autogroup():
-        print("warning: this kernel does not share a core by session (sched_autogroup off): "
-              "a job with more threads gets more of it", flush=True)
+    how = together_check(a)
     modes = chosen_modes(p, a.modes, MODES)
     extra = shlex.split(a.job_args)
     if a.tiny:
@@ -104,13 +99,10 @@ def main() -> None:
                 order = random.Random(f"{ranks}-{r}").sample(modes, len(modes))
                 outs = {m: (Path(tmp) / f"{m}-{ranks}-{r}.json",
                             Path(tmp) / f"{m}-{ranks}-{r}.arrow") for m in order}
-                if a.together:   # the jobs on one core, alternating between the cores
-                    core = r % 2
-                    rec_core = 1 - core if a.record_core == "other" else core
-                    together([(command(m, ranks, *outs[m], extra, core),
-                               core if m == "plain" else rec_core) for m in order])
-                    got = dict(zip(order, in_window(
-                        [json.loads(outs[m][0].read_text()) for m in order]), strict=True))
+                if a.together:
+                    got = round_together(
+                        r, order, lambda m, core, n=ranks, o=outs: command(m, n, *o[m], extra, core),
+                        {m: outs[m][0] for m in order}, modes[1:], a.record_core)
                 for m in order:
                     out, trace = outs[m]
                     if not a.together:
@@ -148,9 +140,6 @@ def main() -> None:
             if "gputrace" in modes:
                 costs.append((row[0], spans[0] / max(spans[1], 1), base,
                               sampler[0] / max(sampler[1], 1e-9)))
-    how = (f", together on one core, the recording process on "
-           f"{'the other' if a.record_core == 'other' else 'the same'} core"
-           if a.together else "")
     print(table(f"Recording overhead: median iteration of bench/train_gpt.py "
                 f"{' '.join(extra)}{how}", ["job", "rounds", "plain",
                                        *(h for m in modes[1:]

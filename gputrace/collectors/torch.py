@@ -164,8 +164,6 @@ class _State:
         with self.lock:
             off = self.off
             partial = [(g.layer, g.last + off) for g in self.grads.values() if g.count]
-            for g in self.grads.values():
-                g.count = 0
             start = self.last_mark + off
             _settle(self.grads)
         for layer, end in sorted(partial, key=lambda x: x[1]):  # layers with unused params
@@ -274,7 +272,8 @@ class _LayerGrads:
 
 def _settle(grads: dict[int, _LayerGrads]) -> None:
     """At the end of a backward: a layer all of whose gradients came keeps one hook; a layer
-    down to one whose hook did not fire while a layer beside it did gets all of them back."""
+    down to one whose hook did not fire while a layer beside it did gets all of them back.
+    Every layer's count starts again for the next backward."""
     for layer, g in grads.items():
         if g.done:
             if g.state == "all" and g.n > 1 and g.final is not None:
@@ -283,7 +282,8 @@ def _settle(grads: dict[int, _LayerGrads]) -> None:
                 (n := grads.get(layer + d)) is not None and n.done for d in (-1, 1)):
             g.hook_all()
     for g in grads.values():
-        g.done, g.final = False, None   # the model's parameters are not held past a backward
+        # the model's parameters are not held past a backward
+        g.count, g.done, g.final = 0, False, None
 
 
 def _patch_dataloader(state: _State) -> None:
