@@ -199,8 +199,10 @@ def test_copied_and_pickled_models_run_and_a_loaded_model_is_found(tmp_path):
 def test_block_backward_ends_at_its_last_gradient_with_one_hook_left(tmp_path):
     """After the first backward a block keeps gputrace's gradient hook on one parameter
     only (the one whose gradient comes last), and each block's backward still ends when the
-    job's own hooks see its last gradient. A routed block whose last gradient changes gets
-    every hook back: its end is missed in at most one iteration."""
+    job's own hooks see its last gradient: after it (the job's hooks were registered first
+    and run first) and before the next block's first. A routed block whose last gradient
+    changes gets every hook back: its end is missed in at most one iteration. Order, not a
+    duration: a busy machine may stall any hook."""
     truth, out = tmp_path / "t.json", tmp_path / "g.arrow"
     n = 10
     p = run_gputrace("record", "-q", "-o", str(out), "--", sys.executable,
@@ -208,7 +210,8 @@ def test_block_backward_ends_at_its_last_gradient_with_one_hook_left(tmp_path):
                      timeout=300)
     assert p.returncode == 0, p.stderr
     got = json.loads(truth.read_text())
-    own = {(s, b): t for s, b, t in got["last"]}
+    first = {(s, b): t for s, b, t in got["first"]}
+    last = {(s, b): t for s, b, t in got["last"]}
     # the job's own hook on each parameter, and gputrace's on one per static block
     for b in (0, 1, 3):
         assert sorted(got["hooks"][b]) == [1] * 5 + [2], (b, got["hooks"])
@@ -217,9 +220,12 @@ def test_block_backward_ends_at_its_last_gradient_with_one_hook_left(tmp_path):
             if r["cat"] == "backward" and r["layer"] >= 1}
     steps = sorted({s for s, _ in ends})
     assert len(steps) == n
+    slack = 50_000   # the job's clock (time_ns) against the trace's (perf_counter, anchored)
     off = []
-    for b in range(4):
+    for b in range(4):   # backward runs the blocks from 3 down to 0
         for s in steps:
-            if (s, b) not in ends or abs(ends[(s, b)] - own[(s, b)]) > 500_000:
+            end = ends.get((s, b))
+            if end is None or end < last[(s, b)] - slack or \
+                    (b > 0 and end > first[(s, b - 1)] + slack):
                 off.append((s, b))
     assert all(b == 2 for _, b in off) and len(off) <= 1, off

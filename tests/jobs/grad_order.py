@@ -1,8 +1,8 @@
 """Four blocks in an nn.Sequential, the third with two experts: both run in the first
 iterations, then one at a time (a routed block whose last gradient changes). The job times
 its own gradients: a post-accumulate-grad hook of its own on every parameter writes, per
-iteration and block, when the block's last gradient came (time.time_ns), to argv[1]; at the
-end, how many hooks each block's parameters hold."""
+iteration and block, when the block's first and last gradients came (time.time_ns), to
+argv[1]; at the end, how many hooks each block's parameters hold."""
 
 from __future__ import annotations
 
@@ -43,11 +43,13 @@ def main() -> None:
     model = nn.Sequential(Block(), Block(), Routed(), Block())
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     step = [0]
+    first: dict[tuple[int, int], int] = {}
     last: dict[tuple[int, int], int] = {}
     for b, block in enumerate(model):
         for p in block.parameters():
             def mine(_p: torch.Tensor, b: int = b) -> None:
-                last[(step[0], b)] = time.time_ns()
+                t = last[(step[0], b)] = time.time_ns()
+                first.setdefault((step[0], b), t)
             p.register_post_accumulate_grad_hook(mine)
     x = torch.randn(96, W)
     for i in range(int(sys.argv[2])):
@@ -59,7 +61,8 @@ def main() -> None:
     hooks = [[len(p._post_accumulate_grad_hooks or {}) for p in block.parameters()]
              for block in model]
     with open(sys.argv[1], "w") as f:
-        json.dump({"last": [[s, b, t] for (s, b), t in sorted(last.items())],
+        json.dump({"first": [[s, b, t] for (s, b), t in sorted(first.items())],
+                   "last": [[s, b, t] for (s, b), t in sorted(last.items())],
                    "hooks": hooks}, f)
 
 
