@@ -29,7 +29,7 @@ class Session:
 
     def __init__(self, path: str = "trace.arrow", *, hz: float = 50.0,
                  collectors: Iterable[str] = SYSTEM_COLLECTORS, sampler: bool = True,
-                 flush_interval_s: float = 0.5) -> None:
+                 flush_interval_s: float = _recorder.FLUSH_INTERVAL_S) -> None:
         self.path = os.fspath(path)
         self.hz = hz
         self.collectors = list(collectors)

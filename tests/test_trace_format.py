@@ -38,10 +38,13 @@ def test_schema_matches_design_columns():
     assert md["format"] == "gputrace-trace" and md["version"] == 1
 
 
-def test_round_trip_with_many_batches_and_growing_dictionaries(tmp_path):
+@pytest.mark.parametrize("how", [{}, {"compression": "lz4", "threads": False}],
+                         ids=["trace", "shard"])
+def test_round_trip_with_many_batches_and_growing_dictionaries(tmp_path, how):
     path = tmp_path / "t.arrow"
     rows = [span_row(i) for i in range(300)] + [sample_row(i) for i in range(50)]
-    w = TraceWriter(path, {"host": "h", "rank": 0})
+    rows[40:77] = [span_row(40)] * 37   # a batch with one value throughout every column
+    w = TraceWriter(path, {"host": "h", "rank": 0}, **how)
     for k in range(0, len(rows), 37):  # new names keep appearing across batches
         w.write_rows(rows[k:k + 37])
     w.close()

@@ -1,7 +1,7 @@
 """CUPTI activity collector (cupti-python): kernels, memcpy, memset, sync, NVTX markers.
 
 In the training process. CUPTI hands over filled buffers on its own thread; the callback only
-queues them. The recorder's flusher (every 0.5 s) asks CUPTI to flush, converts the queued
+queues them. The recorder's flusher (every 0.8 s) asks CUPTI to flush, converts the queued
 records into trace rows and attributes each GPU record to the innermost gputrace phase that
 was open on the launching thread when the launch call began (runtime API record, matched by
 correlation id), or, when none was open there, on the training loop's thread (autograd's
@@ -27,7 +27,7 @@ from collections import defaultdict, deque
 from typing import Any
 
 HELD_ELSEWHERE = "(another profiler, e.g. torch.profiler or nsys, holds CUPTI)"
-HOLD_FLUSHES = 4          # a record waits at most this many flushes for its phase to close
+HOLD_FLUSHES = 3          # a record waits at most this many flushes for its phase to close
 # A launch's GPU record comes in a later buffer than its API record when the GPU lags: an
 # API record waits this many flushes for its GPU record (calls with none, e.g. cudaMalloc,
 # are dropped then)

@@ -19,48 +19,67 @@ _NUMPY = {pa.int64(): np.int64, pa.int32(): np.int32, pa.int16(): np.int16,
           pa.int8(): np.int8, pa.float64(): np.float64, pa.float32(): np.float32}
 
 
-def _validity(nulls: np.ndarray) -> tuple[pa.Buffer | None, int]:
-    n = int(nulls.sum())
+def _validity(isnull: np.ndarray) -> tuple[pa.Buffer | None, int]:
+    n = int(isnull.sum())
     if not n:
         return None, 0
-    return pa.py_buffer(np.packbits(~nulls, bitorder="little")), n
+    return pa.py_buffer(np.packbits(~isnull, bitorder="little")), n
+
+
+def nulls(n: int, typ: pa.DataType) -> pa.Array:
+    """A column of n nulls of a numeric or string type, from one zeroed buffer (pa.nulls
+    builds it value by value)."""
+    zero = pa.py_buffer(bytes(max(n * 8, 8) + 8))
+    if pa.types.is_string(typ):
+        return pa.Array.from_buffers(typ, n, [zero, zero, zero], null_count=n)
+    return pa.Array.from_buffers(typ, n, [zero, zero], null_count=n)
 
 
 def numbers(col: Sequence[Any], typ: pa.DataType) -> pa.Array:
     """A numeric column (None: null)."""
     dt = _NUMPY[typ]
     n = len(col)
-    if not col.count(None):
+    if not n:
+        values = np.zeros(0, dtype=dt)
+        valid, count = None, 0
+    elif col.count(col[0]) == n:   # one value throughout (a span's pid, rank, device)
+        if col[0] is None:
+            return nulls(n, typ)
+        values = np.full(n, col[0], dtype=dt)
+        valid, count = None, 0
+    elif not col.count(None):
         values = np.fromiter(col, dtype=dt, count=n)
-        valid, nulls = None, 0
+        valid, count = None, 0
     else:
         isnull = np.fromiter((v is None for v in col), dtype=bool, count=n)
         values = np.fromiter((0 if v is None else v for v in col), dtype=dt, count=n)
-        valid, nulls = _validity(isnull)
-    return pa.Array.from_buffers(typ, n, [valid, pa.py_buffer(values)], null_count=nulls)
+        valid, count = _validity(isnull)
+    return pa.Array.from_buffers(typ, n, [valid, pa.py_buffer(values)], null_count=count)
 
 
 def indices(codes: np.ndarray, isnull: np.ndarray | None = None) -> pa.Array:
     """int32 dictionary indices (`isnull`: where they are null)."""
     codes = np.ascontiguousarray(codes, dtype=np.int32)
-    valid, nulls = _validity(isnull) if isnull is not None else (None, 0)
+    valid, count = _validity(isnull) if isnull is not None else (None, 0)
     return pa.Array.from_buffers(pa.int32(), len(codes), [valid, pa.py_buffer(codes)],
-                                 null_count=nulls)
+                                 null_count=count)
 
 
 def strings(col: Sequence[str | None]) -> pa.Array:
     """A string column (None: null)."""
     n = len(col)
+    if n and col.count(None) == n:
+        return nulls(n, pa.string())
     data = [b"" if v is None else str(v).encode("utf-8", "replace") for v in col]
     offsets = np.zeros(n + 1, dtype=np.int64)
     if n:
         np.cumsum(np.fromiter(map(len, data), dtype=np.int64, count=n), out=offsets[1:])
     isnull = np.fromiter((v is None for v in col), dtype=bool, count=n)
-    valid, nulls = _validity(isnull)
+    valid, count = _validity(isnull)
     if offsets[-1] < 2**31:
         typ, offsets = pa.string(), offsets.astype(np.int32)
     else:
         typ = pa.large_string()
     arr = pa.Array.from_buffers(typ, n, [valid, pa.py_buffer(offsets),
-                                         pa.py_buffer(b"".join(data))], null_count=nulls)
+                                         pa.py_buffer(b"".join(data))], null_count=count)
     return arr if typ == pa.string() else arr.cast(pa.string())

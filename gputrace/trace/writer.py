@@ -18,6 +18,9 @@ from gputrace.trace.schema import COLUMNS, DICT_COLUMNS, schema
 Row = tuple[Any, ...]  # values in schema.COLUMN_NAMES order; trailing extensions optional
 
 _COMPRESSION = "zstd" if pa.Codec.is_available("zstd") else "lz4"
+# a running job's shards: lz4 compresses a batch of a few hundred rows about as small as zstd
+# for a quarter of the CPU (the merge writes the trace in zstd)
+SHARD_COMPRESSION = "lz4" if pa.Codec.is_available("lz4") else _COMPRESSION
 
 
 class _DictEncoder:
@@ -47,12 +50,18 @@ class _DictEncoder:
 
     def _array(self, codes: np.ndarray) -> pa.DictionaryArray:
         isnull = codes < 0
-        out = arrays.indices(np.where(isnull, 0, codes), isnull if isnull.any() else None)
+        out = arrays.indices(np.where(isnull, 0, codes), isnull) if isnull.any() \
+            else arrays.indices(codes)
         return pa.DictionaryArray.from_arrays(out, self._dictionary())
 
     def encode(self, col: Sequence[str | None]) -> pa.DictionaryArray:
         """Encode Python strings (None: null); codes are given in order of first appearance,
         as `encode_arrow` gives them. Known values are looked up at C speed."""
+        if col and col.count(col[0]) == len(col):   # one value throughout (a span's kind)
+            code = self._code(col[0])
+            idx = arrays.nulls(len(col), pa.int32()) if code < 0 else \
+                arrays.indices(np.full(len(col), code, np.int32))
+            return pa.DictionaryArray.from_arrays(idx, self._dictionary())
         try:
             codes = np.fromiter(map(self.index.__getitem__, col), np.int32, len(col))
         except KeyError:       # a value not seen before: given its code in order
@@ -82,11 +91,14 @@ class TraceWriter:
 
     Write errors (disk full, file size limit, a directory that went away) turn the writer
     off, and are said once on stderr unless `quiet` (the caller says them); what was written
-    stays readable. `error` and `errno` tell what happened.
+    stays readable. `error` and `errno` tell what happened. `threads`: compress a batch's
+    buffers on Arrow's thread pool (for large batches; a small one is compressed faster
+    where it is than handed over).
     """
 
     def __init__(self, path: str | os.PathLike[str], metadata: dict[str, Any],
-                 quiet: bool = False) -> None:
+                 quiet: bool = False, compression: str = _COMPRESSION,
+                 threads: bool = True) -> None:
         self.path = os.fspath(path)
         self.schema = schema(metadata)
         self.rows_written = 0
@@ -95,7 +107,8 @@ class TraceWriter:
         self.errno = 0
         self._encoders = {name: _DictEncoder() for name in DICT_COLUMNS}
         self._sink = pa.OSFile(self.path, "wb")
-        opts = pa.ipc.IpcWriteOptions(compression=_COMPRESSION, emit_dictionary_deltas=True)
+        opts = pa.ipc.IpcWriteOptions(compression=compression, emit_dictionary_deltas=True,
+                                      use_threads=threads)
         self._writer: pa.ipc.RecordBatchFileWriter | None = pa.ipc.new_file(
             self._sink, self.schema, options=opts
         )
