@@ -4,10 +4,12 @@ comm hook (the default all-reduce, or the job's own)."""
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from gputrace.collectors.torch_comm import ddp_hook_enter, ddp_hook_exit
 from gputrace.collectors.torch_guard import _hook_failed
@@ -31,39 +33,73 @@ def maybe_hook_ddp(self: Any, module: torch.nn.Module) -> None:
     module._gputrace_hook = allreduce_hook
 
 
+# Buckets are rebuilt in gradient order once, after the first backward: what a bucket holds
+# is looked up again while the steps are young, then kept by its index and size.
+_SETTLED_STEP = 3
+
+
 def timed_hook(self: Any, hook: Any) -> Any:
-    """The comm hook `hook`, timed: a comm span per bucket when its future completes."""
+    """The comm hook `hook`, timed: a comm span per bucket when its future completes.
+
+    torch's default `allreduce_hook` is run as the same three calls (divide by the group's
+    size, all-reduce asynchronously, the reduced buffer as the result) with the span taken
+    in the one callback, not a second; what a bucket holds is found once, not per call."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
     rec = self.rec
     now = self.now
     param_layer = self.param_layer
+    known: dict[tuple[int, int], tuple[int, str]] = {}
+    own = hook is allreduce_hook
+
+    def bucket_of(bucket: Any, buf: Any) -> tuple[int, int, str]:
+        index = bucket.index()
+        key = (index, buf.numel())
+        got = known.get(key)
+        if got is None:
+            layers = sorted({param_layer.get(id(p), -1) for p in bucket.parameters()} - {-1})
+            got = (key[1] * buf.element_size(),
+                   json.dumps({"layers": layers}, separators=(",", ":")))
+            if rec.step >= _SETTLED_STEP:
+                known[key] = got
+        return (index, *got)
 
     @functools.wraps(hook)
     def timed(state: Any, bucket: Any) -> Any:
         t0 = now()
         try:
             buf = bucket.buffer()
-            nbytes = buf.numel() * buf.element_size()
-            layers = sorted({param_layer.get(id(p), -1) for p in bucket.parameters()}
-                            - {-1})
-            index = bucket.index()
+            index, nbytes, args = bucket_of(bucket, buf)
         except Exception as e:  # noqa: BLE001 - the bucket goes untimed, not unsent
             _hook_failed("the DDP comm hook", e)
             return hook(state, bucket)
         step = rec.step
         prev = ddp_hook_enter()   # the bucket's collectives are this span, not their own
         try:
-            fut = hook(state, bucket)
+            if own:
+                group = state if state is not None else dist.group.WORLD
+                buf.div_(group.size())
+                fut = _all_reduce()(buf, group=group, async_op=True).get_future()
+            else:
+                fut = hook(state, bucket)
         finally:
             ddp_hook_exit(prev)
 
         def done(f: Any) -> Any:
-            rec.span("comm", "allreduce", t0, now(), layer=index, nbytes=nbytes,
-                     args={"layers": layers}, step=step)
-            return f.value()
+            rec.span("comm", "allreduce", t0, now(), layer=index, nbytes=nbytes, args=args,
+                     step=step)
+            return f.value()[0] if own else f.value()
 
         return fut.then(done)
 
     return timed
+
+
+def _all_reduce() -> Any:
+    """torch.distributed.all_reduce as torch made it (gputrace's timing wrapper would only
+    pass the bucket's call through)."""
+    f = dist.all_reduce
+    return getattr(f, "_gputrace_orig", f)
 
 
 def _ddp_class() -> Any:
