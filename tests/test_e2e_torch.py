@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -206,6 +207,34 @@ def test_users_own_comm_hook_still_runs_and_is_timed(recorded, data_dir):
     comm = [r for r in rows_of(path) if r["cat"] == "comm" and r["rank"] == 0]
     assert len({r["step"] for r in comm}) == 6
     assert all(r["bytes"] > 0 and r["end_ns"] > r["start_ns"] for r in comm)
+
+
+def test_ddp_gradients_under_record_are_those_of_plain_ddp(tmp_path):
+    """gputrace times DDP's buckets with a comm hook of its own in place of DDP's default
+    all-reduce: the gradients every backward leaves (the ranks' average) are those of the
+    same job run plain, and each bucket is a comm span of its bytes."""
+    job = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           "2", str(ROOT / "tests" / "jobs" / "ddp_grads.py")]
+    plain = subprocess.run([*job, str(tmp_path / "plain.json")], capture_output=True,
+                           text=True, timeout=300)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    out = tmp_path / "g.arrow"
+    p = run_gputrace("record", "-q", "-o", str(out), "--", *job, str(tmp_path / "rec.json"),
+                     timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    want = json.loads((tmp_path / "plain.json").read_text())
+    got = json.loads((tmp_path / "rec.json").read_text())
+    assert len(got) == len(want) == 4
+    for step, (a, b) in enumerate(zip(got, want, strict=True)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert torch.allclose(torch.tensor(x), torch.tensor(y), rtol=1e-6, atol=1e-9), \
+                (step, i)
+    comm = [r for r in rows_of(out) if r["cat"] == "comm" and r["rank"] == 0]
+    sizes = sorted(len(v) * 4 for v in want[0])
+    for step in range(1, 4):   # after DDP rebuilt its buckets in gradient order
+        mine = [r for r in comm if r["step"] == step]
+        assert len(mine) >= 2 and sum(r["bytes"] for r in mine) == sum(sizes), (step, mine)
+        assert all(json.loads(r["args"])["layers"] for r in mine), mine
 
 
 def test_optimizer_step_with_closure(recorded, data_dir):
