@@ -9,7 +9,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from gputrace.collectors.torch_comm import ddp_hook_enter, ddp_hook_exit
 from gputrace.collectors.torch_guard import _hook_failed
@@ -44,6 +43,7 @@ def timed_hook(self: Any, hook: Any) -> Any:
     torch's default `allreduce_hook` is run as the same three calls (divide by the group's
     size, all-reduce asynchronously, the reduced buffer as the result) with the span taken
     in the one callback, not a second; what a bucket holds is found once, not per call."""
+    import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     rec = self.rec
@@ -79,7 +79,7 @@ def timed_hook(self: Any, hook: Any) -> Any:
             if own:
                 group = state if state is not None else dist.group.WORLD
                 buf.div_(group.size())
-                fut = _all_reduce()(buf, group=group, async_op=True).get_future()
+                fut = _all_reduce(dist)(buf, group=group, async_op=True).get_future()
             else:
                 fut = hook(state, bucket)
         finally:
@@ -95,7 +95,7 @@ def timed_hook(self: Any, hook: Any) -> Any:
     return timed
 
 
-def _all_reduce() -> Any:
+def _all_reduce(dist: Any) -> Any:
     """torch.distributed.all_reduce as torch made it (gputrace's timing wrapper would only
     pass the bucket's call through)."""
     f = dist.all_reduce
