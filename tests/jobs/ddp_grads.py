@@ -36,6 +36,7 @@ def main() -> None:
     if rank == 0:
         with open(sys.argv[1], "w") as f:
             json.dump(grads, f)
+    dist.barrier()   # gloo aborts a rank that tears down while the other still talks
     dist.destroy_process_group()
 
 
