@@ -8,15 +8,16 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from gputrace.clock import Clock
 from gputrace.fmt import reason
 from gputrace.metadata import hostname
 
-if TYPE_CHECKING:  # pyarrow is imported only when a process first writes
-    from gputrace.trace.writer import Row, TraceWriter
+if TYPE_CHECKING:
+    from gputrace.trace.frames import FrameWriter
+    from gputrace.trace.writer import Row
 
 T = TypeVar("T")
 
@@ -25,10 +26,10 @@ _native_tid = threading.get_native_id
 # (unsigned), Kineto's JSON the same bits as a signed int32 for threads it has not mapped.
 _pthread_id = threading.get_ident
 PTHREAD_MASK = 0xFFFFFFFF
-# A batch is written at least once a second (a killed run loses at most the last second).
-# Each flush costs the job about a millisecond of CPU on a cold cache, and as much again in
-# the loop's thread after it (its caches refilled): on a core the job shares, flushing every
-# 0.5 s cost ~1 % of its iterations, every 0.8 s keeps a fifth of a second for a late flush.
+# A batch is written at least once a second (a killed run loses at most the last second);
+# every 0.8 s keeps a fifth of a second for a late flush. A flush writes what was drained
+# as it is (trace.frames: ~50 us for 180 spans); building Arrow batches in the job cost
+# ~0.7 ms each and about as much again in the loop's thread after (its caches refilled).
 FLUSH_INTERVAL_S = 0.8
 _PHASE_CATS = frozenset(("io", "h2d", "forward", "backward", "update", "comm"))
 
@@ -36,8 +37,9 @@ _PHASE_CATS = frozenset(("io", "h2d", "forward", "backward", "update", "comm"))
 class Recorder:
     """Collects rows for one shard file and writes them in batches from a flusher thread.
 
-    Hot path (`span`, `phase`): two clock reads and a list append. The file is opened at the
-    first flush that has rows, so processes that record nothing leave no shard.
+    Hot path (`span`, `phase`): two clock reads and a list append. The file (a shard in
+    `trace.frames`' format, which `gputrace.load` and the merge read) is opened at the first
+    flush that has rows, so processes that record nothing leave no shard.
     """
 
     def __init__(self, path: str, metadata: dict[str, Any],
@@ -67,7 +69,7 @@ class Recorder:
         self._rows: deque[Row] = deque()
         self._swap = threading.Lock()
         self._write = threading.Lock()
-        self._writer: TraceWriter | _DeadWriter | None = None
+        self._writer: FrameWriter | _DeadWriter | None = None
         self._closed = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -92,8 +94,8 @@ class Recorder:
         return self
 
     def _run(self) -> None:
-        # Until the file exists, look for the first rows every 50 ms: opening the writer
-        # (importing pyarrow) is the slowest flush, so it starts as soon as there is data.
+        # Until the file exists, look for the first rows every 50 ms: a job killed in its
+        # first second still leaves what it did.
         # The interval runs from the start of the last flush: one that took longer (the
         # first, on a busy machine, can take a second) is followed by the next at once, so
         # what arrived meanwhile is not left a whole interval more.
@@ -114,8 +116,10 @@ class Recorder:
             spans = _drain(self._spans)
             perf = _drain(self._perf_spans)
             rows = _drain(self._rows)
-        if perf:
-            spans += _on_clock(perf, self.clock.from_perf(0))
+        offset = self.clock.from_perf(0)
+        if perf and self.flush_hooks:   # the hooks see every span on the trace clock
+            spans += _on_clock(perf, offset)
+            perf = []
         for hook in list(self.flush_hooks):
             try:
                 rows.extend(hook(spans, self._closed))
@@ -123,27 +127,23 @@ class Recorder:
                 self.flush_hooks.remove(hook)
                 print(f"gputrace: {getattr(hook, '__qualname__', hook)} failed and is off: "
                       f"{type(e).__name__}: {e}", file=sys.stderr)
-        if not spans and not rows:
+        n = len(spans) + len(perf) + len(rows)
+        if not n:
             return
         try:
-            full = _columns(spans, rows, self.host, self.rank, self.pid)
             with self._write:
                 if self._writer is None:
                     self._writer = self._open()
-                self._writer.write_columns(full)
+                self._writer.write(self.host, self.rank, self.pid, offset, spans, perf, rows)
                 self.rows_written = self._writer.rows_written
-        except Exception as e:  # noqa: BLE001 - e.g. a value of the wrong type in a span
-            if not self._dropped:
-                print(f"gputrace: could not write {len(spans) + len(rows)} events to "
-                      f"{self.path}: {reason(e)}; they are left out", file=sys.stderr)
-            self._dropped += len(spans) + len(rows)
+        except Exception as e:  # noqa: BLE001 - e.g. a value that cannot be written
+            self.left_out(n, reason(e))
 
-    def _open(self) -> TraceWriter | _DeadWriter:
-        from gputrace.trace.writer import SHARD_COMPRESSION, TraceWriter
+    def _open(self) -> FrameWriter | _DeadWriter:
+        from gputrace.trace.frames import FrameWriter
 
         try:
-            return TraceWriter(self.path, self.metadata, quiet=self.quiet,
-                               compression=SHARD_COMPRESSION, threads=False)
+            return FrameWriter(self.path, self.metadata, quiet=self.quiet)
         except Exception as e:  # noqa: BLE001 - a recorder never breaks its process
             dead = _DeadWriter(reason(e))
             if not self.quiet:
@@ -182,7 +182,7 @@ class Recorder:
         self.flush()
         with self._write:
             if self._writer is not None:
-                self._writer.close()
+                self._writer.close(self.metadata)
         if self._dir_lock is not None:
             # closed, never unlocked: a forked child shares the lock and keeps it
             os.close(self._dir_lock)
@@ -201,6 +201,8 @@ class Recorder:
         self.close_hooks = []
         self.threads = {}
         self._swap, self._write = threading.Lock(), threading.Lock()
+        if self._writer is not None:
+            self._writer.abandon()   # the parent's shard: it goes on writing it
         self._writer = None
         self._closed = False
         self._iter_start = None
@@ -226,6 +228,13 @@ class Recorder:
             self._iter_live = True
         self._spans.append((cat, name, start_ns, end_ns, tid,
                             self.step if step is None else step, layer, nbytes, args))
+
+    def left_out(self, n: int, why: str) -> None:
+        """n events that cannot be written: said once, counted."""
+        if not self._dropped:
+            print(f"gputrace: could not write {n} events to {self.path}: {why}; they are "
+                  "left out", file=sys.stderr)
+        self._dropped += n
 
     def _new_thread(self, tid: int) -> None:
         """Once per thread: how GPU tools name it (pthread_self), kept for matching their
@@ -306,25 +315,6 @@ class Recorder:
         self.close_iteration(self.clock.now_ns(), reopen=True)
 
 
-def _columns(spans: list[tuple[Any, ...]], rows: list[Row], host: str, rank: int,
-             pid: int) -> list[Sequence[Any]]:
-    """Spans (cat, name, start, end, tid, step, layer, bytes, args) and full rows as the
-    schema's columns: the spans' constant columns are filled whole, not row by row."""
-    n = len(spans)
-    c, nm, s, e, tid, st, ly, b, a = zip(*spans, strict=True) if n else ((),) * 9
-    none = (None,) * n
-    cols: list[Sequence[Any]] = [
-        ("span",) * n, c, nm, s, e, none, none, (host,) * n, (rank,) * n, (pid,) * n, tid,
-        (-1,) * n, (-1,) * n, st, ly, b, none, none, none, a]
-    if rows:
-        from gputrace.trace.writer import row_columns
-
-        more = row_columns(rows)   # every schema column: the spans' extensions are null
-        cols += [none] * (len(more) - len(cols))
-        cols = [(*x, *y) for x, y in zip(cols, more, strict=True)]
-    return cols
-
-
 def _copy(d: deque[Any]) -> list[Any]:
     for _ in range(8):
         try:
@@ -352,10 +342,13 @@ class _DeadWriter:
     def __init__(self, error: str) -> None:
         self.error = error
 
-    def write_columns(self, columns: Sequence[Sequence[Any]]) -> None:
+    def write(self, *events: Any) -> None:
         pass
 
-    def close(self) -> None:
+    def close(self, metadata: dict[str, Any] | None = None) -> None:
+        pass
+
+    def abandon(self) -> None:
         pass
 
 

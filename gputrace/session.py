@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import os
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from gputrace.collectors import SYSTEM_COLLECTORS
 from gputrace.collectors.ranges import phase
 from gputrace.fmt import reason
 from gputrace.metadata import base_metadata
+from gputrace.trace import frames
 
 T = TypeVar("T")
 
@@ -65,8 +67,8 @@ class Session:
 
         embed(md)
         # its write errors are said once, at close, with where the data is
-        rec = _recorder.Recorder(os.path.join(self._dir, f"process-{os.getpid()}.arrow"), md,
-                                 flush_interval_s=self.flush_interval_s, quiet=True)
+        shard = os.path.join(self._dir, f"process-{os.getpid()}{frames.SUFFIX}")
+        rec = _recorder.Recorder(shard, md, flush_interval_s=self.flush_interval_s, quiet=True)
         rec.set_collector("ranges", "ok")
         self.recorder = rec.start()
         self._owned = True
@@ -80,7 +82,8 @@ class Session:
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "gputrace.record.sampler", "--pid", str(os.getpid()),
-                 "--out", os.path.join(self._dir, "sampler.arrow"), "--hz", str(self.hz),
+                 "--out", os.path.join(self._dir, "sampler" + frames.SUFFIX),
+                 "--hz", str(self.hz),
                  "--collectors", ",".join(self.collectors)],
                 env=env, stdout=subprocess.PIPE)
         except OSError as e:
@@ -164,11 +167,11 @@ class Session:
 
     def record_span(self, cat: str, name: str, start_ns: int, end_ns: int, **kw: Any) -> None:
         if self.recorder is not None:
-            self.recorder.span(cat, name, start_ns, end_ns, **kw)
+            _user_span(self.recorder, cat, name, start_ns, end_ns, kw)
 
     def record_sample(self, cat: str, name: str, value: float, unit: str, **kw: Any) -> None:
         if self.recorder is not None:
-            self.recorder.sample(cat, name, value, unit, **kw)
+            _user_sample(self.recorder, cat, name, value, unit, kw)
 
     def now_ns(self) -> int:
         return time.time_ns() if self.recorder is None else self.recorder.now_ns()
@@ -190,10 +193,58 @@ def record_span(cat: str, name: str, start_ns: int, end_ns: int, **kw: Any) -> N
     """Thread-safe: record a finished span (trace-clock ns) on the current recorder."""
     rec = _recorder.current()
     if rec is not None:
-        rec.span(cat, name, start_ns, end_ns, **kw)
+        _user_span(rec, cat, name, start_ns, end_ns, kw)
 
 
 def record_sample(cat: str, name: str, value: float, unit: str, **kw: Any) -> None:
     rec = _recorder.current()
     if rec is not None:
-        rec.sample(cat, name, value, unit, **kw)
+        _user_sample(rec, cat, name, value, unit, kw)
+
+
+def _user_span(rec: _recorder.Recorder, cat: str, name: str, start_ns: int,
+               end_ns: int | None, kw: dict[str, Any]) -> None:
+    """A span from the job's own code: numpy integers made Python ones, values the trace
+    cannot hold said once and the span left out (a shard is written as it is:
+    `trace.frames`)."""
+    kw = dict(kw, start_ns=start_ns, end_ns=end_ns)
+    why = "start_ns None is not an integer" if start_ns is None else _as_ints(kw)
+    if why is None:
+        rec.span(str(cat), str(name), **kw)
+    else:
+        rec.left_out(1, why)
+
+
+def _user_sample(rec: _recorder.Recorder, cat: str, name: str, value: float, unit: str,
+                 kw: dict[str, Any]) -> None:
+    """A sample from the job's own code, checked as `_user_span`."""
+    kw = dict(kw)
+    why = _as_ints(kw)
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        why = why or f"value {value!r} is not a number"
+    if why is None:
+        rec.sample(str(cat), str(name), value, str(unit), **kw)
+    else:
+        rec.left_out(1, why)
+
+
+_NOT_INTS = frozenset(("args",))
+
+
+def _as_ints(kw: dict[str, Any]) -> str | None:
+    """Make the integer values in kw (numpy's too; None: not given) Python ints, in place;
+    why one cannot be in the trace's int64 columns, or None."""
+    for key, v in kw.items():
+        if v is None or key in _NOT_INTS:
+            continue
+        try:
+            if isinstance(v, bool | float):
+                raise TypeError
+            v = kw[key] = operator.index(v)
+        except TypeError:
+            return f"{key} {v!r} is not an integer"
+        if not -2**63 <= v < 2**63:
+            return f"{key} {v} is out of the 64-bit range"
+    return None

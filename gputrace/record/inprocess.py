@@ -17,6 +17,7 @@ from typing import Any
 
 from gputrace import recorder as _recorder
 from gputrace.metadata import base_metadata, hostname
+from gputrace.trace import frames
 
 _counter = itertools.count()
 _shard_dir = ""
@@ -25,7 +26,7 @@ _mp_registered = False
 
 def shard_path(shard_dir: str) -> str:
     host = hostname().replace("/", "_")
-    return os.path.join(shard_dir, f"{host}-{os.getpid()}-{next(_counter)}.arrow")
+    return os.path.join(shard_dir, f"{host}-{os.getpid()}-{next(_counter)}{frames.SUFFIX}")
 
 
 def boot(shard_dir: str) -> _recorder.Recorder:

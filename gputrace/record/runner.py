@@ -35,7 +35,7 @@ from gputrace.record import BOOTSTRAP_DIR
 from gputrace.record.nodes import node_output, spans_nodes
 from gputrace.record.summary import print_summary
 from gputrace.recorder import Recorder
-from gputrace.trace import shards
+from gputrace.trace import frames, shards
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
              signal.SIGUSR2)
@@ -297,7 +297,8 @@ def _prepare(opts: RecordOptions, shard_dir: str, clock: Clock
             with contextlib.suppress(Exception):
                 importlib.import_module(f"gputrace.collectors.{name}")
     # its write errors are said once, at the end, with where the data is
-    rec = Recorder(os.path.join(shard_dir, "record.arrow"), md, clock=clock, quiet=True).start()
+    rec = Recorder(os.path.join(shard_dir, "record" + frames.SUFFIX), md, clock=clock,
+                   quiet=True).start()
     env = child_env(shard_dir, opts.redact_argv)
     env["GPUTRACE_GPU_TIMELINE"] = opts.gpu_timeline
     if opts.tf_steps is not None:

@@ -10,6 +10,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from gputrace.trace import frames
 from gputrace.trace.schema import (
     COLUMN_NAMES,
     DEFAULTS,
@@ -19,6 +20,8 @@ from gputrace.trace.schema import (
 )
 
 MAGIC = b"ARROW1"
+# what a directory of shards holds: trace files, and running processes' shards (frames)
+SHARD_SUFFIXES = (".arrow", frames.SUFFIX)
 
 # how the files of one run are found from its name (re-exported: callers import them here)
 from gputrace.trace.parts import expand_names, node_files  # noqa: E402
@@ -53,6 +56,8 @@ def _read_one(path: str, only: Sequence[str] | None = None) -> _Part:
             head = f.read(8)
     except OSError as e:
         raise TraceFormatError(f"cannot read {path}: {e.strerror or e}") from None
+    if frames.is_frames(head):   # a running (or killed) process's shard
+        return _Part(*frames.read_table(path, only))
     if not head.startswith(MAGIC):
         raise TraceFormatError(f"{path} is not an Arrow IPC file (bad magic)")
     try:
@@ -179,12 +184,12 @@ def _expand(paths: Iterable[str | os.PathLike[str]]
             except OSError as e:
                 raise TraceFormatError(f"cannot read {d}: {e.strerror or e}") from None
             found = sorted(os.path.join(d, n) for n in names
-                           if n.endswith(".arrow") and os.path.isfile(os.path.join(d, n)))
+                           if n.endswith(SHARD_SUFFIXES) and os.path.isfile(os.path.join(d, n)))
             if not found:
                 if run is not None:
                     raise TraceFormatError(f"{p}: the recording stopped before it wrote "
                                            f"anything ({d} holds no shards)")
-                raise TraceFormatError(f"{p} holds no .arrow shards")
+                raise TraceFormatError(f"{p} holds no shards (.arrow, {frames.SUFFIX})")
             out.extend((f, run) for f in found)
         else:
             out.append((p, None))
@@ -476,8 +481,7 @@ def open_by_rank(path: str | os.PathLike[str]) -> RankedTrace | None:
 
 
 def ranked_files(paths: Sequence[str]) -> list[str] | None:
-    """The files a rank-by-rank reading of `paths` would read (a directory: its `.arrow`
-    files), or None where a path is not there (an unclosed recording: `load` reads it)."""
+    """The files a rank-by-rank reading of `paths` would read (a directory: its shards), or None where a path is not there (an unclosed recording: `load` reads it)."""
     out: list[str] = []
     for p in paths:
         if os.path.isdir(p):
@@ -486,7 +490,7 @@ def ranked_files(paths: Sequence[str]) -> list[str] | None:
             except OSError:
                 return None
             out.extend(os.path.join(p, n) for n in names
-                       if n.endswith(".arrow") and os.path.isfile(os.path.join(p, n)))
+                       if n.endswith(SHARD_SUFFIXES) and os.path.isfile(os.path.join(p, n)))
         elif os.path.isfile(p):
             out.append(p)
         else:

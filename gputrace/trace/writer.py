@@ -18,9 +18,6 @@ from gputrace.trace.schema import COLUMNS, DICT_COLUMNS, schema
 Row = tuple[Any, ...]  # values in schema.COLUMN_NAMES order; trailing extensions optional
 
 _COMPRESSION = "zstd" if pa.Codec.is_available("zstd") else "lz4"
-# a running job's shards: lz4 compresses a batch of a few hundred rows about as small as zstd
-# for a quarter of the CPU (the merge writes the trace in zstd)
-SHARD_COMPRESSION = "lz4" if pa.Codec.is_available("lz4") else _COMPRESSION
 
 
 class _DictEncoder:
@@ -62,10 +59,14 @@ class _DictEncoder:
             idx = arrays.nulls(len(col), pa.int32()) if code < 0 else \
                 arrays.indices(np.full(len(col), code, np.int32))
             return pa.DictionaryArray.from_arrays(idx, self._dictionary())
+        get = self.index.__getitem__
         try:
-            codes = np.fromiter(map(self.index.__getitem__, col), np.int32, len(col))
-        except KeyError:       # a value not seen before: given its code in order
-            codes = np.fromiter(map(self._code, col), np.int32, len(col))
+            codes = np.fromiter(map(get, col), np.int32, len(col))
+        except KeyError:       # values not seen before: given their codes in order
+            for v in dict.fromkeys(col):
+                if v not in self.index:
+                    self._code(v)
+            codes = np.fromiter(map(get, col), np.int32, len(col))
         return self._array(codes)
 
     def encode_arrow(self, col: pa.Array | pa.ChunkedArray) -> pa.DictionaryArray:
@@ -91,14 +92,11 @@ class TraceWriter:
 
     Write errors (disk full, file size limit, a directory that went away) turn the writer
     off, and are said once on stderr unless `quiet` (the caller says them); what was written
-    stays readable. `error` and `errno` tell what happened. `threads`: compress a batch's
-    buffers on Arrow's thread pool (for large batches; a small one is compressed faster
-    where it is than handed over).
+    stays readable. `error` and `errno` tell what happened.
     """
 
     def __init__(self, path: str | os.PathLike[str], metadata: dict[str, Any],
-                 quiet: bool = False, compression: str = _COMPRESSION,
-                 threads: bool = True) -> None:
+                 quiet: bool = False) -> None:
         self.path = os.fspath(path)
         self.schema = schema(metadata)
         self.rows_written = 0
@@ -107,8 +105,7 @@ class TraceWriter:
         self.errno = 0
         self._encoders = {name: _DictEncoder() for name in DICT_COLUMNS}
         self._sink = pa.OSFile(self.path, "wb")
-        opts = pa.ipc.IpcWriteOptions(compression=compression, emit_dictionary_deltas=True,
-                                      use_threads=threads)
+        opts = pa.ipc.IpcWriteOptions(compression=_COMPRESSION, emit_dictionary_deltas=True)
         self._writer: pa.ipc.RecordBatchFileWriter | None = pa.ipc.new_file(
             self._sink, self.schema, options=opts
         )
@@ -137,14 +134,7 @@ class TraceWriter:
         if not columns or not len(columns[0]) or self._writer is None:
             return
         columns = [*columns, *[(None,) * len(columns[0])] * (len(COLUMNS) - len(columns))]
-        out = []
-        for (name, typ, _, _), col in zip(COLUMNS, columns, strict=True):
-            if name in DICT_COLUMNS:
-                out.append(self._encoders[name].encode(col))
-            elif pa.types.is_string(typ):
-                out.append(arrays.strings(col))
-            else:
-                out.append(arrays.numbers(col, typ))
+        out = column_arrays(columns, range(len(COLUMNS)), self._encoders)
         self._write_batch(pa.RecordBatch.from_arrays(out, schema=self.schema))
 
     def write_table(self, table: pa.Table, max_rows: int = 1 << 20) -> None:
@@ -183,6 +173,23 @@ class TraceWriter:
             self._sink.close()
         except (OSError, pa.ArrowException) as e:
             self._fail(e)
+
+
+def column_arrays(columns: Sequence[Sequence[Any]], at: Iterable[int],
+                  encoders: dict[str, _DictEncoder] | None = None) -> list[pa.Array]:
+    """Python sequences (None: null) as the Arrow arrays of the trace's columns at `at`
+    (`encoders`: the growing dictionaries of a file's string columns)."""
+    out = []
+    for i, col in zip(at, columns, strict=True):
+        name, typ, _, _ = COLUMNS[i]
+        if name in DICT_COLUMNS:
+            enc = encoders[name] if encoders is not None else _DictEncoder()
+            out.append(enc.encode(col))
+        elif pa.types.is_string(typ):
+            out.append(arrays.strings(col))
+        else:
+            out.append(arrays.numbers(col, typ))
+    return out
 
 
 def row_columns(rows: Sequence[Row]) -> list[tuple[Any, ...]]:
