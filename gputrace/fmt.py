@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 def rate(bytes_per_s: float) -> str:
     """Bytes per second as MB/s below 1 GB/s, else GB/s (decimal units, like the paper)."""
@@ -16,6 +18,19 @@ def mb(nbytes: float) -> str:
 def count(n: int, noun: str) -> str:
     """'1 row', '2 rows', '1,024 samples'."""
     return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
+def write_failed(w: Any, e: BaseException) -> None:
+    """Keep a file writer's first error (`w.error`, `w.errno`) and say it once on stderr
+    unless `w.quiet` (its owner says it then)."""
+    if w.error is None:
+        w.error = reason(e)
+        w.errno = getattr(e, "errno", 0) or 0
+        if not w.quiet:
+            import sys
+
+            print(f"gputrace: cannot write {w.path}: {w.error}; this process records "
+                  "nothing more, what it wrote stays readable", file=sys.stderr)
 
 
 def reason(e: BaseException) -> str:

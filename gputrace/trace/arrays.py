@@ -4,7 +4,8 @@
 imports pandas: seconds of CPU inside the training job, a module lock held across the job's
 `fork()` of its DataLoader workers (a child that then imports pandas hangs), and an error at
 interpreter exit ("can't register atexit after shutdown") that loses the last batch. The
-writer inside the job builds its arrays from numpy buffers instead, which asks nothing.
+writer (and the reader of a job's shards, which may run in a job's process through the
+public API) builds its arrays from numpy buffers instead, which asks nothing.
 """
 
 from __future__ import annotations

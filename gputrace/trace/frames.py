@@ -24,13 +24,12 @@ import marshal
 import mmap
 import os
 import struct
-import sys
 import zlib
 from collections.abc import Iterator, Sequence
 from itertools import chain
 from typing import TYPE_CHECKING, Any
 
-from gputrace.fmt import reason
+from gputrace.fmt import reason, write_failed
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -62,8 +61,7 @@ _PLAIN = frozenset((str, int, float, bool, type(None)))
 
 def _is_plain(items: list[tuple[Any, ...]]) -> bool:
     """Whether tuples hold only values marshal writes as themselves."""
-    return set(map(type, chain.from_iterable(items))) <= _PLAIN and \
-        all(t is tuple for t in map(type, items))
+    return set(map(type, chain.from_iterable(items))) <= _PLAIN
 
 
 def _plain(value: Any) -> Any:
@@ -109,21 +107,15 @@ class FrameWriter:
             self._fail(e)
 
     def _fail(self, e: BaseException) -> None:
-        if self.error is None:
-            self.error = reason(e)
-            self.errno = getattr(e, "errno", 0) or 0
-            if not self.quiet:
-                print(f"gputrace: cannot write {self.path}: {self.error}; this process records "
-                      "nothing more, what it wrote stays readable", file=sys.stderr)
+        write_failed(self, e)
         self.abandon()
 
     def write(self, host: str, rank: int, pid: int, perf_offset: int,
               spans: list[tuple[Any, ...]], perf_spans: list[tuple[Any, ...]],
-              rows: Sequence[tuple[Any, ...]]) -> None:
+              rows: list[tuple[Any, ...]]) -> None:
         """Events, in frames of at most _FRAME_EVENTS each (a disk that fills up loses the
         frame it cut short, not the whole flush). ValueError where a value cannot be
         written (not a number or a string): nothing of that frame is."""
-        rows = list(rows)
         n = len(spans) + len(perf_spans) + len(rows)
         for lo in range(0, n, _FRAME_EVENTS):
             if self._fd is None:
@@ -133,7 +125,9 @@ class FrameWriter:
             # marshal would write a numpy value as its raw bytes: the spans and rows of
             # collectors and the job's calls are made plain where they hold one (the hot
             # hooks' perf_spans are the recorder's own ints and strings)
-            sp, perf, rw = (x if x is part[1] or _is_plain(x) else _plain(x) for x in part)
+            sp, perf, rw = part
+            sp = sp if _is_plain(sp) else _plain(sp)
+            rw = rw if _is_plain(rw) else _plain(rw)
             body = marshal.dumps((host, rank, pid, perf_offset, sp, perf, rw), _MARSHAL)
             self._put(_frame(b"E", body))
             if self._fd is not None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -11,7 +10,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from gputrace.fmt import reason
+from gputrace.fmt import write_failed
 from gputrace.trace import arrays
 from gputrace.trace.schema import COLUMNS, DICT_COLUMNS, schema
 
@@ -111,12 +110,7 @@ class TraceWriter:
         )
 
     def _fail(self, e: BaseException) -> None:
-        if self.error is None:
-            self.error = reason(e)
-            self.errno = getattr(e, "errno", 0) or 0
-            if not self.quiet:
-                print(f"gputrace: cannot write {self.path}: {self.error}; this process records "
-                      "nothing more, what it wrote stays readable", file=sys.stderr)
+        write_failed(self, e)
         self._writer = None
 
     def raise_error(self) -> None:
