@@ -86,12 +86,13 @@ def test_ddp_case1_trace_has_every_phase_on_both_ranks(recorded, data_dir):
         assert steps[:12] == list(range(12))
         for s in range(12):
             assert per_step[s]["iteration"] == 1 and per_step[s]["update"] == 1, (rank, s)
-        for cat in ("forward", "backward"):
-            layers = Counter((r["step"], r["layer"]) for r in mine if r["cat"] == cat and
-                             r["layer"] >= 1)
-            for s in range(12):
-                assert [ly for ly in range(1, L + 1) if layers[(s, ly)] >= 1] == \
-                    list(range(1, L + 1)), (cat, s)
+        # every layer's backward (its forward only with --layer-forward)
+        layers = Counter((r["step"], r["layer"]) for r in mine if r["cat"] == "backward" and
+                         r["layer"] >= 1)
+        for s in range(12):
+            assert [ly for ly in range(1, L + 1) if layers[(s, ly)] >= 1] == \
+                list(range(1, L + 1)), s
+        assert not [r for r in mine if r["cat"] == "forward" and r["layer"] >= 1]
         comm_bytes = Counter()
         for r in mine:
             if r["cat"] == "comm":

@@ -1,6 +1,6 @@
 """Per-module hooks instead of global ones: a GPT-2-shaped transformer (bench/train_gpt.py, plain
 PyTorch) that times its own phases, recorded with `--layers blocks` (the default), `leaves`
-and `off`; its analysis against the job's own clock, per-block backward under 2-rank gloo
+and `off`, and with `--layer-forward`; its analysis against the job's own clock, per-block backward under 2-rank gloo
 DDP feeding the comm units, and a torch.compile job whose output gputrace leaves alone."""
 
 from __future__ import annotations
@@ -33,14 +33,16 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """One recording per --layers choice (None: the default)."""
+    """One recording per --layers choice (None: the default; "forward": the default with
+    --layer-forward)."""
     d = tmp_path_factory.mktemp("layers")
     cache: dict[str | None, tuple[list, Path]] = {}
 
     def get(layers: str | None) -> tuple[list, Path]:
         if layers not in cache:
             truth, out = d / f"{layers}.json", d / f"{layers}.arrow"
-            opt = ["--layers", layers] if layers else []
+            opt = ["--layer-forward"] if layers == "forward" else \
+                ["--layers", layers] if layers else []
             p = run_gputrace("record", "-q", *opt, "-o", str(out), "--", sys.executable,
                              JOB, str(truth), *JOB_ARGS, timeout=600)
             assert p.returncode == 0, p.stderr
@@ -65,7 +67,7 @@ def layers_per_step(rows: list[dict], cat: str) -> dict[int, set[int]]:
 PHASES = {"t_iter": [], "t_f": ["forward"], "t_b": ["backward"], "t_u": ["update"]}
 
 
-@pytest.mark.parametrize("layers", [None, "leaves", "off"])
+@pytest.mark.parametrize("layers", [None, "forward", "leaves", "off"])
 def test_phases_match_the_jobs_own_clock_at_every_granularity(runs, layers):
     truth, out = runs(layers)
     tr = load(out)
@@ -75,8 +77,27 @@ def test_phases_match_the_jobs_own_clock_at_every_granularity(runs, layers):
     compare(rs, truth, pairs, PHASES, 0.05)
 
 
-def test_blocks_are_the_default_and_time_each_block(runs):
+def test_blocks_are_the_default_and_time_each_blocks_backward(runs):
+    """By default each block's backward is timed (numbered from the input side), not its
+    forward: the analysis needs when gradients are ready, and two forward hooks per block
+    would cost the loop about 1 %."""
     truth, out = runs(None)
+    rows = spans(out)
+    fwd, bwd = layers_per_step(rows, "forward"), layers_per_step(rows, "backward")
+    steps = sorted(s for s in bwd if s >= 0)
+    assert len(steps) >= 12
+    assert not fwd
+    for s in steps:
+        assert bwd[s] == set(range(1, L_BWD + 1)), s
+    names = {r["layer"]: r["name"] for r in rows if r["cat"] == "backward" and r["layer"] >= 1}
+    assert [names[i] for i in range(1, L_BWD + 1)] == \
+        ["Embedding"] * 2 + ["Block"] * BLOCKS + ["LayerNorm"]
+    shards = load(out).metadata["shards"]
+    assert [s["torch"]["layer_forward"] for s in shards if "torch" in s] == [False]
+
+
+def test_layer_forward_times_each_blocks_forward_too(runs):
+    _, out = runs("forward")
     rows = spans(out)
     fwd, bwd = layers_per_step(rows, "forward"), layers_per_step(rows, "backward")
     steps = sorted(s for s in bwd if s >= 0)
@@ -111,9 +132,10 @@ def test_leaves_time_every_module_with_parameters(runs):
     _, out = runs("leaves")
     rows = spans(out)
     per_block = 6          # ln_1, c_attn, c_proj, ln_2, c_fc, c_proj
-    fwd = layers_per_step(rows, "forward")
-    steps = [s for s in fwd if s >= 0]
-    assert steps and all(fwd[s] == set(range(1, per_block * BLOCKS + 4 + 1)) for s in steps)
+    bwd = layers_per_step(rows, "backward")
+    steps = [s for s in bwd if s >= 0]
+    # wte, wpe, the blocks' modules, ln_f (lm_head, last, shares wte's weight)
+    assert steps and all(bwd[s] == set(range(1, per_block * BLOCKS + 3 + 1)) for s in steps)
 
 
 def test_off_records_phases_without_layers(runs):
@@ -190,10 +212,10 @@ def test_copied_and_pickled_models_run_and_a_loaded_model_is_found(tmp_path):
     rows = spans(out)
     steps = {r["step"] for r in rows if r["cat"] == "update"}
     assert len(steps) == first + 6
-    fwd = layers_per_step(rows, "forward")
+    bwd = layers_per_step(rows, "backward")
     for s in range(first + 1, first + 6):
-        assert len(fwd[s]) == 2, (s, dict(fwd))   # the loaded model's two Linear layers
-    assert fwd[0] and not fwd[0] & fwd[first + 1]  # new layers, not the first model's
+        assert len(bwd[s]) == 2, (s, dict(bwd))   # the loaded model's two Linear layers
+    assert bwd[0] and not bwd[0] & bwd[first + 1]  # new layers, not the first model's
 
 
 def test_block_backward_ends_at_its_last_gradient_with_one_hook_left(tmp_path):

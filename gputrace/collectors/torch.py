@@ -16,8 +16,9 @@ module call on torch's hooked path:
 - forward: forward pre/post hooks on each model's root (found as the model is built, see
   torch_modules): one span for the outermost call, and one (`loss`) from the last outermost
   call's end to the backward (the loss computed outside the model is part of the forward
-  pass); per-module hooks on the modules `GPUTRACE_LAYERS` chooses (blocks, leaves, off): a
-  span each, `layer` 1..L in execution order from the input side;
+  pass); the modules `GPUTRACE_LAYERS` chooses (blocks, leaves, off) are numbered `layer`
+  1..L in execution order from the input side at their first call, and get a forward span
+  per call only with `GPUTRACE_LAYER_FORWARD=1`;
 - backward: `torch.autograd.backward` entry/exit, and per timed layer the end of its last
   parameter's gradient accumulation (post-accumulate-grad hooks), with `bytes` = the bytes
   of the gradients the layer produces (what its all-reduce would move; replay uses it);
@@ -39,7 +40,7 @@ from gputrace.collectors import torch_comm, torch_guard
 from gputrace.collectors.torch_ddp import maybe_hook_ddp, patch_ddp
 from gputrace.collectors.torch_guard import _guarded, _hook_failed
 from gputrace.collectors.torch_iterations import _Iterations
-from gputrace.collectors.torch_modules import Modules, env_mode
+from gputrace.collectors.torch_modules import Modules, env_forward, env_mode
 from gputrace.recorder import Recorder
 
 _installed: _State | None = None
@@ -48,7 +49,7 @@ _tid = threading.get_native_id
 
 
 class _State:
-    def __init__(self, rec: Recorder, layers: str = "blocks") -> None:
+    def __init__(self, rec: Recorder, layers: str = "blocks", forward: bool = False) -> None:
         self.rec = rec
         self.now = rec.clock.now_ns
         self.push = rec.push_perf                 # a span timed with perf_counter_ns
@@ -74,7 +75,7 @@ class _State:
         self.ddp_hooked: set[int] = set()
         self.notes: list[str] = []
         self.lock = threading.Lock()
-        self.modules = Modules(self, layers)
+        self.modules = Modules(self, layers, forward)
         self.adopted = False                      # the live models were looked for once
         self.root_ran = False                     # a root's forward since the last backward
 
@@ -361,8 +362,8 @@ def auto_instrument(rec: Recorder) -> str:
             _installed.its = _Iterations(rec)
             torch_guard.set_recorder(rec)
         return "ok"
-    layers = env_mode()
-    state = _State(rec, layers)
+    layers, forward = env_mode(), env_forward()
+    state = _State(rec, layers, forward)
     _installed = state
     torch_guard.set_recorder(rec)
     from torch.optim import optimizer as optim_module
@@ -375,7 +376,8 @@ def auto_instrument(rec: Recorder) -> str:
     patch_ddp(lambda: _installed)
     torch_comm.install(lambda: _installed)
     rec.metadata.setdefault("software", {})["torch"] = torch.__version__
-    rec.metadata["torch"] = {"cuda": bool(torch.cuda.is_available()), "layers": layers}
+    rec.metadata["torch"] = {"cuda": bool(torch.cuda.is_available()), "layers": layers,
+                             "layer_forward": forward}
     return "ok"
 
 

@@ -63,6 +63,7 @@ class RecordOptions:
     node_of: str = ""              # with per_host: the name given (-o), the run's name
     tf_steps: str | None = None    # START:COUNT | all | off (TensorFlow's profiler window)
     layers: str | None = None      # blocks | leaves | off (PyTorch modules timed)
+    layer_forward: bool = False    # their forward spans too
 
 
 @dataclass
@@ -305,6 +306,8 @@ def _prepare(opts: RecordOptions, shard_dir: str, clock: Clock
         env["GPUTRACE_TF_STEPS"] = opts.tf_steps
     if opts.layers is not None:
         env["GPUTRACE_LAYERS"] = opts.layers
+    if opts.layer_forward:
+        env["GPUTRACE_LAYER_FORWARD"] = "1"
     for name in IN_PROCESS_COLLECTORS:
         if name not in opts.collectors:
             env[f"GPUTRACE_NO_{name.upper()}"] = "1"

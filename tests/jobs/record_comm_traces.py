@@ -32,9 +32,13 @@ CONFIGS = {
 }
 
 
+# fsdp2-prefetch's test compares the all-gathers with the blocks' forward spans
+RECORD_OPTS = {"fsdp2-prefetch": ["--layer-forward"]}
+
+
 def command(name: str, out_dir: Path, iterations: int | None = None) -> list[str]:
     script, *args = CONFIGS[name]
-    return [sys.executable, "-m", "gputrace", "record", "-f", "-o",
+    return [sys.executable, "-m", "gputrace", "record", "-f", *RECORD_OPTS.get(name, []), "-o",
             str(out_dir / f"{name}.arrow"), "--", sys.executable, "-m",
             "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
             str(JOBS / script), str(out_dir / name), *args,
