@@ -258,7 +258,7 @@ class Modules:
         the pre-hook; one call, one clock read, one tuple and one append in the hook.
         Without: a pre-hook that numbers `m` at its first call and removes itself."""
         if not self.forward:
-            once = _NumberOnce(self.st, params)
+            once = _NumberOnce(self.st, params, m)
             once.handle = m.register_forward_pre_hook(once)
             return [once.handle]
         pre = _TimedPre(self.st, params)
@@ -275,13 +275,16 @@ class _NumberOnce(_Hook):
     hooks registered); then the hook is gone and the module's calls take torch's fast path
     again."""
 
-    __slots__ = ("st", "params", "handle")
+    __slots__ = ("st", "params", "handle", "mod")
 
-    def __init__(self, st: Any, params: list[nn.Parameter]) -> None:
+    def __init__(self, st: Any, params: list[nn.Parameter], mod: nn.Module) -> None:
         self.fn = None
         self.st, self.params, self.handle = st, params, None
+        self.mod = weakref.ref(mod)
 
     def __call__(self, mod: Any, args: Any) -> None:
+        if mod is not self.mod():
+            return   # a deep copy's (it shares the hook): the original is still to number
         try:
             if self.handle is not None:
                 self.handle.remove()
