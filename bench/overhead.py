@@ -102,6 +102,8 @@ def main() -> None:
             kept = saved.setdefault(str(ranks), {"runs": {m: [] for m in modes},
                                                  "sampler": [0.0, 0.0], "spans": [0, 0]})
             per_mode: dict[str, list[list[float]]] = kept["runs"]
+            # --together: CPU seconds per iteration of the loop's thread and of the process
+            cpus = {k: kept.setdefault(k, {m: [] for m in modes}) for k in ("main_cpu", "cpu")}
             sampler, spans = kept["sampler"], kept.setdefault("spans", [0, 0])
             first = len(per_mode["plain"])
             for r in range(first, first + a.rounds):
@@ -119,6 +121,9 @@ def main() -> None:
                     out, trace = outs[m]
                     if a.together:
                         times = got[m]
+                        steps = json.loads(out.read_text())[3:]
+                        for k, v in cpus.items():
+                            v[m].append([st[k] for st in steps])
                     else:
                         run(command(m, ranks, a.iterations, out, trace, extra))
                         times = json.loads(out.read_text())
@@ -136,6 +141,12 @@ def main() -> None:
                 lo, hi = ratio_ci(per_mode[m], per_mode["plain"])
                 row += [f"{median(pooled[m]) * 1e3:.1f} ms",
                         f"{median(pooled[m]) / base:.3f}x [{lo:.2f}, {hi:.2f}]"]
+                if a.together:
+                    for v in cpus.values():
+                        lc, hc = ratio_ci(v[m], v["plain"])
+                        mid = median([t for x in v[m] for t in x]) / max(
+                            median([t for x in v["plain"] for t in x]), 1e-12)
+                        row.append(f"{mid:.3f}x [{lc:.3f}, {hc:.3f}]")
             if "gputrace" in modes:
                 row.append(f"{100 * sampler[0] / sampler[1]:.1f}% of a core")
                 costs.append((row[0], spans[0] / max(spans[1], 1), base,
@@ -144,10 +155,16 @@ def main() -> None:
     print(table(f"Recording overhead: median iteration of samples/train_cnn.py --preset case1, "
                 f"{' '.join(extra) + ', ' if extra else ''}"
                 f"{a.iterations} iterations a run{how}",
-                ["job", "rounds", "plain", *(h for m in modes[1:] for h in (m, "ratio")),
+                ["job", "rounds", "plain",
+                 *(h for m in modes[1:] for h in (m, "ratio", *(
+                     ("loop CPU ratio", "process CPU ratio") if a.together else ()))),
                  *(["record's CPU"] if "gputrace" in modes else [])], rows))
     print("ratio [95 % interval]: bootstrap over rounds (the runs of a round as a pair); an "
           "interval that holds 1.0 is a difference the runs cannot tell from noise")
+    if a.together:
+        print("CPU ratios: CPU seconds per iteration of the loop's thread, and of the whole job "
+              "process (its other threads too), against plain's: what the job itself spent, "
+              "whatever share of the core the scheduler gave it")
     if "gputrace" in modes:
         print("record's CPU: the recording process (sampler, writer, start-up) beside the job, "
               "CPU seconds over its wall time")

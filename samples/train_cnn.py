@@ -68,7 +68,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="run under torch.profiler (a schedule, no shapes), for comparison")
     p.add_argument("--times-json", help="write rank 0's iteration times (s) to this file")
     p.add_argument("--steps-json", help="write rank 0's iterations as {start, end} "
-                   "(time.time_ns: they tile the loop) to this file")
+                   "(time.time_ns: they tile the loop), with the CPU seconds the loop's "
+                   "thread (main_cpu) and the process (cpu) used in each, to this file")
     a = p.parse_args(argv)
     defaults = dict(batch_size=32, workers=2, width=16, fc_hidden=128, fc_layers=1,
                     bucket_cap_mb=25.0, image_size=64, decode_cost=0)
@@ -217,6 +218,7 @@ def main(argv: list[str] | None = None) -> None:
         prof.start()
     t_last = time.perf_counter()
     bounds = [time.time_ns()]   # iteration boundaries on the wall clock (--steps-json)
+    cpus = [(time.thread_time(), time.process_time())]   # and the CPU used by then
     while done < a.iterations:
         if sampler is not None:
             sampler.set_epoch(epoch)
@@ -242,6 +244,7 @@ def main(argv: list[str] | None = None) -> None:
             now = time.perf_counter()
             times.append(now - t_last)
             bounds.append(time.time_ns())
+            cpus.append((time.thread_time(), time.process_time()))
             t_last = now
             done += 1
             if done >= a.iterations:
@@ -262,7 +265,9 @@ def main(argv: list[str] | None = None) -> None:
         from itertools import pairwise
 
         with open(a.steps_json, "w") as f:
-            json.dump([{"start": s, "end": e} for s, e in pairwise(bounds)], f)
+            json.dump([{"start": s, "end": e, "main_cpu": c1[0] - c0[0], "cpu": c1[1] - c0[1]}
+                       for (s, e), (c0, c1) in zip(pairwise(bounds), pairwise(cpus),
+                                                   strict=True)], f)
     if a.comm_hook == "allreduce" and world > 1:
         print(f"rank {rank}: user comm hook ran {calls['n']} times")
     if rank == 0:
