@@ -15,7 +15,8 @@ from gputrace import load
 from gputrace.analyzers import analyze
 from gputrace.analyzers.frame import build
 from gputrace.collectors import Sampler, Unavailable
-from gputrace.collectors.cupti import Converter, CuptiCollector
+from gputrace.collectors.cupti import CuptiCollector
+from gputrace.collectors.cupti_convert import Converter
 from gputrace.collectors.nvml import NvmlCollector
 from gputrace.recorder import Recorder
 from tests.conftest import write_h2d_job

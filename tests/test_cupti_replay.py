@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from gputrace.collectors.cupti import Converter
+from gputrace.collectors.cupti_convert import Converter
 from gputrace.recorder import Recorder
 from tests.fakes.cupti import ActivityKind, FakeCupti
 

@@ -271,7 +271,7 @@ def test_launches_join_their_own_threads_ranges_through_the_pthread_id():
     runs its forward. CUPTI names both threads by pthread id: joined to their native TIDs
     through the recorder's thread map, the copy is h2d and the loop's kernel forward;
     without the map both would fall to the loop's range."""
-    from gputrace.collectors.cupti import Converter
+    from gputrace.collectors.cupti_convert import Converter
     from tests.fakes.cupti import ActivityMemcpyKind, ActivityMemoryKind
 
     cu = FakeCupti()

@@ -14,7 +14,7 @@ import pytest
 
 from gputrace.trace import load
 from gputrace.trace.parts import metadata_of
-from gputrace.trace.reader import open_by_rank
+from gputrace.trace.ranked import open_by_rank
 from tests.conftest import GPUTRACE, run_gputrace
 
 

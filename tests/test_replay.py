@@ -9,7 +9,8 @@ import math
 import numpy as np
 import pytest
 
-from gputrace.analyzers.replay import MIB, CommCost, Scenario, buckets_by_cap, fit_cost, simulate
+from gputrace.analyzers.replay import MIB, Scenario
+from gputrace.analyzers.replay_sim import CommCost, buckets_by_cap, fit_cost, simulate
 from tests.conftest import run_gputrace
 from tests.test_analyze import CASE2_UNITS, run_analysis
 from tests.tracebuilder import Builder, ddp_iterations

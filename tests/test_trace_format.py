@@ -166,7 +166,7 @@ def test_merge_skips_a_shard_killed_before_its_schema(tmp_path):
 def test_rank_at_a_time_reads_every_column_and_analyzes_like_the_whole(tmp_path):
     from gputrace.analyzers import analyze
     from gputrace.report.json import to_dict
-    from gputrace.trace.reader import open_by_rank
+    from gputrace.trace.ranked import open_by_rank
     from gputrace.trace.writer import write_by_rank
     from tests.tracebuilder import Builder, ddp_iterations
 
@@ -192,7 +192,7 @@ def test_rank_at_a_time_reads_every_column_and_analyzes_like_the_whole(tmp_path)
 
 def test_rank_at_a_time_defaults_columns_an_older_file_lacks(tmp_path):
     from gputrace.analyzers import analyze
-    from gputrace.trace.reader import open_by_rank
+    from gputrace.trace.ranked import open_by_rank
 
     md = {METADATA_KEY: json.dumps({"format": "gputrace-trace", "version": 1}).encode()}
     p = tmp_path / "old.arrow"
@@ -217,7 +217,7 @@ def test_rank_at_a_time_defaults_columns_an_older_file_lacks(tmp_path):
 
 def test_merge_takes_each_rank_from_every_shard_that_holds_it_sorted_and_loses_nothing(tmp_path):
     from gputrace.record.merge import merge_shards
-    from gputrace.trace.reader import open_by_rank
+    from gputrace.trace.ranked import open_by_rank
     from tests.tracebuilder import Builder
 
     d = tmp_path / "shards"

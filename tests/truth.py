@@ -14,7 +14,7 @@ import numpy as np
 
 from gputrace.analyzers.frame import build
 from gputrace.analyzers.steps import RankSteps, analyze_rank
-from gputrace.collectors.cupti import Converter
+from gputrace.collectors.cupti_convert import Converter
 
 
 def per_iteration(trace: Any) -> RankSteps:

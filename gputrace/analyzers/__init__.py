@@ -37,7 +37,7 @@ from gputrace.analyzers.shardinputs import arrivals_of
 from gputrace.analyzers.shardinputs import inputs as shard_inputs
 from gputrace.analyzers.steps import TERMS, RankSteps, analyze_rank, warmup_skip
 from gputrace.analyzers.timeline_comm import with_collectives
-from gputrace.trace.reader import RankedTrace, RankSource, read_rank
+from gputrace.trace.ranked import RankedTrace, RankSource, read_rank
 
 
 def _overlap(h: Any, sel: np.ndarray) -> dict[str, float]:

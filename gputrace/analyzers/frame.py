@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 if TYPE_CHECKING:
-    from gputrace.trace.reader import RankColumns
+    from gputrace.trace.ranked import RankColumns
 
 
 # the trace columns a frame is built from, in the order `build` converts them

@@ -35,50 +35,27 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from gputrace.analyzers.model import ModelResult, ring_factor, unit_stats
+from gputrace.analyzers.model import ModelResult, unit_stats
+from gputrace.analyzers.replay_inputs import (
+    busy_beside_backward,
+    layer_profile,
+    units_in_iterations,
+)
+from gputrace.analyzers.replay_sim import (
+    CPU_SHARE,
+    CommCost,
+    UnitRun,
+    buckets_by_cap,
+    fit_cost,
+    fit_host_cost,
+    run_units,
+)
 from gputrace.analyzers.steps import RankSteps
 
 MIB = 1 << 20
 DEFAULT_BUCKETS = (1 * MIB, 5 * MIB, 25 * MIB, 100 * MIB, math.inf)   # inf: one bucket
 DDP_FIRST_BUCKET = 1 * MIB       # DDP's first bucket when bucket_cap_mb is left at its default
-CPU_SHARE = 0.5                  # the CPU a unit gets while compute runs beside it
 RESAMPLES = 64                   # iteration resamples behind each interval
-
-
-@dataclass(frozen=True)
-class CommCost:
-    alpha_s: float
-    beta_bytes_per_s: float     # bytes per second of a unit running alone, at `world`
-    world: int                  # the GPU count the fit was made at (1: from a link bandwidth)
-    source: str                 # "measured" or "link"
-    cpu_s_per_byte: float = 0.0          # CPU each byte costs the host (0: not on the CPU)
-    wire_bytes_per_s: float | None = None   # the link's bus bandwidth, when known
-
-    def _scale(self, gpus: int) -> float:
-        return ring_factor(gpus) / ring_factor(self.world) if self.source == "measured" \
-            else ring_factor(gpus)
-
-    def per_byte(self, gpus: int, bandwidth_x: float = 1.0, overlapped: bool = False
-                 ) -> tuple[float, float]:
-        """(seconds per byte, CPU seconds per byte) of a unit at `gpus` ranks with the link
-        `bandwidth_x` times as fast, running alone or beside compute."""
-        if gpus < 2:
-            return 0.0, 0.0
-        k = self._scale(gpus)
-        cpu = self.cpu_s_per_byte * k
-        if self.wire_bytes_per_s:
-            wire = k / (self.wire_bytes_per_s * bandwidth_x)
-        elif cpu:                   # no link known: the host's rate stands for it
-            wire = cpu / bandwidth_x
-        else:
-            wire = k / (self.beta_bytes_per_s * bandwidth_x)
-        return max(cpu / CPU_SHARE if overlapped else cpu, wire), cpu
-
-    def seconds(self, nbytes: float, gpus: int, bandwidth_x: float = 1.0) -> float:
-        """A unit running alone."""
-        if gpus < 2:
-            return 0.0
-        return self.alpha_s + nbytes * self.per_byte(gpus, bandwidth_x)[0]
 
 
 @dataclass(frozen=True)
@@ -123,236 +100,6 @@ class Replay:
     contention_s: float = 0.0       # backward time per iteration the measured comm took
 
 
-# -- the pieces -------------------------------------------------------------------------------
-
-
-def _units_in_iterations(rs: RankSteps, sel: np.ndarray
-                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The measured units of the iterations `sel`: (row, iteration, begin, end, bytes) with
-    times in ns from the iteration start; `begin` is when the unit had the link: its start,
-    or the end of the units before it in its iteration when they were still running."""
-    u = rs.units
-    rows = u.rows(sel)
-    if not rows.size:
-        z = np.zeros(0)
-        return rows, rows, z, z, z
-    it = u.it[rows]
-    t0 = rs.iterations.start[it]
-    s, e = u.start[rows] - t0, u.end[rows] - t0
-    width = int(max(e.max(), s.max()) - min(e.min(), s.min(), 0)) + 1
-    off = (it - it.min()).astype(np.int64) * width        # one cumulative max per iteration
-    before = np.maximum.accumulate(e + off) - off
-    first = u.index[rows] == 0
-    begin = np.where(first, s, np.maximum(s, np.r_[s[:1], before[:-1]]))
-    return rows, it, begin, e, u.nbytes[rows]
-
-
-def service_times(rs: RankSteps, sel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(bytes, seconds on the link) of every measured unit with known bytes."""
-    _, _, begin, e, nb = _units_in_iterations(rs, sel)
-    ok = ~np.isnan(nb) & (e > begin)
-    return nb[ok], (e - begin)[ok] / 1e9
-
-
-def _overlap_fraction(rs: RankSteps, it: np.ndarray, begin: np.ndarray, end: np.ndarray
-                      ) -> np.ndarray:
-    """The share of each unit's time on the link that ran beside its iteration's backward."""
-    t0 = rs.iterations.start[it]
-    b0 = np.where(rs.backward_start[it] >= 0, rs.backward_start[it] - t0, 0)
-    b1 = np.where(rs.backward_end[it] >= 0, rs.backward_end[it] - t0, 0)
-    inside = np.maximum(np.minimum(end, b1) - np.maximum(begin, b0), 0)
-    return np.where(end > begin, inside / np.maximum(end - begin, 1), 0.0)
-
-
-def fit_cost(nbytes: np.ndarray, seconds: np.ndarray, world: int) -> CommCost | None:
-    """Least squares of seconds = alpha + bytes/beta, alpha >= 0; bytes/seconds if it fails."""
-    if nbytes.size == 0 or seconds.sum() <= 0:
-        return None
-    if np.unique(nbytes).size >= 2:
-        slope, alpha = np.polyfit(nbytes, seconds, 1)
-        if slope > 0 and alpha >= 0:
-            return CommCost(float(alpha), float(1 / slope), world, "measured")
-    return CommCost(0.0, float(nbytes.sum() / seconds.sum()), world, "measured")
-
-
-def fit_host_cost(nbytes: float, beside_s: float, alone_s: float, world: int,
-                  link_bytes_per_s: float | None,
-                  host_bytes_per_s: float | None = None) -> CommCost | None:
-    """Comm on the CPU (gloo): several units are in flight at once (one gloo queue, several
-    threads), so a unit's own span is not its cost; the cost per byte c is what makes the
-    bytes of the analyzed iterations fit their comm's busy time, `beside_s` of it beside
-    backward (a unit moves at most CPU_SHARE / c bytes per second then) and `alone_s` after
-    it (1 / c), each no faster than the link's bus bandwidth when it is known. c is at least
-    what the host's own gloo all-reduce costs (`host_bytes_per_s`, when known): a run held
-    back by its link does not show it. A unit's fixed cost cannot be told from its bytes in
-    one run: it is taken as 0."""
-    if nbytes <= 0 or beside_s + alone_s <= 0:
-        return None
-    wire = ring_factor(world) / link_bytes_per_s if link_bytes_per_s else 0.0
-
-    def moved(c: float) -> float:
-        fast_ov = 1 / max(c / CPU_SHARE, wire) if max(c, wire) > 0 else math.inf
-        fast = 1 / max(c, wire) if max(c, wire) > 0 else math.inf
-        return beside_s * fast_ov + alone_s * fast
-
-    if wire and moved(0.0) <= nbytes * 1.25:
-        c = 0.0          # the link explains it (within a quarter): held back by the link
-    else:
-        lo, hi = 0.0, (beside_s / CPU_SHARE + alone_s) / nbytes * 4 + 1e-15
-        for _ in range(100):                 # moved() falls as c grows: bisect
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if moved(mid) > nbytes else (lo, mid)
-        c = (lo + hi) / 2
-    if host_bytes_per_s:
-        c = max(c, ring_factor(world) / host_bytes_per_s)
-    alone = max(c, wire)
-    return CommCost(0.0, 1 / alone if alone > 0 else math.inf, world, "measured",
-                    cpu_s_per_byte=c, wire_bytes_per_s=link_bytes_per_s)
-
-
-def _busy_beside_backward(rs: RankSteps, it: np.ndarray, begin: np.ndarray,
-                          end: np.ndarray) -> tuple[float, float, dict[int, list[tuple[float, float]]]]:
-    """The comm's busy time (the union of its units in each iteration) beside backward and
-    after it, summed over the iterations, in seconds; and each iteration's busy intervals (s
-    from its start)."""
-    t0 = rs.iterations.start
-    spans: dict[int, list[tuple[float, float]]] = {}
-    beside = alone = 0.0
-    for k in np.unique(it).tolist():
-        m = it == k
-        iv = sorted(zip((begin[m] / 1e9).tolist(), (end[m] / 1e9).tolist(), strict=True))
-        merged: list[list[float]] = []
-        for s_, e_ in iv:
-            if merged and s_ <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], e_)
-            else:
-                merged.append([s_, e_])
-        spans[k] = [(a, b) for a, b in merged]
-        b0 = (rs.backward_start[k] - t0[k]) / 1e9 if rs.backward_start[k] >= 0 else 0.0
-        b1 = (rs.backward_end[k] - t0[k]) / 1e9 if rs.backward_end[k] >= 0 else 0.0
-        for a, b in merged:
-            inside = max(min(b, b1) - max(a, b0), 0.0)
-            beside += inside
-            alone += (b - a) - inside
-    return beside, alone, spans
-
-
-def layer_profile(rs: RankSteps, sel: np.ndarray) -> tuple[dict[int, float], dict[int, float]]:
-    """Per layer: mean backward end from the iteration start (s), and gradient bytes."""
-    le = rs.layer_ends
-    rows = le.rows(sel)
-    layers, inv = np.unique(le.layer[rows], return_inverse=True)
-    rel = (le.end[rows] - rs.iterations.start[le.it[rows]]) / 1e9
-    mean = np.bincount(inv, weights=rel, minlength=layers.size) / np.maximum(
-        np.bincount(inv, minlength=layers.size), 1)
-    ready = dict(zip(layers.tolist(), mean.tolist(), strict=True))
-    nbytes = dict(rs.layer_bytes)
-    if not nbytes and sel.size:  # older traces: split each unit's bytes over its layers
-        u = rs.units
-        k = int(sel[-1])
-        for row in range(int(u.cuts[k]), int(u.cuts[k + 1])):
-            layers_ = u.layers(row)
-            if layers_ and not math.isnan(u.nbytes[row]):
-                for ly in layers_:
-                    nbytes[ly] = float(u.nbytes[row]) / len(layers_)
-    return ready, nbytes
-
-
-def buckets_by_cap(ready: dict[int, float], nbytes: dict[int, float], cap: float,
-                   first_cap: float | None = None) -> list[tuple[float, float]]:
-    """(bytes, ready_s) per bucket, filled like DDP(bucket_cap_mb=cap/MiB): layers from the
-    output side (the order their gradients come), a bucket closes once it holds at least
-    its cap; the first bucket's cap is `first_cap` when given (DDP's 1 MiB when
-    bucket_cap_mb is left at its default)."""
-    out: list[tuple[float, float]] = []
-    size, when = 0.0, -math.inf
-    limit = cap if first_cap is None else first_cap
-    for ly in sorted((ly for ly in nbytes if ly in ready), key=lambda ly: (ready[ly], -ly)):
-        size += nbytes[ly]
-        when = max(when, ready[ly])
-        if size >= limit:
-            out.append((size, when))
-            size, when = 0.0, -math.inf
-            limit = cap
-    if size > 0:
-        out.append((size, when))
-    return out
-
-
-@dataclass(frozen=True)
-class _Run:
-    comm_end: float         # when the last unit ends (s from the iteration start)
-    busy: float             # time on the link
-    backward_end: float     # when backward ends, with what comm took from it
-
-
-def run_units(buckets: Sequence[tuple[float, float]], cost: CommCost, gpus: int,
-              bandwidth_x: float = 1.0, backward: tuple[float, float] | None = None) -> _Run:
-    """Units one at a time in ready order. With `backward` = (start, end) of backward as it
-    would run with no comm beside it, the ready times are on that clock: while a unit moves
-    bytes beside backward, backward loses the CPU they cost (comm on the CPU) and so ends,
-    and makes the later gradients ready, later. Without it, comm alone: ready times are
-    real times and nothing slows down."""
-    alpha = cost.alpha_s if gpus >= 2 else 0.0
-    p_ov, cpu = cost.per_byte(gpus, bandwidth_x, overlapped=True)
-    p_alone, _ = cost.per_byte(gpus, bandwidth_x)
-    order = sorted(buckets, key=lambda b: b[1])
-    if backward is None:
-        busy, t = 0.0, -math.inf
-        for nb, when in order:
-            d = alpha + nb * p_alone
-            t = max(t, when) + d
-            busy += d
-        end = t if order else -math.inf
-        return _Run(end, busy, -math.inf)
-    b0, b1 = backward
-    slow = 1.0 - (cpu / p_ov if p_ov > 0 else 0.0)      # backward's speed beside a transfer
-    t = tau = min(b0, order[0][1]) if order else b0
-    bwd_end = math.nan
-    busy = 0.0
-
-    def advance(dt: float, rate: float) -> None:
-        """dt of real time; backward, while it runs, at `rate` of its own speed."""
-        nonlocal t, tau, bwd_end
-        if tau < b1 and rate > 0 and tau + dt * rate >= b1:
-            bwd_end = t + (b1 - tau) / rate
-            tau = b1
-        elif tau < b1:
-            tau += dt * rate
-        t += dt
-
-    for nb, when in order:
-        if tau < min(when, b1):              # its gradients are not ready: nothing on the link
-            advance(min(when, b1) - tau, 1.0)
-        advance(alpha, 1.0)
-        busy += alpha
-        rem = nb
-        while rem > 0:
-            if tau < b1 and p_ov > 0:
-                t_done = rem * p_ov
-                t_bend = (b1 - tau) / slow if slow > 0 else math.inf
-                dt = min(t_done, t_bend)
-                advance(dt, slow)
-                busy += dt
-                rem = 0 if dt == t_done else rem - dt / p_ov
-            else:
-                d = rem * p_alone
-                advance(d, 1.0)
-                busy += d
-                rem = 0
-    if math.isnan(bwd_end):    # backward runs on alone after the last unit (or never ran)
-        bwd_end = t + (b1 - tau) if tau < b1 else b1
-    return _Run(t if order else -math.inf, busy, bwd_end)
-
-
-def simulate(buckets: Sequence[tuple[float, float]], cost: CommCost, gpus: int,
-             bandwidth_x: float = 1.0) -> tuple[float, float]:
-    """(comm end from the iteration start, total time on the link): units one at a time, no
-    compute beside them."""
-    r = run_units(buckets, cost, gpus, bandwidth_x)
-    return r.comm_end, r.busy
-
-
 # -- the plan of one set of iterations, and its predictions ----------------------------------
 
 
@@ -381,7 +128,7 @@ def _stolen_rate(cost: CommCost) -> float:
 def _plan(rs: RankSteps, sel: np.ndarray, m: ModelResult, world: int,
           link_bytes_per_s: float | None, on_cpu: bool, arrivals: np.ndarray | None = None,
           host_bytes_per_s: float | None = None) -> _Plan | None:
-    rows, it, begin, end, nb = _units_in_iterations(rs, sel)
+    rows, it, begin, end, nb = units_in_iterations(rs, sel)
     measured = float(np.mean(rs.terms["t_iter"][sel]))
     cost: CommCost | None = None
     busy: dict[int, list[tuple[float, float]]] = {}
@@ -390,7 +137,7 @@ def _plan(rs: RankSteps, sel: np.ndarray, m: ModelResult, world: int,
             # a unit moves bytes once the last rank has it: the wait for peers is no cost
             arrive = (arrivals if arrivals is not None else rs.units.start)[rows] - \
                 rs.iterations.start[it]
-            beside, alone, busy = _busy_beside_backward(rs, it, np.minimum(arrive, end), end)
+            beside, alone, busy = busy_beside_backward(rs, it, np.minimum(arrive, end), end)
             cost = fit_host_cost(float(np.nansum(nb)), beside, alone, world, link_bytes_per_s,
                                  host_bytes_per_s)
         else:
@@ -456,15 +203,15 @@ def _buckets(p: _Plan, s: Scenario) -> list[tuple[float, float]]:
     return buckets_by_cap(p.ready, p.nbytes, s.bucket_bytes)
 
 
-def _tail(p: _Plan, s: Scenario) -> tuple[int, _Run]:
+def _tail(p: _Plan, s: Scenario) -> tuple[int, UnitRun]:
     bs = _buckets(p, s)
     if p.cost.cpu_s_per_byte > 0:
         return len(bs), run_units(bs, p.cost, s.gpus, s.bandwidth_x, (p.b_start, p.b_end))
     r = run_units(bs, p.cost, s.gpus, s.bandwidth_x)   # comm does not slow backward
-    return len(bs), _Run(max(r.comm_end, p.b_end) if bs else p.b_end, r.busy, p.b_end)
+    return len(bs), UnitRun(max(r.comm_end, p.b_end) if bs else p.b_end, r.busy, p.b_end)
 
 
-def _predict(p: _Plan, s: Scenario, base_tail: float) -> tuple[int, _Run, float]:
+def _predict(p: _Plan, s: Scenario, base_tail: float) -> tuple[int, UnitRun, float]:
     n, r = _tail(p, s)
     return n, r, p.measured_t_iter - base_tail + max(r.backward_end, r.comm_end)
 
@@ -495,7 +242,7 @@ def why_no_replay(rs: RankSteps, sel: np.ndarray, world: int,
     """Why `replay` had nothing to replay, in words a user can act on."""
     if not sel.size:
         return "no iterations to replay (the trace has no complete iteration past warm-up)"
-    rows, _, begin, end, nb = _units_in_iterations(rs, sel)
+    rows, _, begin, end, nb = units_in_iterations(rs, sel)
     fix = "give the link's bandwidth (--link-bandwidth, or `gputrace probe` before recording)"
     if not rows.size:
         return ("no gradient comm was measured in the analyzed iterations (no all-reduce "

@@ -137,7 +137,8 @@ def load_trace(paths: Sequence[str], by_rank: bool = False):  # type: ignore[no-
         # it a while, which on a 1e7-event trace adds ~40% to the peak
         pa.set_memory_pool(pa.system_memory_pool())
     from gputrace.importers import ImportFailed, import_paths, is_foreign
-    from gputrace.trace.reader import expand_names, load, open_ranked, ranked_files, unclosed
+    from gputrace.trace.ranked import open_ranked, ranked_files
+    from gputrace.trace.reader import expand_names, load, unclosed
     from gputrace.trace.schema import TraceFormatError
 
     foreign = False

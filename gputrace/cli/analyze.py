@@ -120,7 +120,7 @@ def analysis(args: argparse.Namespace, detail: bool = False,  # type: ignore[no-
     from gputrace.analyzers import NothingToAnalyze, analyze, parallel_worth_it
     from gputrace.cli import load_trace
     from gputrace.parallel import EngineError, cores, executor
-    from gputrace.trace.reader import RankedTrace, RankUnreadable
+    from gputrace.trace.ranked import RankedTrace, RankUnreadable
 
     try:
         gpus = [int(x) for x in args.gpus.split(",") if x.strip()]

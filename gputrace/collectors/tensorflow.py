@@ -268,7 +268,7 @@ class _State:
             **({"notes": self.notes} if self.notes else {})})
 
     def _convert(self) -> None:
-        from gputrace.importers import tfprof
+        from gputrace.importers import tfprof, tfprof_files
         from gputrace.importers.common import Rows
         from gputrace.trace.schema import COLUMN_NAMES
 
@@ -281,8 +281,8 @@ class _State:
                             os.path.join(keep, f"rank{r.rank}"), dirs_exist_ok=True)
         rows = Rows()
         executions: list[tuple[int, int]] = []
-        for path in tfprof.profile_files(self.logdir):
-            hosts, devices = tfprof.read_xspace(path)
+        for path in tfprof_files.profile_files(self.logdir):
+            hosts, devices = tfprof_files.read_xspace(path)
             for h in hosts:
                 c = tfprof.convert(h, rows, rank=r.rank, pid=r.pid, loop_tid=self.loop_tid,
                                    optimizers=self.optimizers, eager=False, iterations=False,

@@ -21,10 +21,10 @@ _ARROW = b"ARROW1"
 def detect(path: str) -> str:
     """'gputrace', 'kineto', 'nsys' or 'tensorflow' (by content, and `.xplane.pb` by name);
     raises ImportFailed otherwise."""
-    from gputrace.importers import tfprof
+    from gputrace.importers import tfprof_files
 
     if os.path.isdir(path):
-        return "tensorflow" if tfprof.is_profile_dir(path) else "gputrace"
+        return "tensorflow" if tfprof_files.is_profile_dir(path) else "gputrace"
     try:
         with open(path, "rb") as f:
             head = f.read(16)
@@ -36,7 +36,7 @@ def detect(path: str) -> str:
         return "gputrace"
     if head.startswith(_SQLITE):
         return "nsys"
-    if tfprof.looks_like(path):
+    if tfprof_files.looks_like(path):
         return "tensorflow"
     if head.startswith(b"\x1f\x8b") or head.lstrip()[:1] in (b"{", b"["):
         return "kineto"
@@ -59,10 +59,10 @@ def _kineto_files(path: str) -> list[str]:
 def is_foreign(paths: list[str]) -> bool:
     """True when the inputs are other tools' traces (to import), False for gputrace traces."""
     kinds = set()
-    from gputrace.importers import tfprof
+    from gputrace.importers import tfprof_files
 
     for p in paths:
-        if os.path.isdir(p) and tfprof.is_profile_dir(p):
+        if os.path.isdir(p) and tfprof_files.is_profile_dir(p):
             kinds.add("tensorflow")
         elif os.path.isdir(p):
             names = os.listdir(p)
@@ -82,7 +82,7 @@ def import_paths(paths: list[str]):  # type: ignore[no-untyped-def]
     import pyarrow.compute as pc
 
     from gputrace import progress
-    from gputrace.importers import kineto, nsys, tfprof
+    from gputrace.importers import kineto, kineto_json, nsys, tfprof, tfprof_files
     from gputrace.importers.common import Rows
     from gputrace.trace.reader import Trace
     from gputrace.trace.schema import conform
@@ -94,9 +94,9 @@ def import_paths(paths: list[str]):  # type: ignore[no-untyped-def]
     kineto_files = []
     tf_files: list[str] = []
     for p in paths:
-        kind = detect(p) if not os.path.isdir(p) or tfprof.is_profile_dir(p) else "kineto"
+        kind = detect(p) if not os.path.isdir(p) or tfprof_files.is_profile_dir(p) else "kineto"
         if kind == "tensorflow":
-            tf_files.extend(tfprof.profile_files(p))
+            tf_files.extend(tfprof_files.profile_files(p))
         elif kind == "nsys":
             try:
                 info = nsys.read(p, rows)
@@ -115,7 +115,7 @@ def import_paths(paths: list[str]):  # type: ignore[no-untyped-def]
     unnamed = 0
     for f in progress.each(kineto_files, "importing Kineto files"):
         try:
-            dist = kineto._top_level(f, "distributedInfo")
+            dist = kineto_json.top_level(f, "distributedInfo")
         except (ImportFailed, OSError, ValueError):
             dist = None
         rank = kineto.rank_of(f, dist)
@@ -135,7 +135,7 @@ def import_paths(paths: list[str]):  # type: ignore[no-untyped-def]
             raise ImportFailed(f"{f}: {e}") from None
         sources.append({"path": os.path.abspath(f), "tool": "kineto", "rank": rank,
                         "distributedInfo": dist if isinstance(dist, dict) else None, **counts})
-    for f, rank in zip(tf_files, tfprof.ranks_of(tf_files), strict=True):
+    for f, rank in zip(tf_files, tfprof_files.ranks_of(tf_files), strict=True):
         if rank in seen:
             raise ImportFailed(f"{f} and {seen[rank]} are both rank {rank}")
         seen[rank] = f

@@ -8,12 +8,8 @@ import importlib
 import os
 import re
 import shutil
-import signal
-import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,14 +28,11 @@ from gputrace.fmt import reason
 from gputrace.metadata import base_metadata
 from gputrace.probe import embed as embed_probe
 from gputrace.record import BOOTSTRAP_DIR
+from gputrace.record.job import Forwarder, spawn, wait_job
 from gputrace.record.nodes import node_output, spans_nodes
 from gputrace.record.summary import print_summary
 from gputrace.recorder import Recorder
 from gputrace.trace import frames, shards
-
-FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
-             signal.SIGUSR2)
-
 
 _TF_STEPS = re.compile(r"^(\d+:[1-9]\d*|all|off)$")
 
@@ -99,110 +92,6 @@ def check_output(path: str, force: bool) -> None:
         raise RecordError(f"{path} exists; use -f to overwrite it or -o to choose another name")
 
 
-@contextlib.contextmanager
-def _foreground(pgid: int) -> Iterator[None]:
-    """Give the terminal to the child's process group (as a shell does), so Ctrl-C reaches
-    the job once, directly; signals sent to `record` itself are forwarded."""
-    try:
-        fd = os.open("/dev/tty", os.O_RDWR)
-    except OSError:
-        yield
-        return
-    old = None
-    try:
-        try:
-            old = os.tcgetpgrp(fd)
-            if old == os.getpgrp():
-                prev = signal.signal(signal.SIGTTOU, signal.SIG_IGN)
-                try:
-                    os.tcsetpgrp(fd, pgid)
-                finally:
-                    signal.signal(signal.SIGTTOU, prev)
-            else:
-                old = None
-        except OSError:
-            old = None
-        yield
-    finally:
-        if old is not None:
-            prev = signal.signal(signal.SIGTTOU, signal.SIG_IGN)
-            try:
-                os.tcsetpgrp(fd, old)
-            except OSError:
-                pass
-            finally:
-                signal.signal(signal.SIGTTOU, prev)
-        os.close(fd)
-
-
-class _Forwarder:
-    """Forwards signals to the child's process group; a second one, or `kill_after_s`
-    without an exit, escalates to SIGKILL.
-
-    Installed before the job starts: a signal that `record` catches is reset to its default
-    in the job by exec, so the job starts as it would from an interactive shell. A
-    non-interactive shell starts background jobs with SIGINT and SIGQUIT ignored, which the
-    job would otherwise inherit and so never stop on a forwarded Ctrl-C. Other signals that
-    `record` was started ignoring (SIGHUP under nohup) stay ignored, by both."""
-
-    def __init__(self, kill_after_s: float) -> None:
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.kill_after_s = kill_after_s
-        self.received: list[int] = []
-        self._timer: threading.Timer | None = None
-        self._old: dict[int, Any] = {}
-
-    def install(self) -> None:
-        for s in FORWARDED:
-            old = signal.getsignal(s)
-            if old == signal.SIG_IGN and s not in (signal.SIGINT, signal.SIGQUIT):
-                continue
-            self._old[s] = signal.signal(s, self._handle)
-
-    def attach(self, proc: subprocess.Popen[bytes]) -> None:
-        """The job has started: send it what arrived while it was starting."""
-        self.proc = proc
-        early, self.received = self.received, []
-        for s in early:
-            self._handle(s, None)
-
-    def restore(self) -> None:
-        for s, h in self._old.items():
-            signal.signal(s, h)
-        if self._timer is not None:
-            self._timer.cancel()
-
-    def _send(self, sig: int) -> None:
-        assert self.proc is not None
-        try:
-            os.killpg(self.proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            try:
-                self.proc.send_signal(sig)
-            except ProcessLookupError:
-                pass
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.received.append(signum)
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        if len(self.received) > 1:
-            print("gputrace: second signal; killing the job (SIGKILL)", file=sys.stderr)
-            self._send(signal.SIGKILL)
-            return
-        self._send(signum)
-        if signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
-            self._timer = threading.Timer(self.kill_after_s, self._escalate)
-            self._timer.daemon = True
-            self._timer.start()
-
-    def _escalate(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            print(f"gputrace: the job did not exit {self.kill_after_s:g} s after the signal; "
-                  "killing it (SIGKILL)", file=sys.stderr)
-            self._send(signal.SIGKILL)
-
-
 def _check(opts: RecordOptions) -> None:
     """What is wrong with the request itself (RecordError: exit 2, nothing is run)."""
     if not opts.command:
@@ -237,44 +126,13 @@ def output_of(opts: RecordOptions) -> RecordOptions:
                    node_of=os.path.basename(opts.output))
 
 
-def _spawn(argv: list[str], env: dict[str, str], fwd: _Forwarder
-           ) -> subprocess.Popen[bytes] | int:
-    """Start the job in its own process group with `record`'s signals forwarded to it; the
-    exit code of a command that cannot run (127 not found, 126 not runnable) otherwise."""
-    fwd.install()
-    try:
-        proc = subprocess.Popen(argv, env=env, process_group=0)
-    except (OSError, ValueError) as e:
-        fwd.restore()
-        code = 127 if isinstance(e, FileNotFoundError) else 126
-        print(f"gputrace: cannot run {argv[0]}: {reason(e)}", file=sys.stderr)
-        return code
-    fwd.attach(proc)
-    return proc
-
-
-def _wait(proc: subprocess.Popen[bytes], fwd: _Forwarder) -> int:
-    """The job's exit code as a shell gives it (128 + signal when a signal ended it)."""
-    try:
-        with _foreground(proc.pid):
-            while True:
-                try:
-                    rc = proc.wait()
-                    break
-                except KeyboardInterrupt:  # only if a handler was replaced under us
-                    continue
-    finally:
-        fwd.restore()
-    return 128 - rc if rc < 0 else rc
-
-
 def _run_untraced(opts: RecordOptions) -> RecordResult:
     t0 = time.monotonic()
-    fwd = _Forwarder(opts.kill_after_s)
-    proc = _spawn(list(opts.command), dict(os.environ), fwd)
+    fwd = Forwarder(opts.kill_after_s)
+    proc = spawn(list(opts.command), dict(os.environ), fwd)
     if isinstance(proc, int):
         return RecordResult(proc, None, 0.0, {})
-    return RecordResult(_wait(proc, fwd), None, time.monotonic() - t0, {})
+    return RecordResult(wait_job(proc, fwd), None, time.monotonic() - t0, {})
 
 
 def _prepare(opts: RecordOptions, shard_dir: str, clock: Clock
@@ -358,8 +216,8 @@ def record(opts: RecordOptions) -> RecordResult:
         return _run_untraced(opts)
 
     t0 = time.monotonic()
-    fwd = _Forwarder(opts.kill_after_s)
-    proc = _spawn(list(opts.command), env, fwd)
+    fwd = Forwarder(opts.kill_after_s)
+    proc = spawn(list(opts.command), env, fwd)
     if isinstance(proc, int):
         rec.close()
         shutil.rmtree(shard_dir, ignore_errors=True)
@@ -372,7 +230,7 @@ def record(opts: RecordOptions) -> RecordResult:
         print(f"gputrace: system sampling did not start: {reason(e)}; {output} gets no "
               "host, disk or network samples", file=sys.stderr)
     cpu0, wall0 = time.process_time(), time.perf_counter()
-    exit_code = _wait(proc, fwd)
+    exit_code = wait_job(proc, fwd)
     duration = time.monotonic() - t0
     lost = None
     try:

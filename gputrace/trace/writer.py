@@ -226,7 +226,7 @@ def write_ranks(path: str | os.PathLike[str], metadata: dict[str, Any],
                 tables: Iterable[pa.Table]) -> None:
     """Write a trace from tables of one rank each, in rank order, sorted by start: no record
     batch holds two ranks, so a reader can take one rank at a time
-    (`trace.reader.open_by_rank`). Raises OSError where the file could not be written."""
+    (`trace.ranked.open_by_rank`). Raises OSError where the file could not be written."""
     w = TraceWriter(path, metadata, quiet=True)
     try:
         for table in tables:
