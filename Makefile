@@ -33,7 +33,7 @@ browser:
 	else echo "no $(CHROMIUM) and not root to install it: browser tests will skip"; fi
 
 test: lint browser
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=20
 
 clean:
 	rm -rf $(VENV) demo.arrow demo-report.html build *.egg-info
