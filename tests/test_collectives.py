@@ -199,6 +199,7 @@ def test_moe_exchange_kinds_bytes_and_waits(recorded):
         # the job's own timed wait() on each async collective holds gputrace's wait
         waits = truth[rank]["waits"]
         assert len(waits) == 2 * ITERATIONS
+        stood = []     # (the job's wait, the record's) where the job stood still
         for w in waits:
             r = max((r for r in mine if r["name"] == w["kind"] and r["a"]["async"] and
                      r["start_ns"] <= w["start"]), key=lambda r: r["start_ns"])
@@ -210,9 +211,16 @@ def test_moe_exchange_kinds_bytes_and_waits(recorded):
             ws, we = r["a"]["wait"]
             assert w["start"] <= ws <= we <= w["end"], (w, r["a"]["wait"])
             assert r["start_ns"] <= ws and r["end_ns"] <= we
-            if w["running"]:   # the job stood still for it: so did the record (give or take
-                # the scheduling of two threads' clock reads on a busy machine: 0.5 ms)
-                assert we - ws >= 0.8 * (w["end"] - w["start"]) - 500_000, (w, ws, we)
+            if w["running"]:
+                stood.append((w["end"] - w["start"], we - ws))
+        # the job stood still in those waits: so did the record, give or take the
+        # scheduling of two threads' clock reads (tens of us; now and then a busy machine
+        # preempts one thread for milliseconds, so no single wait is held to it)
+        if stood:
+            missed = sorted(job - mine for job, mine in stood)
+            assert missed[len(missed) // 2] < 500_000, (rank, missed)
+            job_total, mine_total = map(sum, zip(*stood))
+            assert mine_total >= 0.8 * job_total - 500_000 * len(stood), (rank, stood)
         # rank 1 joins each all-reduce 50 ms late: rank 0 waited for most of them
         if rank == 0:
             assert sum(w["running"] for w in waits if w["kind"] == "all_reduce") >= 5
