@@ -20,8 +20,8 @@ module call on torch's hooked path:
   1..L in execution order from the input side at their first call, and get a forward span
   per call only with `GPUTRACE_LAYER_FORWARD=1`;
 - backward: `torch.autograd.backward` entry/exit, and per timed layer the end of its last
-  parameter's gradient accumulation (post-accumulate-grad hooks), with `bytes` = the bytes
-  of the gradients the layer produces (what its all-reduce would move; replay uses it);
+  parameter's gradient accumulation (torch_grads: one post-accumulate-grad hook per layer),
+  with `bytes` = the bytes of the gradients the layer produces (what its all-reduce would move; replay uses it);
 - comm: every DistributedDataParallel bucket, timed by wrapping its comm hook (the default
   all-reduce, or the user's own): `layer` = bucket index, `bytes`, `args.layers`.
 """
@@ -30,22 +30,19 @@ from __future__ import annotations
 
 import functools
 import threading
-import time
-import weakref
 from typing import Any
 
 import torch
 
 from gputrace.collectors import torch_comm, torch_guard
 from gputrace.collectors.torch_ddp import maybe_hook_ddp, patch_ddp
-from gputrace.collectors.torch_guard import _guarded, _hook_failed
+from gputrace.collectors.torch_grads import _begin, _LayerGrads, _settle
+from gputrace.collectors.torch_guard import _guarded
 from gputrace.collectors.torch_iterations import _Iterations
 from gputrace.collectors.torch_modules import Modules, env_forward, env_mode
 from gputrace.recorder import Recorder
 
 _installed: _State | None = None
-_perf = time.perf_counter_ns
-_tid = threading.get_native_id
 
 
 class _State:
@@ -66,6 +63,7 @@ class _State:
         self.bwd_t0 = 0
         self.last_mark = 0                        # end of the last finished layer backward
         self.grads: dict[int, _LayerGrads] = {}   # layer -> its gradients' hook
+        self.probing: set[_LayerGrads] = set()    # layers learning their last gradient
         self.off = rec.clock.from_perf(0)         # perf_counter_ns -> trace clock
         self.update_t0 = 0
         self.last_bwd_end = 0
@@ -110,7 +108,7 @@ class _State:
             if p.requires_grad and p.is_leaf:   # a non-leaf (functional_call) has no .grad
                 nbytes += p.numel() * p.element_size()
                 hook.add(p)
-        self.layer_nparams[layer] = hook.n
+        self.layer_nparams[layer] = hook.total
         self.layer_grad_bytes[layer] = hook.nbytes = nbytes
         return layer
 
@@ -141,6 +139,8 @@ class _State:
     def backward_enter(self) -> None:
         if self.bwd_depth == 0:
             self.bwd_t0 = t = self.now()
+            if self.probing:
+                _begin(self.probing)
             self.last_mark = t - self.off         # layer marks are on perf_counter_ns
             if self.loss_from and self.depth == 0:
                 # the loss (and its scaling) between the model's forward and this backward
@@ -188,103 +188,6 @@ class _State:
         self.rec.span("update", type(opt).__name__, start, t)
         self.loss_from = 0
         self.its.stepped(t)
-
-
-class _LayerGrads:
-    """The post-accumulate-grad hook of one timed layer's parameters (the object itself: one
-    Python frame per parameter, a clock read and a count). The last of them ends the layer's
-    backward, from the end of the layer before it (or the backward's start), appended as one
-    perf-clock tuple like a forward span. A layer some of whose parameters got no gradient is
-    ended by the backward's exit.
-
-    After a backward in which all of a layer's gradients came, only the parameter whose
-    gradient came last keeps the hook (`_settle`): a transformer block has a dozen
-    parameters, and each hook is a call from autograd into Python (a tensor wrapped, a
-    frame), most of what per-block timing cost the loop. Autograd runs a graph's gradients
-    in the same order each time, so that one still ends the layer. Where it does not come
-    while the layers beside it did (a routed expert, a skipped branch), every parameter gets
-    its hook back for good.
-
-    No lock: one backward's hooks run on one autograd thread per device, and the GIL keeps
-    the read and write of the last mark apart from another's but for a switch between them,
-    which at worst starts a layer of one device at the end of another device's."""
-
-    __slots__ = ("st", "layer", "name", "nbytes", "n", "count", "last", "final", "done",
-                 "params", "handles", "state", "kept")
-
-    def __init__(self, st: _State, layer: int, name: str) -> None:
-        self.st, self.layer, self.name, self.nbytes = st, layer, name, 0
-        self.n, self.count, self.last = 0, 0, 0
-        self.final: Any = None    # the parameter whose gradient ended the layer's backward
-        self.done = False         # the layer's backward ended in the running backward
-        self.params: list[weakref.ref[Any]] = []   # weak: the model's lifetime is its own
-        self.handles: list[Any] = []
-        self.state = "all"        # "all" hooked, "one" (the last to come), "kept" all again
-        self.kept = -1            # in "one": the index of the parameter that keeps it
-
-    def add(self, p: Any) -> None:
-        self.params.append(weakref.ref(p))
-        self.handles.append(p.register_post_accumulate_grad_hook(self))
-        self.n += 1
-
-    def __call__(self, param: Any) -> None:
-        t = _perf()
-        self.last = t
-        c = self.count + 1
-        if c < self.n:
-            self.count = c
-            return
-        self.count = 0
-        self.final = param
-        self.done = True
-        try:
-            st = self.st
-            start = st.last_mark or t
-            st.last_mark = t
-            rec = st.rec
-            tid = _tid()
-            if tid not in rec.threads:    # an autograd device thread: named once
-                rec._new_thread(tid)
-            st.push(("backward", self.name, start, t, tid, rec.step, self.layer, self.nbytes,
-                     None))
-        except Exception as e:  # noqa: BLE001 - a profiler never takes down the job
-            _hook_failed("grad_ready", e)
-
-    def keep_last(self) -> None:
-        """Only the parameter whose gradient came last keeps the hook."""
-        for i, (ref, handle) in enumerate(zip(self.params, self.handles, strict=True)):
-            if ref() is self.final:
-                self.kept = i
-            else:
-                handle.remove()
-        self.n, self.state = 1, "one"
-
-    def hook_all(self) -> None:
-        """Every parameter gets its hook back (the kept one has it still)."""
-        self.n, self.state = 0, "kept"
-        for i, ref in enumerate(self.params):
-            p = ref()
-            if p is None:
-                continue
-            if i != self.kept:
-                self.handles[i] = p.register_post_accumulate_grad_hook(self)
-            self.n += 1
-
-
-def _settle(grads: dict[int, _LayerGrads]) -> None:
-    """At the end of a backward: a layer all of whose gradients came keeps one hook; a layer
-    down to one whose hook did not fire while a layer beside it did gets all of them back.
-    Every layer's count starts again for the next backward."""
-    for layer, g in grads.items():
-        if g.done:
-            if g.state == "all" and g.n > 1 and g.final is not None:
-                g.keep_last()
-        elif g.state == "one" and any(
-                (n := grads.get(layer + d)) is not None and n.done for d in (-1, 1)):
-            g.hook_all()
-    for g in grads.values():
-        # the model's parameters are not held past a backward
-        g.count, g.done, g.final = 0, False, None
 
 
 def _patch_dataloader(state: _State) -> None:

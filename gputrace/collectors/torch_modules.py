@@ -15,8 +15,8 @@ modules to time are chosen (`GPUTRACE_LAYERS`):
 - `leaves`: every module with parameters of its own;
 - `off`: none (phases and iterations only, no per-layer spans).
 
-Each chosen module's parameters' post-accumulate-grad hooks give its backward (a `backward`
-span with `layer`): what the analysis uses (gradient readiness of the comm units). Its
+Each chosen module's last gradient gives its backward (a `backward` span with `layer`, see
+torch_grads): what the analysis uses (gradient readiness of the comm units). Its
 forward is timed too (a `forward` span with `layer`, a pre-hook and a hook per call) only
 when asked (`GPUTRACE_LAYER_FORWARD=1`, `record --layer-forward`): on a 12-block
 transformer those two hooks per block cost the loop about 1 %. Otherwise a one-shot

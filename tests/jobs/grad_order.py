@@ -2,7 +2,8 @@
 iterations, then one at a time (a routed block whose last gradient changes). The job times
 its own gradients: a post-accumulate-grad hook of its own on every parameter writes, per
 iteration and block, when the block's first and last gradients came (time.time_ns), to
-argv[1]; at the end, how many hooks each block's parameters hold."""
+argv[1]; at the end, how many hooks each block's parameters hold, and which gradient hooks
+at all the parameters of a second model hold (one the job put none on)."""
 
 from __future__ import annotations
 
@@ -60,10 +61,21 @@ def main() -> None:
         opt.step()
     hooks = [[len(p._post_accumulate_grad_hooks or {}) for p in block.parameters()]
              for block in model]
+    # a model without hooks of the job's: which gradient hooks its parameters hold at all
+    # (a tensor's hooks dict is None until a hook was registered on it; torch keeps a
+    # post-accumulate-grad hook's C++ side for the tensor's life once one was)
+    bare = nn.Sequential(Block(), Block())
+    opt = torch.optim.SGD(bare.parameters(), lr=1e-3)
+    for _ in range(3):
+        opt.zero_grad()
+        bare(x).pow(2).mean().backward()
+        opt.step()
+    held = [[[p._post_accumulate_grad_hooks is not None, p._backward_hooks is not None]
+             for p in block.parameters()] for block in bare]
     with open(sys.argv[1], "w") as f:
         json.dump({"first": [[s, b, t] for (s, b), t in sorted(first.items())],
                    "last": [[s, b, t] for (s, b), t in sorted(last.items())],
-                   "hooks": hooks}, f)
+                   "hooks": hooks, "bare": held}, f)
 
 
 if __name__ == "__main__":
