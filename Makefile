@@ -12,6 +12,9 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[torch,tf,dev,notebook]'
+	# tf_keras (Keras 2, TF_USE_LEGACY_KERAS) for its tests: it asks for `tensorflow`, whose
+	# module tensorflow-cpu already is (both installed, removing either breaks the other)
+	$(BIN)/python -m pip install -q --no-deps tf-keras==2.21.0
 	rm -f $(VENV)/.installed-*; touch $@
 
 demo: $(STAMP)
