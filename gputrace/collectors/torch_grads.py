@@ -9,13 +9,16 @@ Which parameter comes last is learned in a layer's first backward with tensor pr
 (`register_hook`) on all of its parameters: each counts a gradient as it is about to be
 accumulated, and the last one registers the post-accumulate-grad hook on its own parameter
 (it fires after that very accumulation). Once the layer has had all its gradients, the
-pre-hooks go, and so do torch's own C++ hooks behind them (a tensor's pre-hooks are cleared
-when its `_backward_hooks` is set to None). A post-accumulate-grad hook cannot be taken
-back that way: its C++ side stays for the tensor's life even with the handle removed, and
-calls into Python (the GIL, a wrapped tensor) at every accumulation, about 1 us a
-parameter. So the layer's other parameters never get one, unless the one kept misses while
-the layers beside it came (a routed expert, a skipped branch): then all of them get one for
-good (`_settle`).
+pre-hooks go, and so do torch's own C++ hooks behind them: a tensor's pre-hooks are cleared
+when its `_backward_hooks` is set to None, done only where that dict is empty (a pre-hook
+of the job's stays). Like any Python pre-hook, the first on a tensor clears a pre-hook a C++
+extension registered on it in C++ (a rule of torch's).
+
+A post-accumulate-grad hook cannot be taken back that way: its C++ side stays for the
+tensor's life even with the handle removed, and calls into Python (the GIL, a wrapped
+tensor) at every accumulation, about 1 us a parameter. So the layer's other parameters
+never get one, unless the one kept misses while the layers beside it came (a routed expert,
+a skipped branch): then all of them get one for good (`_settle`).
 """
 
 from __future__ import annotations
