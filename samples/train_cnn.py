@@ -13,6 +13,7 @@ throughput at the end.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import shutil
 import tempfile
@@ -277,6 +278,11 @@ def main(argv: list[str] | None = None) -> None:
               f"{device.type}); loss {losses[0]:.3f} -> {losses[-1]:.3f}; median iteration "
               f"{1e3 * sorted(times[3:] or times)[len(times[3:] or times) // 2]:.1f} ms")
     if world > 1:
+        # DDP's reducer keeps the last backward's all-reduce works, which hold a Python
+        # object of torch's: freed here, on this thread, not by a gloo thread while the
+        # interpreter exits (that aborts: "terminate called without an active exception")
+        model = opt = loss = None
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -6,6 +6,7 @@ must not see the difference."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -36,6 +37,13 @@ def main() -> None:
     if rank == 0:
         with open(sys.argv[1], "w") as f:
             json.dump(grads, f)
+    # The works of a backward's all-reduces hold a Python object of torch's (the backward's
+    # contextvars): a gloo thread that drops the last reference to one while the
+    # interpreter exits aborts the process ("terminate called without an active
+    # exception"), which a barrier holding them as its prior works made happen now and
+    # then. DDP's reducer keeps each bucket's last work: freed here, on this thread.
+    ddp = opt = loss = None
+    gc.collect()
     dist.barrier()   # gloo aborts a rank that tears down while the other still talks
     dist.destroy_process_group()
 

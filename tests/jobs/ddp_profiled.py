@@ -1,6 +1,7 @@
 """A 2-rank gloo DDP loop profiled by torch.profiler alone (no gputrace), CPU only: each
 rank exports its Kineto JSON to OUTDIR/rank<R>.json. Run under torchrun."""
 
+import gc
 import os
 import sys
 
@@ -32,4 +33,6 @@ with profile(activities=[ProfilerActivity.CPU], schedule=schedule(wait=1, warmup
         loss.backward()
         opt.step()
         prof.step()
+model = opt = loss = prof = None   # the last all-reduces' works, on this thread (ddp_grads.py)
+gc.collect()
 dist.destroy_process_group()

@@ -18,6 +18,7 @@ block. Each rank writes OUT_PREFIX.rank<R>.json: every collective the process gr
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 
@@ -108,6 +109,8 @@ def main() -> None:
         opt.zero_grad()
         truth.end()
     truth.dump(f"{a.out}.rank{rank}.json")
+    model = opt = loss = None   # the last collectives' works, on this thread (ddp_grads.py)
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
 
