@@ -35,6 +35,7 @@ def recorded(tmp_path_factory):
     cache: dict[str, tuple[dict[int, list[dict]], dict[int, dict]]] = {}
     logs: dict[str, str] = {}
     forwards: dict[str, dict[int, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    backwards: dict[str, dict[int, list[dict]]] = defaultdict(lambda: defaultdict(list))
 
     def get(name: str):
         if name not in cache:
@@ -50,6 +51,8 @@ def recorded(tmp_path_factory):
                     spans[r["rank"]].append(r)
                 elif r["kind"] == "span" and r["cat"] == "forward" and r["layer"] >= 1:
                     forwards[name][r["rank"]].append(r)
+                elif r["kind"] == "span" and r["cat"] == "backward" and r["layer"] >= 1:
+                    backwards[name][r["rank"]].append(r)
             truth = {k: json.loads((out / f"{name}.rank{k}.json").read_text())
                      for k in (0, 1)}
             cache[name] = (dict(spans), truth)
@@ -57,6 +60,7 @@ def recorded(tmp_path_factory):
 
     get.logs = logs
     get.forwards = forwards
+    get.backwards = backwards
     return get
 
 
@@ -105,6 +109,24 @@ def test_fsdp_collectives_match_the_jobs_own_count(recorded, name):
                 assert r["a"]["bytes_out"] == 2 * r["bytes"]
             if r["name"] == "reduce_scatter":
                 assert 2 * r["a"]["bytes_out"] == r["bytes"]
+
+
+@pytest.mark.parametrize("name", FSDP)
+def test_fsdp_each_layers_backward_in_every_iteration(recorded, name):
+    """When each layer's gradients are ready: a backward span per layer (the blocks and the
+    layers around them) in every iteration after the first. FSDP2 sets its sharded
+    parameters' gradients after their reduce-scatter, outside autograd, and calls their
+    post-accumulate-grad hooks itself: the first backward shows that."""
+    recorded(name)
+    for rank in (0, 1):
+        by_step = defaultdict(set)
+        for r in recorded.backwards[name][rank]:
+            by_step[r["step"]].add(r["layer"])
+        steps = sorted(by_step)
+        assert len(steps) == ITERATIONS, steps
+        later = [by_step[s] for s in steps[1:]]
+        assert all(x == later[0] for x in later), later
+        assert len(later[0]) >= len(UNITS), later[0]   # the 4 blocks and 1 layer or more
 
 
 @pytest.mark.parametrize("name", FSDP)

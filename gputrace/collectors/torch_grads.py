@@ -19,6 +19,12 @@ tensor's life even with the handle removed, and calls into Python (the GIL, a wr
 tensor) at every accumulation, about 1 us a parameter. So the layer's other parameters
 never get one, unless the one kept misses while the layers beside it came (a routed expert,
 a skipped branch): then all of them get one for good (`_settle`).
+
+Where gradients come without autograd's accumulation, no pre-hook sees them: FSDP2 sets its
+sharded parameters' `.grad` after their reduce-scatter and calls their post-accumulate-grad
+hooks itself (from Python: nothing stays in C++). A layer whose gradients came that way in a
+backward gets post-accumulate-grad hooks on all its parameters, then keeps the one that
+comes last; its spans begin with the second backward.
 """
 
 from __future__ import annotations
@@ -43,14 +49,15 @@ class _LayerGrads:
 
     States: "probe" (a pre-hook on every parameter, a post-accumulate-grad hook on the last
     one once it is known), "one" (that hook only), "kept" (a post-accumulate-grad hook on
-    every parameter).
+    every parameter, for good), "all" (the same until a backward tells the last one: where
+    gradients come without autograd's accumulation, as FSDP2's sharded parameters' do).
 
     No lock: one backward's hooks run on one autograd thread per device, and the GIL keeps
     the read and write of the last mark apart from another's but for a switch between them,
     which at worst starts a layer of one device at the end of another device's."""
 
     __slots__ = ("st", "layer", "name", "nbytes", "n", "total", "count", "last", "done",
-                 "params", "probes", "post", "state", "kept")
+                 "final", "params", "probes", "post", "state", "kept")
 
     def __init__(self, st: Any, layer: int, name: str) -> None:
         self.st, self.layer, self.name, self.nbytes = st, layer, name, 0
@@ -58,6 +65,7 @@ class _LayerGrads:
         self.total = 0            # parameters that get gradients
         self.count, self.last = 0, 0
         self.done = False         # the layer's backward ended in the running backward
+        self.final: Any = None    # the parameter whose gradient ended it (state "all")
         self.params: list[weakref.ref[Any]] = []   # weak: the model's lifetime is its own
         self.probes: list[Any] = []                # the pre-hooks' handles, while probing
         self.post: list[Any] = []                  # the post-accumulate-grad hooks' handles
@@ -97,6 +105,7 @@ class _LayerGrads:
             return
         self.count = 0
         self.done = True
+        self.final = param
         try:
             st = self.st
             start = st.last_mark or t
@@ -110,17 +119,45 @@ class _LayerGrads:
         except Exception as e:  # noqa: BLE001 - a profiler never takes down the job
             _hook_failed("grad_ready", e)
 
-    def unprobe(self) -> None:
-        """The last parameter is known: the pre-hooks go, torch's C++ side with them where
-        the tensor holds no other pre-hook."""
+    def unprobe(self, state: str = "one") -> None:
+        """The last parameter is known (or the pre-hooks cannot tell it): the pre-hooks go,
+        torch's C++ side with them where the tensor holds no other pre-hook."""
         for ref, h in zip(self.params, self.probes, strict=True):
             h.remove()
             p = ref()
             if p is not None and p._backward_hooks is not None and not p._backward_hooks:
                 p._backward_hooks = None
         self.probes = []
-        self.state = "one"
+        self.state = state
         self.st.probing.discard(self)
+
+    def given(self) -> bool:
+        """Gradients came though no pre-hook saw them: set outside autograd's accumulation
+        (FSDP2 sets its sharded parameters' `.grad` after their reduce-scatter and calls
+        their post-accumulate-grad hooks itself)."""
+        return any((p := ref()) is not None and p.grad is not None for ref in self.params)
+
+    def hook_given(self) -> None:
+        """Every parameter gets a post-accumulate-grad hook ("all"); after a backward in
+        which all of them came, the one whose gradient came last keeps it (`keep_last`).
+        Whoever calls them, not autograd, leaves no C++ hook behind."""
+        self.unprobe("all")
+        for h in self.post:
+            h.remove()
+        self.post = [p.register_post_accumulate_grad_hook(self) if p is not None else None
+                     for p in (ref() for ref in self.params)]
+        self.n, self.kept = sum(h is not None for h in self.post), -1
+
+    def keep_last(self) -> None:
+        """State "all": only the parameter whose gradient came last keeps the hook."""
+        kept = None
+        for i, (ref, h) in enumerate(zip(self.params, self.post, strict=True)):
+            if ref() is self.final and kept is None:
+                self.kept, kept = i, h
+            elif h is not None:
+                h.remove()
+        self.post = [kept]
+        self.n, self.state = 1, "one"
 
     def hook_all(self) -> None:
         """Every parameter gets a post-accumulate-grad hook (the kept one has it still)."""
@@ -150,18 +187,25 @@ class _Probe:
 
 
 def _settle(grads: dict[int, _LayerGrads]) -> None:
-    """At the end of a backward: a probing layer all of whose gradients came keeps one hook;
-    a layer down to one whose hook did not fire while a layer beside it did gets all of them
-    back. Every layer's count starts again for the next backward."""
+    """At the end of a backward: a layer all of whose gradients came keeps one hook; a
+    probing layer whose gradients came without its pre-hooks gets post-accumulate-grad
+    hooks; a layer down to one whose hook did not fire while a layer beside it did gets all
+    of them back. Every layer's count starts again for the next backward."""
     for layer, g in grads.items():
         if g.done:
             if g.state == "probe":
                 g.unprobe()
+            elif g.state == "all" and g.final is not None:
+                g.keep_last()
+        elif g.state == "probe":
+            if not g.count and g.given():
+                g.hook_given()
         elif g.state == "one" and any(
                 (n := grads.get(layer + d)) is not None and n.done for d in (-1, 1)):
             g.hook_all()
     for g in grads.values():
-        g.count, g.done = 0, False
+        # the model's parameters are not held past a backward
+        g.count, g.done, g.final = 0, False, None
 
 
 def _begin(probing: set[_LayerGrads]) -> None:
