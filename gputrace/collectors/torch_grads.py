@@ -57,7 +57,7 @@ class _LayerGrads:
     which at worst starts a layer of one device at the end of another device's."""
 
     __slots__ = ("st", "layer", "name", "nbytes", "n", "total", "count", "last", "done",
-                 "final", "params", "probes", "post", "state", "kept")
+                 "final", "params", "probes", "post", "state")
 
     def __init__(self, st: Any, layer: int, name: str) -> None:
         self.st, self.layer, self.name, self.nbytes = st, layer, name, 0
@@ -68,9 +68,8 @@ class _LayerGrads:
         self.final: Any = None    # the parameter whose gradient ended it (state "all")
         self.params: list[weakref.ref[Any]] = []   # weak: the model's lifetime is its own
         self.probes: list[Any] = []                # the pre-hooks' handles, while probing
-        self.post: list[Any] = []                  # the post-accumulate-grad hooks' handles
+        self.post: dict[int, Any] = {}   # parameter index -> its post-accumulate-grad hook
         self.state = "probe"
-        self.kept = -1            # the index of the parameter that holds the hook
 
     def add(self, p: Any) -> None:
         self.probes.append(p.register_hook(_Probe(self, len(self.params))))
@@ -86,15 +85,13 @@ class _LayerGrads:
             self.count = c
             return
         self.count = 0
-        if self.kept != i:
+        if i not in self.post:
             p = self.params[i]()
             if p is None:
                 return
-            for h in self.post:   # a last one that never fired (it leaves an empty hook)
+            for h in self.post.values():   # a last one that never fired (an empty hook stays)
                 h.remove()
-            self.post = [p.register_post_accumulate_grad_hook(self)]
-            self.kept = i
-        self.n = 1
+            self.post = {i: p.register_post_accumulate_grad_hook(self)}
 
     def __call__(self, param: Any) -> None:
         t = _perf()
@@ -142,32 +139,31 @@ class _LayerGrads:
         which all of them came, the one whose gradient came last keeps it (`keep_last`).
         Whoever calls them, not autograd, leaves no C++ hook behind."""
         self.unprobe("all")
-        for h in self.post:
-            h.remove()
-        self.post = [p.register_post_accumulate_grad_hook(self) if p is not None else None
-                     for p in (ref() for ref in self.params)]
-        self.n, self.kept = sum(h is not None for h in self.post), -1
+        self._hook_every()
 
     def keep_last(self) -> None:
         """State "all": only the parameter whose gradient came last keeps the hook."""
-        kept = None
-        for i, (ref, h) in enumerate(zip(self.params, self.post, strict=True)):
-            if ref() is self.final and kept is None:
-                self.kept, kept = i, h
-            elif h is not None:
+        keep = next((i for i in self.post if self.params[i]() is self.final), None)
+        for i, h in self.post.items():
+            if i != keep:
                 h.remove()
-        self.post = [kept]
+        self.post = {keep: self.post[keep]} if keep is not None else {}
         self.n, self.state = 1, "one"
 
     def hook_all(self) -> None:
-        """Every parameter gets a post-accumulate-grad hook (the kept one has it still)."""
-        self.n, self.state = 0, "kept"
+        """Every parameter gets its post-accumulate-grad hook back, for good."""
+        self.state = "kept"
+        self._hook_every()
+
+    def _hook_every(self) -> None:
+        """A post-accumulate-grad hook on every parameter alive (one that has it keeps it)."""
+        self.n = 0
         for i, ref in enumerate(self.params):
             p = ref()
             if p is None:
                 continue
-            if i != self.kept:
-                self.post.append(p.register_post_accumulate_grad_hook(self))
+            if i not in self.post:
+                self.post[i] = p.register_post_accumulate_grad_hook(self)
             self.n += 1
 
 
