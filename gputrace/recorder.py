@@ -80,6 +80,10 @@ class Recorder:
         # called by the flusher with the spans just drained; return extra rows to write
         # (the CUPTI collector attributes GPU records to these phase spans)
         self.flush_hooks: list[Any] = []
+        # asked at each flush, until it answers, for (rank, world size) where the job learns
+        # them in-process (torch.distributed: mp.spawn, Lightning's or any launcher that
+        # sets no variables); see `learn_rank`
+        self.rank_source: Any = None
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> Recorder:
@@ -111,7 +115,33 @@ class Recorder:
     def set_collector(self, name: str, status: str, **settings: Any) -> None:
         self.metadata.setdefault("collectors", {})[name] = {"status": status, **settings}
 
+    def learn_rank(self) -> None:
+        """Ask `rank_source` for this process's rank and world size; once it answers, every
+        event from then on carries that rank, and the shard's metadata says it
+        (`rank_from`), so the reader gives the events written before it the same rank."""
+        source = self.rank_source
+        if source is None:
+            return
+        try:
+            got = source()
+        except Exception:  # noqa: BLE001 - e.g. the group being destroyed: ask again later
+            return
+        if got is None:
+            return
+        self.rank_source = None
+        rank, world = got
+        md = self.metadata
+        if rank == self.rank and md.get("world_size") == world:
+            return
+        self.rank = rank
+        md["rank"], md["world_size"], md["rank_from"] = rank, world, "torch.distributed"
+        with self._write:
+            if self._writer is not None:
+                self._writer.put_metadata(md)
+
     def flush(self) -> None:
+        if self.rank_source is not None:
+            self.learn_rank()
         with self._swap:
             spans = _drain(self._spans)
             perf = _drain(self._perf_spans)

@@ -141,3 +141,27 @@ def test_the_jobs_own_numpy_values_are_recorded_as_numbers(tmp_path, capsys):
     assert (sp["start_ns"], sp["end_ns"] - sp["start_ns"], sp["layer"], sp["bytes"]) == \
         (int(t), 5, 3, 4096)
     assert (sa["start_ns"], sa["value"], sa["unit"]) == (int(t), 2.5, "GB")
+
+
+@pytest.mark.parametrize("closed", [True, False])
+def test_a_rank_learned_in_process_is_every_event_of_the_process(tmp_path, closed):
+    """A process whose launcher set no rank (mp.spawn, Lightning's launcher) learns it
+    from torch.distributed during the run: what it wrote before carried rank -1, and reads
+    back with the rank it learned, whether it closed its shard or was killed after."""
+    rec = Recorder(str(tmp_path / "p.spans"), {"host": "h", "rank": -1, "world_size": -1},
+                   flush_interval_s=1e9)
+    answers = iter([None, (1, 2)])
+    rec.rank_source = lambda: next(answers)
+    t = rec.now_ns()
+    rec.span("forward", "before", t, t + 5)
+    rec.sample("host", "cpu.util", 3.0, "%", t_ns=t)
+    rec.flush()                       # the group does not exist yet: written as rank -1
+    rec.span("forward", "after", t + 10, t + 15)
+    rec.flush()                       # learned: from here on rank 1
+    assert rec.rank == 1 and rec.rank_source is None
+    if closed:
+        rec.close()
+    tr = load(tmp_path / "p.spans")
+    assert set(tr.table.column("rank").to_pylist()) == {1}
+    assert tr.metadata["rank"] == 1 and tr.metadata["world_size"] == 2
+    assert {r["name"] for r in tr.table.to_pylist()} >= {"before", "after", "cpu.util"}

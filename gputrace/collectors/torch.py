@@ -40,6 +40,7 @@ from gputrace.collectors.torch_grads import _begin, _LayerGrads, _settle
 from gputrace.collectors.torch_guard import _guarded
 from gputrace.collectors.torch_iterations import _Iterations
 from gputrace.collectors.torch_modules import Modules, env_forward, env_mode
+from gputrace.collectors.torch_rank import learn_rank_from_torch
 from gputrace.recorder import Recorder
 
 _installed: _State | None = None
@@ -264,6 +265,7 @@ def auto_instrument(rec: Recorder) -> str:
             _installed.off = rec.clock.from_perf(0)
             _installed.its = _Iterations(rec)
             torch_guard.set_recorder(rec)
+            learn_rank_from_torch(rec)
         return "ok"
     layers, forward = env_mode(), env_forward()
     state = _State(rec, layers, forward)
@@ -278,6 +280,7 @@ def auto_instrument(rec: Recorder) -> str:
     _patch_dataloader(state)
     patch_ddp(lambda: _installed)
     torch_comm.install(lambda: _installed)
+    learn_rank_from_torch(rec)
     rec.metadata.setdefault("software", {})["torch"] = torch.__version__
     rec.metadata["torch"] = {"cuda": bool(torch.cuda.is_available()), "layers": layers,
                              "layer_forward": forward}

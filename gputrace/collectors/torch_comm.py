@@ -174,6 +174,8 @@ def _extractor(spec: Any, nbytes: bool) -> Any:
 def _record(st: Any, kind: str, a: tuple[Any, ...], k: dict[str, Any], ex: Any,
             t0: int, t1: int, res: Any) -> None:
     rec = st.rec
+    if rec.rank_source is not None:   # the group exists: this process's rank, at once
+        rec.learn_rank()
     if kind == "batch":
         ops = a[0] if a else k.get("p2p_op_list") or []
         kind = "send_recv"

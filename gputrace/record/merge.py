@@ -44,7 +44,10 @@ def merge_shards(shard_dir: str, out: str, top: dict[str, Any] | None = None,
     shards, warnings = index_shards(shard_dir)
     md = merge_metadata([s.metadata for s in shards])
     if top:
+        world = md.get("world_size")
         md.update({k: v for k, v in top.items() if k != "collectors"})
+        if isinstance(world, int) and world > (md.get("world_size") or -1):
+            md["world_size"] = world   # the processes learned it (torch.distributed)
         collectors = dict(md.get("collectors") or {})
         for name, info in (top.get("collectors") or {}).items():
             # a shard that tried a collector knows better than the outside guess

@@ -7,8 +7,10 @@ format's table (`read_table`); a frame a killed process left cut short ends what
 
 The file: MAGIC, then frames, each a kind byte, three zero bytes, the payload's length and
 CRC-32 (little-endian uint32), the payload.
-  M  the shard's metadata, JSON. Written when the file is opened, and again at close with
-     what collectors said during the run: the last one read wins.
+  M  the shard's metadata, JSON. Written when the file is opened, again when the process
+     learns its rank in-process (`rank_from`: the events written before carried rank -1,
+     and are read with the rank it learned: a process is one rank for its life), and at
+     close with what collectors said during the run: the last one read wins.
   E  events: marshal of (host, rank, pid, perf_offset, spans, perf_spans, rows).
      spans: (cat, name, start_ns, end_ns, tid, step, layer, bytes, args) tuples on the
      trace clock; perf_spans: the same timed with time.perf_counter_ns (perf_offset moves
@@ -132,6 +134,11 @@ class FrameWriter:
             self._put(_frame(b"E", body))
             if self._fd is not None:
                 self.rows_written += sum(map(len, part))
+
+    def put_metadata(self, metadata: dict[str, Any]) -> None:
+        """The metadata as it is now (a rank learned during the run): the last one wins."""
+        if self._fd is not None:
+            self._put(_frame(b"M", _metadata(metadata)))
 
     def close(self, metadata: dict[str, Any] | None = None) -> None:
         """Close, writing the metadata again (as it is now) and the closing frame."""
@@ -297,7 +304,7 @@ def read_table(path: str, only: Sequence[str] | None = None
         raise TraceFormatError(f"{path} is truncated before its metadata; nothing to recover")
     md = dict(fr.metadata, format=FORMAT, version=VERSION)
     sch = pa.schema([pa.field(COLUMNS[i][0], COLUMNS[i][1]) for i in want])
-    table = conform(pa.Table.from_batches(batches, schema=sch), only)
+    table = _learned_rank(conform(pa.Table.from_batches(batches, schema=sch), only), md)
     warning = None
     if not fr.closed:
         warning = (f"{path} was not closed (killed run?) or is damaged: recovered "
@@ -307,6 +314,21 @@ def read_table(path: str, only: Sequence[str] | None = None
         warning = (f"{path}: {fr.damaged} of its {fr.read} batches held values the trace "
                    f"cannot (left out); {table.num_rows} rows read")
     return table, md, warning
+
+
+def _learned_rank(table: pa.Table, md: dict[str, Any]) -> pa.Table:
+    """A process that learned its rank during the run (torch.distributed, see
+    Recorder.learn_rank): its events from before, written with rank -1, get that rank."""
+    rank = md.get("rank")
+    if not md.get("rank_from") or not isinstance(rank, int) or rank < 0 or \
+            "rank" not in table.column_names:
+        return table
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    col = table.column("rank")
+    fixed = pc.if_else(pc.equal(col, -1), pa.scalar(rank, col.type), col)
+    return table.set_column(table.column_names.index("rank"), "rank", fixed)
 
 
 def _joined(parts: list[list[Sequence[Any]]], i: int) -> Sequence[Any]:

@@ -315,6 +315,11 @@ def merge_metadata(shards: list[dict[str, Any]]) -> dict[str, Any]:
             if isinstance(m.get("end"), dict) and "realtime_ns" in m["end"]]
     out["ranks"] = ranks
     out["hosts"] = hosts
+    # the processes' own view where the launcher said nothing (a rank learned in-process)
+    worlds = [m["world_size"] for m in flat if isinstance(m.get("world_size"), int)]
+    if worlds and max(worlds) > (out.get("world_size") if isinstance(out.get("world_size"), int)
+                                 else -1):
+        out["world_size"] = max(worlds)
     if starts:
         out.setdefault("start", {})["realtime_ns"] = min(starts)
     if ends:
