@@ -148,12 +148,15 @@ class _State:
                 self.rec.span("forward", "loss", self.loss_from, t)
             self.loss_from = 0
             self.its.backward()
-            if not self.root_ran and not self.adopted:
+            if not self.root_ran:
                 # a backward, but no model root ran its forward since the last one: the
-                # model was made without construction (unpickled): find it once, time it
-                # from the next forward on
-                self.adopted = True
-                self.modules.adopt_live()
+                # model was made without construction (unpickled): find it once; or the
+                # job calls another method of its root (Lightning's training_step): its
+                # children are the model. Timed from the next forward on.
+                if not self.adopted:
+                    self.adopted = True
+                    self.modules.adopt_live()
+                self.modules.demote_idle()
             self.root_ran = False
         self.bwd_depth += 1
 

@@ -150,6 +150,7 @@ class Modules:
         self.timed: weakref.WeakKeyDictionary[nn.Module, list[Any]] = \
             weakref.WeakKeyDictionary()
         self.lock = threading.Lock()
+        self.adopted: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # roots adopt_live made
 
     # -- construction ----------------------------------------------------------------------
     def install(self) -> None:
@@ -193,11 +194,30 @@ class Modules:
 
     def adopt_live(self) -> None:
         """Every module alive now (the garbage collector's view): for models built before
-        the hooks were installed, or made without construction (unpickled, deep copies)."""
+        the hooks were installed, or made without construction (unpickled, deep copies).
+        The roots it makes wait for their first forward before `demote_idle` may judge them."""
         import gc
 
         module = nn.Module
+        before = set(map(id, self.roots.keys()))
         self.adopt(o for o in gc.get_objects() if issubclass(type(o), module))
+        self.adopted.update(m for m in self.roots.keys() if id(m) not in before)
+
+    def demote_idle(self) -> None:
+        """A backward came, and a model root never ran its forward: the job calls something
+        else of it (Lightning's `training_step`, a `compute_loss` method) that calls its
+        children. Its children that hold parameters become the roots (the module the step
+        calls), timed from their next call on; the idle root is no root any more."""
+        idle = [m for m in list(self.roots.keys()) if m not in self.seen
+                and m not in self.adopted]
+        self.adopted.clear()
+        for m in idle:
+            kids = [c for c in m._modules.values() if c is not None and c in self.held]
+            if not kids:
+                continue
+            self.unroot(m)
+            for c in kids:
+                self.make_root(c)
 
     def make_root(self, m: nn.Module) -> None:
         if m in self.roots:
