@@ -78,6 +78,13 @@ class _State:
         self.adopted = False                      # the live models were looked for once
         self.root_ran = False                     # a root's forward since the last backward
 
+    def note(self, text: str) -> None:
+        """Something the analysis should say of this process's recording (in the shard's
+        metadata, `torch.notes`), once."""
+        if text not in self.notes:
+            self.notes.append(text)
+            self.rec.metadata.setdefault("torch", {})["notes"] = list(self.notes)
+
     # -- forward -------------------------------------------------------------------------
     def layer_for(self, module: torch.nn.Module, params: list[Any] | None = None) -> int:
         """The layer of `module` (numbered at first sight, 1..L), its gradients' hooks

@@ -15,16 +15,30 @@ from gputrace.collectors.torch_guard import _hook_failed
 
 
 def maybe_hook_ddp(self: Any, module: torch.nn.Module) -> None:
-    """At a DDP module's first forward: time its buckets with the default all-reduce
+    """At a DDP module's first forward (or a compiled one's): time its buckets with the default all-reduce
     hook unless the job registered its own (wrapped when it was registered)."""
     ddp = _ddp_class()
+    # torch.compile(DDP(model)), as torch.compile's docs write it: the DDP module inside
+    # (DDPOptimizer splits the graph at its buckets; the reducer still calls the comm hook)
+    while not isinstance(module, ddp) if ddp is not None else False:
+        inner = getattr(module, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module):
+            return
+        module = inner
     if ddp is None or not isinstance(module, ddp) or id(module) in self.ddp_hooked:
         return
     self.ddp_hooked.add(id(module))
+    if getattr(module, "_use_python_reducer", False):
+        # compiled autograd's DDP: no buckets, a functional all-reduce per gradient traced
+        # into the compiled backward (a comm hook there gets (grad, param), not a bucket)
+        self.note("DDP under compiled autograd (python reducer): its all-reduces run inside "
+                  "the compiled backward, where gputrace's Python hooks do not see them (on "
+                  "a GPU, CUPTI records their NCCL kernels)")
+        return
     if getattr(module, "_gputrace_hook", None) is not None:
         return  # the user's own hook is already wrapped
     if getattr(module, "_gputrace_builtin", False):
-        self.notes.append("DDP uses a builtin comm hook: buckets not timed")
+        self.note("DDP uses a builtin comm hook: buckets not timed")
         return
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
