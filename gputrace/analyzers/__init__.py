@@ -144,7 +144,7 @@ def analyze_spans(sp: fr.Spans, o: Options) -> RankPart:
     """Everything one rank's spans give on their own: a pure function of them."""
     cr = col.rows(sp)
     msp = col.for_model(sp, cr)
-    rs = analyze_rank(msp, col.stood(sp, cr))
+    rs = analyze_rank(msp, col.stood(sp, cr), col.not_units(sp, cr))
     extra = _extra_findings(sp, rs)
     n = rs.iterations.start.size
     skipped = warmup_skip(n, o.skip)

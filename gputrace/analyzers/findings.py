@@ -56,7 +56,8 @@ def find(m: ModelResult, comm: dict[str, float], io: dict[str, float], bw: Bandw
             msg += "; loading is not pipelined: use DataLoader workers"
         out.append(Finding("input_bound", sev, msg + "."))
     exposed = comm.get("exposed_s", 0.0)
-    if comm.get("total_s", 0.0) > 0 and m.strategy != "fsdp":   # FSDP: findings_comm
+    # FSDP: findings_comm; no unit (comm of a few bytes only): nothing to say of units
+    if comm.get("total_s", 0.0) > 0 and m.strategy != "fsdp" and m.units:
         exp_units = [u for u in m.units[:-1] if not u.hidden]
         if m.case == 2:
             names = ", ".join(f"#{u.index}" + _layers(u.layers) for u in exp_units)

@@ -48,8 +48,11 @@ def shd_findings(p: Any, missing: str | None) -> list[Finding]:
         out.append(Finding(
             "other_collectives", "info",
             "Collectives besides the gradient all-reduce, per iteration: " + "; ".join(
-                f"{k.kind} x{k.count:.3g} ({k.nbytes / 1e6:.2f} MB, {k.time_s * 1e3:.1f} ms, "
-                f"{k.exposed_s * 1e3:.1f} ms exposed)" for k in other)
+                (f"{k.kind} x{k.count:.3g} of a few bytes ({k.nbytes:.0f} B: a norm, a "
+                 "flag, not gradients" if k.small else
+                 f"{k.kind} x{k.count:.3g} ({k.nbytes / 1e6:.2f} MB")
+                + f", {k.time_s * 1e3:.1f} ms, {k.exposed_s * 1e3:.1f} ms exposed)"
+                for k in other)
             + "; not part of the gradient model."))
     return out
 

@@ -199,11 +199,12 @@ def build_model(rs: RankSteps, sel: np.ndarray) -> ModelResult:
 
     case = c_layer = c_unit = None
     eq7_value = t_b_first = comm_span = None
-    if not units:
+    if not units and t["t_comm"] <= 0:
         strategy = "sequential"
         equation = "4" if pipelined else "1"
         predicted = with_io(t_gpu + other)
-    elif not _overlapped(rs, sel):
+    elif not units or not _overlapped(rs, sel):   # no unit: comm of a few bytes only
+        strategy = "sequential"
         strategy = "sequential"
         equation = "4" if pipelined else "2"
         predicted = with_io(t_gpu + t["t_comm"] + other)

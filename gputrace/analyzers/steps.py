@@ -174,10 +174,12 @@ def _units(sp: Spans, comm: np.ndarray, host: np.ndarray, it_of: np.ndarray, n: 
     return Units(k, pos, ready, start, end, sp.nbytes[ci], hidden, code, sets, cuts)
 
 
-def analyze_rank(sp: Spans, stood: tuple[np.ndarray, np.ndarray] | None = None
-                 ) -> RankSteps:
+def analyze_rank(sp: Spans, stood: tuple[np.ndarray, np.ndarray] | None = None,
+                 not_units: np.ndarray | None = None) -> RankSteps:
     """`stood`: (starts, ends) of the instants the job's thread stood in a collective (a
-    synchronous one, an asynchronous one's wait): comm, so not the host phases' compute."""
+    synchronous one, an asynchronous one's wait): comm, so not the host phases' compute.
+    `not_units`: per span, comm that is no gradient unit (a collective of a few bytes):
+    counted as comm time, left out of the units."""
     its = find_iterations(sp)
     lo, hi = its.start, its.end
     n = lo.size
@@ -316,7 +318,8 @@ def analyze_rank(sp: Spans, stood: tuple[np.ndarray, np.ndarray] | None = None
     bstart[bstart == big] = -1
 
     ends = _layer_ends(sp, per_layer & inside, it_of, n, layer_end)
-    units = _units(sp, comm_m & inside, host_comm & ~comm_m & inside, it_of, n, ends)
+    unit_m = inside if not_units is None else inside & ~not_units
+    units = _units(sp, comm_m & unit_m, host_comm & ~comm_m & unit_m, it_of, n, ends)
 
     fetch = np.flatnonzero(work_m)
     workers = len(set(sp.pid[fetch].tolist())) if fetch.size else 0

@@ -10,6 +10,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from gputrace.analyzers import RankAnalysis
+from gputrace.analyzers.collectives import KindTotal
 
 ROLE = {"unshard": "forward all-gather", "reshard_gather": "backward re-gather",
         "reduce_grad": "reduce-scatter", "hsdp_all_reduce": "HSDP all-reduce"}
@@ -29,6 +30,21 @@ def headline_case(ra: RankAnalysis) -> str | None:
     return None
 
 
+def few_bytes(n: float) -> str:
+    """A small byte count as people say it: '1 KiB', '300 B'."""
+    return "1 KiB" if n == 1024 else f"{n:.0f} B"
+
+
+def in_model(ra: RankAnalysis, k: KindTotal) -> str:
+    """What the model makes of a kind's collectives: the words of the kinds table."""
+    if ra.sharded is not None and not k.small:
+        return "sharded"
+    if k.small:
+        return (f"other (under {few_bytes(ra.collectives.small_below)} each, not gradient: a "
+                "norm, a flag)")
+    return "gradient" if k.gradient else "other (not gradient)"
+
+
 def render_kinds(con: Console, ra: RankAnalysis) -> None:
     """Per-kind totals, when the rank issued collectives besides DDP's buckets."""
     c = ra.collectives
@@ -40,8 +56,7 @@ def render_kinds(con: Console, ra: RankAnalysis) -> None:
         t.add_column(h, justify="left" if h in ("kind", "in the model") else "right")
     for k in c.kinds:
         t.add_row(k.kind, f"{k.count:.3g}", f"{k.nbytes / 1e6:.2f}", _ms(k.time_s),
-                  _ms(k.exposed_s), "sharded" if ra.sharded is not None else
-                  ("gradient" if k.gradient else "other (not gradient)"))
+                  _ms(k.exposed_s), in_model(ra, k))
     con.print(t)
 
 

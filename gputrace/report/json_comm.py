@@ -17,13 +17,20 @@ def _num(x: float | None) -> float | None:
 
 def collectives_dict(ra: RankAnalysis) -> dict[str, Any]:
     c = ra.collectives
+    kinds: dict[str, dict[str, Any]] = {}
+    for k in c.kinds:   # a kind's few-byte collectives: counted in it, and under `small`
+        figs = {"count": k.count, "bytes": k.nbytes, "bytes_out": k.bytes_out,
+                "time_s": k.time_s, "exposed_s": k.exposed_s}
+        d = kinds.setdefault(k.kind, {**dict.fromkeys(figs, 0.0), "gradient": False})
+        for key, v in figs.items():
+            d[key] = d[key] + v
+        d["gradient"] = d["gradient"] or k.gradient
+        if k.small:
+            d["small"] = dict(figs)
     return {"recorded": c.recorded, "in_iterations": c.in_iterations,
             "strategy": c.sharded or ("ddp" if any(k.gradient for k in c.kinds) else None),
-            "group_sizes": list(c.group_sizes),
-            "kinds": {k.kind: {"count": k.count, "bytes": k.nbytes,
-                               "bytes_out": _num(k.bytes_out), "time_s": k.time_s,
-                               "exposed_s": k.exposed_s, "gradient": k.gradient}
-                      for k in c.kinds}}
+            "group_sizes": list(c.group_sizes), "small_below_bytes": c.small_below,
+            "kinds": kinds}
 
 
 def sharded_dict(ra: RankAnalysis) -> dict[str, Any] | None:

@@ -1,0 +1,72 @@
+"""Analyses that are never absurd, on hand-built traces shaped like the runs that showed
+absurd ones: a 2-rank DeepSpeed-like run (gradient all-reduces after backward, an overflow
+check and a gradient norm of a few bytes in the step), a torch.compile'd DDP job whose
+gradient comm was not recorded, a one-process run over a slow link."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gputrace.analyzers import analyze
+from gputrace.trace import load
+from tests.conftest import run_gputrace
+from tests.tracebuilder import Builder
+
+LAYERS = ((4, 10, 14), (3, 14, 18), (2, 18, 22), (1, 22, 25))   # backward ends at 25 ms
+
+
+def deepspeed_like(path, grads=((27.5, 30.0, 4e6), (30.5, 33.0, 4e6)), grad_kind="all_reduce",
+                   layer_bytes=2_000_000, n=8):
+    """2 ranks, 37 ms iterations: backward per layer 10-25 ms, the gradients' collectives
+    (start, end, bytes) after it on the job's thread, then the step 33-37 ms with an 8-byte
+    overflow check and a 4-byte gradient norm all-reduced in it."""
+    b = Builder()
+    for rank in (0, 1):
+        for k in range(n):
+            t = k * 37.0
+            b.span("iteration", t, t + 37, step=k, rank=rank)
+            b.span("io", t, t + 1, step=k, rank=rank)
+            b.span("forward", t + 1, t + 10, step=k, rank=rank)
+            for ly, s, e in LAYERS:
+                b.span("backward", t + s, t + e, layer=ly, step=k, rank=rank,
+                       nbytes=layer_bytes)
+            for s, e, nb in grads:
+                b.span("comm", t + s, t + e, name=grad_kind, step=k, rank=rank, nbytes=nb,
+                       args={"kind": grad_kind, "phase": "backward", "async": False,
+                             "group": {"size": 2}})
+            b.span("update", t + 33, t + 37, step=k, rank=rank)
+            for s, e, nb in ((33.2, 33.5, 8), (33.6, 33.8, 4)):
+                b.span("comm", t + s, t + e, name="all_reduce", step=k, rank=rank, nbytes=nb,
+                       args={"kind": "all_reduce", "phase": "update", "async": False,
+                             "group": {"size": 2}})
+    return b.write(str(path), world_size=2)
+
+
+def analyze_json(path, *args):
+    return json.loads(run_gputrace("analyze", str(path), "--json", *args, check=True).stdout)
+
+
+def test_a_collective_of_a_few_bytes_is_never_a_gradient_unit(tmp_path):
+    path = deepspeed_like(tmp_path / "ds.arrow")
+    d = analyze_json(path)
+    # the gradient units are the two 4 MB all-reduces; the overflow check and the norm are not
+    assert [u["bytes"] for u in d["units"]] == [4e6, 4e6]
+    ar = d["collectives"]["kinds"]["all_reduce"]
+    assert ar["count"] == pytest.approx(4) and ar["gradient"]
+    assert ar["small"]["count"] == pytest.approx(2) and ar["small"]["bytes"] == pytest.approx(12)
+    assert d["collectives"]["small_below_bytes"] == 1024
+    # their time is still comm time: 2.5 + 2.5 ms of gradients and 0.3 + 0.2 ms of them
+    assert d["breakdown"]["t_comm"]["mean"] == pytest.approx(0.0055)
+    # nor is the cost fitted on them: the replay's units are the gradients'
+    assert d["what_if"] is not None and d["what_if"]["comm_cost"]["source"] == "measured"
+    out = run_gputrace("analyze", str(path), check=True).stdout
+    row = next(ln for ln in out.splitlines() if ln.strip().startswith("all_reduce")
+               and "0.00" in ln)
+    assert "other (under 1 KiB each, not gradient" in row, out
+    assert "of a few bytes (12 B" in out
+    # a toy model whose whole gradient is a few hundred bytes keeps its units
+    toy = deepspeed_like(tmp_path / "toy.arrow", grads=((27.5, 30.0, 200), (30.5, 33.0, 200)),
+                         layer_bytes=100)
+    assert [u.nbytes for u in analyze(load(toy)).main.model.units] == [200, 200, 8, 4]
