@@ -12,7 +12,7 @@ import pytest
 from gputrace.analyzers import analyze
 from gputrace.trace import load
 from tests.conftest import run_gputrace
-from tests.tracebuilder import Builder
+from tests.tracebuilder import Builder, ddp_iterations
 
 LAYERS = ((4, 10, 14), (3, 14, 18), (2, 18, 22), (1, 22, 25))   # backward ends at 25 ms
 
@@ -70,3 +70,42 @@ def test_a_collective_of_a_few_bytes_is_never_a_gradient_unit(tmp_path):
     toy = deepspeed_like(tmp_path / "toy.arrow", grads=((27.5, 30.0, 200), (30.5, 33.0, 200)),
                          layer_bytes=100)
     assert [u.nbytes for u in analyze(load(toy)).main.model.units] == [200, 200, 8, 4]
+
+
+def _sync_in_backward(path):
+    """Gradient all-reduces issued inside the backward on the job's own thread, which
+    stands in each (no per-layer spans): no compute runs beside them."""
+    b = Builder()
+    for rank in (0, 1):
+        for k in range(6):
+            t = k * 40.0
+            b.span("iteration", t, t + 40, step=k, rank=rank)
+            b.span("forward", t + 1, t + 10, step=k, rank=rank)
+            b.span("backward", t + 10, t + 34, step=k, rank=rank)
+            for s, e in ((20, 23), (24, 27), (28, 33)):
+                b.span("comm", t + s, t + e, name="all_reduce", step=k, rank=rank,
+                       nbytes=2e6, args={"kind": "all_reduce", "phase": "backward",
+                                         "async": False})
+            b.span("update", t + 34, t + 39, step=k, rank=rank)
+    return b.write(str(path), world_size=2)
+
+
+def test_a_unit_is_hidden_only_as_the_overlap_counts_it(tmp_path):
+    # unit 0 starts 2.5 ms after the backward ended and ends before unit 1 starts
+    d = analyze_json(deepspeed_like(tmp_path / "ds.arrow"))
+    assert d["overlap"]["comm"]["hidden_s"] == 0
+    after = [u for u in d["units"] if u["start_s"] > 0.025]    # the backward ended at 25 ms
+    assert after and not any(u["hidden"] for u in after), after
+    assert [u["hidden"] for u in d["units"]] == [False, False]
+    # inside the backward, but the job's thread stood in them: nothing hid them either
+    s = analyze(load(_sync_in_backward(tmp_path / "sync.arrow"))).main
+    assert s.comm["hidden_s"] == 0
+    assert [u.hidden for u in s.model.units] == [False, False, False]
+    assert s.model.case == 2
+    out = run_gputrace("analyze", str(tmp_path / "sync.arrow"), check=True).stdout
+    assert "units 0-1 run outside compute" in out.splitlines()[0]
+    assert "Case 1" not in out
+    # DDP's buckets hidden under backward stay hidden
+    case1 = ddp_iterations(Builder(), [([4], 40, 50), ([3], 55, 65), ([2], 70, 80),
+                                       ([1], 85, 90)]).write(str(tmp_path / "c1.arrow"))
+    assert [u.hidden for u in analyze(load(case1)).main.model.units] == [True] * 3 + [False]

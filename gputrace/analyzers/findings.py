@@ -65,7 +65,8 @@ def find(m: ModelResult, comm: dict[str, float], io: dict[str, float], bw: Bandw
                 "comm_exposed", "high" if exposed / t_iter >= 0.2 else "moderate",
                 f"Gradient communication is exposed (Case 2, C = {m.C if m.C is not None else '?'}): "
                 f"{exposed:.3f} s of {comm['total_s']:.3f} s comm per iteration is not hidden "
-                f"under compute; units {names} end after the next unit's gradients are ready. "
+                f"under compute; units {names} are exposed (each ends after the next unit's "
+                "gradients are ready, after the backward, or outside compute). "
                 "The what-if replay shows what other bucket sizes or a faster link "
                 "would change."))
         elif exposed / t_iter >= INPUT_MODERATE:

@@ -79,8 +79,18 @@ def _exposed(units: list[UnitStats], C: int | None) -> str:
     exposed = [u.index for u in units[:-1] if not u.hidden]
     if not exposed:
         return "only the last unit"
-    text = (f"unit{'s' if len(exposed) > 1 else ''} {_ranges(exposed)} "
-            f"end{'s' if len(exposed) == 1 else ''} after the next unit's gradients are ready")
+    # exposed for queueing (it ends after the next unit's gradients are ready) or for
+    # running where no compute hides it (after the backward, the job's thread standing in it)
+    late = {u.index for u, nxt in zip(units[:-1], units[1:], strict=True)
+            if u.end_s > nxt.ready_s}
+    parts = []
+    for ks, what in (([k for k in exposed if k in late], "end{} after the next unit's "
+                      "gradients are ready"),
+                     ([k for k in exposed if k not in late], "run{} outside compute")):
+        if ks:
+            parts.append(f"unit{'s' if len(ks) > 1 else ''} {_ranges(ks)} "
+                         + what.format("s" if len(ks) == 1 else ""))
+    text = "; ".join(parts)
     if C is not None:
         text += (f"; C = {C}: the lowest layer {'they hold' if len(exposed) > 1 else 'it holds'},"
                  " counting from 1 at the input")
