@@ -72,6 +72,29 @@ def test_a_collective_of_a_few_bytes_is_never_a_gradient_unit(tmp_path):
     assert [u.nbytes for u in analyze(load(toy)).main.model.units] == [200, 200, 8, 4]
 
 
+def test_an_all_reduce_efficiency_over_100_percent_is_never_printed(tmp_path):
+    path = deepspeed_like(tmp_path / "ds.arrow")
+    # 8 MB all-reduced by 2 ranks in 5.5 ms of comm needs 1.45 GB/s of bus bandwidth
+    d = analyze_json(path, "--link-bandwidth", "0.5GB/s")
+    sp = d["speedup"]
+    assert sp["allreduce_efficiency"] is None
+    why = sp["allreduce_efficiency_withheld"]
+    assert "faster than the stated link allows" in why and "are wrong" in why
+    out = run_gputrace("analyze", str(path), "--link-bandwidth", "0.5GB/s", check=True).stdout
+    (line,) = [ln for ln in out.splitlines() if "all-reduce efficiency" in ln]
+    assert "not shown" in line and "1.45 GB/s" in line, line
+    # eq. 12 counts the bytes of both ranks: at 2 GB/s it gives 145 %, while a ring
+    # all-reduce of 8 MB per rank in 5.5 ms is 73 % of the link
+    sp2 = analyze(load(path), link_bytes_per_s=2e9).main.speedup
+    assert sp2.allreduce_efficiency is None
+    assert "145%" in sp2.allreduce_efficiency_withheld
+    assert "ran at 73% of the link's 2.00 GB/s" in sp2.allreduce_efficiency_withheld
+    # within 100 % it is given as before
+    sp3 = analyze(load(path), link_bytes_per_s=4e9).main.speedup
+    assert sp3.allreduce_efficiency == pytest.approx(2 * 8e6 / (0.0055 * 4e9))
+    assert sp3.allreduce_efficiency_withheld is None
+
+
 def _sync_in_backward(path):
     """Gradient all-reduces issued inside the backward on the job's own thread, which
     stands in each (no per-layer spans): no compute runs beside them."""

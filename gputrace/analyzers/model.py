@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from gputrace.analyzers.sanity import eq12_over
 from gputrace.analyzers.steps import RankSteps
 
 # -- the paper's equations, as plain functions of their terms (seconds, bytes) ------------
@@ -271,6 +272,7 @@ class Speedup:
     grad_bytes: float
     unavailable: str | None = None      # why no speedup is predicted (a term not measured)
     shared: str | None = None           # what the measured ranks shared (cores, a GPU)
+    allreduce_efficiency_withheld: str | None = None   # eq. 12 over 100 %: what is wrong
 
 
 def speedup(m: ModelResult, world_size: int, gpus: Sequence[int],
@@ -372,8 +374,10 @@ def speedup(m: ModelResult, world_size: int, gpus: Sequence[int],
         if contention_s > 0 and one > contention_s:
             s *= (one - contention_s) / one
         pts.append(SpeedupPoint(N, s, s / N, t_iter, tc))
-    eff = None
+    eff = over = None
     if link_bytes_per_s and measured_comm > 0 and grad_bytes > 0:
         eff = eq12(grad_bytes * n, measured_comm, link_bytes_per_s)
+        if eff > 1.0:   # never an efficiency over 100 %: say what does not add up
+            eff, over = None, eq12_over(eff, grad_bytes, n, measured_comm, link_bytes_per_s)
     return Speedup(equation, n, pts, assumptions, eff, link_bytes_per_s, grad_bytes,
-                   unavailable, shared)
+                   unavailable, shared, over)

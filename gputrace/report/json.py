@@ -47,6 +47,7 @@ def rank_dict(ra: RankAnalysis) -> dict[str, Any]:
             "equation": sp.equation, "measured_world_size": sp.world_size,
             "gradient_bytes": sp.grad_bytes,
             "allreduce_efficiency": _num(sp.allreduce_efficiency),
+            "allreduce_efficiency_withheld": sp.allreduce_efficiency_withheld,
             "link_bytes_per_s": _num(sp.link_bytes_per_s),
             "assumptions": list(sp.assumptions),
             "points": [{"gpus": p.gpus, "speedup": p.speedup, "efficiency": p.efficiency,

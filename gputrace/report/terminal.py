@@ -256,6 +256,8 @@ def render(a: Analysis, rank: int | None = None, file: IO[str] | None = None,
         if sp.allreduce_efficiency is not None:
             con.print(f"  all-reduce efficiency (eq. 12): {sp.allreduce_efficiency:.1%} of "
                       f"{rate(sp.link_bytes_per_s or 0)}")
+    if sp.allreduce_efficiency_withheld:
+        con.print(f"  all-reduce efficiency: {escape(sp.allreduce_efficiency_withheld)}")
     if ra.sharded is not None:
         pass   # its what-ifs are above
     elif ra.replay is not None and ra.replay.outcomes:
