@@ -132,3 +132,48 @@ def test_a_unit_is_hidden_only_as_the_overlap_counts_it(tmp_path):
     case1 = ddp_iterations(Builder(), [([4], 40, 50), ([3], 55, 65), ([2], 70, 80),
                                        ([1], 85, 90)]).write(str(tmp_path / "c1.arrow"))
     assert [u.hidden for u in analyze(load(case1)).main.model.units] == [True] * 3 + [False]
+
+
+def test_predictions_from_a_few_bytes_of_comm_are_withheld_with_the_reason(tmp_path):
+    """200 kB of gradients all-reduced per iteration, while the layers' gradients hold 8 MB:
+    a cost per byte fitted on that comm would turn a bucket of the model into far more than
+    the run ever took."""
+    path = deepspeed_like(tmp_path / "ds.arrow", grads=((27.5, 31.0, 200_000),))
+    d = analyze_json(path)
+    assert d["what_if"] is None
+    assert [u["bytes"] for u in d["units"]] == [200_000]
+    why = d["what_if_unavailable"]
+    assert "200,000 bytes per iteration" in why and "under the 1.0 MB" in why
+    out = run_gputrace("analyze", str(path), check=True).stdout
+    said = [ln for ln in out.splitlines() if ln.startswith("What if")]
+    assert len(said) == 1 and "not replayed: the measured gradient comm moves" in said[0]
+
+
+def test_a_prediction_over_3x_the_measured_iteration_is_withheld(tmp_path):
+    """One process, 50 MB of gradients, a 0.3 GB/s link: 4 GPUs or more would wait longer
+    for comm than the whole measured iteration takes, three times over."""
+    b = Builder()
+    for k in range(6):
+        t = k * 100.0
+        b.span("iteration", t, t + 100, step=k)
+        b.span("forward", t + 5, t + 40, step=k)
+        b.span("backward", t + 40, t + 90, step=k, layer=1, nbytes=50_000_000)
+        b.span("update", t + 90, t + 99, step=k)
+    path = b.write(str(tmp_path / "one.arrow"))
+    d = analyze_json(path, "--link-bandwidth", "0.3GB/s")
+    pts = {p["gpus"]: p for p in d["speedup"]["points"]}
+    # 2 GPUs: 100 ms + 50 MB / 0.3 GB/s = 267 ms, shown
+    assert pts[2]["t_iter"] == pytest.approx(0.1 + 50e6 / 3e8, rel=0.02)
+    assert pts[2]["withheld"] is None
+    for n in (4, 8, 16):
+        assert pts[n]["t_iter"] is None and pts[n]["speedup"] is None
+        assert "over 3x the measured 100.0 ms" in pts[n]["withheld"]
+    measured = d["breakdown"]["t_iter"]["mean"]
+    sc = d["what_if"]["scenarios"]
+    assert any(s["withheld"] for s in sc)
+    assert all(s["t_iter"] is None if s["withheld"] else s["t_iter"] <= 3 * measured
+               for s in sc)
+    out = run_gputrace("analyze", str(path), "--link-bandwidth", "0.3GB/s", check=True).stdout
+    assert "withheld: 4 GPUs (and 2 more like it): " in out
+    rows = {ln.split()[0]: ln for ln in out.splitlines() if ln.strip()[:2] in ("4 ", "8 ", "16")}
+    assert all("withheld" in rows[n] for n in ("4", "8", "16")), rows

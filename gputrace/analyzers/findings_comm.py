@@ -36,7 +36,8 @@ def shd_findings(p: Any, missing: str | None) -> list[Finding]:
             f"{sh.headline()} ({exp / t_iter:.0%} of the iteration)" if t_iter else
             sh.headline()) if not parts else Finding(
             "fsdp_exposed", sev, f"{sh.headline()}: " + "; ".join(parts) + "."))
-        best = min(sh.what_if, key=lambda w: w.t_iter, default=None)
+        best = min((w for w in sh.what_if if w.withheld is None), key=lambda w: w.t_iter,
+                   default=None)
         if best is not None and t_iter and best.t_iter < 0.95 * t_iter and \
                 not best.label.startswith("link"):
             out.append(Finding(

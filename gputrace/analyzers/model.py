@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gputrace.analyzers.sanity import eq12_over
+from gputrace.analyzers.sanity import eq12_over, far_off
 from gputrace.analyzers.steps import RankSteps
 
 # -- the paper's equations, as plain functions of their terms (seconds, bytes) ------------
@@ -259,6 +259,15 @@ class SpeedupPoint:
     efficiency: float
     t_iter: float
     t_comm: float
+    withheld: str | None = None     # why its figures (then nan) are not given
+
+
+def checked(p: SpeedupPoint, measured: float) -> SpeedupPoint:
+    """The point, or its figures withheld when it predicts an iteration far from the
+    measured one."""
+    why = far_off(p.t_iter, measured)
+    return p if why is None else SpeedupPoint(p.gpus, math.nan, math.nan, math.nan,
+                                              math.nan, why)
 
 
 @dataclass(frozen=True)
@@ -373,7 +382,7 @@ def speedup(m: ModelResult, world_size: int, gpus: Sequence[int],
         t_iter = N * (t_io_1 + t_gpu) / s
         if contention_s > 0 and one > contention_s:
             s *= (one - contention_s) / one
-        pts.append(SpeedupPoint(N, s, s / N, t_iter, tc))
+        pts.append(checked(SpeedupPoint(N, s, s / N, t_iter, tc), m.measured_t_iter))
     eff = over = None
     if link_bytes_per_s and measured_comm > 0 and grad_bytes > 0:
         eff = eq12(grad_bytes * n, measured_comm, link_bytes_per_s)

@@ -1,13 +1,42 @@
-"""Where an analysis stops short of an absurd figure: an all-reduce efficiency over 100 %
-is withheld with one sentence saying what does not add up."""
+"""Where an analysis stops short of an absurd figure: a prediction far outside what the run
+measured, a comm cost fitted on too few bytes to say what a byte costs, an all-reduce
+efficiency over 100 %. Each is withheld with one sentence saying why."""
 
 from __future__ import annotations
 
+import math
+
 from gputrace.fmt import mb, rate
+
+# A predicted iteration over this many times the measured one is withheld: the models replay
+# or scale what the run measured, and that far from it they are not checked by anything.
+MAX_RATIO = 3.0
+# A per-byte comm cost is fitted only on at least this much comm per iteration: below it a
+# collective's time is its latency and its wait for peers, not its bytes, and a cost per
+# byte fitted on it turns a bucket of megabytes into minutes.
+MIN_FIT_BYTES = 1e6
 
 
 def _ms(s: float) -> str:
     return f"{s * 1e3:.1f} ms" if abs(s) < 10 else f"{s:.2f} s"
+
+
+def far_off(t_iter: float, measured: float) -> str | None:
+    """Why a predicted iteration is withheld, or None when it may be shown."""
+    if not measured > 0 or not math.isfinite(t_iter) or t_iter <= MAX_RATIO * measured:
+        return None
+    return (f"{_ms(t_iter)} predicted, over {MAX_RATIO:g}x the measured {_ms(measured)}: "
+            "too far from what the run measured to be trusted")
+
+
+def fit_too_small(bytes_per_iteration: float) -> str | None:
+    """Why a comm cost fitted on this much comm per iteration is not used, or None."""
+    if bytes_per_iteration >= MIN_FIT_BYTES:
+        return None
+    return (f"the measured gradient comm moves {bytes_per_iteration:,.0f} bytes per "
+            f"iteration, under the {mb(MIN_FIT_BYTES)} a cost per byte is fitted on (its "
+            "time is latency and waiting for peers, not bytes), so no what-if is predicted "
+            "from it")
 
 
 def eq12_over(eff: float, grad_bytes: float, n: int, t_comm: float, link: float) -> str:

@@ -91,10 +91,18 @@ def render_sharded(con: Console, ra: RankAnalysis) -> None:
         w.add_column(h, justify="left" if h == "change" else "right")
     m = sh.model.measured_t_iter
     for o in sh.what_if:
+        if o.withheld:
+            w.add_row(escape(o.label), "withheld", "-", "-", "-")
+            continue
         iv = "-" if math.isnan(o.low) else f"[{_ms(o.low)}, {_ms(o.high)}]"
         w.add_row(escape(o.label), _ms(o.t_iter), iv, f"{o.t_iter / m - 1:+.0%}" if m else "-",
                   _ms(o.exposed_s))
     con.print(w)
+    held = [o for o in sh.what_if if o.withheld]
+    if held:
+        more = f" (and {len(held) - 1} more like it)" if len(held) > 1 else ""
+        con.print(f"  [yellow]withheld[/]: {escape(held[0].label)}{more}: "
+                  f"{escape(held[0].withheld or '')}")
     con.print(f"  [dim]replaying the measured configuration gives {_ms(sh.baseline_t_iter)} "
               f"({sh.baseline_error:+.1%}); each prediction is the measured iteration plus the "
               "replayed change[/]")

@@ -50,8 +50,9 @@ def rank_dict(ra: RankAnalysis) -> dict[str, Any]:
             "allreduce_efficiency_withheld": sp.allreduce_efficiency_withheld,
             "link_bytes_per_s": _num(sp.link_bytes_per_s),
             "assumptions": list(sp.assumptions),
-            "points": [{"gpus": p.gpus, "speedup": p.speedup, "efficiency": p.efficiency,
-                        "t_iter": p.t_iter, "t_comm": p.t_comm} for p in sp.points],
+            "points": [{"gpus": p.gpus, "speedup": _num(p.speedup),
+                        "efficiency": _num(p.efficiency), "t_iter": _num(p.t_iter),
+                        "t_comm": _num(p.t_comm), "withheld": p.withheld} for p in sp.points],
             "unavailable": sp.unavailable, "shared": sp.shared,
         },
         "bandwidth": {} if bw is None else {
@@ -98,11 +99,13 @@ def _what_if(rp: Replay | None) -> dict[str, Any] | None:
         "layers_known": rp.layers_known, "assumptions": list(rp.assumptions),
         "scenarios": [{"label": o.scenario.label, "gpus": o.scenario.gpus,
                        "bandwidth_x": o.scenario.bandwidth_x, **bucket(o.scenario.bucket_bytes),
-                       "buckets": o.buckets, "comm_s": o.comm_s, "exposed_s": o.exposed_s,
-                       "t_iter": o.t_iter, "speedup": o.speedup,
+                       "buckets": o.buckets, "comm_s": _num(o.comm_s),
+                       "exposed_s": _num(o.exposed_s), "t_iter": _num(o.t_iter),
+                       "speedup": _num(o.speedup),
                        "t_iter_low": _num(o.low), "t_iter_high": _num(o.high),
                        "reference_t_iter": _num(o.reference_t_iter),
-                       "extrapolated": o.extrapolated} for o in rp.outcomes],
+                       "extrapolated": o.extrapolated, "withheld": o.withheld}
+                      for o in rp.outcomes],
     }
 
 

@@ -49,7 +49,8 @@ def sharded_dict(ra: RankAnalysis) -> dict[str, Any] | None:
                    "count": u.count, "bytes": u.nbytes, "start_s": u.start_s,
                    "end_s": u.end_s, "duration_s": u.duration_s, "exposed_s": u.exposed_s,
                    "prefetched": u.prefetched} for u in sh.units],
-        "what_if": [{"label": w.label, "t_iter": w.t_iter, "t_iter_low": _num(w.low),
-                     "t_iter_high": _num(w.high), "exposed_s": w.exposed_s,
-                     "comm_s": w.comm_s, **w.knobs} for w in sh.what_if],
+        "what_if": [{"label": w.label, "t_iter": _num(w.t_iter), "t_iter_low": _num(w.low),
+                     "t_iter_high": _num(w.high), "exposed_s": _num(w.exposed_s),
+                     "comm_s": _num(w.comm_s), **w.knobs, "withheld": w.withheld}
+                    for w in sh.what_if],
     }
