@@ -177,3 +177,51 @@ def test_a_prediction_over_3x_the_measured_iteration_is_withheld(tmp_path):
     assert "withheld: 4 GPUs (and 2 more like it): " in out
     rows = {ln.split()[0]: ln for ln in out.splitlines() if ln.strip()[:2] in ("4 ", "8 ", "16")}
     assert all("withheld" in rows[n] for n in ("4", "8", "16")), rows
+
+
+def compiled_ddp(path, barrier_at=(405.0, 406.0), barrier_each_iteration=False):
+    """2 ranks of a torch.compile(DDP(model)) loop whose gradient comm was not recorded, with
+    one barrier recorded at `barrier_at` (ms)."""
+    b = Builder()
+    for rank in (0, 1):
+        for k in range(8):
+            t = k * 50.0
+            b.span("iteration", t, t + 50, step=k, rank=rank)
+            b.span("forward", t + 1, t + 15, step=k, rank=rank)
+            b.span("backward", t + 15, t + 40, step=k, rank=rank)
+            b.span("update", t + 40, t + 48, step=k, rank=rank)
+            if barrier_each_iteration:
+                b.span("comm", t + 48, t + 49, name="barrier", step=k, rank=rank,
+                       args={"kind": "barrier", "phase": "none"})
+        if barrier_at is not None:
+            b.span("comm", *barrier_at, name="barrier", rank=rank,
+                   args={"kind": "barrier", "phase": "none"})
+    return b.write(str(path), world_size=2)
+
+
+@pytest.mark.parametrize("where", [(405.0, 406.0), (10.0, 11.0), (-5.0, -4.0)],
+                         ids=["after the last", "in warm-up", "before the first"])
+def test_no_collective_in_the_analyzed_iterations_is_said_whatever_was_recorded_outside(
+        tmp_path, where):
+    path = compiled_ddp(tmp_path / "c.arrow", where)
+    r = analyze(load(path)).main
+    assert r.collectives.recorded == 1 and r.collectives.in_iterations == 0
+    assert r.comm_missing and "no collective was recorded" in r.comm_missing
+    assert r.speedup.points == [] and r.replay is None
+    out = run_gputrace("analyze", str(path), check=True).stdout
+    assert "2 ranks, but no collective was recorded in the analyzed iterations" in \
+        out.splitlines()[0]
+    assert "Predicted speedup: not computed" in out and "100%" not in out
+
+
+def test_collectives_none_of_them_gradient_give_no_speedup(tmp_path):
+    """A barrier every iteration, or only a few bytes' all-reduces beside reduce-scatters
+    the data-parallel model does not read: no comm to scale, so no perfect scaling either."""
+    r = analyze(load(compiled_ddp(tmp_path / "b.arrow", None, True))).main
+    assert r.comm_missing and "no gradient communication" in r.comm_missing
+    assert r.speedup.points == [] and r.replay is None
+    z = analyze(load(deepspeed_like(tmp_path / "z.arrow", grads=((27.5, 33.0, 8e6),),
+                                    grad_kind="reduce_scatter"))).main
+    assert z.model.units == [] and "no gradient communication" in z.comm_missing
+    assert z.speedup.points == [] and z.replay is None
+    assert "a few bytes" in z.comm_missing

@@ -317,9 +317,11 @@ def summarize(sp: Spans, r: Rows, it_of: np.ndarray, sel: np.ndarray, compute: o
     return Collectives(out, r.n, int(inside.sum()), sharded, sizes, r.small_below)
 
 
-def missing_message(world: int, tf_unprofiled: bool = False) -> str:
-    """The headline's words for a multi-rank trace without one collective."""
-    head = (f"{world} ranks, but no collective was recorded: the ranks' communication "
+def missing_message(world: int, tf_unprofiled: bool = False, outside: int = 0) -> str:
+    """The headline's words for a multi-rank trace without one collective in its analyzed
+    iterations (`outside`: how many were recorded outside them: before, after, in warm-up)."""
+    where = "" if not outside else f" in the analyzed iterations (only {outside} outside them)"
+    head = (f"{world} ranks, but no collective was recorded{where}: the ranks' communication "
             "(all-reduce, all-gather, reduce-scatter...) is not in this trace, so no comm "
             "figure, Case or speedup can be given; ")
     if tf_unprofiled:
@@ -328,6 +330,18 @@ def missing_message(world: int, tf_unprofiled: bool = False) -> str:
                        "--tf-steps START:COUNT to profile those steps")
     return head + ("record with a gputrace whose torch collector captures torch.distributed "
                    "collectives, or import a trace that has the NCCL kernels")
+
+
+def gradient_missing_message(world: int, kinds: list[KindTotal]) -> str:
+    """The headline's words for a multi-rank trace whose analyzed iterations hold
+    collectives, none of them a gradient unit."""
+    what = ", ".join(f"{k.kind} x{k.count:.3g}" + (" of a few bytes" if k.small else "")
+                     for k in kinds)
+    return (f"{world} ranks, but no gradient communication was recorded in the analyzed "
+            f"iterations (only {what} per iteration): the ranks' gradient exchange is not "
+            "in this trace, or not as collectives the data-parallel model reads (DDP's "
+            "buckets, a job's own all-reduces of gradients, FSDP's collectives), so no Case, "
+            "speedup or what-if can be given from it")
 
 
 def unit_kinds(sp: Spans, r: Rows, it_start: np.ndarray) -> dict[int, str]:

@@ -23,8 +23,9 @@ def _ms(s: float) -> str:
 def headline_case(ra: RankAnalysis) -> str | None:
     """The headline's clause about comm when collectives decide it, else None."""
     if ra.comm_missing:
-        return ra.comm_missing.split(": the ranks'")[0] + \
-            ": the ranks' communication is not in this trace, so no comm figure or speedup"
+        head = ra.comm_missing.split(": the ranks'")[0]
+        what = "gradient exchange" if "no gradient" in head else "communication"
+        return f"{head}: the ranks' {what} is not in this trace, so no comm figure or speedup"
     if ra.sharded is not None:
         return ra.sharded.headline()
     return None

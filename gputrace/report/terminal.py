@@ -235,7 +235,8 @@ def render(a: Analysis, rank: int | None = None, file: IO[str] | None = None,
     strategy = STRATEGY.get(m.strategy, m.strategy) if ra.comm["total_s"] > 0 else \
         "single process, no gradient comm (eq. 1; eq. 4 with pipelined I/O)"
     if ra.comm_missing:
-        strategy = "unknown: no collective recorded (eq. 1 over the measured phases)"
+        strategy = (f"unknown: no {'gradient comm' if ra.collectives.in_iterations else 'collective'}"
+                    f" recorded (eq. {m.equation} over the measured phases)")
     elif ra.sharded is not None:
         strategy = f"{ra.sharded.label}: sharded iteration (docs/sharded.md)"
     con.print(f"[bold]Model[/]: {strategy}" + (f", Case {m.case}" if m.case else ""))
