@@ -225,3 +225,13 @@ def test_collectives_none_of_them_gradient_give_no_speedup(tmp_path):
     assert z.model.units == [] and "no gradient communication" in z.comm_missing
     assert z.speedup.points == [] and z.replay is None
     assert "a few bytes" in z.comm_missing
+
+
+def test_comm_after_backward_is_not_called_case_1(tmp_path):
+    units = [([4, 3], 85, 88), ([2, 1], 88, 91)]
+    path = ddp_iterations(Builder(), units, update=(91, 98)).write(str(tmp_path / "s.arrow"))
+    r = analyze(load(path), skip=1).main
+    assert r.model.strategy == "sequential"
+    ids = {f.id: f.message for f in r.findings}
+    assert "comm_tail" not in ids and not any("Case 1" in m for m in ids.values())
+    assert "runs after the backward pass" in ids["comm_not_overlapped"]

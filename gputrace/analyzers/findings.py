@@ -69,7 +69,7 @@ def find(m: ModelResult, comm: dict[str, float], io: dict[str, float], bw: Bandw
                 "gradients are ready, after the backward, or outside compute). "
                 "The what-if replay shows what other bucket sizes or a faster link "
                 "would change."))
-        elif exposed / t_iter >= INPUT_MODERATE:
+        elif m.case == 1 and exposed / t_iter >= INPUT_MODERATE:
             out.append(Finding(
                 "comm_tail", "moderate",
                 f"Only the last gradient unit is exposed (Case 1), but it costs {exposed:.3f} s "
@@ -78,9 +78,12 @@ def find(m: ModelResult, comm: dict[str, float], io: dict[str, float], bw: Bandw
             out.append(Finding(
                 "comm_not_overlapped", "moderate" if exposed / t_iter >= INPUT_MODERATE
                 else "info",
-                f"Comm units do not queue behind each other, but {exposed:.3f} s of "
-                f"{comm['total_s']:.3f} s comm per iteration runs outside compute: it is "
-                "not overlapped with the backward pass."))
+                (f"Gradient communication runs after the backward pass: {exposed:.3f} s of "
+                 f"{comm['total_s']:.3f} s comm per iteration runs outside compute."
+                 if m.strategy == "sequential" else
+                 f"Comm units do not queue behind each other, but {exposed:.3f} s of "
+                 f"{comm['total_s']:.3f} s comm per iteration runs outside compute: it is "
+                 "not overlapped with the backward pass.")))
         else:
             out.append(Finding(
                 "comm_hidden", "info",
