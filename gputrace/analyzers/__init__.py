@@ -144,7 +144,7 @@ def analyze_spans(sp: fr.Spans, o: Options) -> RankPart:
     """Everything one rank's spans give on their own: a pure function of them."""
     cr = col.rows(sp)
     msp = col.for_model(sp, cr)
-    rs = analyze_rank(msp, col.stood(sp, cr))
+    rs = analyze_rank(msp, col.stood(sp, cr), col.not_units(sp, cr))
     extra = _extra_findings(sp, rs)
     n = rs.iterations.start.size
     skipped = warmup_skip(n, o.skip)
@@ -296,6 +296,21 @@ def _tf_unprofiled(md: dict[str, Any]) -> bool:
     return isinstance(tf, dict) and tf.get("profiler_steps") == "off"
 
 
+def _missing(ranks: dict[int, RankPart], world: int, md: dict[str, Any]) -> str | None:
+    """Why a multi-rank run gives no comm figure: its analyzed iterations hold no
+    collective (whatever was recorded outside them), or none that is gradient comm."""
+    if world < 2:
+        return None
+    parts = list(ranks.values())
+    if not any(p.collectives.in_iterations for p in parts):
+        return col.missing_message(world, tf_unprofiled=_tf_unprofiled(md),
+                                   outside=max(p.collectives.recorded for p in parts))
+    if not any(p.model.units or p.sharded is not None for p in parts):
+        most = max(parts, key=lambda p: p.collectives.in_iterations)
+        return col.gradient_missing_message(world, most.collectives.kinds)
+    return None
+
+
 def combine(parts: list[FramePart], md: dict[str, Any], opts: Options, probe: Any,
             align: bool = True, executor: Executor | None = None) -> Analysis:
     """The analysis of a run from its ranks' parts: the wait for peers in comm (on host
@@ -320,8 +335,7 @@ def combine(parts: list[FramePart], md: dict[str, Any], opts: Options, probe: An
             if sh is not None:
                 ranks[r] = replace(p, sharded=sh, model=sh.model)
     shared = _shared(steps, {r: p.devices for r, p in ranks.items()}, md)
-    missing = col.missing_message(world, tf_unprofiled=_tf_unprofiled(md)) if world > 1 and \
-        not any(p.collectives.recorded for p in ranks.values()) else None
+    missing = _missing(ranks, world, md)
     order = list(ranks)
     args = ([ranks[r] for r in order], [arrivals.get(r) for r in order],
             [world] * len(order), [opts] * len(order), [shared] * len(order))

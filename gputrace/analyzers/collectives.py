@@ -42,6 +42,16 @@ _KERNEL = [(re.compile(p, re.I), k) for p, k in (
 # the roles of FSDP's collectives (args.role) and the side of the iteration they belong to
 ROLES = ("unshard", "reshard_gather", "reduce_grad", "hsdp_all_reduce")
 
+# A collective of a few values (a gradient norm, an overflow or skip flag, a loss scale, a
+# metric) is never a gradient unit nor the base of a cost fit: one that moves under
+# SMALL_BYTES (1 KiB, 256 fp32 values: less than any layer worth a bucket of its own) and
+# under SMALL_SHARE of the run's gradient bytes per iteration (the model's gradient, from
+# the backward spans' bytes, or at least the largest collective's). Both must
+# hold, so a toy model whose whole gradient is a few hundred bytes keeps its units. Its
+# time stays comm time (t_comm, hidden vs exposed); it is listed by kind as not gradient.
+SMALL_BYTES = 1024
+SMALL_SHARE = 0.01
+
 
 def kind_of(name: str) -> str | None:
     """A collective's kind from a span or kernel name (`allreduce`, an NCCL kernel's)."""
@@ -72,6 +82,9 @@ class Rows:
     prefetch: np.ndarray
     group_size: np.ndarray     # -1 unknown
     gradient: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))  # gradient_mask
+    # gradient rows of a few bytes (under `small_below`): comm, but never a gradient unit
+    small: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
+    small_below: float = 0.0
 
     @property
     def n(self) -> int:
@@ -139,7 +152,40 @@ def rows(sp: Spans) -> Rows:
             gsize[j] = _int(g.get("size"))
     r = Rows(idx, kinds, contract, sp.nbytes[idx], bout, asy, phase, ws, we, fsdp, unit,
              role, pre, gsize)
-    return replace(r, gradient=_gradient(sp, r))
+    r = replace(r, gradient=_gradient(sp, r))
+    below = min(SMALL_BYTES, SMALL_SHARE * gradient_bytes(sp, r))
+    # FSDP's own collectives are its units' (parameters and gradients), whatever their size
+    small = r.gradient & ~np.array([bool(f) for f in fsdp], bool) & (r.nbytes < below)
+    return replace(r, small=small, small_below=below)
+
+
+def gradient_bytes(sp: Spans, r: Rows) -> float:
+    """The run's gradient bytes per iteration, as far as the trace tells: the model's (each
+    layer's backward span carries its gradient's bytes), and at least the largest
+    collective's (a gradient bucket, or a reduce-scatter or broadcast of the model's
+    tensors)."""
+    m = np.flatnonzero(sp.of("backward") & (sp.layer >= 1) & (sp.device < 0)
+                       & ~np.isnan(sp.nbytes))
+    _, first = np.unique(sp.layer[m], return_index=True)
+    model = float(sp.nbytes[m][first].sum()) if m.size else 0.0
+    nb = r.nbytes[~np.isnan(r.nbytes)]
+    return max(model, float(nb.max()) if nb.size else 0.0)
+
+
+def small_mask(r: Rows) -> np.ndarray:
+    """Which comm rows are gradient collectives of a few bytes (never gradient units)."""
+    return r.small if r.small.size == r.n else np.zeros(r.n, bool)
+
+
+def not_units(sp: Spans, r: Rows) -> np.ndarray | None:
+    """Per span, the comm rows the data-parallel model must not take as units (None: no
+    such row)."""
+    sm = small_mask(r)
+    if not sm.any():
+        return None
+    out = np.zeros(sp.start.size, bool)
+    out[r.idx[sm]] = True
+    return out
 
 
 def is_sharded(r: Rows) -> bool:
@@ -206,6 +252,7 @@ class KindTotal:
     time_s: float         # summed durations per iteration
     exposed_s: float      # the part the job stood still for, per iteration
     gradient: bool        # counted as gradient units by the data-parallel model
+    small: bool = False   # of a few bytes each (under Collectives.small_below): not units
 
 
 @dataclass(frozen=True)
@@ -217,6 +264,7 @@ class Collectives:
     in_iterations: int = 0          # of them, inside analyzed iterations
     sharded: str | None = None      # "fsdp2" / "fsdp1" when FSDP issued them
     group_sizes: tuple[int, ...] = ()
+    small_below: float = 0.0        # a gradient collective under this many bytes is no unit
 
     def total(self, key: str) -> float:
         return float(sum(getattr(k, key) for k in self.kinds))
@@ -247,6 +295,7 @@ def summarize(sp: Spans, r: Rows, it_of: np.ndarray, sel: np.ndarray, compute: o
     if not r.n:
         return Collectives()
     grad = gradient_mask(sp, r)
+    small = small_mask(r)
     inside = np.isin(it_of, sel)
     n_it = max(int(sel.size), 1)
     dur = (sp.end[r.idx] - sp.start[r.idx]) / 1e9
@@ -254,21 +303,25 @@ def summarize(sp: Spans, r: Rows, it_of: np.ndarray, sel: np.ndarray, compute: o
     kinds = np.array(r.kind)
     out = []
     for k in [k for k in KINDS if k in set(r.kind)]:
-        m = inside & (kinds == k)
-        if not m.any():
-            continue
-        out.append(KindTotal(k, float(m.sum()) / n_it, float(np.nansum(r.nbytes[m])) / n_it,
-                             float(np.nansum(r.bytes_out[m])) / n_it,
-                             float(dur[m].sum()) / n_it, float(exp[m].sum()) / n_it,
-                             bool(grad[m].any())))
+        for few in (False, True):     # a kind's collectives of a few bytes on a row of their own
+            m = inside & (kinds == k) & (small == few)
+            if not m.any():
+                continue
+            out.append(KindTotal(k, float(m.sum()) / n_it,
+                                 float(np.nansum(r.nbytes[m])) / n_it,
+                                 float(np.nansum(r.bytes_out[m])) / n_it,
+                                 float(dur[m].sum()) / n_it, float(exp[m].sum()) / n_it,
+                                 bool(grad[m].any()) and not few, few))
     sharded = next((f for f in r.fsdp if f), None)
     sizes = tuple(sorted({int(g) for g in r.group_size if g > 0}))
-    return Collectives(out, r.n, int(inside.sum()), sharded, sizes)
+    return Collectives(out, r.n, int(inside.sum()), sharded, sizes, r.small_below)
 
 
-def missing_message(world: int, tf_unprofiled: bool = False) -> str:
-    """The headline's words for a multi-rank trace without one collective."""
-    head = (f"{world} ranks, but no collective was recorded: the ranks' communication "
+def missing_message(world: int, tf_unprofiled: bool = False, outside: int = 0) -> str:
+    """The headline's words for a multi-rank trace without one collective in its analyzed
+    iterations (`outside`: how many were recorded outside them: before, after, in warm-up)."""
+    where = "" if not outside else f" in the analyzed iterations (only {outside} outside them)"
+    head = (f"{world} ranks, but no collective was recorded{where}: the ranks' communication "
             "(all-reduce, all-gather, reduce-scatter...) is not in this trace, so no comm "
             "figure, Case or speedup can be given; ")
     if tf_unprofiled:
@@ -279,12 +332,24 @@ def missing_message(world: int, tf_unprofiled: bool = False) -> str:
                    "collectives, or import a trace that has the NCCL kernels")
 
 
+def gradient_missing_message(world: int, kinds: list[KindTotal]) -> str:
+    """The headline's words for a multi-rank trace whose analyzed iterations hold
+    collectives, none of them a gradient unit."""
+    what = ", ".join(f"{k.kind} x{k.count:.3g}" + (" of a few bytes" if k.small else "")
+                     for k in kinds)
+    return (f"{world} ranks, but no gradient communication was recorded in the analyzed "
+            f"iterations (only {what} per iteration): the ranks' gradient exchange is not "
+            "in this trace, or not as collectives the data-parallel model reads (DDP's "
+            "buckets, a job's own all-reduces of gradients, FSDP's collectives), so no Case, "
+            "speedup or what-if can be given from it")
+
+
 def unit_kinds(sp: Spans, r: Rows, it_start: np.ndarray) -> dict[int, str]:
     """The kind of each gradient unit index (launch order within its iteration), as the
     data-parallel model numbers them: GPU comm records when there are any, else host spans."""
     if not r.n:
         return {}
-    grad = gradient_mask(sp, r)
+    grad = gradient_mask(sp, r) & ~small_mask(r)
     on_gpu = sp.device[r.idx] >= 0
     use = grad & (on_gpu if (grad & on_gpu).any() else ~on_gpu)
     j = np.flatnonzero(use)

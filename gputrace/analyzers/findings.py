@@ -56,7 +56,8 @@ def find(m: ModelResult, comm: dict[str, float], io: dict[str, float], bw: Bandw
             msg += "; loading is not pipelined: use DataLoader workers"
         out.append(Finding("input_bound", sev, msg + "."))
     exposed = comm.get("exposed_s", 0.0)
-    if comm.get("total_s", 0.0) > 0 and m.strategy != "fsdp":   # FSDP: findings_comm
+    # FSDP: findings_comm; no unit (comm of a few bytes only): nothing to say of units
+    if comm.get("total_s", 0.0) > 0 and m.strategy != "fsdp" and m.units:
         exp_units = [u for u in m.units[:-1] if not u.hidden]
         if m.case == 2:
             names = ", ".join(f"#{u.index}" + _layers(u.layers) for u in exp_units)
@@ -64,10 +65,11 @@ def find(m: ModelResult, comm: dict[str, float], io: dict[str, float], bw: Bandw
                 "comm_exposed", "high" if exposed / t_iter >= 0.2 else "moderate",
                 f"Gradient communication is exposed (Case 2, C = {m.C if m.C is not None else '?'}): "
                 f"{exposed:.3f} s of {comm['total_s']:.3f} s comm per iteration is not hidden "
-                f"under compute; units {names} end after the next unit's gradients are ready. "
+                f"under compute; units {names} are exposed (each ends after the next unit's "
+                "gradients are ready, after the backward, or outside compute). "
                 "The what-if replay shows what other bucket sizes or a faster link "
                 "would change."))
-        elif exposed / t_iter >= INPUT_MODERATE:
+        elif m.case == 1 and exposed / t_iter >= INPUT_MODERATE:
             out.append(Finding(
                 "comm_tail", "moderate",
                 f"Only the last gradient unit is exposed (Case 1), but it costs {exposed:.3f} s "
@@ -76,9 +78,12 @@ def find(m: ModelResult, comm: dict[str, float], io: dict[str, float], bw: Bandw
             out.append(Finding(
                 "comm_not_overlapped", "moderate" if exposed / t_iter >= INPUT_MODERATE
                 else "info",
-                f"Comm units do not queue behind each other, but {exposed:.3f} s of "
-                f"{comm['total_s']:.3f} s comm per iteration runs outside compute: it is "
-                "not overlapped with the backward pass."))
+                (f"Gradient communication runs after the backward pass: {exposed:.3f} s of "
+                 f"{comm['total_s']:.3f} s comm per iteration runs outside compute."
+                 if m.strategy == "sequential" else
+                 f"Comm units do not queue behind each other, but {exposed:.3f} s of "
+                 f"{comm['total_s']:.3f} s comm per iteration runs outside compute: it is "
+                 "not overlapped with the backward pass.")))
         else:
             out.append(Finding(
                 "comm_hidden", "info",

@@ -36,7 +36,8 @@ def shd_findings(p: Any, missing: str | None) -> list[Finding]:
             f"{sh.headline()} ({exp / t_iter:.0%} of the iteration)" if t_iter else
             sh.headline()) if not parts else Finding(
             "fsdp_exposed", sev, f"{sh.headline()}: " + "; ".join(parts) + "."))
-        best = min(sh.what_if, key=lambda w: w.t_iter, default=None)
+        best = min((w for w in sh.what_if if w.withheld is None), key=lambda w: w.t_iter,
+                   default=None)
         if best is not None and t_iter and best.t_iter < 0.95 * t_iter and \
                 not best.label.startswith("link"):
             out.append(Finding(
@@ -48,8 +49,11 @@ def shd_findings(p: Any, missing: str | None) -> list[Finding]:
         out.append(Finding(
             "other_collectives", "info",
             "Collectives besides the gradient all-reduce, per iteration: " + "; ".join(
-                f"{k.kind} x{k.count:.3g} ({k.nbytes / 1e6:.2f} MB, {k.time_s * 1e3:.1f} ms, "
-                f"{k.exposed_s * 1e3:.1f} ms exposed)" for k in other)
+                (f"{k.kind} x{k.count:.3g} of a few bytes ({k.nbytes:.0f} B: a norm, a "
+                 "flag, not gradients" if k.small else
+                 f"{k.kind} x{k.count:.3g} ({k.nbytes / 1e6:.2f} MB")
+                + f", {k.time_s * 1e3:.1f} ms, {k.exposed_s * 1e3:.1f} ms exposed)"
+                for k in other)
             + "; not part of the gradient model."))
     return out
 

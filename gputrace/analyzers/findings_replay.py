@@ -29,7 +29,7 @@ def _replay_findings(rp: Replay | None, world: int) -> list[Finding]:
     if rp is None or world < 2:
         return []
     own = [o for o in rp.outcomes if o.scenario.gpus == world and o.scenario.bandwidth_x == 1
-           and o.scenario.bucket_bytes is not None]
+           and o.scenario.bucket_bytes is not None and o.withheld is None]
     if not own:
         return []
     best = min(own, key=lambda o: o.t_iter)
@@ -52,7 +52,8 @@ def _agree(findings: list[Finding], rp: Replay | None, world: int) -> list[Findi
     for f in findings:
         if f.id == "comm_tail" and rp is not None:
             own = [o for o in rp.outcomes if o.scenario.gpus == max(world, 2)
-                   and o.scenario.bandwidth_x == 1 and o.scenario.bucket_bytes is not None]
+                   and o.scenario.bandwidth_x == 1 and o.scenario.bucket_bytes is not None
+                   and o.withheld is None]
             best = min(own, key=lambda o: o.t_iter) if own else None
             if best is not None:
                 head = f.message.split(": a smaller last bucket")[0]

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from gputrace.analyzers.sanity import eq12_over, far_off
 from gputrace.analyzers.steps import RankSteps
 
 # -- the paper's equations, as plain functions of their terms (seconds, bytes) ------------
@@ -199,11 +200,12 @@ def build_model(rs: RankSteps, sel: np.ndarray) -> ModelResult:
 
     case = c_layer = c_unit = None
     eq7_value = t_b_first = comm_span = None
-    if not units:
+    if not units and t["t_comm"] <= 0:
         strategy = "sequential"
         equation = "4" if pipelined else "1"
         predicted = with_io(t_gpu + other)
-    elif not _overlapped(rs, sel):
+    elif not units or not _overlapped(rs, sel):   # no unit: comm of a few bytes only
+        strategy = "sequential"
         strategy = "sequential"
         equation = "4" if pipelined else "2"
         predicted = with_io(t_gpu + t["t_comm"] + other)
@@ -257,6 +259,15 @@ class SpeedupPoint:
     efficiency: float
     t_iter: float
     t_comm: float
+    withheld: str | None = None     # why its figures (then nan) are not given
+
+
+def checked(p: SpeedupPoint, measured: float) -> SpeedupPoint:
+    """The point, or its figures withheld when it predicts an iteration far from the
+    measured one."""
+    why = far_off(p.t_iter, measured)
+    return p if why is None else SpeedupPoint(p.gpus, math.nan, math.nan, math.nan,
+                                              math.nan, why)
 
 
 @dataclass(frozen=True)
@@ -270,6 +281,7 @@ class Speedup:
     grad_bytes: float
     unavailable: str | None = None      # why no speedup is predicted (a term not measured)
     shared: str | None = None           # what the measured ranks shared (cores, a GPU)
+    allreduce_efficiency_withheld: str | None = None   # eq. 12 over 100 %: what is wrong
 
 
 def speedup(m: ModelResult, world_size: int, gpus: Sequence[int],
@@ -370,9 +382,11 @@ def speedup(m: ModelResult, world_size: int, gpus: Sequence[int],
         t_iter = N * (t_io_1 + t_gpu) / s
         if contention_s > 0 and one > contention_s:
             s *= (one - contention_s) / one
-        pts.append(SpeedupPoint(N, s, s / N, t_iter, tc))
-    eff = None
+        pts.append(checked(SpeedupPoint(N, s, s / N, t_iter, tc), m.measured_t_iter))
+    eff = over = None
     if link_bytes_per_s and measured_comm > 0 and grad_bytes > 0:
         eff = eq12(grad_bytes * n, measured_comm, link_bytes_per_s)
+        if eff > 1.0:   # never an efficiency over 100 %: say what does not add up
+            eff, over = None, eq12_over(eff, grad_bytes, n, measured_comm, link_bytes_per_s)
     return Speedup(equation, n, pts, assumptions, eff, link_bytes_per_s, grad_bytes,
-                   unavailable, shared)
+                   unavailable, shared, over)

@@ -50,6 +50,7 @@ from gputrace.analyzers.replay_sim import (
     fit_host_cost,
     run_units,
 )
+from gputrace.analyzers.sanity import far_off, fit_too_small
 from gputrace.analyzers.steps import RankSteps
 
 MIB = 1 << 20
@@ -84,6 +85,7 @@ class Outcome:
     high: float = math.nan
     reference_t_iter: float = math.nan   # the same GPU count, buckets as measured, link x1
     extrapolated: str | None = None      # why the prediction leaves what the run measured
+    withheld: str | None = None          # why its figures (then nan) are not given
 
 
 @dataclass(frozen=True)
@@ -256,7 +258,16 @@ def why_no_replay(rs: RankSteps, sel: np.ndarray, world: int,
                 f"collective moved), so no comm cost can be fitted from them: {fix}")
     if not (end > begin).any():
         return f"the comm units have no duration to fit a cost to: {fix}"
+    small = _fit_too_small(rs, sel) if world > 1 else None
+    if small:
+        return small
     return f"the comm of {world} rank(s) could not be fitted: {fix}"
+
+
+def _fit_too_small(rs: RankSteps, sel: np.ndarray) -> str | None:
+    """Why the measured units are too few bytes to fit a cost per byte on, or None."""
+    _, _, _, _, nb = units_in_iterations(rs, sel)
+    return fit_too_small(float(np.nansum(nb)) / max(sel.size, 1))
 
 
 def replay(rs: RankSteps, sel: np.ndarray, m: ModelResult, world: int, gpus: Sequence[int],
@@ -275,6 +286,8 @@ def replay(rs: RankSteps, sel: np.ndarray, m: ModelResult, world: int, gpus: Seq
     p = _plan(rs, sel, m, world, link_bytes_per_s, on_cpu, arrivals, host_bytes_per_s)
     if p is None or not (p.units or sum(p.nbytes.values()) > 0):
         return None         # no bytes to move: nothing to replay
+    if p.cost.source == "measured" and _fit_too_small(rs, sel):
+        return None         # a cost per byte of a few bytes' comm: why_no_replay says so
     cost = p.cost
     assumptions = []
     if cost.source == "measured" and cost.cpu_s_per_byte > 0:
@@ -329,6 +342,14 @@ def replay(rs: RankSteps, sel: np.ndarray, m: ModelResult, world: int, gpus: Seq
         n_b, r, t_iter = preds[s]
         lo, hi = spread.get(s, (math.nan, math.nan))
         reference = preds.get(Scenario(s.gpus), (0, r, t_iter))[2]
+        if far_off(reference, p.measured_t_iter):
+            reference = math.nan
+        far = far_off(t_iter, p.measured_t_iter)
+        if far:    # its figures are not given, only why
+            outcomes.append(Outcome(s, n_b, math.nan, math.nan, math.nan, math.nan,
+                                    reference_t_iter=reference,
+                                    extrapolated=_extrapolation(s, world, p), withheld=far))
+            continue
         outcomes.append(Outcome(s, n_b, r.busy, max(r.comm_end - r.backward_end, 0.0), t_iter,
                                 s.gpus * one_gpu / t_iter if t_iter > 0 else 0.0,
                                 lo, hi, reference, _extrapolation(s, world, p)))

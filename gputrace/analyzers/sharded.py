@@ -14,7 +14,15 @@ import numpy as np
 
 from gputrace.analyzers import collectives as col
 from gputrace.analyzers import shardsim as sim
-from gputrace.analyzers.model import ModelResult, Speedup, SpeedupPoint, UnitStats, mean_terms
+from gputrace.analyzers.model import (
+    ModelResult,
+    Speedup,
+    SpeedupPoint,
+    UnitStats,
+    checked,
+    mean_terms,
+)
+from gputrace.analyzers.sanity import far_off
 from gputrace.analyzers.shardinputs import Inputs, summarize_rank  # noqa: F401 (here too)
 from gputrace.analyzers.shardtimeline import timelines
 from gputrace.analyzers.steps import RankSteps
@@ -49,6 +57,7 @@ class WhatIf:
     exposed_s: float
     comm_s: float
     knobs: dict[str, object]
+    withheld: str | None = None     # why its figures (then nan) are not given
 
 
 @dataclass(frozen=True)
@@ -229,16 +238,21 @@ def analyze_sharded(si: Inputs, rs: RankSteps, sel: np.ndarray, world: int,
     for label, k in scen:
         v = preds(k)
         m, lo, hi = _mean_ci(v)
+        knobs: dict[str, object] = {"prefetch_forward": k.prefetch_forward,
+                                    "prefetch_backward": k.prefetch_backward,
+                                    "bandwidth_x": k.bandwidth_x, "reshard": k.reshard}
+        far = far_off(m, measured)
+        if far:    # its figures are not given, only why
+            what.append(WhatIf(label, *[math.nan] * 5, knobs, far))   # type: ignore[arg-type]
+            continue
         r = [sim.simulate(tl, k, forward_gathers=g, root=root)
              for tl, g in zip(tls, fgathers, strict=True)]
         what.append(WhatIf(label, m, lo, hi,
                            float(np.mean([x.exposed_forward_s + x.exposed_backward_s
                                           for x in r])),
-                           float(np.mean([x.comm_s for x in r])),
-                           {"prefetch_forward": k.prefetch_forward,
-                            "prefetch_backward": k.prefetch_backward,
-                            "bandwidth_x": k.bandwidth_x, "reshard": k.reshard}))
-    sp_ = _speedup(tls, fgathers, base, root, world, gpus, link_bytes_per_s, assumptions)
+                           float(np.mean([x.comm_s for x in r])), knobs))
+    sp_ = _speedup(tls, fgathers, base, root, world, gpus, link_bytes_per_s, assumptions,
+                   measured)
     terms = mean_terms(rs, sel)
     ustats = [UnitStats(i, None, u.nbytes / max(u.count, 1e-9), u.start_s, u.start_s, u.end_s,
                         u.duration_s, u.exposed_s <= HIDDEN * u.duration_s * u.count,
@@ -261,7 +275,7 @@ def analyze_sharded(si: Inputs, rs: RankSteps, sel: np.ndarray, world: int,
 
 def _speedup(tls: list[sim.Timeline], fg: list[dict[int, float]], base: sim.Knobs,
              root: int | None, world: int, gpus: Sequence[int], link: float | None,
-             assumptions: list[str]) -> Speedup:
+             assumptions: list[str], measured: float) -> Speedup:
     one = float(np.mean([sim.one_gpu(tl, base) for tl in tls]))
     pts = []
     unavailable = None
@@ -275,7 +289,8 @@ def _speedup(tls: list[sim.Timeline], fg: list[dict[int, float]], base: sim.Knob
                                for tl, g in zip(tls, fg, strict=True)]))
             s = n * one / t if t > 0 else 0.0
             r = [sim.simulate(tl, k) for tl in tls]
-            pts.append(SpeedupPoint(n, s, s / n, t, float(np.mean([x.comm_s for x in r]))))
+            pts.append(checked(SpeedupPoint(n, s, s / n, t,
+                                            float(np.mean([x.comm_s for x in r]))), measured))
     asm = ["weak scaling: the same batch per GPU, so compute per unit stays",
            f"all-gather and reduce-scatter move (N-1)/N of the full bytes per rank: "
            f"their measured service times at {world} ranks scale by ((N-1)/N)/"

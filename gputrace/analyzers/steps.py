@@ -149,7 +149,7 @@ def _sorted_rows(sp: Spans, mask: np.ndarray, it_of: np.ndarray, n: int
 
 
 def _units(sp: Spans, comm: np.ndarray, host: np.ndarray, it_of: np.ndarray, n: int,
-           ends: LayerEnds) -> Units:
+           ends: LayerEnds, back_end: np.ndarray, compute: ov.Union) -> Units:
     ci, cuts, pos = _sorted_rows(sp, comm, it_of, n)
     hi_, hcuts, _ = _sorted_rows(sp, host, it_of, n)
     k = it_of[ci]
@@ -171,13 +171,21 @@ def _units(sp: Spans, comm: np.ndarray, host: np.ndarray, it_of: np.ndarray, n: 
     nxt = np.r_[pos[1:] > 0, False]   # the next row is in the same iteration
     hidden = np.zeros(ci.size, dtype=bool)
     hidden[:-1] = nxt[:-1] & (end[:-1] <= ready[1:])
+    # and only behind compute, as the overlap of comm with compute counts it: a unit that
+    # ends after its iteration's backward did (nothing left to hide it) or that ran mostly
+    # outside compute (a synchronous call the job's thread stood in) is exposed
+    b = back_end[k] if k.size else np.zeros(0, np.int64)
+    covered = ov.measure(compute, start, end)
+    hidden &= ((b < 0) | (end <= b)) & (2 * covered >= end - start)
     return Units(k, pos, ready, start, end, sp.nbytes[ci], hidden, code, sets, cuts)
 
 
-def analyze_rank(sp: Spans, stood: tuple[np.ndarray, np.ndarray] | None = None
-                 ) -> RankSteps:
+def analyze_rank(sp: Spans, stood: tuple[np.ndarray, np.ndarray] | None = None,
+                 not_units: np.ndarray | None = None) -> RankSteps:
     """`stood`: (starts, ends) of the instants the job's thread stood in a collective (a
-    synchronous one, an asynchronous one's wait): comm, so not the host phases' compute."""
+    synchronous one, an asynchronous one's wait): comm, so not the host phases' compute.
+    `not_units`: per span, comm that is no gradient unit (a collective of a few bytes):
+    counted as comm time, left out of the units."""
     its = find_iterations(sp)
     lo, hi = its.start, its.end
     n = lo.size
@@ -316,7 +324,9 @@ def analyze_rank(sp: Spans, stood: tuple[np.ndarray, np.ndarray] | None = None
     bstart[bstart == big] = -1
 
     ends = _layer_ends(sp, per_layer & inside, it_of, n, layer_end)
-    units = _units(sp, comm_m & inside, host_comm & ~comm_m & inside, it_of, n, ends)
+    unit_m = inside if not_units is None else inside & ~not_units
+    units = _units(sp, comm_m & unit_m, host_comm & ~comm_m & unit_m, it_of, n, ends, bend,
+                   compute)
 
     fetch = np.flatnonzero(work_m)
     workers = len(set(sp.pid[fetch].tolist())) if fetch.size else 0

@@ -51,7 +51,7 @@ def with_collectives(tl: IterationTimeline, sp: Spans, cr: col.Rows) -> Iteratio
     grad = col.gradient_mask(sp, cr)
     inside = (s_all >= lo) & (s_all < stop) & cr.contract & (sp.device[cr.idx] < 0)
     fsdp = np.array([bool(f) for f in cr.fsdp], bool)
-    take = inside & (fsdp | ~grad)
+    take = inside & (fsdp | ~grad | col.small_mask(cr))   # a few bytes' all-reduce: no unit
     if not take.any():
         return tl
     bars, lanes = list(tl.bars), list(tl.lanes)

@@ -180,7 +180,8 @@ def timeline(ra: RankAnalysis) -> Chart | None:
         "timeline", f"One iteration as a timeline: iteration {tl.index}{step}, rank {ra.rank}",
         "The median-length analyzed iteration (dashed line: its end), like the paper's Figs. "
         "6-8: a comm unit is exposed (red) when it ends after the next unit's gradients are "
-        "ready; its faded part is the wait from ready to start.", spec)
+        "ready, after the backward, or mostly outside compute; its faded part is the wait "
+        "from ready to start.", spec)
 
 
 def rank_heatmap(a: Analysis) -> Chart | None:

@@ -9,6 +9,7 @@ import html
 from gputrace.analyzers import RankAnalysis
 from gputrace.analyzers.timeline_comm import ROLE_WHAT
 from gputrace.report.charts import PALETTE, WIDTH, Chart, _colour, _columns
+from gputrace.report.collectives import in_model
 
 
 def _unit_label(unit: int, name: str) -> str:
@@ -69,9 +70,7 @@ def kinds_table(ra: RankAnalysis) -> list[str]:
     e = html.escape
     rows = "".join(
         f'<tr data-kind="{e(k.kind)}"><td>{e(k.kind)}</td><td>'
-        + ("sharded" if ra.sharded is not None else
-           "gradient" if k.gradient else "other (not gradient)")
-        + f"</td><td>{k.count:.3g}</td><td>{k.nbytes / 1e6:.2f}</td>"
+        + e(in_model(ra, k)) + f"</td><td>{k.count:.3g}</td><td>{k.nbytes / 1e6:.2f}</td>"
         f"<td>{k.bytes_out / 1e6:.2f}</td><td>{k.time_s * 1e3:.1f} ms</td>"
         f"<td>{k.exposed_s * 1e3:.1f} ms</td></tr>" for k in c.kinds)
     groups = ", ".join(str(g) for g in c.group_sizes) or "unknown"

@@ -13,15 +13,17 @@ from gputrace.report.charts import WIDTH, Chart, _colour, _columns, _ms, _rule
 
 def speedup(ra: RankAnalysis) -> Chart | None:
     sp = ra.speedup
-    if not sp.points:
+    points = [p for p in sp.points if p.withheld is None]   # a withheld one: no figure
+    if not points:
         return None
     model = f"model (eq. {sp.equation})"
-    series = [(model, p.gpus, p.speedup, p.efficiency) for p in sp.points]
+    series = [(model, p.gpus, p.speedup, p.efficiency) for p in points]
     rp = ra.replay
     if rp is not None:
         series += [("replay", o.scenario.gpus, o.speedup, o.speedup / o.scenario.gpus)
-                   for o in rp.outcomes if o.scenario == Scenario(o.scenario.gpus)]
-    series += [("ideal", p.gpus, float(p.gpus), 1.0) for p in sp.points]
+                   for o in rp.outcomes if o.scenario == Scenario(o.scenario.gpus)
+                   and o.withheld is None]
+    series += [("ideal", p.gpus, float(p.gpus), 1.0) for p in points]
     names = list(dict.fromkeys(s for s, _, _, _ in series))
     data, flat = _columns(series=[s for s, _, _, _ in series], gpus=[g for _, g, _, _ in series],
                           speedup=[round(v, 4) for _, _, v, _ in series],
@@ -61,9 +63,9 @@ def _config(s: Scenario) -> str:
 
 def what_if(ra: RankAnalysis) -> Chart | None:
     rp = ra.replay
-    if rp is None or not rp.outcomes:
+    outs = [o for o in rp.outcomes if o.withheld is None] if rp is not None else []
+    if rp is None or not outs:
         return None
-    outs = rp.outcomes
     configs = list(dict.fromkeys(_config(o.scenario) for o in outs))
     data, flat = _columns(gpus=[o.scenario.gpus for o in outs],
                           config=[_config(o.scenario) for o in outs],

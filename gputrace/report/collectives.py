@@ -10,6 +10,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from gputrace.analyzers import RankAnalysis
+from gputrace.analyzers.collectives import KindTotal
 
 ROLE = {"unshard": "forward all-gather", "reshard_gather": "backward re-gather",
         "reduce_grad": "reduce-scatter", "hsdp_all_reduce": "HSDP all-reduce"}
@@ -22,11 +23,27 @@ def _ms(s: float) -> str:
 def headline_case(ra: RankAnalysis) -> str | None:
     """The headline's clause about comm when collectives decide it, else None."""
     if ra.comm_missing:
-        return ra.comm_missing.split(": the ranks'")[0] + \
-            ": the ranks' communication is not in this trace, so no comm figure or speedup"
+        head = ra.comm_missing.split(": the ranks'")[0]
+        what = "gradient exchange" if "no gradient" in head else "communication"
+        return f"{head}: the ranks' {what} is not in this trace, so no comm figure or speedup"
     if ra.sharded is not None:
         return ra.sharded.headline()
     return None
+
+
+def few_bytes(n: float) -> str:
+    """A small byte count as people say it: '1 KiB', '300 B'."""
+    return "1 KiB" if n == 1024 else f"{n:.0f} B"
+
+
+def in_model(ra: RankAnalysis, k: KindTotal) -> str:
+    """What the model makes of a kind's collectives: the words of the kinds table."""
+    if ra.sharded is not None and not k.small:
+        return "sharded"
+    if k.small:
+        return (f"other (under {few_bytes(ra.collectives.small_below)} each, not gradient: a "
+                "norm, a flag)")
+    return "gradient" if k.gradient else "other (not gradient)"
 
 
 def render_kinds(con: Console, ra: RankAnalysis) -> None:
@@ -40,8 +57,7 @@ def render_kinds(con: Console, ra: RankAnalysis) -> None:
         t.add_column(h, justify="left" if h in ("kind", "in the model") else "right")
     for k in c.kinds:
         t.add_row(k.kind, f"{k.count:.3g}", f"{k.nbytes / 1e6:.2f}", _ms(k.time_s),
-                  _ms(k.exposed_s), "sharded" if ra.sharded is not None else
-                  ("gradient" if k.gradient else "other (not gradient)"))
+                  _ms(k.exposed_s), in_model(ra, k))
     con.print(t)
 
 
@@ -76,10 +92,18 @@ def render_sharded(con: Console, ra: RankAnalysis) -> None:
         w.add_column(h, justify="left" if h == "change" else "right")
     m = sh.model.measured_t_iter
     for o in sh.what_if:
+        if o.withheld:
+            w.add_row(escape(o.label), "withheld", "-", "-", "-")
+            continue
         iv = "-" if math.isnan(o.low) else f"[{_ms(o.low)}, {_ms(o.high)}]"
         w.add_row(escape(o.label), _ms(o.t_iter), iv, f"{o.t_iter / m - 1:+.0%}" if m else "-",
                   _ms(o.exposed_s))
     con.print(w)
+    held = [o for o in sh.what_if if o.withheld]
+    if held:
+        more = f" (and {len(held) - 1} more like it)" if len(held) > 1 else ""
+        con.print(f"  [yellow]withheld[/]: {escape(held[0].label)}{more}: "
+                  f"{escape(held[0].withheld or '')}")
     con.print(f"  [dim]replaying the measured configuration gives {_ms(sh.baseline_t_iter)} "
               f"({sh.baseline_error:+.1%}); each prediction is the measured iteration plus the "
               "replayed change[/]")

@@ -47,10 +47,12 @@ def rank_dict(ra: RankAnalysis) -> dict[str, Any]:
             "equation": sp.equation, "measured_world_size": sp.world_size,
             "gradient_bytes": sp.grad_bytes,
             "allreduce_efficiency": _num(sp.allreduce_efficiency),
+            "allreduce_efficiency_withheld": sp.allreduce_efficiency_withheld,
             "link_bytes_per_s": _num(sp.link_bytes_per_s),
             "assumptions": list(sp.assumptions),
-            "points": [{"gpus": p.gpus, "speedup": p.speedup, "efficiency": p.efficiency,
-                        "t_iter": p.t_iter, "t_comm": p.t_comm} for p in sp.points],
+            "points": [{"gpus": p.gpus, "speedup": _num(p.speedup),
+                        "efficiency": _num(p.efficiency), "t_iter": _num(p.t_iter),
+                        "t_comm": _num(p.t_comm), "withheld": p.withheld} for p in sp.points],
             "unavailable": sp.unavailable, "shared": sp.shared,
         },
         "bandwidth": {} if bw is None else {
@@ -97,11 +99,13 @@ def _what_if(rp: Replay | None) -> dict[str, Any] | None:
         "layers_known": rp.layers_known, "assumptions": list(rp.assumptions),
         "scenarios": [{"label": o.scenario.label, "gpus": o.scenario.gpus,
                        "bandwidth_x": o.scenario.bandwidth_x, **bucket(o.scenario.bucket_bytes),
-                       "buckets": o.buckets, "comm_s": o.comm_s, "exposed_s": o.exposed_s,
-                       "t_iter": o.t_iter, "speedup": o.speedup,
+                       "buckets": o.buckets, "comm_s": _num(o.comm_s),
+                       "exposed_s": _num(o.exposed_s), "t_iter": _num(o.t_iter),
+                       "speedup": _num(o.speedup),
                        "t_iter_low": _num(o.low), "t_iter_high": _num(o.high),
                        "reference_t_iter": _num(o.reference_t_iter),
-                       "extrapolated": o.extrapolated} for o in rp.outcomes],
+                       "extrapolated": o.extrapolated, "withheld": o.withheld}
+                      for o in rp.outcomes],
     }
 
 

@@ -17,13 +17,20 @@ def _num(x: float | None) -> float | None:
 
 def collectives_dict(ra: RankAnalysis) -> dict[str, Any]:
     c = ra.collectives
+    kinds: dict[str, dict[str, Any]] = {}
+    for k in c.kinds:   # a kind's few-byte collectives: counted in it, and under `small`
+        figs = {"count": k.count, "bytes": k.nbytes, "bytes_out": k.bytes_out,
+                "time_s": k.time_s, "exposed_s": k.exposed_s}
+        d = kinds.setdefault(k.kind, {**dict.fromkeys(figs, 0.0), "gradient": False})
+        for key, v in figs.items():
+            d[key] = d[key] + v
+        d["gradient"] = d["gradient"] or k.gradient
+        if k.small:
+            d["small"] = dict(figs)
     return {"recorded": c.recorded, "in_iterations": c.in_iterations,
             "strategy": c.sharded or ("ddp" if any(k.gradient for k in c.kinds) else None),
-            "group_sizes": list(c.group_sizes),
-            "kinds": {k.kind: {"count": k.count, "bytes": k.nbytes,
-                               "bytes_out": _num(k.bytes_out), "time_s": k.time_s,
-                               "exposed_s": k.exposed_s, "gradient": k.gradient}
-                      for k in c.kinds}}
+            "group_sizes": list(c.group_sizes), "small_below_bytes": c.small_below,
+            "kinds": kinds}
 
 
 def sharded_dict(ra: RankAnalysis) -> dict[str, Any] | None:
@@ -42,7 +49,8 @@ def sharded_dict(ra: RankAnalysis) -> dict[str, Any] | None:
                    "count": u.count, "bytes": u.nbytes, "start_s": u.start_s,
                    "end_s": u.end_s, "duration_s": u.duration_s, "exposed_s": u.exposed_s,
                    "prefetched": u.prefetched} for u in sh.units],
-        "what_if": [{"label": w.label, "t_iter": w.t_iter, "t_iter_low": _num(w.low),
-                     "t_iter_high": _num(w.high), "exposed_s": w.exposed_s,
-                     "comm_s": w.comm_s, **w.knobs} for w in sh.what_if],
+        "what_if": [{"label": w.label, "t_iter": _num(w.t_iter), "t_iter_low": _num(w.low),
+                     "t_iter_high": _num(w.high), "exposed_s": _num(w.exposed_s),
+                     "comm_s": _num(w.comm_s), **w.knobs, "withheld": w.withheld}
+                    for w in sh.what_if],
     }

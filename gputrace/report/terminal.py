@@ -79,8 +79,18 @@ def _exposed(units: list[UnitStats], C: int | None) -> str:
     exposed = [u.index for u in units[:-1] if not u.hidden]
     if not exposed:
         return "only the last unit"
-    text = (f"unit{'s' if len(exposed) > 1 else ''} {_ranges(exposed)} "
-            f"end{'s' if len(exposed) == 1 else ''} after the next unit's gradients are ready")
+    # exposed for queueing (it ends after the next unit's gradients are ready) or for
+    # running where no compute hides it (after the backward, the job's thread standing in it)
+    late = {u.index for u, nxt in zip(units[:-1], units[1:], strict=True)
+            if u.end_s > nxt.ready_s}
+    parts = []
+    for ks, what in (([k for k in exposed if k in late], "end{} after the next unit's "
+                      "gradients are ready"),
+                     ([k for k in exposed if k not in late], "run{} outside compute")):
+        if ks:
+            parts.append(f"unit{'s' if len(ks) > 1 else ''} {_ranges(ks)} "
+                         + what.format("s" if len(ks) == 1 else ""))
+    text = "; ".join(parts)
     if C is not None:
         text += (f"; C = {C}: the lowest layer {'they hold' if len(exposed) > 1 else 'it holds'},"
                  " counting from 1 at the input")
@@ -119,6 +129,8 @@ def _what_if(con: Console, rp: Replay, measured: float) -> None:
     for n in gpus:
         t.add_column(f"{n} GPUs", justify="right")
     def cell(o: Outcome) -> str:
+        if o.withheld:
+            return "withheld"
         return _ms(o.t_iter) + ("*" if o.extrapolated else "")
 
     for b, by_n in rows.items():
@@ -127,7 +139,9 @@ def _what_if(con: Console, rp: Replay, measured: float) -> None:
         t.add_row(label, *(cell(by_n[n]) if n in by_n else "-" for n in gpus))
     con.print(t)
     for o in rp.outcomes:
-        if o.scenario.bandwidth_x != 1:
+        if o.scenario.bandwidth_x != 1 and o.withheld:
+            con.print(f"  {escape(o.scenario.label)}: withheld")
+        elif o.scenario.bandwidth_x != 1:
             # against the same GPU count at the link as it is: the change the link makes
             ref = o.reference_t_iter if not math.isnan(o.reference_t_iter) else measured
             what = "vs measured" if o.scenario.gpus == rp.cost.world and \
@@ -136,6 +150,7 @@ def _what_if(con: Console, rp: Replay, measured: float) -> None:
                       + (f" [{_ms(o.low)}, {_ms(o.high)}]" if not math.isnan(o.low) else "")
                       + f" ({o.t_iter / ref - 1:+.0%} {what}), {o.speedup:.2f}x over one GPU"
                       + ("*" if o.extrapolated else ""))
+    _withheld(con, [(o.scenario.label, o.withheld) for o in rp.outcomes if o.withheld])
     spread = [o for o in rp.outcomes if not math.isnan(o.low)]
     if spread:
         w = max((o.high - o.low) / 2 / o.t_iter for o in spread if o.t_iter > 0)
@@ -147,6 +162,15 @@ def _what_if(con: Console, rp: Replay, measured: float) -> None:
               "the replayed change[/]")
     for a in rp.assumptions:
         con.print(f"  [dim]assumes {escape(a)}[/]")
+
+
+def _withheld(con: Console, which: list[tuple[str, str | None]]) -> None:
+    """One line for the predictions not shown, and why."""
+    if not which:
+        return
+    first, why = which[0]
+    more = f" (and {len(which) - 1} more like it)" if len(which) > 1 else ""
+    con.print(f"  [yellow]withheld[/]: {escape(first)}{more}: {escape(why or '')}")
 
 
 def render(a: Analysis, rank: int | None = None, file: IO[str] | None = None,
@@ -211,7 +235,8 @@ def render(a: Analysis, rank: int | None = None, file: IO[str] | None = None,
     strategy = STRATEGY.get(m.strategy, m.strategy) if ra.comm["total_s"] > 0 else \
         "single process, no gradient comm (eq. 1; eq. 4 with pipelined I/O)"
     if ra.comm_missing:
-        strategy = "unknown: no collective recorded (eq. 1 over the measured phases)"
+        strategy = (f"unknown: no {'gradient comm' if ra.collectives.in_iterations else 'collective'}"
+                    f" recorded (eq. {m.equation} over the measured phases)")
     elif ra.sharded is not None:
         strategy = f"{ra.sharded.label}: sharded iteration (docs/sharded.md)"
     con.print(f"[bold]Model[/]: {strategy}" + (f", Case {m.case}" if m.case else ""))
@@ -237,15 +262,20 @@ def render(a: Analysis, rank: int | None = None, file: IO[str] | None = None,
             st.add_column(c, justify="right")
         for p in sp.points:
             o = replayed.get(p.gpus)
-            st.add_row(str(p.gpus), f"{p.speedup:.2f}x", f"{p.efficiency:.0%}", _ms(p.t_iter),
-                       *((f"{o.speedup:.2f}x", _ms(o.t_iter)) if o else ("-", "-"))
-                       [:2 if replayed else 0])
+            mine = ("withheld", "-", "-") if p.withheld else \
+                (f"{p.speedup:.2f}x", f"{p.efficiency:.0%}", _ms(p.t_iter))
+            theirs = ("-", "-") if not o else ("withheld", "-") if o.withheld else \
+                (f"{o.speedup:.2f}x", _ms(o.t_iter))
+            st.add_row(str(p.gpus), *mine, *theirs[:2 if replayed else 0])
         con.print(st)
+        _withheld(con, [(f"{p.gpus} GPUs", p.withheld) for p in sp.points if p.withheld])
         for asm in sp.assumptions:
             con.print(f"  [dim]assumes {escape(asm)}[/]")
         if sp.allreduce_efficiency is not None:
             con.print(f"  all-reduce efficiency (eq. 12): {sp.allreduce_efficiency:.1%} of "
                       f"{rate(sp.link_bytes_per_s or 0)}")
+    if sp.allreduce_efficiency_withheld:
+        con.print(f"  all-reduce efficiency: {escape(sp.allreduce_efficiency_withheld)}")
     if ra.sharded is not None:
         pass   # its what-ifs are above
     elif ra.replay is not None and ra.replay.outcomes:
