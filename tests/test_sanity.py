@@ -214,6 +214,20 @@ def test_no_collective_in_the_analyzed_iterations_is_said_whatever_was_recorded_
     assert "Predicted speedup: not computed" in out and "100%" not in out
 
 
+def test_what_the_recording_noted_is_said_with_the_missing_comm(tmp_path):
+    """A process's torch collector says why it could not see the gradient comm (compiled
+    autograd's DDP): the headline's reason carries it."""
+    note = "DDP under compiled autograd (python reducer): its all-reduces are not seen"
+    b = Builder()
+    for k in range(8):
+        b.span("iteration", k * 50.0, k * 50.0 + 50, step=k, rank=0)
+        b.span("backward", k * 50.0 + 15, k * 50.0 + 40, step=k, rank=0)
+    shard = {"role": "process", "rank": 0, "torch": {"notes": [note]}}
+    path = b.write(str(tmp_path / "n.arrow"), world_size=2, shards=[shard, shard])
+    r = analyze(load(path)).main
+    assert r.comm_missing.endswith(f"(the recording noted: {note})"), r.comm_missing
+
+
 def test_collectives_none_of_them_gradient_give_no_speedup(tmp_path):
     """A barrier every iteration, or only a few bytes' all-reduces beside reduce-scatters
     the data-parallel model does not read: no comm to scale, so no perfect scaling either."""

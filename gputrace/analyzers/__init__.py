@@ -13,6 +13,7 @@ import numpy as np
 from gputrace import progress
 from gputrace.analyzers import collectives as col
 from gputrace.analyzers import frame as fr
+from gputrace.analyzers import sanity
 from gputrace.analyzers import sharded as shd
 from gputrace.analyzers.bandwidth import analyze_bandwidth, bandwidth_series
 from gputrace.analyzers.clocks import UnitTimes, estimate
@@ -289,28 +290,6 @@ def analyze(trace: Any, *, skip: int | None = None, gpus: Sequence[int] = (2, 4,
     return combine(parts, md, opts, probe, align, executor)
 
 
-def _tf_unprofiled(md: dict[str, Any]) -> bool:
-    """A TensorFlow job recorded with its profiler off (a multi-worker job by default): its
-    collectives are seen only through that profiler."""
-    tf = (md.get("collectors") or {}).get("tensorflow")
-    return isinstance(tf, dict) and tf.get("profiler_steps") == "off"
-
-
-def _missing(ranks: dict[int, RankPart], world: int, md: dict[str, Any]) -> str | None:
-    """Why a multi-rank run gives no comm figure: its analyzed iterations hold no
-    collective (whatever was recorded outside them), or none that is gradient comm."""
-    if world < 2:
-        return None
-    parts = list(ranks.values())
-    if not any(p.collectives.in_iterations for p in parts):
-        return col.missing_message(world, tf_unprofiled=_tf_unprofiled(md),
-                                   outside=max(p.collectives.recorded for p in parts))
-    if not any(p.model.units or p.sharded is not None for p in parts):
-        most = max(parts, key=lambda p: p.collectives.in_iterations)
-        return col.gradient_missing_message(world, most.collectives.kinds)
-    return None
-
-
 def combine(parts: list[FramePart], md: dict[str, Any], opts: Options, probe: Any,
             align: bool = True, executor: Executor | None = None) -> Analysis:
     """The analysis of a run from its ranks' parts: the wait for peers in comm (on host
@@ -335,7 +314,7 @@ def combine(parts: list[FramePart], md: dict[str, Any], opts: Options, probe: An
             if sh is not None:
                 ranks[r] = replace(p, sharded=sh, model=sh.model)
     shared = _shared(steps, {r: p.devices for r, p in ranks.items()}, md)
-    missing = _missing(ranks, world, md)
+    missing = sanity.comm_missing(list(ranks.values()), world, md)
     order = list(ranks)
     args = ([ranks[r] for r in order], [arrivals.get(r) for r in order],
             [world] * len(order), [opts] * len(order), [shared] * len(order))

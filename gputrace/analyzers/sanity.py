@@ -5,7 +5,9 @@ efficiency over 100 %. Each is withheld with one sentence saying why."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
+from gputrace.analyzers import collectives as col
 from gputrace.fmt import mb, rate
 
 # A predicted iteration over this many times the measured one is withheld: the models replay
@@ -58,3 +60,40 @@ def eq12_over(eff: float, grad_bytes: float, n: int, t_comm: float, link: float)
         f"iteration {need}; the link is given as {rate(link)}): the link bandwidth (the "
         "probe's all-reduce bus bandwidth, or --link-bandwidth) or the gradient byte counts "
         "are wrong")
+
+
+def _tf_unprofiled(md: dict[str, Any]) -> bool:
+    """A TensorFlow job recorded with its profiler off (a multi-worker job by default): its
+    collectives are seen only through that profiler."""
+    tf = (md.get("collectors") or {}).get("tensorflow")
+    return isinstance(tf, dict) and tf.get("profiler_steps") == "off"
+
+
+def comm_missing(parts: list[Any], world: int, md: dict[str, Any]) -> str | None:
+    """Why a multi-rank run gives no comm figure (its ranks' parts: RankPart), or None: its
+    analyzed iterations hold no collective (whatever was recorded outside them), or none
+    that is gradient comm; with what the processes' torch collectors noted."""
+    if world < 2:
+        return None
+    if not any(p.collectives.in_iterations for p in parts):
+        why = col.missing_message(world, tf_unprofiled=_tf_unprofiled(md),
+                                  outside=max(p.collectives.recorded for p in parts))
+    elif not any(p.model.units or p.sharded is not None for p in parts):
+        most = max(parts, key=lambda p: p.collectives.in_iterations)
+        why = col.gradient_missing_message(world, most.collectives.kinds)
+    else:
+        return None
+    notes = _torch_notes(md)
+    return why + (f" (the recording noted: {'; '.join(notes)})" if notes else "")
+
+
+def _torch_notes(md: dict[str, Any]) -> list[str]:
+    """What the processes' torch collectors noted of their recording (metadata torch.notes),
+    each once."""
+    out: list[str] = []
+    for m in [md, *(md.get("shards") or [])]:
+        t = m.get("torch") if isinstance(m, dict) else None
+        for n in (t.get("notes") or []) if isinstance(t, dict) else []:
+            if isinstance(n, str) and n not in out:
+                out.append(n)
+    return out
