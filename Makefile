@@ -11,7 +11,7 @@ APT := DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 -q
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[torch,tf,dev,notebook]'
+	$(BIN)/python -m pip install -q -e '.[torch,tf,dev,notebook,trainers]'
 	# tf_keras (Keras 2, TF_USE_LEGACY_KERAS) for its tests: it asks for `tensorflow`, whose
 	# module tensorflow-cpu already is (both installed, removing either breaks the other)
 	$(BIN)/python -m pip install -q --no-deps tf-keras==2.21.0

@@ -1,0 +1,214 @@
+"""The trainers and launchers people use, recorded by `gputrace record` with no change to the
+job, each job timing itself with the trainer's own hooks (tests/jobs/trainers/): Lightning
+(`training_step`, automatic and manual optimization, its own DDP launcher started as `python
+job.py`), a DDP job started with `torch.multiprocessing.spawn` (PyTorch's DDP tutorial),
+Hugging Face's `Trainer` (one process with gradient accumulation, and 2 ranks under
+torchrun), an accelerate loop (`accelerator.backward`) with activation checkpointing,
+`torch.compile(model)` and `torch.compile(DDP(model))`.
+
+Each is held against its own clock, iteration by iteration (warm-up left out): forward,
+backward and update within 15 % (or 1 ms), the iteration within 5 %; a process is one rank
+however its launcher started it; a DDP job's gradient units are its buckets."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from gputrace import load  # noqa: E402
+from gputrace.analyzers import analyze  # noqa: E402
+from gputrace.analyzers.frame import build  # noqa: E402
+from gputrace.analyzers.steps import analyze_rank  # noqa: E402
+from tests.conftest import run_gputrace  # noqa: E402
+from tests.truth import matched  # noqa: E402
+
+JOBS = Path(__file__).resolve().parent / "jobs" / "trainers"
+pytestmark = pytest.mark.slow
+TOL, ABS_S, ITER_TOL = 0.15, 1e-3, 0.05
+
+# name -> (the module it needs, the command after `gputrace record --`, ranks)
+PY = sys.executable
+TORCHRUN = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+CONFIGS = {
+    "lightning-auto": ("lightning", [PY, "lightning_job.py", "{out}", "--mode", "auto"], 1),
+    "lightning-manual": ("lightning", [PY, "lightning_job.py", "{out}", "--mode", "manual"], 1),
+    "lightning-ddp": ("lightning", [PY, "lightning_job.py", "{out}", "--mode", "ddp"], 2),
+    "spawn-ddp": ("torch", [PY, "spawn_ddp.py", "{out}"], 2),
+    "hf-trainer": ("transformers", [PY, "hf_trainer.py", "{out}", "--accumulate", "2"], 1),
+    "hf-trainer-ddp": ("transformers", [*TORCHRUN, "hf_trainer.py", "{out}"], 2),
+    "accelerate": ("accelerate", [PY, "accelerate_loop.py", "{out}", "--checkpoint"], 1),
+    "compile": ("torch", [PY, "compiled.py", "{out}"], 1),
+    "compile-ddp": ("torch", [*TORCHRUN, "compiled.py", "{out}", "--ddp"], 2),
+    "compile-ddp-ca": ("torch", [*TORCHRUN, "compiled.py", "{out}", "--ddp",
+                                 "--compiled-autograd"], 2),
+}
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    """Each job recorded once for the module: (trace, {rank: its own clock})."""
+    out = tmp_path_factory.mktemp("trainers")
+    cache: dict[str, tuple] = {}
+
+    def get(name: str):
+        if name not in cache:
+            module, cmd, ranks = CONFIGS[name]
+            pytest.importorskip(module)
+            prefix = out / name
+            argv = [str(JOBS / a) if a.endswith(".py") else a.format(out=prefix) for a in cmd]
+            p = run_gputrace("record", "-q", "-o", f"{prefix}.arrow", "--", *argv,
+                             timeout=400)
+            assert p.returncode == 0, f"{name}:\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+            assert "Traceback" not in p.stderr, p.stderr[-5000:]
+            truth = {r: json.loads(Path(f"{prefix}.rank{r}.json").read_text())
+                     for r in range(ranks)}
+            cache[name] = (load(f"{prefix}.arrow"), truth)
+        return cache[name]
+
+    return get
+
+
+def ranks_steps(trace):
+    return {r: analyze_rank(sp) for r, sp in build(trace.table, trace.metadata).ranks.items()}
+
+
+def held_to_own_clock(rs, steps, comm_in_backward: bool = False, skip: int = 3):
+    """gputrace's figures iteration by iteration against the job's own: the median
+    difference within 15 % (or 1 ms) per phase, the median ratio within 5 % for the
+    iteration. A DDP backward, as the job times it, waits for its last buckets: t_b plus the
+    gradient comm exposed after it."""
+    pairs = matched(rs, steps)[skip:]
+    assert len(pairs) >= 8, (len(pairs), len(steps), rs.iterations.start.size)
+    ours = {"forward": rs.terms["t_f"], "update": rs.terms["t_u"],
+            "backward": rs.terms["t_b"] + (rs.comm.exposed_s if comm_in_backward else 0.0)}
+    out = {}
+    for phase, got in ours.items():
+        g = np.array([got[k] for _, k in pairs])
+        w = np.array([steps[i][phase] for i, _ in pairs])
+        diff = float(np.median(g - w))
+        assert abs(diff) <= max(TOL * float(np.median(w)), ABS_S), \
+            (phase, diff, g.round(5).tolist(), w.round(5).tolist())
+        out[phase] = (float(np.median(g)), float(np.median(w)))
+    g = np.array([rs.terms["t_iter"][k] for _, k in pairs])
+    w = np.array([(steps[i]["end"] - steps[i]["start"]) / 1e9 for i, _ in pairs])
+    ratio = float(np.median(g / w))
+    assert abs(ratio - 1) <= ITER_TOL, ("t_iter", ratio, g.tolist(), w.tolist())
+    return out
+
+
+def layers_per_iteration(trace, rank: int) -> list[set[int]]:
+    """The layers with a backward span, per step (in step order)."""
+    by_step: dict[int, set[int]] = {}
+    for r in trace.table.to_pylist():
+        if r["rank"] == rank and r["cat"] == "backward" and r["layer"] >= 1:
+            by_step.setdefault(r["step"], set()).add(r["layer"])
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def one_rank_per_process(trace, ranks: int) -> None:
+    """A process is one rank, whoever started it: the trace holds ranks 0..N-1, each
+    from one process, and says the world size."""
+    spans = [r for r in trace.table.to_pylist()
+             if r["kind"] == "span" and r["cat"] in ("forward", "backward", "update")]
+    pids = {}
+    for r in spans:
+        pids.setdefault(r["rank"], set()).add(r["pid"])
+    assert sorted(pids) == list(range(ranks)), sorted(pids)
+    assert all(len(p) == 1 for p in pids.values()), pids
+    assert trace.metadata.get("ranks") == list(range(ranks))
+    assert trace.metadata.get("world_size") == ranks
+
+
+def units_are_the_buckets(trace, truth) -> None:
+    """The gradient units of each rank's analysis are DDP's own buckets: as many, and
+    their bytes, all-reduces."""
+    a = analyze(trace)
+    for r, own in truth.items():
+        units = a.ranks[r].model.units
+        assert sorted(int(u.nbytes) for u in units) == sorted(own["buckets"]), \
+            (r, [(u.kind, u.nbytes) for u in units], own["buckets"])
+        assert {u.kind for u in units} == {"all_reduce"}
+
+
+@pytest.mark.parametrize("name", ["lightning-auto", "lightning-manual"])
+def test_lightning_training_step(recorded, name):
+    trace, truth = recorded(name)
+    (rs,) = ranks_steps(trace).values()
+    held_to_own_clock(rs, truth[0]["steps"])
+    # the net called inside training_step is the model: its blocks' backward per layer
+    layers = layers_per_iteration(trace, -1)
+    assert layers[3:] and all(s == {1, 2, 3, 4, 5} for s in layers[3:]), layers
+
+
+@pytest.mark.parametrize("name", ["lightning-ddp", "spawn-ddp"])
+def test_ranks_learned_from_torch_distributed(recorded, name):
+    trace, truth = recorded(name)
+    one_rank_per_process(trace, 2)
+    for r, rs in ranks_steps(trace).items():
+        held_to_own_clock(rs, truth[r]["steps"], comm_in_backward=True)
+    units_are_the_buckets(trace, truth)
+
+
+def test_hugging_face_trainer_with_accumulation(recorded):
+    trace, truth = recorded("hf-trainer")
+    (rs,) = ranks_steps(trace).values()
+    # two micro-batches per optimizer step: one iteration, both forwards and backwards in it
+    assert len(truth[0]["steps"]) == rs.iterations.start.size
+    held_to_own_clock(rs, truth[0]["steps"])
+    layers = layers_per_iteration(trace, -1)
+    assert layers[3:] and all(len(s) >= 4 for s in layers[3:]), layers   # GPT-2's blocks
+
+
+def test_hugging_face_trainer_ddp_under_torchrun(recorded):
+    trace, truth = recorded("hf-trainer-ddp")
+    one_rank_per_process(trace, 2)
+    for r, rs in ranks_steps(trace).items():
+        held_to_own_clock(rs, truth[r]["steps"], comm_in_backward=True)
+    units_are_the_buckets(trace, truth)
+
+
+def test_accelerate_loop_with_activation_checkpointing(recorded):
+    trace, truth = recorded("accelerate")
+    (rs,) = ranks_steps(trace).values()
+    held_to_own_clock(rs, truth[0]["steps"])
+    # the blocks recompute their forward inside the backward: still one backward per block
+    layers = layers_per_iteration(trace, -1)
+    assert layers[3:] and all(s == {1, 2, 3, 4, 5} for s in layers[3:]), layers
+
+
+def test_compiled_model(recorded):
+    trace, truth = recorded("compile")
+    (rs,) = ranks_steps(trace).values()
+    held_to_own_clock(rs, truth[0]["steps"])
+
+
+def test_compiled_ddp_keeps_its_buckets(recorded):
+    trace, truth = recorded("compile-ddp")
+    a = analyze(trace)
+    assert a.main.model.strategy.startswith("wfbp") and not a.main.comm_missing, a.main.model
+    units_are_the_buckets(trace, truth)
+    for r, rs in ranks_steps(trace).items():
+        held_to_own_clock(rs, truth[r]["steps"], comm_in_backward=True)
+    one_rank_per_process(trace, 2)
+
+
+def test_compiled_autograd_ddp_all_reduces_every_gradient(recorded):
+    """Compiled autograd's DDP has no buckets: an all-reduce per gradient, issued from its
+    backward. All of them are recorded, as gradient comm, and never break the job."""
+    trace, truth = recorded("compile-ddp-ca")
+    a = analyze(trace)
+    assert not a.main.comm_missing
+    kinds = a.main.collectives.kinds
+    # every gradient's bytes, all-reduced in the backward (a bias of a few bytes among them:
+    # comm time, no unit of its own)
+    assert {k.kind for k in kinds} == {"all_reduce"} and any(k.gradient for k in kinds), kinds
+    assert sum(k.nbytes for k in kinds) == truth[0]["grad_bytes"], (kinds, truth[0])
+    for r, rs in ranks_steps(trace).items():
+        held_to_own_clock(rs, truth[r]["steps"], comm_in_backward=True)
+    one_rank_per_process(trace, 2)
