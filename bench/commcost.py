@@ -57,7 +57,7 @@ def main() -> None:
 
     from torch.distributed import Work
 
-    from gputrace.collectors import torch_comm
+    from gputrace.collectors.torch import comm as torch_comm
 
     with tempfile.TemporaryDirectory() as tmp:
         with gputrace.Session(os.path.join(tmp, "t.arrow"), sampler=False) as s:

@@ -37,7 +37,7 @@ def instrument(model: Any = None, optimizer: Any = None, loader: Any = None,
     if state is not None:
         if model is not None:
             state.modules.adopt([model])
-            from gputrace.collectors.torch_modules import choose
+            from gputrace.collectors.torch.modules import choose
 
             for m, params in choose(model, state.modules.mode):
                 state.layer_for(m, params)

@@ -98,7 +98,7 @@ def main() -> None:
     truth.functional = functional(x, rank)
     truth.dump(f"{a.out}.rank{rank}.json")
     if a.brk:
-        from gputrace.collectors import torch_comm
+        from gputrace.collectors.torch import comm as torch_comm
 
         def broken(group: object) -> str:
             raise RuntimeError("bookkeeping bug")

@@ -15,8 +15,8 @@ import threading
 import weakref
 from typing import Any
 
-from gputrace.collectors import torch_comm
-from gputrace.collectors.torch_guard import _hook_failed
+from gputrace.collectors.torch import comm as torch_comm
+from gputrace.collectors.torch.guard import _hook_failed
 
 MODULE = "torch.distributed._functional_collectives"
 # name -> (kind, position of the group argument)

@@ -34,7 +34,7 @@ import time
 import weakref
 from typing import Any
 
-from gputrace.collectors.torch_guard import _hook_failed
+from gputrace.collectors.torch.guard import _hook_failed
 
 _perf = time.perf_counter_ns
 _tid = threading.get_native_id

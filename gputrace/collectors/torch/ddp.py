@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from gputrace.collectors.torch_comm import ddp_hook_enter, ddp_hook_exit
-from gputrace.collectors.torch_guard import _hook_failed
+from gputrace.collectors.torch.comm import ddp_hook_enter, ddp_hook_exit
+from gputrace.collectors.torch.guard import _hook_failed
 
 
 def maybe_hook_ddp(self: Any, module: torch.nn.Module) -> None:

@@ -14,13 +14,13 @@ module call on torch's hooked path:
 - io: the wait in `DataLoader.__next__` on the loop's thread (exposed I/O), and each batch's
   fetch in the loader's workers (total I/O work);
 - forward: forward pre/post hooks on each model's root (found as the model is built, see
-  torch_modules): one span for the outermost call, and one (`loss`) from the last outermost
+  collectors.torch.modules): one span for the outermost call, and one (`loss`) from the last outermost
   call's end to the backward (the loss computed outside the model is part of the forward
   pass); the modules `GPUTRACE_LAYERS` chooses (blocks, leaves, off) are numbered `layer`
   1..L in execution order from the input side at their first call, and get a forward span
   per call only with `GPUTRACE_LAYER_FORWARD=1`;
 - backward: `torch.autograd.backward` entry/exit, and per timed layer the end of its last
-  parameter's gradient accumulation (torch_grads: one post-accumulate-grad hook per layer),
+  parameter's gradient accumulation (collectors.torch.grads: one post-accumulate-grad hook per layer),
   with `bytes` = the bytes of the gradients the layer produces (what its all-reduce would move; replay uses it);
 - comm: every DistributedDataParallel bucket, timed by wrapping its comm hook (the default
   all-reduce, or the user's own): `layer` = bucket index, `bytes`, `args.layers`.
@@ -34,13 +34,14 @@ from typing import Any
 
 import torch
 
-from gputrace.collectors import torch_comm, torch_guard
-from gputrace.collectors.torch_ddp import maybe_hook_ddp, patch_ddp
-from gputrace.collectors.torch_grads import _begin, _LayerGrads, _settle
-from gputrace.collectors.torch_guard import _guarded
-from gputrace.collectors.torch_iterations import _Iterations
-from gputrace.collectors.torch_modules import Modules, env_forward, env_mode
-from gputrace.collectors.torch_rank import learn_rank_from_torch
+from gputrace.collectors.torch import comm as torch_comm
+from gputrace.collectors.torch import guard as torch_guard
+from gputrace.collectors.torch.ddp import maybe_hook_ddp, patch_ddp
+from gputrace.collectors.torch.grads import _begin, _LayerGrads, _settle
+from gputrace.collectors.torch.guard import _guarded
+from gputrace.collectors.torch.iterations import _Iterations
+from gputrace.collectors.torch.modules import Modules, env_forward, env_mode
+from gputrace.collectors.torch.rank import learn_rank_from_torch
 from gputrace.recorder import Recorder
 
 _installed: _State | None = None

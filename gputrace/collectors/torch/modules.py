@@ -16,7 +16,7 @@ modules to time are chosen (`GPUTRACE_LAYERS`):
 - `off`: none (phases and iterations only, no per-layer spans).
 
 Each chosen module's last gradient gives its backward (a `backward` span with `layer`, see
-torch_grads): what the analysis uses (gradient readiness of the comm units). Its
+collectors.torch.grads): what the analysis uses (gradient readiness of the comm units). Its
 forward is timed too (a `forward` span with `layer`, a pre-hook and a hook per call) only
 when asked (`GPUTRACE_LAYER_FORWARD=1`, `record --layer-forward`): on a 12-block
 transformer those two hooks per block cost the loop about 1 %. Otherwise a one-shot
@@ -37,7 +37,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from gputrace.collectors.torch_guard import _hook_failed
+from gputrace.collectors.torch.guard import _hook_failed
 
 MODES = ("blocks", "leaves", "off")
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)

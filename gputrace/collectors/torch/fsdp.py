@@ -22,8 +22,8 @@ import sys
 import threading
 from typing import Any
 
-from gputrace.collectors.torch_comm import TLS
-from gputrace.collectors.torch_guard import _hook_failed
+from gputrace.collectors.torch.comm import TLS
+from gputrace.collectors.torch.guard import _hook_failed
 
 FSDP2 = "torch.distributed.fsdp._fully_shard._fsdp_param_group"
 FSDP1 = "torch.distributed.fsdp._runtime_utils"
@@ -203,7 +203,7 @@ def _patch_fsdp1(mod: Any) -> None:
 
 
 def _patch_funcol(mod: Any) -> None:
-    from gputrace.collectors import torch_funcol
+    from gputrace.collectors.torch import functional as torch_funcol
 
     torch_funcol.patch(mod)
 

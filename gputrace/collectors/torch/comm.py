@@ -25,7 +25,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from gputrace.collectors.torch_guard import _hook_failed
+from gputrace.collectors.torch.guard import _hook_failed
 
 _native_tid = threading.get_native_id
 
@@ -354,7 +354,7 @@ def install(state: Callable[[], Any]) -> None:
         _patch_optimizer()
     except Exception as e:  # noqa: BLE001
         _hook_failed("torch.distributed collectives", e)
-    from gputrace.collectors import torch_fsdp
+    from gputrace.collectors.torch import fsdp as torch_fsdp
 
     torch_fsdp.install()
 
