@@ -36,7 +36,7 @@ from gputrace.analyzers.results import Analysis, NothingToAnalyze, RankAnalysis,
 from gputrace.analyzers.shardinputs import Inputs as ShardInputs
 from gputrace.analyzers.shardinputs import arrivals_of
 from gputrace.analyzers.shardinputs import inputs as shard_inputs
-from gputrace.analyzers.steps import TERMS, RankSteps, analyze_rank, warmup_skip
+from gputrace.analyzers.steps import PARALLEL_TERMS, TERMS, RankSteps, analyze_rank, warmup_skip
 from gputrace.analyzers.timeline_comm import with_collectives
 from gputrace.trace.ranked import RankedTrace, RankSource, read_rank
 
@@ -145,7 +145,7 @@ def analyze_spans(sp: fr.Spans, o: Options) -> RankPart:
     """Everything one rank's spans give on their own: a pure function of them."""
     cr = col.rows(sp)
     msp = col.for_model(sp, cr)
-    rs = analyze_rank(msp, col.stood(sp, cr), col.not_units(sp, cr))
+    rs = analyze_rank(msp, col.stood(sp, cr), col.not_units(sp, cr), col.stood_by_dim(sp, cr))
     extra = _extra_findings(sp, rs)
     n = rs.iterations.start.size
     skipped = warmup_skip(n, o.skip)
@@ -169,7 +169,9 @@ def analyze_spans(sp: fr.Spans, o: Options) -> RankPart:
     its = rs.iterations
     return RankPart(
         rank=sp.rank, host=sp.host, iterations=int(n), warmup_skipped=skipped,
-        synthetic=its.synthetic, breakdown={k: _stat(rs.terms[k][sel]) for k in TERMS},
+        synthetic=its.synthetic,
+        breakdown={k: _stat(rs.terms[k][sel]) for k in (*TERMS, *PARALLEL_TERMS)
+                   if k in rs.terms},
         comm=comm, io=_overlap(rs.io, sel),
         comm_exposed_s=comm["exposed_s"],
         model=model, findings=extra, steps=rs,

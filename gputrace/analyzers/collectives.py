@@ -20,6 +20,9 @@ import pyarrow as pa
 
 from gputrace.analyzers import overlap as ov
 from gputrace.analyzers.frame import Spans
+from gputrace.analyzers.parallel.classify import dimension, mesh_dim
+
+PARALLEL = frozenset(("tp", "pp", "ep", "cp"))
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "send_recv",
          "barrier", "reduce", "gather", "scatter")
@@ -82,6 +85,12 @@ class Rows:
     prefetch: np.ndarray
     group_size: np.ndarray     # -1 unknown
     gradient: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))  # gradient_mask
+    # the parallelism each serves (parallel.classify: dp fsdp tp pp ep cp other)
+    dim: list[str] = field(default_factory=list)
+    mesh_dim: list[str] = field(default_factory=list)   # its DeviceMesh dimension, "" none
+    # an asynchronous functional collective's issuing call [start, end] ns, -1 none
+    call_s: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    call_e: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     # gradient rows of a few bytes (under `small_below`): comm, but never a gradient unit
     small: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
     small_below: float = 0.0
@@ -118,7 +127,7 @@ def rows(sp: Spans) -> Rows:
         args = [parsed[c] for c in codes.tolist()]
     else:
         args = []
-    kinds, phase, fsdp, unit, role = [], [], [], [], []
+    kinds, phase, fsdp, unit, role, dims, mdims = [], [], [], [], [], [], []
     n = idx.size
     contract = np.zeros(n, bool)
     bout = np.full(n, np.nan)
@@ -127,6 +136,8 @@ def rows(sp: Spans) -> Rows:
     we = np.full(n, -1, np.int64)
     pre = np.zeros(n, bool)
     gsize = np.full(n, -1, np.int64)
+    cs = np.full(n, -1, np.int64)
+    ce = np.full(n, -1, np.int64)
     for j, (i, a) in enumerate(zip(idx.tolist(), args, strict=True)):
         k = a.get("kind")
         contract[j] = isinstance(k, str) and k in KINDS
@@ -147,12 +158,19 @@ def rows(sp: Spans) -> Rows:
                 w[1] >= w[0]:
             ws[j], we[j] = w
         pre[j] = bool(a.get("prefetch"))
+        c = a.get("call")
+        if isinstance(c, list) and len(c) == 2 and all(isinstance(x, int) for x in c):
+            cs[j], ce[j] = c
         g = a.get("group")
         if isinstance(g, dict):
             gsize[j] = _int(g.get("size"))
+        dims.append(dimension(k, bool(contract[j]), a))
+        mdims.append(mesh_dim(a) if contract[j] else "")
     r = Rows(idx, kinds, contract, sp.nbytes[idx], bout, asy, phase, ws, we, fsdp, unit,
-             role, pre, gsize)
-    r = replace(r, gradient=_gradient(sp, r))
+             role, pre, gsize, call_s=cs, call_e=ce, dim=dims, mesh_dim=mdims)
+    grad = _gradient(sp, r)
+    r = replace(r, gradient=grad, dim=[d or ("dp" if g_ else "other")
+                                       for d, g_ in zip(dims, grad.tolist(), strict=True)])
     below = min(SMALL_BYTES, SMALL_SHARE * gradient_bytes(sp, r))
     # FSDP's own collectives are its units' (parameters and gradients), whatever their size
     small = r.gradient & ~np.array([bool(f) for f in fsdp], bool) & (r.nbytes < below)
@@ -207,26 +225,42 @@ def _gradient(sp: Spans, r: Rows) -> np.ndarray:
     - else, when the rank shows DDP buckets, no recorded collective is (the buckets' own
       collectives are not recorded twice; a buffer broadcast or a barrier is not gradient);
     - else a job's own all-reduces issued in backward, update or outside any phase (manual
-      gradient averaging) are, other collectives are not."""
-    g = ~r.contract
+      gradient averaging) are, other collectives are not;
+    - never a collective of tensor, pipeline, expert or context parallelism
+      (parallel.classify)."""
+    # tensor, pipeline, expert and context parallelism's collectives never are
+    par = np.array([d in PARALLEL for d in r.dim], bool) if len(r.dim) == r.n \
+        else np.zeros(r.n, bool)
+    g = ~r.contract & ~par
     if is_sharded(r):
-        return np.ones(r.n, bool)
+        return ~par
     if (~r.contract & (sp.device[r.idx] < 0)).any():
         return g
     own = np.array([c and k == "all_reduce" and ph in ("backward", "update", "none", "")
                     for c, k, ph in zip(r.contract, r.kind, r.phase, strict=True)], bool)
-    return g | own
+    return (g | own) & ~par
 
 
-def stood(sp: Spans, r: Rows) -> tuple[np.ndarray, np.ndarray]:
+def stood(sp: Spans, r: Rows, dim: str | None = None) -> tuple[np.ndarray, np.ndarray]:
     """When the job's thread stood in a collective the model counts as comm: a synchronous
     one's whole span, an asynchronous one's wait. Recorded collectives only (DDP's buckets
-    run beside the backward): the phases' compute does not include these instants."""
-    g = gradient_mask(sp, r) & r.contract
-    sync = g & ~r.is_async
-    waited = g & r.is_async & (r.wait_s >= 0)
-    return (np.concatenate([sp.start[r.idx[sync]], r.wait_s[waited]]),
-            np.concatenate([sp.end[r.idx[sync]], r.wait_e[waited]]))
+    run beside the backward): the phases' compute does not include these instants. `dim`:
+    those of one parallelism (tp, pp, ep, cp) instead of the gradient comm."""
+    if dim is None:
+        g = gradient_mask(sp, r) & r.contract
+    else:
+        g = np.array([d == dim for d in r.dim], bool) & r.contract
+    sync = g & ~r.is_async & (r.wait_s < 0)
+    waited = g & (r.wait_s >= 0)
+    # an asynchronous one's issuing call too, where recorded (functional collectives)
+    called = (g & (r.call_s >= 0)) if r.call_s.size == r.n else np.zeros(r.n, bool)
+    return (np.concatenate([sp.start[r.idx[sync]], r.wait_s[waited], r.call_s[called]]),
+            np.concatenate([sp.end[r.idx[sync]], r.wait_e[waited], r.call_e[called]]))
+
+
+def stood_by_dim(sp: Spans, r: Rows) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """stood() of each parallelism beyond data parallelism the rank's collectives serve."""
+    return {d: stood(sp, r, d) for d in sorted(set(r.dim) & PARALLEL)}
 
 
 def for_model(sp: Spans, r: Rows) -> Spans:

@@ -8,11 +8,14 @@ from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
+import pyarrow as pa
 
 from gputrace.analyzers import overlap as ov
 from gputrace.analyzers.frame import Spans
 
 TERMS = ("t_iter", "t_io", "t_h2d", "t_f", "t_b", "t_u", "t_comm", "t_other", "t_framework")
+# the terms of the parallelisms beyond data parallelism, where a run has them
+PARALLEL_TERMS = ("t_tp", "t_pp", "t_ep", "t_cp")
 
 
 @dataclass(frozen=True)
@@ -180,12 +183,43 @@ def _units(sp: Spans, comm: np.ndarray, host: np.ndarray, it_of: np.ndarray, n: 
     return Units(k, pos, ready, start, end, sp.nbytes[ci], hidden, code, sets, cuts)
 
 
+def _with_bubble(sp: Spans, par: dict[str, ov.Union]) -> dict[str, ov.Union]:
+    """`par`, its pipeline term (`pp`) holding the bubble too: inside each schedule step,
+    the time the stage ran no microbatch's work, no loss and no other collective."""
+    pipe = sp.of("pipeline")
+    if not pipe.any():
+        return par
+    step = sp.name == (sp.names.index("step") if "step" in sp.names else -2)
+    loss = sp.name == (sp.names.index("loss") if "loss" in sp.names else -2)
+    steps = _u(sp, pipe & step)
+    busy = ov.merge(_u(sp, pipe & ~step), _u(sp, sp.of("forward") & loss),
+                    _u(sp, sp.of("comm") & ~np.isin(np.arange(sp.start.size),
+                                                    _pp_rows(sp))))
+    bubble = ov.subtract(steps, busy)
+    out = dict(par)
+    out["pp"] = ov.merge(bubble, par["pp"]) if "pp" in par else bubble
+    return out
+
+
+def _pp_rows(sp: Spans) -> np.ndarray:
+    """The comm spans that go between pipeline stages (args.pp)."""
+    comm = np.flatnonzero(sp.of("comm"))
+    if not comm.size:
+        return comm
+    args = sp.args.take(pa.array(comm)).to_pylist()
+    return comm[np.array(['"pp":' in (a or "") for a in args], bool)]
+
+
 def analyze_rank(sp: Spans, stood: tuple[np.ndarray, np.ndarray] | None = None,
-                 not_units: np.ndarray | None = None) -> RankSteps:
+                 not_units: np.ndarray | None = None,
+                 dims: dict[str, tuple[np.ndarray, np.ndarray]] | None = None) -> RankSteps:
     """`stood`: (starts, ends) of the instants the job's thread stood in a collective (a
     synchronous one, an asynchronous one's wait): comm, so not the host phases' compute.
     `not_units`: per span, comm that is no gradient unit (a collective of a few bytes):
-    counted as comm time, left out of the units."""
+    counted as comm time, left out of the units. `dims`: the instants the thread stood in
+    the collectives of tensor, pipeline, expert or context parallelism, each a term of its
+    own (`t_tp`, `t_ep`, `t_cp`; `t_pp` also holds the pipeline's bubble: a schedule step's
+    time its stage computed nothing), not the phases' compute."""
     its = find_iterations(sp)
     lo, hi = its.start, its.end
     n = lo.size
@@ -273,6 +307,10 @@ def analyze_rank(sp: Spans, stood: tuple[np.ndarray, np.ndarray] | None = None,
         back_start, back_end = sp.start, sp.end
     else:
         st = ov.union(*stood) if stood is not None else ov.EMPTY
+        par = {d: ov.union(*v) for d, v in (dims or {}).items()}
+        par = _with_bubble(sp, par)
+        if par:
+            st = ov.merge(st, *par.values())
         h2d = _u(sp, sp.of("h2d"))
         fwd = ov.subtract(_u(sp, sp.of("forward")), st)
         phase_b = _u(sp, bwd_m & (sp.device < 0))
@@ -297,7 +335,9 @@ def analyze_rank(sp: Spans, stood: tuple[np.ndarray, np.ndarray] | None = None,
             "t_u": ov.measure(upd, lo, hi) / sec,
             "t_comm": ov.measure(comm, lo, hi) / sec,
         }
-        phased = ov.merge(wait, compute, comm)
+        for d, u in par.items():   # each parallelism's exposed comm (and bubble) a term
+            terms[f"t_{d}"] = ov.measure(u, lo, hi) / sec
+        phased = ov.merge(wait, compute, comm, *par.values())
         covered = ov.measure(phased, lo, hi) / sec
         with_fw = ov.measure(ov.merge(phased, fw), lo, hi) / sec
         terms["t_framework"] = with_fw - covered     # the framework's work in no phase

@@ -31,9 +31,17 @@ def phase_rows(ra: RankAnalysis) -> tuple[tuple[str, str], ...]:
     if ra.collectives.sharded:
         rows = tuple((k, "comm: all-gathers, reduce-scatters (all of it)" if k == "t_comm"
                       else label) for k, label in rows)
+    par = tuple((k, label) for k, label in PARALLEL if k in ra.breakdown)
+    rows = (*rows[:-1], *par, rows[-1])
     if fw is None or not fw.mean > 0:
         return rows
     return (*rows[:-1], FRAMEWORK, rows[-1])
+
+
+PARALLEL = (("t_tp", "tensor-parallel comm (exposed)"),
+            ("t_pp", "pipeline bubble (stage idle, its waits)"),
+            ("t_ep", "expert-parallel all-to-all (exposed)"),
+            ("t_cp", "context-parallel comm (exposed)"))
 
 
 STRATEGY = {

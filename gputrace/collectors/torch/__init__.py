@@ -78,6 +78,7 @@ class _State:
         self.modules = Modules(self, layers, forward)
         self.adopted = False                      # the live models were looked for once
         self.root_ran = False                     # a root's forward since the last backward
+        self.pipeline_steps = 0                   # > 0 inside a pipeline schedule's step
 
     def note(self, text: str) -> None:
         """Something the analysis should say of this process's recording (in the shard's
@@ -151,7 +152,7 @@ class _State:
             if self.probing:
                 _begin(self.probing)
             self.last_mark = t - self.off         # layer marks are on perf_counter_ns
-            if self.loss_from and self.depth == 0:
+            if self.loss_from and self.depth == 0 and not self.pipeline_steps:
                 # the loss (and its scaling) between the model's forward and this backward
                 self.rec.span("forward", "loss", self.loss_from, t)
             self.loss_from = 0

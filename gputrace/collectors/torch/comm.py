@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gputrace.collectors.torch.guard import _hook_failed
+from gputrace.collectors.torch.mesh import mesh_of
 
 _native_tid = threading.get_native_id
 
@@ -34,6 +35,8 @@ class _Local(threading.local):
     busy = False          # inside a recorded collective, or a DDP comm hook
     ctx: Any = None       # the FSDP unit issuing collectives on this thread (torch_fsdp)
     prefetch = False      # that unit's all-gather is a prefetch
+    pp: Any = None        # a pipeline schedule's step runs: its p2p carry `pp` (pipeline)
+    dtensor = False       # a DTensor redistribution runs (dtensor)
 
 
 TLS = _Local()
@@ -110,7 +113,9 @@ _SPECS: dict[str, tuple[str, Any, Any, tuple[int, str]]] = {
 
 
 def _group_json(group: Any) -> str:
-    """{"size", "ranks" (up to 64), "name"} of a process group, computed once per group."""
+    """{"size", "ranks" (up to 64), "name", "desc" (its description, e.g. `mesh_tp`), "mesh"
+    (its DeviceMesh dimension: collectors.torch.mesh)} of a process group, computed once per
+    group."""
     if group is None:
         group = _c10d[0]._world.default_pg
     s = _groups.get(group)
@@ -121,6 +126,12 @@ def _group_json(group: Any) -> str:
         if size <= 64:
             d["ranks"] = c10d.get_process_group_ranks(group)
         d["name"] = str(getattr(group, "group_name", ""))
+        desc = getattr(group, "group_desc", None)
+        if isinstance(desc, str) and desc and desc != "undefined":
+            d["desc"] = desc
+        mesh = mesh_of(d["name"])
+        if mesh is not None:
+            d["mesh"] = mesh
         s = _groups[group] = json.dumps(d, separators=(",", ":"))
     return s
 
@@ -192,6 +203,9 @@ def _record(st: Any, kind: str, a: tuple[Any, ...], k: dict[str, Any], ex: Any,
     phase = _phase(st)
     if phase == "none" and '"role":"unshard"' in fsdp:
         phase = "forward"   # the root's FSDP pre-forward, run before the model's forward hook
+    pp = TLS.pp
+    if pp is not None and kind == "send_recv":   # between pipeline stages
+        fsdp += pp
     head = (f'{{"kind":"{kind}","bytes_out":{nout},"group":{_group_json(group)},'
             f'"async":{"true" if works else "false"},"phase":"{phase}"{fsdp}')
     if not works:    # on this thread (the recorder notes it): GPU launches inside are comm
@@ -354,9 +368,13 @@ def install(state: Callable[[], Any]) -> None:
         _patch_optimizer()
     except Exception as e:  # noqa: BLE001
         _hook_failed("torch.distributed collectives", e)
+    from gputrace.collectors.torch import dtensor, mesh, pipeline
     from gputrace.collectors.torch import fsdp as torch_fsdp
 
     torch_fsdp.install()
+    mesh.install()
+    pipeline.install()
+    dtensor.install()
 
 
 def _patch_optimizer() -> None:

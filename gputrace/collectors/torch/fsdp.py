@@ -8,20 +8,18 @@ first gather (forward order; 1 nearest the input), and `fsdp`, `unit` (the modul
 the model, "" for the root), `role` (`unshard`, `reshard_gather`, `reduce_grad`,
 `hsdp_all_reduce`) and `prefetch` in args.
 
-FSDP's modules (and c10d's functional collectives, torch_funcol) are patched when they are
-imported (a finder on sys.meta_path), or at once if they already are.
+FSDP's modules (and c10d's functional collectives, collectors.torch.functional) are patched
+when they are imported (collectors.torch.lazy), or at once if they already are.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.abc
-import importlib.machinery
 import json
-import sys
 import threading
 from typing import Any
 
+from gputrace.collectors.torch import lazy
 from gputrace.collectors.torch.comm import TLS
 from gputrace.collectors.torch.guard import _hook_failed
 
@@ -212,43 +210,7 @@ _PATCHES = {FSDP2: _patch_fsdp2, FSDP1: _patch_fsdp1,
             "torch.distributed._functional_collectives": _patch_funcol}
 
 
-def _patch(name: str, module: Any) -> None:
-    try:
-        _PATCHES[name](module)
-    except Exception as e:  # noqa: BLE001 - FSDP's collectives are still recorded, unit-less
-        _hook_failed(f"FSDP units ({name})", e)
-
-
-class _Finder(importlib.abc.MetaPathFinder):
-    """Patches FSDP's modules right after they are first imported."""
-
-    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name not in _PATCHES:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        loader = getattr(spec, "loader", None)
-        if loader is None or not hasattr(loader, "exec_module"):
-            return None
-        orig = loader.exec_module
-
-        def exec_module(module: Any) -> None:
-            orig(module)
-            _patch(name, module)
-
-        try:
-            loader.exec_module = exec_module
-        except Exception:  # noqa: BLE001 - a loader that takes no attributes: unpatched
-            return None
-        return spec
-
-
 def install() -> None:
-    waiting = False
-    for name in _PATCHES:
-        mod = sys.modules.get(name)
-        if mod is not None:
-            _patch(name, mod)
-        else:
-            waiting = True
-    if waiting and not any(isinstance(f, _Finder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _Finder())
+    for name, fn in _PATCHES.items():
+        what = "functional collectives" if fn is _patch_funcol else "FSDP units"
+        lazy.when_imported(name, fn, what)

@@ -4,8 +4,9 @@ DTensor and tensor parallelism) as `comm` spans, like the other collectives.
 Each call returns at once with an AsyncCollectiveTensor; the collective's Work is kept in
 c10d's own registry, out of Python's reach. The span runs from the call to the return of
 the `wait_tensor` that first uses the result (the completion as far as the job can see it),
-and that wait is its `wait` (the time the job stood still for it). A result never used is
-never written. Inside compiled graphs the collectives are not Python calls: not recorded.
+and that wait is its `wait` (the time the job stood still for it), the issuing call its
+`call` ([start, end] ns: the thread in the collective before it returned). A result never
+used is never written. Issued by a DTensor redistribution, it says `"issuer":"dtensor"`. Inside compiled graphs the collectives are not Python calls: not recorded.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ _SPECS = {"broadcast": ("broadcast", 2), "all_reduce": ("all_reduce", 2),
           "all_gather_single": ("all_gather", 2), "reduce_scatter_single": ("reduce_scatter", 3),
           "all_to_all_single": ("all_to_all", 3)}
 _pending: dict[int, tuple[Any, torch_comm._Entry]] = {}
+_DTENSOR = ',"issuer":"dtensor"'   # issued by a DTensor redistribution (collectors.torch.dtensor)
 _names: dict[Any, str] = {}
 _native_tid = threading.get_native_id
 
@@ -83,9 +85,11 @@ def _record(mod: Any, st: Any, kind: str, a: tuple[Any, ...], k: dict[str, Any],
     out = res.elem if waiting else res
     ctx = torch_comm.TLS.ctx
     layer, fsdp = (-1, "") if ctx is None else ctx.for_kind(kind)
+    call = f',"call":[{t0},{t1}]' if waiting else ""   # the issuing call (a copy, the enqueue)
     head = (f'{{"kind":"{kind}","bytes_out":{torch_comm._nb(out)},'
             f'"group":{_group_json(mod, group, tag)},"async":{"true" if waiting else "false"},'
-            f'"functional":true,"phase":"{torch_comm._phase(st)}"{fsdp}')
+            f'"functional":true,"phase":"{torch_comm._phase(st)}"{fsdp}'
+            f'{_DTENSOR if torch_comm.TLS.dtensor else ""}{call}')
     nin = torch_comm._nb(x)
     if not waiting:
         rec.span("comm", kind, t0, t1, layer=layer, nbytes=nin, args=head + "}")

@@ -18,12 +18,13 @@ modules to time are chosen (`GPUTRACE_LAYERS`):
 Each chosen module's last gradient gives its backward (a `backward` span with `layer`, see
 collectors.torch.grads): what the analysis uses (gradient readiness of the comm units). Its
 forward is timed too (a `forward` span with `layer`, a pre-hook and a hook per call) only
-when asked (`GPUTRACE_LAYER_FORWARD=1`, `record --layer-forward`): on a 12-block
-transformer those two hooks per block cost the loop about 1 %. Otherwise a one-shot
-pre-hook numbers the module at its first call (layers 1..L in execution order from the
-input side) and is removed, and the module runs unhooked from then on. A compiled model
-(`torch.compile`) keeps only the parameter hooks: a hook inside the compiled region would
-break its graph.
+when asked (`GPUTRACE_LAYER_FORWARD=1`, `record --layer-forward`), or when it is tensor
+parallel (DTensor parameters: it is on the hooked path already, and the collectives its
+forward issues are told by layer): on a 12-block transformer those two hooks per block
+cost the loop about 1 %. Otherwise a one-shot pre-hook numbers the module at its first call
+(layers 1..L in execution order from the input side) and is removed, and the module runs
+unhooked from then on. A compiled model (`torch.compile`) keeps only the parameter hooks: a
+hook inside the compiled region would break its graph.
 """
 
 from __future__ import annotations
@@ -270,20 +271,33 @@ class Modules:
             return
         for m, params in chosen:
             if m not in self.timed:
-                self.timed[m] = self._attach(m, params)
+                self.timed[m] = self._attach(m, params, self.forward or _tp(m, params))
 
-    def _attach(self, m: nn.Module, params: list[nn.Parameter]) -> list[Any]:
+    def _attach(self, m: nn.Module, params: list[nn.Parameter], forward: bool) -> list[Any]:
         """With forward spans: one per call of `m`, appended as one tuple (perf_counter_ns
         times, converted when flushed): one Python call, one clock read and one append in
         the pre-hook; one call, one clock read, one tuple and one append in the hook.
         Without: a pre-hook that numbers `m` at its first call and removes itself."""
-        if not self.forward:
+        if not forward:
             once = _NumberOnce(self.st, params, m)
             once.handle = m.register_forward_pre_hook(once)
             return [once.handle]
         pre = _TimedPre(self.st, params)
         return [m.register_forward_pre_hook(pre),
                 m.register_forward_hook(_TimedPost(pre, type(m).__name__))]
+
+
+def _tp(m: nn.Module, params: list[nn.Parameter]) -> bool:
+    """A tensor-parallel module (its parameters DTensors, not FSDP2's alone: on a mesh of
+    more than one dimension, or in a module FSDP does not manage): its forward runs
+    DTensor's dispatch and hooks already; timed per call too, so that the collectives its
+    forward issues are told by layer."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    dt = getattr(mod, "DTensor", None) if mod is not None else None
+    if dt is None:
+        return False
+    fsdp = any(type(x).__name__.startswith("FSDP") for x in m.modules())
+    return any(isinstance(p, dt) and (p.device_mesh.ndim > 1 or not fsdp) for p in params)
 
 
 _perf = time.perf_counter_ns

@@ -1,0 +1,246 @@
+"""Pipeline parallelism: each rank's stage (its microbatches' forward and backward, the time
+in each schedule step it computed nothing: the bubble, its waits for its neighbours
+included), and, across the ranks, the pipeline: stages, schedule, microbatches, the bubble
+beside the schedule's theoretical (p-1)/(m+p-1), the slowest stage, and what-ifs replayed on
+the measured per-microbatch times (pipesim): more or fewer microbatches, the other schedule,
+layers moved between stages to balance them."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from gputrace.analyzers.collectives import Rows
+from gputrace.analyzers.frame import Spans
+from gputrace.analyzers.parallel import pipesim
+
+ASSUMPTIONS = (
+    "the global batch stays: a microbatch's forward and backward take the measured time x "
+    "m/m' (proportional to its size)",
+    "a transfer between stages costs what replaying the measured schedule needs to give the "
+    "measured step (fitted once), x m/m' (its activations' size)",
+    "the update and the time outside the schedule's step stay as measured")
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One rank's stage, means over the analyzed iterations."""
+
+    rank: int
+    stage: int
+    schedule: str
+    microbatches: int
+    num_stages: int
+    forward_s: float      # per microbatch
+    backward_s: float     # per microbatch (and its weight part, zero-bubble schedules)
+    loss_s: float         # per microbatch (last stage)
+    step_s: float         # the schedule's step
+    bubble_s: float       # per iteration (t_pp): the step's time it computed nothing
+    waits_s: float        # its waits for its neighbours (p2p), per iteration
+    p2p_count: float
+    p2p_bytes: float
+    t_iter: float
+    layers: dict[int, float] = field(default_factory=dict)   # layer -> backward s per mb
+
+    @property
+    def busy_s(self) -> float:
+        return self.microbatches * (self.forward_s + self.backward_s + self.loss_s)
+
+
+def _args(sp: Spans, idx: np.ndarray) -> list[dict[str, Any]]:
+    out = []
+    for a in sp.args.take(pa.array(idx)).to_pylist():
+        try:
+            v = json.loads(a) if a else {}
+        except ValueError:
+            v = {}
+        out.append(v if isinstance(v, dict) else {})
+    return out
+
+
+def analyze(sp: Spans, r: Rows, it_start: np.ndarray, it_end: np.ndarray, sel: np.ndarray,
+            terms: dict[str, np.ndarray], md: dict[str, Any] | None = None) -> Stage | None:
+    """The rank's stage over the analyzed iterations, or None without pipeline spans."""
+    pipe = np.flatnonzero(sp.of("pipeline"))
+    if not pipe.size or not sel.size:
+        return None
+    it = np.searchsorted(it_start, sp.start[pipe], side="right") - 1
+    keep = (it >= 0) & np.isin(it, sel)
+    pipe = pipe[keep]
+    if not pipe.size:
+        return None
+    names = [sp.names[c] for c in sp.name[pipe].tolist()]
+    args = _args(sp, pipe)
+    dur = (sp.end[pipe] - sp.start[pipe]) / 1e9
+    steps = [a for n, a in zip(names, args, strict=True) if n == "step"]
+    if not steps:
+        return None
+    head = steps[-1]
+    n_it = float(sel.size)
+
+    def per_mb(name: str) -> float:
+        m = np.array([n == name for n in names], bool)
+        return float(dur[m].mean()) if m.any() else 0.0
+
+    step_s = float(dur[np.array([n == "step" for n in names], bool)].sum()) / n_it
+    stage = int((head.get("stages") or [-1])[0])
+    md = md or {}
+    p = int(md.get("num_stages") or 0) or _stages_from(sp, r)
+    loss = _loss_s(sp, it_start, sel)
+    pr = np.array([d == "pp" for d in r.dim], bool)
+    j = np.flatnonzero(pr)
+    rit = np.searchsorted(it_start, sp.start[r.idx[j]], side="right") - 1
+    j = j[(rit >= 0) & np.isin(rit, sel)]
+    waits = np.where(r.wait_s[j] >= 0, r.wait_e[j] - r.wait_s[j], 0) / 1e9
+    return Stage(sp.rank, stage, str(head.get("schedule", "")),
+                 int(head.get("microbatches", 0)), p, per_mb("forward"),
+                 per_mb("backward") + per_mb("backward_weight"), loss, step_s,
+                 float(np.mean(terms["t_pp"][sel])) if "t_pp" in terms else 0.0,
+                 float(waits.sum()) / n_it, float(j.size) / n_it,
+                 float(np.nansum(r.nbytes[j])) / n_it, float(np.mean(terms["t_iter"][sel])),
+                 _layer_backward(sp, it_start, sel))
+
+
+def _stages_from(sp: Spans, r: Rows) -> int:
+    sizes = r.group_size[np.array([d == "pp" for d in r.dim], bool)]
+    return int(sizes.max()) if sizes.size and sizes.max() > 0 else 0
+
+
+def _loss_s(sp: Spans, it_start: np.ndarray, sel: np.ndarray) -> float:
+    """Mean duration of the schedule's loss spans (the last stage's), per microbatch."""
+    if "loss" not in sp.names:
+        return 0.0
+    m = np.flatnonzero(sp.of("forward") & (sp.name == sp.names.index("loss")))
+    it = np.searchsorted(it_start, sp.start[m], side="right") - 1
+    m = m[(it >= 0) & np.isin(it, sel)]
+    return float(((sp.end[m] - sp.start[m]) / 1e9).mean()) if m.size else 0.0
+
+
+def _layer_backward(sp: Spans, it_start: np.ndarray, sel: np.ndarray) -> dict[int, float]:
+    """Per layer of the stage, its backward seconds per microbatch (what balancing moves)."""
+    m = np.flatnonzero(sp.of("backward") & (sp.layer >= 1) & (sp.device < 0))
+    it = np.searchsorted(it_start, sp.start[m], side="right") - 1
+    m = m[(it >= 0) & np.isin(it, sel)]
+    out: dict[int, list[float]] = {}
+    for ly, d in zip(sp.layer[m].tolist(), ((sp.end[m] - sp.start[m]) / 1e9).tolist(),
+                     strict=True):
+        out.setdefault(int(ly), []).append(d)
+    return {k: float(np.mean(v)) for k, v in sorted(out.items())}
+
+
+@dataclass(frozen=True)
+class WhatIf:
+    what: str
+    schedule: str
+    microbatches: int
+    t_iter: float
+    bubble: float         # share of the replayed step
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """The pipeline across its ranks."""
+
+    stages: list[Stage]
+    schedule: str
+    microbatches: int
+    num_stages: int
+    bubble: float         # mean over stages: bubble / iteration
+    theory: float         # (p-1)/(m+p-1)
+    slowest: int          # stage index
+    transfer_s: float     # fitted (pipesim.fit_transfer)
+    replayed_step_s: float
+    what_if: list[WhatIf] = field(default_factory=list)
+    assumptions: tuple[str, ...] = ASSUMPTIONS
+
+    def headline(self) -> str:
+        return (f"pipeline, {self.num_stages} stages x {self.microbatches} microbatches "
+                f"({pipesim.SHORT.get(self.schedule, self.schedule)}): bubble "
+                f"{self.bubble:.0%} of the iteration, theory {self.theory:.0%}")
+
+
+def combine(stages: list[Stage], extra: list[int] | None = None) -> Pipeline | None:
+    """The pipeline of the ranks' stages (one stage per rank), with its what-ifs: the
+    microbatch counts in `extra` (default: half and double the measured), the other
+    schedule, and the layers rebalanced."""
+    st = sorted((s for s in stages if s.stage >= 0), key=lambda s: s.stage)
+    if not st:
+        return None
+    p = max(st[0].num_stages, len(st))
+    if [s.stage for s in st] != list(range(p)):
+        return None   # not every stage was recorded (or several per rank): no replay
+    m, sched = st[0].microbatches, st[0].schedule
+    fwd = [s.forward_s for s in st]
+    bwd = [s.backward_s for s in st]
+    loss = st[-1].loss_s
+    step = max(s.step_s for s in st)
+    known = sched in pipesim.SCHEDULES
+    transfer = pipesim.fit_transfer(sched, fwd, bwd, m, loss, step) if known else 0.0
+    base = pipesim.replay(sched, fwd, bwd, m, transfer, loss).makespan if known else step
+    outside = max(s.t_iter - s.step_s for s in st)
+    out = Pipeline(st, sched, m, p, float(np.mean([s.bubble_s / s.t_iter for s in st
+                                                   if s.t_iter > 0])),
+                   pipesim.theory(p, m), max(st, key=lambda s: s.busy_s).stage, transfer,
+                   base)
+    if not known:
+        return out
+    ifs = []
+
+    def run(what: str, schedule: str, m2: int, f: list[float], b: list[float]) -> None:
+        k = m / m2
+        r = pipesim.replay(schedule, [x * k for x in f], [x * k for x in b], m2,
+                           transfer * k, loss * k)
+        ifs.append(WhatIf(what, schedule, m2, r.makespan + outside,
+                          float(np.mean(r.bubble)) / r.makespan if r.makespan else 0.0))
+
+    for m2 in sorted(set(extra or [max(p, m // 2), m * 2]) - {m}):
+        if m2 >= 1 and (sched != "Schedule1F1B" or m2 >= p):   # torch's 1F1B needs m >= p
+            run(f"{m2} microbatches", sched, m2, fwd, bwd)
+    other = next(s for s in pipesim.SCHEDULES if s != sched)
+    if other != "Schedule1F1B" or m >= p:
+        run(f"{pipesim.SHORT[other]} schedule", other, m, fwd, bwd)
+    moved = _balanced(st)
+    if moved is not None:
+        run("layers balanced across stages", sched, m, *moved)
+    return replace(out, what_if=ifs)
+
+
+def _balanced(st: list[Stage]) -> tuple[list[float], list[float]] | None:
+    """Stage times with the layers cut where they balance (by their backward time; a
+    stage's forward split in the same proportions), None when the layers are not known or
+    the cut stays."""
+    layers: list[tuple[float, float]] = []    # (backward, forward) per layer, in order
+    for s in st:
+        tot = sum(s.layers.values())
+        if not s.layers or tot <= 0:
+            return None
+        for b in s.layers.values():
+            share = b / tot
+            layers.append((s.backward_s * share, s.forward_s * share))
+    cuts = pipesim.balance([b + f for b, f in layers], len(st))
+    now, at = [], 0
+    for s in st[:-1]:
+        at += len(s.layers)
+        now.append(at)
+    if cuts == now:
+        return None
+    bounds = [0, *cuts, len(layers)]
+    fwd = [sum(f for _, f in layers[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+    bwd = [sum(b_ for b_, _ in layers[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+    return fwd, bwd
+
+
+def as_dict(pl: Pipeline) -> dict[str, Any]:
+    """`--json`'s pipeline section."""
+    return {"schedule": pl.schedule, "microbatches": pl.microbatches,
+            "num_stages": pl.num_stages, "bubble": pl.bubble, "theory": pl.theory,
+            "slowest_stage": pl.slowest, "transfer_s": pl.transfer_s,
+            "replayed_step_s": pl.replayed_step_s,
+            "stages": [{k: v for k, v in vars(s).items() if k != "layers"} | {
+                "busy_s": s.busy_s} for s in pl.stages],
+            "what_if": [vars(w) for w in pl.what_if], "assumptions": list(pl.assumptions),
+            "headline": pl.headline()}
