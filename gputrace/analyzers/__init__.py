@@ -30,6 +30,7 @@ from gputrace.analyzers.findings_comm import shd_findings
 from gputrace.analyzers.findings_replay import _agree, _extra_findings, _replay_findings
 from gputrace.analyzers.model import ModelResult, Speedup, build_model, speedup, unit_waits
 from gputrace.analyzers.outliers import find_outliers
+from gputrace.analyzers.parallel import registry
 from gputrace.analyzers.ranks import _comm_wait, _host_bandwidth, _shared
 from gputrace.analyzers.replay import Replay, Scenario, replay, why_no_replay
 from gputrace.analyzers.results import Analysis, NothingToAnalyze, RankAnalysis, Stat, _stat
@@ -127,6 +128,8 @@ class RankPart:
     collectives: col.Collectives = field(default_factory=col.Collectives)
     sharded: shd.Sharded | None = None
     shard_inputs: ShardInputs | None = None   # what the sharded analysis reads, kept small
+    dims: dict[str, Any] = field(default_factory=dict)     # parallel.registry's rank parts
+    degrees: dict[str, int] = field(default_factory=dict)  # dimension -> its group's size
 
     @property
     def sel(self) -> np.ndarray:
@@ -162,6 +165,8 @@ def analyze_spans(sp: fr.Spans, o: Options) -> RankPart:
     comm = _overlap(rs.comm, sel)
     if sharded is not None:
         model, comm = sharded.model, sharded.overlap
+    dims = registry.rank_parts(registry.RankView(sp, cr, rs.iterations.start,
+                                                 rs.iterations.end, sel, rs.terms))
     timeline = iteration_timeline(sp, rs, representative(rs, sel)) if o.detail and n else None
     if timeline is not None:
         timeline = with_collectives(timeline, sp, cr)
@@ -181,7 +186,8 @@ def analyze_spans(sp: fr.Spans, o: Options) -> RankPart:
         if sel.size else None,
         window=(int(its.start[0]), int(its.end[-1])) if n else (0, 0),
         series=iteration_series(rs, skipped) if o.detail else None, timeline=timeline,
-        collectives=colls, sharded=sharded, shard_inputs=si if sharded is not None else None)
+        collectives=colls, sharded=sharded, shard_inputs=si if sharded is not None else None,
+        dims=dims, degrees=registry.degrees(cr))
 
 
 def analyze_frame(f: fr.Frame, o: Options) -> FramePart:
@@ -316,13 +322,21 @@ def combine(parts: list[FramePart], md: dict[str, Any], opts: Options, probe: An
             if sh is not None:
                 ranks[r] = replace(p, sharded=sh, model=sh.model)
     shared = _shared(steps, {r: p.devices for r, p in ranks.items()}, md)
-    missing = sanity.comm_missing(list(ranks.values()), world, md)
+    degrees: dict[str, int] = {}
+    for p in ranks.values():
+        for d, g in p.degrees.items():
+            degrees[d] = max(degrees.get(d, 0), g)
+    beyond = registry.beyond_dp(degrees)
+    missing = None if beyond else sanity.comm_missing(list(ranks.values()), world, md)
+    no_dp = registry.why_no_dp_prediction(degrees) if beyond else None
     order = list(ranks)
     args = ([ranks[r] for r in order], [arrivals.get(r) for r in order],
             [world] * len(order), [opts] * len(order), [shared] * len(order))
-    if missing:   # nothing to predict from: say so, never scale a comm never seen
+    if missing or no_dp:   # nothing to predict from: say so, never scale a comm never seen
+        why_not = missing or no_dp
         done = [(None, replace(speedup(ranks[r].model, world, []), points=[],
-                               unavailable=missing),
+                               unavailable=why_not),
+                 why_not if no_dp else
                  f"{why_no_replay(ranks[r].steps, ranks[r].sel, world, opts.link_bytes_per_s)}"
                  f"; {missing}") for r in order]
     else:
@@ -330,6 +344,7 @@ def combine(parts: list[FramePart], md: dict[str, Any], opts: Options, probe: An
                                   if executor is not None and len(order) > 1
                                   else map(replay_rank, *args), "replaying ranks", len(order)))
     replays = dict(zip(order, done, strict=True))
+    parallel = registry.runs({r: p.dims for r, p in ranks.items()})
     out: dict[int, RankAnalysis] = {}
     for r, p in ranks.items():
         rp, sp_, why = replays[r]
@@ -355,7 +370,9 @@ def combine(parts: list[FramePart], md: dict[str, Any], opts: Options, probe: An
             findings=_agree(find(p.model, p.comm, p.io, bw, more), rp, world),
             comm_wait_s=w[0] if w else None, comm_transfer_s=w[1] if w else None,
             replay=rp, detail=rd, replay_unavailable=why, host=p.host,
-            collectives=p.collectives, comm_missing=missing, sharded=p.sharded)
+            collectives=p.collectives, comm_missing=missing, sharded=p.sharded,
+            dims=p.dims, degrees=degrees, parallel=parallel,
+            dimensions=registry.describe(degrees, world))
     slowest = max(out, key=lambda r: out[r].breakdown["t_iter"].mean)
     main = out[slowest]
     if main.replay is not None:

@@ -287,6 +287,7 @@ class KindTotal:
     exposed_s: float      # the part the job stood still for, per iteration
     gradient: bool        # counted as gradient units by the data-parallel model
     small: bool = False   # of a few bytes each (under Collectives.small_below): not units
+    dim: str = ""         # the parallelism they serve (parallel.classify)
 
 
 @dataclass(frozen=True)
@@ -305,14 +306,18 @@ class Collectives:
 
 
 def exposed_ns(sp: Spans, r: Rows, compute: ov.Union) -> np.ndarray:
-    """Per comm row, the time the job stood still for it: its `wait` interval when recorded;
-    a synchronous call on the loop's thread in full; else the part no compute covers."""
+    """Per comm row, the time the job stood still for it: its `wait` interval when recorded
+    (and its issuing `call`, where recorded); a synchronous call on the loop's thread in
+    full; else the part no compute covers."""
     out = np.zeros(r.n)
     if not r.n:
         return out
     s, e = sp.start[r.idx], sp.end[r.idx]
     has_wait = r.wait_s >= 0
     out[has_wait] = (r.wait_e - r.wait_s)[has_wait]
+    if r.call_s.size == r.n:   # an asynchronous functional collective's issuing call
+        called = r.call_s >= 0
+        out[called] += (r.call_e - r.call_s)[called]
     sync = r.contract & ~r.is_async & ~has_wait
     out[sync] = (e - s)[sync]
     rest = ~has_wait & ~sync
@@ -336,16 +341,18 @@ def summarize(sp: Spans, r: Rows, it_of: np.ndarray, sel: np.ndarray, compute: o
     exp = exposed_ns(sp, r, compute) / 1e9
     kinds = np.array(r.kind)
     out = []
+    dims = np.array(r.dim if len(r.dim) == r.n else [""] * r.n)
     for k in [k for k in KINDS if k in set(r.kind)]:
-        for few in (False, True):     # a kind's collectives of a few bytes on a row of their own
-            m = inside & (kinds == k) & (small == few)
-            if not m.any():
-                continue
-            out.append(KindTotal(k, float(m.sum()) / n_it,
-                                 float(np.nansum(r.nbytes[m])) / n_it,
-                                 float(np.nansum(r.bytes_out[m])) / n_it,
-                                 float(dur[m].sum()) / n_it, float(exp[m].sum()) / n_it,
-                                 bool(grad[m].any()) and not few, few))
+        for d in sorted(set(dims[kinds == k].tolist())):   # a row per parallelism served
+            for few in (False, True):   # a kind's collectives of a few bytes on a row of their own
+                m = inside & (kinds == k) & (small == few) & (dims == d)
+                if not m.any():
+                    continue
+                out.append(KindTotal(k, float(m.sum()) / n_it,
+                                     float(np.nansum(r.nbytes[m])) / n_it,
+                                     float(np.nansum(r.bytes_out[m])) / n_it,
+                                     float(dur[m].sum()) / n_it, float(exp[m].sum()) / n_it,
+                                     bool(grad[m].any()) and not few, few, d))
     sharded = next((f for f in r.fsdp if f), None)
     sizes = tuple(sorted({int(g) for g in r.group_size if g > 0}))
     return Collectives(out, r.n, int(inside.sum()), sharded, sizes, r.small_below)

@@ -192,6 +192,13 @@ def build_model(rs: RankSteps, sel: np.ndarray) -> ModelResult:
     if other > 0.05 * measured:
         notes.append(f"{other:.4f} s per iteration is in no phase (loss, zero_grad, Python "
                      "between phases); it is added to every equation as t_other")
+    # the other dimensions' exposed comm and the pipeline's bubble: on the critical path
+    par = {k: t[k] for k in ("t_tp", "t_pp", "t_ep", "t_cp") if t.get(k, 0.0) > 0}
+    if par:
+        notes.append(" + ".join(f"{k} {v * 1e3:.1f} ms" for k, v in par.items())
+                     + " per iteration (tensor/pipeline/expert/context parallelism) is on "
+                     "the critical path; it is added to every equation")
+        other += sum(par.values())
 
     def with_io(compute_path: float) -> float:
         if pipelined and t_io_pipe is not None:

@@ -50,6 +50,12 @@ class RankAnalysis:
     collectives: col.Collectives = field(default_factory=col.Collectives)
     comm_missing: str | None = None     # several ranks, no collective recorded: why no figure
     sharded: shd.Sharded | None = None  # FSDP: units, exposed per unit, model and what-ifs
+    # tensor, pipeline, expert parallelism (analyzers.parallel): this rank's parts, the run's
+    # dimensions and their group sizes, and each dimension's view across the ranks
+    dims: dict[str, Any] = field(default_factory=dict)
+    degrees: dict[str, int] = field(default_factory=dict)
+    parallel: dict[str, Any] = field(default_factory=dict)
+    dimensions: str = ""   # the run's dimensions beyond data parallelism ("FSDP 2 x TP 2, 4 ranks")
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,12 @@ from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
-import pyarrow as pa
 
 from gputrace.analyzers import overlap as ov
 from gputrace.analyzers.frame import Spans
+from gputrace.analyzers.parallel.bubble import with_bubble
+from gputrace.analyzers.units import LayerEnds, Units, gpu_layer_ends, layer_ends
+from gputrace.analyzers.units import units as units_of
 
 TERMS = ("t_iter", "t_io", "t_h2d", "t_f", "t_b", "t_u", "t_comm", "t_other", "t_framework")
 # the terms of the parallelisms beyond data parallelism, where a run has them
@@ -25,71 +27,6 @@ class Iterations:
     step: np.ndarray
     synthetic: bool          # no iteration spans: the whole window is one iteration
     loop: tuple[int, int]    # (pid, tid) of the training loop
-
-
-@dataclass(frozen=True)
-class Units:
-    """The comm units (buckets or layers) of every iteration, one row each, sorted by
-    iteration and start; times in ns on the trace clock. Rows of iteration k:
-    `cuts[k]:cuts[k + 1]`, in launch order (`index`)."""
-
-    it: np.ndarray            # iteration of the row
-    index: np.ndarray         # launch order within its iteration
-    ready: np.ndarray         # when its gradients were ready (its smallest layer's backward end)
-    start: np.ndarray
-    end: np.ndarray
-    nbytes: np.ndarray        # float, nan when unknown
-    hidden: np.ndarray        # ends before the next unit of its iteration is ready
-    layer_code: np.ndarray    # into layer_sets
-    layer_sets: list[tuple[int, ...] | None]
-    cuts: np.ndarray
-
-    def layers(self, row: int) -> tuple[int, ...] | None:
-        return self.layer_sets[int(self.layer_code[row])]
-
-    def rows(self, sel: np.ndarray) -> np.ndarray:
-        """Indices of the rows in the iterations `sel`."""
-        return _rows_in(self.it, sel, self.cuts.size - 1)
-
-
-@dataclass(frozen=True)
-class LayerEnds:
-    """When each layer's backward ended in each iteration (its latest span), one row per
-    (iteration, layer), sorted by both."""
-
-    it: np.ndarray
-    layer: np.ndarray
-    end: np.ndarray
-    n: int                    # iterations
-
-    def rows(self, sel: np.ndarray) -> np.ndarray:
-        return _rows_in(self.it, sel, self.n)
-
-    def lookup(self, it: np.ndarray, layer: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(found, end) for each (iteration, layer) pair."""
-        if not self.it.size or not it.size:
-            return np.zeros(it.size, dtype=bool), np.zeros(it.size, dtype=np.int64)
-        span = int(max(self.layer.max(), layer.max())) + 2
-        key = self.it.astype(np.int64) * span + self.layer
-        want = it.astype(np.int64) * span + layer
-        j = np.clip(np.searchsorted(key, want), 0, key.size - 1)
-        return (layer >= 1) & (key[j] == want), self.end[j]
-
-
-def _rows_in(it: np.ndarray, sel: np.ndarray, n: int) -> np.ndarray:
-    m = np.zeros(n, dtype=bool)
-    m[sel] = True
-    return np.flatnonzero(m[it])
-
-
-def _layer_ends(sp: Spans, mask: np.ndarray, it_of: np.ndarray, n: int,
-                end: np.ndarray) -> LayerEnds:
-    li = np.flatnonzero(mask)
-    li = li[np.lexsort((end[li], sp.layer[li], it_of[li]))]   # latest end last
-    it, ly = it_of[li], sp.layer[li]
-    last = np.r_[(it[1:] != it[:-1]) | (ly[1:] != ly[:-1]), True] if li.size else \
-        np.zeros(0, dtype=bool)
-    return LayerEnds(it[last], ly[last], end[li][last], n)
 
 
 @dataclass(frozen=True)
@@ -139,75 +76,6 @@ def find_iterations(sp: Spans) -> Iterations:
 def _u(sp: Spans, mask: np.ndarray) -> ov.Union:
     m = mask & sp.lasting()   # one copy of the spans that last, worked on in place
     return ov.union(sp.start[m], sp.end[m], own=True)
-
-
-def _sorted_rows(sp: Spans, mask: np.ndarray, it_of: np.ndarray, n: int
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Spans of the mask sorted by (iteration, start): indices, cuts, position in iteration."""
-    idx = np.flatnonzero(mask)
-    idx = idx[np.lexsort((sp.start[idx], it_of[idx]))]
-    cuts = np.searchsorted(it_of[idx], np.arange(n + 1), side="left")
-    pos = np.arange(idx.size) - cuts[it_of[idx]]
-    return idx, cuts, pos
-
-
-def _units(sp: Spans, comm: np.ndarray, host: np.ndarray, it_of: np.ndarray, n: int,
-           ends: LayerEnds, back_end: np.ndarray, compute: ov.Union) -> Units:
-    ci, cuts, pos = _sorted_rows(sp, comm, it_of, n)
-    hi_, hcuts, _ = _sorted_rows(sp, host, it_of, n)
-    k = it_of[ci]
-    codes, sets = sp.layer_sets(np.concatenate([ci, hi_]))
-    code, hcode = codes[:ci.size], codes[ci.size:]
-    if hi_.size:
-        # host-side comm spans (the DDP hook's) beside GPU NCCL kernels lend their layers:
-        # GPU unit j of an iteration is the hook's unit j when both counts agree
-        same = (np.diff(cuts) == np.diff(hcuts))[k]
-        borrow = same & np.array([s is None for s in sets])[code]
-        code = code.copy()
-        code[borrow] = hcode[hcuts[k[borrow]] + pos[borrow]]
-    start, end = sp.start[ci], sp.end[ci]
-    ready = start.copy()
-    # ready when the backward of its smallest layer ends (never after its own start)
-    min_layer = np.array([min(s) if s else -1 for s in sets], dtype=np.int64)[code]
-    hit, lend = ends.lookup(k, min_layer)
-    ready[hit] = np.minimum(lend[hit], start[hit])
-    nxt = np.r_[pos[1:] > 0, False]   # the next row is in the same iteration
-    hidden = np.zeros(ci.size, dtype=bool)
-    hidden[:-1] = nxt[:-1] & (end[:-1] <= ready[1:])
-    # and only behind compute, as the overlap of comm with compute counts it: a unit that
-    # ends after its iteration's backward did (nothing left to hide it) or that ran mostly
-    # outside compute (a synchronous call the job's thread stood in) is exposed
-    b = back_end[k] if k.size else np.zeros(0, np.int64)
-    covered = ov.measure(compute, start, end)
-    hidden &= ((b < 0) | (end <= b)) & (2 * covered >= end - start)
-    return Units(k, pos, ready, start, end, sp.nbytes[ci], hidden, code, sets, cuts)
-
-
-def _with_bubble(sp: Spans, par: dict[str, ov.Union]) -> dict[str, ov.Union]:
-    """`par`, its pipeline term (`pp`) holding the bubble too: inside each schedule step,
-    the time the stage ran no microbatch's work, no loss and no other collective."""
-    pipe = sp.of("pipeline")
-    if not pipe.any():
-        return par
-    step = sp.name == (sp.names.index("step") if "step" in sp.names else -2)
-    loss = sp.name == (sp.names.index("loss") if "loss" in sp.names else -2)
-    steps = _u(sp, pipe & step)
-    busy = ov.merge(_u(sp, pipe & ~step), _u(sp, sp.of("forward") & loss),
-                    _u(sp, sp.of("comm") & ~np.isin(np.arange(sp.start.size),
-                                                    _pp_rows(sp))))
-    bubble = ov.subtract(steps, busy)
-    out = dict(par)
-    out["pp"] = ov.merge(bubble, par["pp"]) if "pp" in par else bubble
-    return out
-
-
-def _pp_rows(sp: Spans) -> np.ndarray:
-    """The comm spans that go between pipeline stages (args.pp)."""
-    comm = np.flatnonzero(sp.of("comm"))
-    if not comm.size:
-        return comm
-    args = sp.args.take(pa.array(comm)).to_pylist()
-    return comm[np.array(['"pp":' in (a or "") for a in args], bool)]
 
 
 def analyze_rank(sp: Spans, stood: tuple[np.ndarray, np.ndarray] | None = None,
@@ -302,13 +170,13 @@ def analyze_rank(sp: Spans, stood: tuple[np.ndarray, np.ndarray] | None = None,
         # a layer's gradient is ready when the GPU has run what was launched for it: the
         # last backward record launched while the host computed that layer's backward
         bwd_gpu = comp & (label == 1)
-        layer_end = _gpu_layer_ends(sp, per_layer, bwd_gpu)
+        layer_end = gpu_layer_ends(sp, per_layer, bwd_gpu)
         back = bwd_gpu
         back_start, back_end = sp.start, sp.end
     else:
         st = ov.union(*stood) if stood is not None else ov.EMPTY
         par = {d: ov.union(*v) for d, v in (dims or {}).items()}
-        par = _with_bubble(sp, par)
+        par = with_bubble(sp, par)
         if par:
             st = ov.merge(st, *par.values())
         h2d = _u(sp, sp.of("h2d"))
@@ -363,9 +231,9 @@ def analyze_rank(sp: Spans, stood: tuple[np.ndarray, np.ndarray] | None = None,
     np.maximum.at(bend, it_of[bi], back_end[bi])
     bstart[bstart == big] = -1
 
-    ends = _layer_ends(sp, per_layer & inside, it_of, n, layer_end)
+    ends = layer_ends(sp, per_layer & inside, it_of, n, layer_end)
     unit_m = inside if not_units is None else inside & ~not_units
-    units = _units(sp, comm_m & unit_m, host_comm & ~comm_m & unit_m, it_of, n, ends, bend,
+    units = units_of(sp, comm_m & unit_m, host_comm & ~comm_m & unit_m, it_of, n, ends, bend,
                    compute)
 
     fetch = np.flatnonzero(work_m)
@@ -413,26 +281,3 @@ def _run_bounds(sp: Spans, start: np.ndarray, end: np.ndarray, label: np.ndarray
             else:
                 e_out[m] = np.maximum(end[m], np.where(inside, u[1][j], end[m]))
     return s_out, e_out
-
-
-def _gpu_layer_ends(sp: Spans, per_layer: np.ndarray, bwd_gpu: np.ndarray) -> np.ndarray:
-    """The end of each span, except the host's per-layer backward spans: for those, the GPU
-    end of the backward records launched while they ran (the layer's gradients exist when
-    the GPU has computed them, not when the host launched the work)."""
-    out = sp.end
-    li = np.flatnonzero(per_layer)
-    gi = np.flatnonzero(bwd_gpu & (sp.launch >= 0))
-    if not li.size or not gi.size:
-        return out
-    gi = gi[np.argsort(sp.launch[gi], kind="stable")]
-    lt, ge = sp.launch[gi], sp.end[gi]
-    a = np.searchsorted(lt, sp.start[li], "left")
-    b = np.searchsorted(lt, sp.end[li], "right")
-    has = b > a
-    out = sp.end.copy()
-    if has.any():
-        # max over each [a, b): reduceat over the pairs laid side by side, every other one
-        pairs = np.column_stack((a[has], b[has])).ravel()
-        top = np.maximum.reduceat(np.append(ge, ge[-1]), pairs)[::2]
-        out[li[has]] = top
-    return out

@@ -11,6 +11,7 @@ from rich.table import Table
 
 from gputrace.analyzers import RankAnalysis
 from gputrace.analyzers.collectives import KindTotal
+from gputrace.report.parallel import dims_headline
 
 ROLE = {"unshard": "forward all-gather", "reshard_gather": "backward re-gather",
         "reduce_grad": "reduce-scatter", "hsdp_all_reduce": "HSDP all-reduce"}
@@ -22,6 +23,8 @@ def _ms(s: float) -> str:
 
 def headline_case(ra: RankAnalysis) -> str | None:
     """The headline's clause about comm when collectives decide it, else None."""
+    if ra.dimensions:
+        return dims_headline(ra)
     if ra.comm_missing:
         head = ra.comm_missing.split(": the ranks'")[0]
         what = "gradient exchange" if "no gradient" in head else "communication"
@@ -31,6 +34,10 @@ def headline_case(ra: RankAnalysis) -> str | None:
     return None
 
 
+DIM_WORDS = {"tp": "tensor parallel (activations)", "pp": "pipeline (between stages)",
+             "ep": "expert parallel (dispatch, combine)", "cp": "context parallel"}
+
+
 def few_bytes(n: float) -> str:
     """A small byte count as people say it: '1 KiB', '300 B'."""
     return "1 KiB" if n == 1024 else f"{n:.0f} B"
@@ -38,6 +45,8 @@ def few_bytes(n: float) -> str:
 
 def in_model(ra: RankAnalysis, k: KindTotal) -> str:
     """What the model makes of a kind's collectives: the words of the kinds table."""
+    if k.dim in DIM_WORDS:
+        return DIM_WORDS[k.dim]
     if ra.sharded is not None and not k.small:
         return "sharded"
     if k.small:

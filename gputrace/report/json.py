@@ -8,7 +8,7 @@ from typing import Any
 from gputrace.analyzers import Analysis, RankAnalysis
 from gputrace.analyzers.outliers import Outlier
 from gputrace.analyzers.replay import Replay
-from gputrace.report.json_comm import collectives_dict, sharded_dict
+from gputrace.report.json_comm import collectives_dict, parallelism_dict, sharded_dict
 
 FORMAT = "gputrace-analysis"
 VERSION = 1
@@ -73,6 +73,7 @@ def rank_dict(ra: RankAnalysis) -> dict[str, Any]:
         "comm_missing": ra.comm_missing,
         "collectives": collectives_dict(ra),
         "sharded": sharded_dict(ra),
+        "parallelism": parallelism_dict(ra),
     }
 
 

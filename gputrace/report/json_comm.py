@@ -1,5 +1,7 @@
 """`analyze --json` keys for collectives (added beside the stable keys): `collectives` (per
-kind, per iteration), `sharded` (FSDP units, Cases, what-ifs) and `comm_missing`."""
+kind, per iteration, and per parallelism within a kind), `sharded` (FSDP units, Cases,
+what-ifs), `comm_missing`, and `parallelism` (the run's dimensions beyond data parallelism:
+their degrees, tensor_parallel, pipeline, expert_parallel)."""
 
 from __future__ import annotations
 
@@ -27,6 +29,10 @@ def collectives_dict(ra: RankAnalysis) -> dict[str, Any]:
         d["gradient"] = d["gradient"] or k.gradient
         if k.small:
             d["small"] = dict(figs)
+        if k.dim:   # which parallelism they serve (analyzers.parallel.classify)
+            par = d.setdefault("parallelism", {}).setdefault(k.dim, dict.fromkeys(figs, 0.0))
+            for key, v in figs.items():
+                par[key] = par[key] + v
     return {"recorded": c.recorded, "in_iterations": c.in_iterations,
             "strategy": c.sharded or ("ddp" if any(k.gradient for k in c.kinds) else None),
             "group_sizes": list(c.group_sizes), "small_below_bytes": c.small_below,
@@ -54,3 +60,24 @@ def sharded_dict(ra: RankAnalysis) -> dict[str, Any] | None:
                      "comm_s": _num(w.comm_s), **w.knobs, "withheld": w.withheld}
                     for w in sh.what_if],
     }
+
+
+def parallelism_dict(ra: RankAnalysis) -> dict[str, Any] | None:
+    """The run's dimensions and, where it has them, each one's section (None: plain data
+    parallelism or one process)."""
+    from gputrace.analyzers.parallel import ep, pp, tp
+
+    if not ra.dimensions:
+        return None
+    out: dict[str, Any] = {"dimensions": ra.dimensions,
+                           "degrees": dict(ra.degrees),
+                           "terms": {k: ra.breakdown[k].mean for k in ("t_tp", "t_pp", "t_ep",
+                                                                       "t_cp")
+                                     if k in ra.breakdown}}
+    if "tp" in ra.dims:
+        out["tensor_parallel"] = tp.as_dict(ra.dims["tp"])
+    if "pp" in ra.parallel:
+        out["pipeline"] = pp.as_dict(ra.parallel["pp"])
+    if "ep" in ra.dims:
+        out["expert_parallel"] = ep.as_dict(ra.dims["ep"], ra.parallel.get("ep"))
+    return out

@@ -15,6 +15,7 @@ from gputrace.analyzers.replay import MIB, Outcome, Replay, Scenario
 from gputrace.fmt import mb, rate
 from gputrace.report import console
 from gputrace.report.collectives import headline_case, render_kinds, render_sharded
+from gputrace.report.parallel import render_parallel
 
 PHASES = (("t_io", "waiting for data (I/O)"), ("t_h2d", "host to device copies"),
            ("t_f", "forward"), ("t_b", "backward"), ("t_u", "update (optimizer)"),
@@ -239,10 +240,14 @@ def render(a: Analysis, rank: int | None = None, file: IO[str] | None = None,
             con.print(f"({len(m.units) - 12} units not shown)")
         con.print(ut)
     render_sharded(con, ra)
+    render_parallel(con, ra)
     con.print()
     strategy = STRATEGY.get(m.strategy, m.strategy) if ra.comm["total_s"] > 0 else \
         "single process, no gradient comm (eq. 1; eq. 4 with pipelined I/O)"
-    if ra.comm_missing:
+    if ra.dimensions and ra.sharded is None:
+        strategy = (f"{ra.dimensions}: the phases, each dimension's exposed comm and the "
+                    f"time in no phase, one after another (eq. {m.equation})")
+    elif ra.comm_missing:
         strategy = (f"unknown: no {'gradient comm' if ra.collectives.in_iterations else 'collective'}"
                     f" recorded (eq. {m.equation} over the measured phases)")
     elif ra.sharded is not None:

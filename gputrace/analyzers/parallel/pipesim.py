@@ -8,8 +8,9 @@ and loss). The orders are those torch.distributed.pipelining's schedules run:
 - 1F1B: min(m, p - s) forwards, then a backward and a forward in turn until the forwards
   are done, then the remaining backwards (Schedule1F1B._step_microbatches).
 
-What the replay does not model: the memory each order holds, and a send's wait for its
-receiver (sends are posted as the action ends)."""
+A transfer between stages starts when both sides are ready (the sender's action done, the
+receiver free to post its receive) and then takes its time. What the replay does not model:
+the memory each order holds, and a sender held up by a send its receiver has not taken."""
 
 from __future__ import annotations
 
@@ -62,16 +63,19 @@ def replay(schedule: str, fwd: list[float], bwd: list[float], m: int,
             while nxt[s] < len(orders[s]):
                 kind, i = orders[s][nxt[s]]
                 if kind == "F":
-                    dep = 0.0 if s == 0 else done.get(("F", s - 1, i))
-                    dep = dep if s == 0 or dep is None else dep + transfer
+                    remote = s > 0
+                    dep = done.get(("F", s - 1, i)) if remote else 0.0
                     dur = fwd[s] + (loss if s == p - 1 else 0.0)
                 else:
-                    dep = done.get(("F", s, i)) if s == p - 1 else done.get(("B", s + 1, i))
-                    dep = dep if s == p - 1 or dep is None else dep + transfer
+                    remote = s < p - 1
+                    dep = done.get(("B", s + 1, i)) if remote else done.get(("F", s, i))
                     dur = bwd[s]
                 if dep is None:
                     break
-                start = max(free[s], dep)
+                # a transfer starts once both sides are there (the sender done, the
+                # receiver free to post its receive): a rendezvous, as gloo's and NCCL's
+                # send/recv are
+                start = max(free[s], dep) + (transfer if remote else 0.0)
                 free[s] = done[(kind, s, i)] = start + dur
                 busy[s] += dur
                 nxt[s] += 1

@@ -21,8 +21,9 @@ from gputrace.analyzers.parallel import pipesim
 ASSUMPTIONS = (
     "the global batch stays: a microbatch's forward and backward take the measured time x "
     "m/m' (proportional to its size)",
-    "a transfer between stages costs what replaying the measured schedule needs to give the "
-    "measured step (fitted once), x m/m' (its activations' size)",
+    "a transfer between stages (with the schedule's own work per microbatch) costs what "
+    "replaying the measured schedule needs to give the measured step (fitted once), the "
+    "same per transfer at any microbatch count (latency, not bandwidth, bound)",
     "the update and the time outside the schedule's step stay as measured")
 
 
@@ -83,8 +84,21 @@ def analyze(sp: Spans, r: Rows, it_start: np.ndarray, it_end: np.ndarray, sel: n
     n_it = float(sel.size)
 
     def per_mb(name: str) -> float:
+        """Per microbatch, the stage's compute in its `name` chunks: the module's forward,
+        the backward's autograd (their host spans inside the chunks; not the schedule's
+        own work around them)."""
         m = np.array([n == name for n in names], bool)
-        return float(dur[m].mean()) if m.any() else 0.0
+        if not m.any():
+            return 0.0
+        cat = "forward" if name == "forward" else "backward"
+        inner = np.flatnonzero(sp.of(cat) & (sp.layer < 1) & (sp.device < 0)
+                               & (sp.name != (sp.names.index("loss") if "loss" in sp.names
+                                              else -2)))
+        lo, hi = sp.start[pipe[m]], sp.end[pipe[m]]
+        k = np.searchsorted(lo, sp.start[inner], side="right") - 1
+        ok = k >= 0
+        ok[ok] &= sp.end[inner[ok]] <= hi[k[ok]]
+        return float((sp.end[inner[ok]] - sp.start[inner[ok]]).sum() / 1e9 / m.sum())
 
     step_s = float(dur[np.array([n == "step" for n in names], bool)].sum()) / n_it
     stage = int((head.get("stages") or [-1])[0])
@@ -177,11 +191,14 @@ def combine(stages: list[Stage], extra: list[int] | None = None) -> Pipeline | N
     fwd = [s.forward_s for s in st]
     bwd = [s.backward_s for s in st]
     loss = st[-1].loss_s
-    step = max(s.step_s for s in st)
+    # the pipeline's makespan is the first stage's step: it starts the first forward and
+    # (GPipe, 1F1B) ends the last backward; a later stage's step also holds its wait for
+    # the first stage to start (ranks that left the previous iteration early)
+    step = st[0].step_s
     known = sched in pipesim.SCHEDULES
     transfer = pipesim.fit_transfer(sched, fwd, bwd, m, loss, step) if known else 0.0
     base = pipesim.replay(sched, fwd, bwd, m, transfer, loss).makespan if known else step
-    outside = max(s.t_iter - s.step_s for s in st)
+    outside = st[0].t_iter - st[0].step_s
     out = Pipeline(st, sched, m, p, float(np.mean([s.bubble_s / s.t_iter for s in st
                                                    if s.t_iter > 0])),
                    pipesim.theory(p, m), max(st, key=lambda s: s.busy_s).stage, transfer,
@@ -193,7 +210,7 @@ def combine(stages: list[Stage], extra: list[int] | None = None) -> Pipeline | N
     def run(what: str, schedule: str, m2: int, f: list[float], b: list[float]) -> None:
         k = m / m2
         r = pipesim.replay(schedule, [x * k for x in f], [x * k for x in b], m2,
-                           transfer * k, loss * k)
+                           transfer, loss * k)
         ifs.append(WhatIf(what, schedule, m2, r.makespan + outside,
                           float(np.mean(r.bubble)) / r.makespan if r.makespan else 0.0))
 

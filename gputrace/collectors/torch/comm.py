@@ -20,13 +20,19 @@ unit issues its collectives.
 from __future__ import annotations
 
 import functools
-import json
 import threading
 from collections.abc import Callable
 from typing import Any
 
+from gputrace.collectors.torch.comm_args import (
+    _SPECS,
+    _c10d,
+    _extractor,
+    _group_json,
+    _nb,
+    _peers,
+)
 from gputrace.collectors.torch.guard import _hook_failed
-from gputrace.collectors.torch.mesh import mesh_of
 
 _native_tid = threading.get_native_id
 
@@ -48,12 +54,10 @@ def _no_state() -> Any:
 
 _state: Callable[[], Any] = _no_state
 _updating = [0]          # inside optimizer.step()
-_groups: dict[Any, str] = {}
 _pending: dict[int, _Entry] = {}
 _lock = threading.Lock()
 _installed = False
 _Work: list[Any] = [type(None)]
-_c10d: list[Any] = [None]
 
 
 def ddp_hook_enter() -> bool:
@@ -66,74 +70,6 @@ def ddp_hook_enter() -> bool:
 
 def ddp_hook_exit(prev: bool) -> None:
     TLS.busy = prev
-
-
-# -- arguments ------------------------------------------------------------------------------
-def _nb(t: Any) -> int:
-    try:
-        return t.numel() * t.element_size()
-    except AttributeError:
-        return 0
-
-
-def _nbl(ts: Any) -> int:
-    return sum(_nb(t) for t in ts) if ts else 0
-
-
-# name -> (kind, input (pos, kw, is_list) | None, output ... | None, group (pos, kw))
-_SPECS: dict[str, tuple[str, Any, Any, tuple[int, str]]] = {
-    "all_reduce": ("all_reduce", (0, "tensor", 0), (0, "tensor", 0), (2, "group")),
-    "all_gather": ("all_gather", (1, "tensor", 0), (0, "tensor_list", 1), (2, "group")),
-    "all_gather_single": ("all_gather", (1, "input_tensor", 0), (0, "output_tensor", 0),
-                          (2, "group")),
-    "all_gather_into_tensor": ("all_gather", (1, "input_tensor", 0), (0, "output_tensor", 0),
-                               (2, "group")),
-    "_all_gather_base": ("all_gather", (1, "input_tensor", 0), (0, "output_tensor", 0),
-                         (2, "group")),
-    "reduce_scatter": ("reduce_scatter", (1, "input_list", 1), (0, "output", 0), (3, "group")),
-    "reduce_scatter_single": ("reduce_scatter", (1, "input", 0), (0, "output", 0),
-                              (3, "group")),
-    "reduce_scatter_tensor": ("reduce_scatter", (1, "input", 0), (0, "output", 0),
-                              (3, "group")),
-    "_reduce_scatter_base": ("reduce_scatter", (1, "input", 0), (0, "output", 0),
-                             (3, "group")),
-    "broadcast": ("broadcast", (0, "tensor", 0), (0, "tensor", 0), (2, "group")),
-    "reduce": ("reduce", (0, "tensor", 0), (0, "tensor", 0), (3, "group")),
-    "gather": ("gather", (0, "tensor", 0), (1, "gather_list", 1), (3, "group")),
-    "scatter": ("scatter", (1, "scatter_list", 1), (0, "tensor", 0), (3, "group")),
-    "all_to_all_single": ("all_to_all", (1, "input", 0), (0, "output", 0), (4, "group")),
-    "all_to_all": ("all_to_all", (1, "input_tensor_list", 1), (0, "output_tensor_list", 1),
-                   (2, "group")),
-    "send": ("send_recv", (0, "tensor", 0), None, (2, "group")),
-    "isend": ("send_recv", (0, "tensor", 0), None, (2, "group")),
-    "recv": ("send_recv", None, (0, "tensor", 0), (2, "group")),
-    "irecv": ("send_recv", None, (0, "tensor", 0), (2, "group")),
-    "barrier": ("barrier", None, None, (0, "group")),
-}
-
-
-def _group_json(group: Any) -> str:
-    """{"size", "ranks" (up to 64), "name", "desc" (its description, e.g. `mesh_tp`), "mesh"
-    (its DeviceMesh dimension: collectors.torch.mesh)} of a process group, computed once per
-    group."""
-    if group is None:
-        group = _c10d[0]._world.default_pg
-    s = _groups.get(group)
-    if s is None:
-        c10d = _c10d[0]
-        size = group.size()
-        d: dict[str, Any] = {"size": size}
-        if size <= 64:
-            d["ranks"] = c10d.get_process_group_ranks(group)
-        d["name"] = str(getattr(group, "group_name", ""))
-        desc = getattr(group, "group_desc", None)
-        if isinstance(desc, str) and desc and desc != "undefined":
-            d["desc"] = desc
-        mesh = mesh_of(d["name"])
-        if mesh is not None:
-            d["mesh"] = mesh
-        s = _groups[group] = json.dumps(d, separators=(",", ":"))
-    return s
 
 
 def _phase(st: Any) -> str:
@@ -170,18 +106,6 @@ class _Entry:
                       args=args, step=self.step, tid=self.tid)
 
 
-def _extractor(spec: Any, nbytes: bool) -> Any:
-    """(args, kwargs) -> the argument `spec` names (its bytes when `nbytes`), made once per
-    function so the call pays no generic lookup."""
-    if spec is None:
-        return lambda a, k: 0
-    i, name = spec[0], spec[1]
-    if not nbytes:
-        return lambda a, k: a[i] if len(a) > i else k.get(name)
-    size = _nbl if spec[2] else _nb
-    return lambda a, k: size(a[i] if len(a) > i else k.get(name))
-
-
 def _record(st: Any, kind: str, a: tuple[Any, ...], k: dict[str, Any], ex: Any,
             t0: int, t1: int, res: Any) -> None:
     rec = st.rec
@@ -206,6 +130,8 @@ def _record(st: Any, kind: str, a: tuple[Any, ...], k: dict[str, Any], ex: Any,
     pp = TLS.pp
     if pp is not None and kind == "send_recv":   # between pipeline stages
         fsdp += pp
+    if kind == "all_to_all":                     # the bytes this rank sends each peer
+        fsdp += _peers(a, k)
     head = (f'{{"kind":"{kind}","bytes_out":{nout},"group":{_group_json(group)},'
             f'"async":{"true" if works else "false"},"phase":"{phase}"{fsdp}')
     if not works:    # on this thread (the recorder notes it): GPU launches inside are comm

@@ -5,7 +5,7 @@ microbatch, what its schedule is, and which of its collectives go between stages
   `backward_weight` (zero-bubble schedules split the backward), args `{"stage", "mb"}`;
   the module's forward and the backward inside it are recorded as in any loop.
 - Each `schedule.step(...)` is a `pipeline` span named `step`, args `{"schedule",
-  "microbatches", "stages"}`; the first one's full description (adds `num_stages`, the
+  "microbatches", "stages", "num_stages"}`; the first one's full description (adds `num_stages`, the
   pipeline group's `ranks`, this rank's `order` of actions as torch's schedule lists them)
   goes to the shard's metadata, `pipeline`.
 - The schedule's loss (`_maybe_compute_loss`, on the last stage) is a `forward` span named
@@ -123,7 +123,7 @@ def _record_step(st: Any, sched: Any, t0: int) -> None:
         d = describe(sched)
         sched._gputrace_desc = d
         st.rec.metadata.setdefault("pipeline", d)
-    args = {k: d[k] for k in ("schedule", "microbatches", "stages")}
+    args = {k: d[k] for k in ("schedule", "microbatches", "stages", "num_stages")}
     st.rec.span("pipeline", "step", t0, st.now(), args=json.dumps(args, separators=(",", ":")))
 
 

@@ -1,0 +1,48 @@
+"""The pipeline's bubble on one stage: inside each schedule step, the time the stage
+computed nothing (no forward, backward or loss of a microbatch) and stood in no other
+collective: its waits for its neighbours and the schedule's own work between microbatches.
+It joins the stage's pipeline term (`t_pp`) beside its p2p waits."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+
+from gputrace.analyzers import overlap as ov
+from gputrace.analyzers.frame import Spans
+
+
+def _u(sp: Spans, mask: np.ndarray) -> ov.Union:
+    i = np.flatnonzero(mask)
+    return ov.union(sp.start[i], sp.end[i])
+
+
+def with_bubble(sp: Spans, par: dict[str, ov.Union]) -> dict[str, ov.Union]:
+    """`par`, its pipeline term (`pp`) holding the bubble too: inside each schedule step,
+    the time the stage computed nothing (no forward, backward or loss of a microbatch) and
+    was in no other collective: its waits for its neighbours and the schedule's own work
+    between microbatches."""
+    pipe = sp.of("pipeline")
+    if not pipe.any():
+        return par
+    step = sp.name == (sp.names.index("step") if "step" in sp.names else -2)
+    steps = _u(sp, pipe & step)
+    host = sp.device < 0
+    busy = ov.merge(_u(sp, (sp.of("forward") | sp.of("backward")) & host),
+                    _u(sp, sp.of("comm") & host & ~np.isin(np.arange(sp.start.size),
+                                                           _pp_rows(sp))))
+    bubble = ov.subtract(steps, busy)
+    out = dict(par)
+    out["pp"] = ov.merge(bubble, par["pp"]) if "pp" in par else bubble
+    return out
+
+
+def _pp_rows(sp: Spans) -> np.ndarray:
+    """The comm spans that go between pipeline stages (args.pp)."""
+    comm = np.flatnonzero(sp.of("comm"))
+    if not comm.size:
+        return comm
+    args = sp.args.take(pa.array(comm)).to_pylist()
+    return comm[np.array(['"pp":' in (a or "") for a in args], bool)]
+
+

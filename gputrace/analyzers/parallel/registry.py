@@ -1,0 +1,132 @@
+"""The parallelisms a run shows, each one analyzer module behind one small interface: what
+it recognizes in a rank's collectives (classify: each comm span's dimension), what it makes
+of one rank (`rank`), what of all of them (`run`: the pipeline's stages, the experts'
+imbalance), and the words it adds to the headline. The analysis picks the dimensions a run
+shows and combines them; adding one is a module and a line in DIMENSIONS.
+
+Data parallelism keeps the paper's model (steps, model, replay: DDP's buckets and a job's
+own gradient all-reduces) and FSDP its sharded model (sharded, shardsim); here they are
+recognized and named beside the others (their degree, their words in the headline)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from gputrace.analyzers.collectives import Rows
+from gputrace.analyzers.frame import Spans
+from gputrace.analyzers.parallel import ep, pp, tp
+from gputrace.analyzers.parallel.classify import NAMES
+
+
+@dataclass(frozen=True)
+class RankView:
+    """What a dimension reads of one rank."""
+
+    sp: Spans
+    rows: Rows
+    it_start: np.ndarray
+    it_end: np.ndarray
+    sel: np.ndarray
+    terms: dict[str, np.ndarray]
+
+
+class Dimension(Protocol):
+    key: str
+
+    def rank(self, v: RankView) -> Any | None: ...
+
+    def run(self, parts: dict[int, Any]) -> Any | None: ...
+
+
+class _TP:
+    key = "tp"
+
+    def rank(self, v: RankView) -> Any | None:
+        return tp.analyze(v.sp, v.rows, v.it_start, v.it_end, v.sel, v.terms)
+
+    def run(self, parts: dict[int, Any]) -> Any | None:
+        return None
+
+
+class _PP:
+    key = "pp"
+
+    def rank(self, v: RankView) -> Any | None:
+        return pp.analyze(v.sp, v.rows, v.it_start, v.it_end, v.sel, v.terms)
+
+    def run(self, parts: dict[int, Any]) -> Any | None:
+        return pp.combine(list(parts.values()))
+
+
+class _EP:
+    key = "ep"
+
+    def rank(self, v: RankView) -> Any | None:
+        return ep.analyze(v.sp, v.rows, v.it_start, v.it_end, v.sel)
+
+    def run(self, parts: dict[int, Any]) -> Any | None:
+        return ep.imbalance(parts)
+
+
+DIMENSIONS: tuple[Dimension, ...] = (_TP(), _PP(), _EP())
+
+
+def rank_parts(v: RankView) -> dict[str, Any]:
+    """Each dimension's part of one rank (those it has)."""
+    out = {}
+    for d in DIMENSIONS:
+        part = d.rank(v)
+        if part is not None:
+            out[d.key] = part
+    return out
+
+
+def runs(parts: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """Each dimension's view across the ranks (those that have one)."""
+    out = {}
+    for d in DIMENSIONS:
+        mine = {r: p[d.key] for r, p in parts.items() if d.key in p}
+        if mine:
+            v = d.run(mine)
+            if v is not None:
+                out[d.key] = v
+    return out
+
+
+def degrees(rows: Rows) -> dict[str, int]:
+    """Per dimension the rank's collectives show, its group's size (0 unknown)."""
+    out: dict[str, int] = {}
+    for d, g in zip(rows.dim, rows.group_size.tolist(), strict=True):
+        if d != "other":
+            out[d] = max(out.get(d, 0), int(g))
+    return out
+
+
+_SHORT = {"dp": "DP", "fsdp": "FSDP", "tp": "TP", "pp": "PP", "ep": "EP", "cp": "CP"}
+ORDER = ("fsdp", "dp", "pp", "tp", "cp", "ep")
+
+
+def describe(deg: dict[str, int], world: int) -> str:
+    """The headline's words for a run's dimensions beyond plain data parallelism ("FSDP 2 x
+    TP 2, 4 ranks"), "" for none of them."""
+    if not set(deg) - {"dp", "fsdp"}:
+        return ""
+    parts = [f"{_SHORT[d]} {deg[d]}" if deg[d] > 0 else _SHORT[d] for d in ORDER if d in deg]
+    return f"{' x '.join(parts)}, {world} rank{'s' if world != 1 else ''}"
+
+
+def beyond_dp(deg: dict[str, int]) -> list[str]:
+    """The dimensions the data-parallel model (eq. 1-12, its speedup and bucket what-ifs)
+    does not describe."""
+    return [d for d in ORDER if d in deg and d not in ("dp", "fsdp")]
+
+
+def why_no_dp_prediction(deg: dict[str, int]) -> str:
+    """Why no data-parallel speedup or bucket what-if is given for such a run."""
+    names = " and ".join(NAMES[d] for d in beyond_dp(deg))
+    return (f"{names} communication is on the iteration's critical path (activations, not "
+            "gradients: no buckets to overlap with the backward), so the data-parallel "
+            "speedup and bucket what-ifs do not apply; see the per-dimension what-ifs")

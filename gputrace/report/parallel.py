@@ -1,0 +1,131 @@
+"""The terminal's sections on the parallelisms beyond data parallelism: the headline's
+words, tensor parallelism (per phase, per layer, the TP-degree what-if), the pipeline (its
+stages, the bubble beside the theory, its what-ifs) and expert parallelism (dispatch and
+combine, bytes per peer, the imbalance across ranks)."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from gputrace.analyzers import RankAnalysis
+from gputrace.analyzers.parallel import pipesim
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.1f} ms" if abs(s) < 10 else f"{s:.2f} s"
+
+
+def _kinds(d: dict[str, dict[str, float]]) -> str:
+    return ", ".join(f"{v['count']:.3g} {k.replace('_', '-')}{'s' if v['count'] != 1 else ''}"
+                     for k, v in d.items())
+
+
+def dims_headline(ra: RankAnalysis) -> str:
+    """The headline's clause for a run with tensor, pipeline or expert parallelism."""
+    t_iter = ra.breakdown["t_iter"].mean
+    clauses = []
+    pl = ra.parallel.get("pp")
+    if pl is not None:
+        clauses.append(pl.headline())
+    elif "t_pp" in ra.breakdown:
+        b = ra.breakdown["t_pp"].mean
+        clauses.append(f"pipeline bubble {_ms(b)} ({b / t_iter:.0%}) on this stage")
+    tp = ra.dims.get("tp")
+    if tp is not None:
+        clauses.append(f"TP {_kinds(tp.kinds)} per iteration, {_ms(tp.exposed_s)} exposed "
+                       f"({tp.exposed_s / t_iter:.0%})")
+    ep = ra.dims.get("ep")
+    if ep is not None:
+        imb = ra.parallel.get("ep")
+        clauses.append(f"EP {ep.count:.3g} all-to-alls per iteration, {_ms(ep.exposed_s)} "
+                       f"exposed" + (f", the most-loaded rank {imb.ratio:.2f}x the mean"
+                                     if imb is not None else ""))
+    if ra.sharded is not None:
+        clauses.append(ra.sharded.headline())
+    return f"{ra.dimensions}: " + "; ".join(clauses)
+
+
+def render_parallel(con: Console, ra: RankAnalysis) -> None:
+    tp = ra.dims.get("tp")
+    if tp is not None:
+        _tp(con, ra, tp)
+    pl = ra.parallel.get("pp")
+    if pl is not None:
+        _pp(con, pl)
+    ep = ra.dims.get("ep")
+    if ep is not None:
+        _ep(con, ep, ra.parallel.get("ep"))
+
+
+def _tp(con: Console, ra: RankAnalysis, tp) -> None:  # noqa: ANN001 - tp.TensorParallel
+    con.print()
+    t = Table(title=f"Tensor parallel (TP {tp.degree}"
+              + (f", mesh dimension {tp.mesh_dim!r}" if tp.mesh_dim else "")
+              + "): collectives per iteration", title_justify="left", box=None,
+              padding=(0, 2))
+    for h in ("layer", "name", "phase", "count", "MB", "exposed"):
+        t.add_column(h, justify="left" if h in ("name", "phase") else "right")
+    for x in tp.layers:
+        t.add_row(str(x.layer) if x.layer > 0 else "?", x.name, x.phase, f"{x.count:.3g}",
+                  f"{x.nbytes / 1e6:.2f}", _ms(x.exposed_s))
+    con.print(t)
+    ph = ", ".join(f"{k} {_ms(v['exposed_s'])}" for k, v in tp.phases.items())
+    con.print(f"exposed {_ms(tp.exposed_s)} of {_ms(tp.time_s)} per iteration ({ph}); "
+              f"hidden {_ms(tp.hidden_s)} (asynchronous TP overlapping compute)")
+    if tp.what_if:
+        w = Table(title="What if: another TP degree (same model and global batch)",
+                  title_justify="left", box=None, padding=(0, 2))
+        for h in ("TP degree", "t_iter", "speedup", "compute", "TP comm"):
+            w.add_column(h, justify="right")
+        for x in tp.what_if:
+            w.add_row(f"{x.degree}{' (measured)' if x.degree == tp.degree else ''}",
+                      _ms(x.t_iter), f"{x.speedup:.2f}x", _ms(x.compute_s), _ms(x.comm_s))
+        con.print(w)
+        for a in tp.assumptions:
+            con.print(f"  assumes {a}")
+
+
+def _pp(con: Console, pl) -> None:  # noqa: ANN001 - pp.Pipeline
+    con.print()
+    t = Table(title=f"Pipeline: {pl.num_stages} stages x {pl.microbatches} microbatches "
+              f"({pipesim.SHORT.get(pl.schedule, pl.schedule)}); per stage, per iteration",
+              title_justify="left", box=None, padding=(0, 2))
+    for h in ("stage", "rank", "forward/mb", "backward/mb", "busy", "bubble", "of t_iter",
+              "waits", "p2p"):
+        t.add_column(h, justify="right")
+    for s in pl.stages:
+        t.add_row(f"{s.stage}{' (slowest)' if s.stage == pl.slowest else ''}", str(s.rank),
+                  _ms(s.forward_s), _ms(s.backward_s), _ms(s.busy_s), _ms(s.bubble_s),
+                  f"{s.bubble_s / s.t_iter:.0%}" if s.t_iter else "", _ms(s.waits_s),
+                  f"{s.p2p_count:.3g}")
+    con.print(t)
+    con.print(f"bubble {pl.bubble:.0%} of the iteration (mean over stages); the schedule's "
+              f"theory (p-1)/(m+p-1) = {pl.theory:.0%} of its step; replayed step "
+              f"{_ms(pl.replayed_step_s)} with {_ms(pl.transfer_s)} per transfer (fitted)")
+    if pl.what_if:
+        w = Table(title="What if: the pipeline replayed on the measured per-microbatch times",
+                  title_justify="left", box=None, padding=(0, 2))
+        for h in ("change", "schedule", "microbatches", "t_iter", "bubble"):
+            w.add_column(h, justify="left" if h in ("change", "schedule") else "right")
+        for x in pl.what_if:
+            w.add_row(x.what, pipesim.SHORT.get(x.schedule, x.schedule), str(x.microbatches),
+                      _ms(x.t_iter), f"{x.bubble:.0%}")
+        con.print(w)
+        for a in pl.assumptions:
+            con.print(f"  assumes {a}")
+
+
+def _ep(con: Console, ep, imb) -> None:  # noqa: ANN001 - ep.ExpertParallel, ep.Imbalance
+    con.print()
+    roles = ", ".join(f"{k} {v['count']:.3g} ({v['bytes'] / 1e6:.2f} MB, "
+                      f"{_ms(v['exposed_s'])} exposed)" for k, v in ep.roles.items())
+    con.print(f"Expert parallel (EP {ep.degree}): {ep.count:.3g} all-to-alls per iteration, "
+              f"{ep.nbytes / 1e6:.2f} MB, {_ms(ep.exposed_s)} exposed; {ep.moe_layers} MoE "
+              f"layer{'s' if ep.moe_layers != 1 else ''} in the forward: {roles}")
+    if ep.peers:
+        con.print("bytes to each peer per iteration: "
+                  + ", ".join(f"rank {i}: {b / 1e6:.2f} MB" for i, b in enumerate(ep.peers)))
+    if imb is not None:
+        con.print(f"imbalance: the most-loaded rank ({imb.most_loaded}) moves "
+                  f"{imb.ratio:.2f}x the mean rank's bytes")
