@@ -35,8 +35,6 @@ from gputrace.analyzers.ranks import _comm_wait, _host_bandwidth, _shared
 from gputrace.analyzers.replay import Replay, Scenario, replay, why_no_replay
 from gputrace.analyzers.results import Analysis, NothingToAnalyze, RankAnalysis, Stat, _stat
 from gputrace.analyzers.shardinputs import Inputs as ShardInputs
-from gputrace.analyzers.shardinputs import arrivals_of
-from gputrace.analyzers.shardinputs import inputs as shard_inputs
 from gputrace.analyzers.steps import PARALLEL_TERMS, TERMS, RankSteps, analyze_rank, warmup_skip
 from gputrace.analyzers.timeline_comm import with_collectives
 from gputrace.trace.ranked import RankedTrace, RankSource, read_rank
@@ -154,9 +152,10 @@ def analyze_spans(sp: fr.Spans, o: Options) -> RankPart:
     skipped = warmup_skip(n, o.skip)
     sel = np.arange(skipped, n)
     colls = shd.summarize_rank(sp, cr, rs, sel)
-    si = shard_inputs(sp, cr, rs) if col.is_sharded(cr) else None
-    sharded = shd.analyze_sharded(si, rs, sel, o.world, o.link_bytes_per_s) \
-        if si is not None else None
+    dims = registry.rank_parts(registry.RankView(sp, cr, rs, sel, o.world,
+                                                 o.link_bytes_per_s))
+    fs = dims.pop("fsdp", None)          # sharded data parallelism: its model is the rank's
+    sharded = fs.sharded if fs is not None else None
     model = build_model(rs, sel)
     kinds = col.unit_kinds(msp, cr, rs.iterations.start)
     if kinds:
@@ -165,8 +164,6 @@ def analyze_spans(sp: fr.Spans, o: Options) -> RankPart:
     comm = _overlap(rs.comm, sel)
     if sharded is not None:
         model, comm = sharded.model, sharded.overlap
-    dims = registry.rank_parts(registry.RankView(sp, cr, rs.iterations.start,
-                                                 rs.iterations.end, sel, rs.terms))
     timeline = iteration_timeline(sp, rs, representative(rs, sel)) if o.detail and n else None
     if timeline is not None:
         timeline = with_collectives(timeline, sp, cr)
@@ -186,8 +183,14 @@ def analyze_spans(sp: fr.Spans, o: Options) -> RankPart:
         if sel.size else None,
         window=(int(its.start[0]), int(its.end[-1])) if n else (0, 0),
         series=iteration_series(rs, skipped) if o.detail else None, timeline=timeline,
-        collectives=colls, sharded=sharded, shard_inputs=si if sharded is not None else None,
+        collectives=colls, sharded=sharded, shard_inputs=fs.inputs if fs is not None else None,
         dims=dims, degrees=registry.degrees(cr))
+
+
+def _fsdp_part(p: RankPart) -> Any:
+    from gputrace.analyzers.parallel import fsdp
+
+    return fsdp.Part(p.shard_inputs, p.sharded)
 
 
 def analyze_frame(f: fr.Frame, o: Options) -> FramePart:
@@ -314,13 +317,15 @@ def combine(parts: list[FramePart], md: dict[str, Any], opts: Options, probe: An
     sels = {r: p.sel for r, p in ranks.items()}
     offsets = {r: clock.offset_ns(p.host) for r, p in ranks.items()} if clock else {}
     waits, arrivals = _comm_wait(steps, sels, offsets) if len(ranks) > 1 else ({}, {})
-    for r, p in list(ranks.items()):    # FSDP: replay again, knowing when the last rank came
-        if p.shard_inputs is not None and r in arrivals:
-            arr = arrivals_of(p.shard_inputs, p.steps.units.start, arrivals[r])
-            sh = shd.analyze_sharded(p.shard_inputs, p.steps, p.sel, world,
-                                     opts.link_bytes_per_s, arrive=arr)
-            if sh is not None:
-                ranks[r] = replace(p, sharded=sh, model=sh.model)
+    rv = registry.RunView(world, opts.link_bytes_per_s, arrivals, steps, sels)
+    parts_of = {r: p.dims for r, p in ranks.items()}
+    for r, p in ranks.items():
+        if p.sharded is not None:
+            parts_of[r] = {**p.dims, "fsdp": _fsdp_part(p)}
+    parallel = registry.runs(parts_of, rv)
+    # FSDP: its analysis again, knowing when the last rank came
+    for r, sh in (parallel.pop("fsdp", None) or {}).items():
+        ranks[r] = replace(ranks[r], sharded=sh, model=sh.model)
     shared = _shared(steps, {r: p.devices for r, p in ranks.items()}, md)
     degrees: dict[str, int] = {}
     for p in ranks.values():
@@ -344,7 +349,6 @@ def combine(parts: list[FramePart], md: dict[str, Any], opts: Options, probe: An
                                   if executor is not None and len(order) > 1
                                   else map(replay_rank, *args), "replaying ranks", len(order)))
     replays = dict(zip(order, done, strict=True))
-    parallel = registry.runs({r: p.dims for r, p in ranks.items()})
     out: dict[int, RankAnalysis] = {}
     for r, p in ranks.items():
         rp, sp_, why = replays[r]

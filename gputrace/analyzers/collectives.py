@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
@@ -204,6 +204,21 @@ def not_units(sp: Spans, r: Rows) -> np.ndarray | None:
     out = np.zeros(sp.start.size, bool)
     out[r.idx[sm]] = True
     return out
+
+
+def subset(r: Rows, keep: np.ndarray) -> Rows:
+    """The rows `keep` (a mask over r's rows) as Rows of their own."""
+    idx = np.flatnonzero(keep)
+    out = {}
+    for f in fields(r):
+        v = getattr(r, f.name)
+        if isinstance(v, np.ndarray) and v.shape[:1] == (r.n,):
+            out[f.name] = v[idx]
+        elif isinstance(v, list) and len(v) == r.n:
+            out[f.name] = [v[i] for i in idx.tolist()]
+        else:
+            out[f.name] = v
+    return Rows(**out)
 
 
 def is_sharded(r: Rows) -> bool:

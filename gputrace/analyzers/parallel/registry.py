@@ -4,9 +4,10 @@ of one rank (`rank`), what of all of them (`run`: the pipeline's stages, the exp
 imbalance), and the words it adds to the headline. The analysis picks the dimensions a run
 shows and combines them; adding one is a module and a line in DIMENSIONS.
 
-Data parallelism keeps the paper's model (steps, model, replay: DDP's buckets and a job's
-own gradient all-reduces) and FSDP its sharded model (sharded, shardsim); here they are
-recognized and named beside the others (their degree, their words in the headline)."""
+FSDP (sharded data parallelism) is one of them (parallel.fsdp over analyzers.sharded: its
+part replaces the rank's model). Plain data parallelism (DDP's buckets, a job's own gradient
+all-reduces) is the paper's model itself (analyzers.steps, model, replay) that every run
+gets; here it is recognized and named beside the others (its degree, its words)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ import numpy as np
 
 from gputrace.analyzers.collectives import Rows
 from gputrace.analyzers.frame import Spans
-from gputrace.analyzers.parallel import ep, pp, tp
+from gputrace.analyzers.parallel import ep, fsdp, pp, tp
 from gputrace.analyzers.parallel.classify import NAMES
+from gputrace.analyzers.steps import RankSteps
 
 
 @dataclass(frozen=True)
@@ -27,10 +29,34 @@ class RankView:
 
     sp: Spans
     rows: Rows
-    it_start: np.ndarray
-    it_end: np.ndarray
+    rs: RankSteps
     sel: np.ndarray
-    terms: dict[str, np.ndarray]
+    world: int
+    link_bytes_per_s: float | None
+
+    @property
+    def it_start(self) -> np.ndarray:
+        return self.rs.iterations.start
+
+    @property
+    def it_end(self) -> np.ndarray:
+        return self.rs.iterations.end
+
+    @property
+    def terms(self) -> dict[str, np.ndarray]:
+        return self.rs.terms
+
+
+@dataclass(frozen=True)
+class RunView:
+    """What a dimension reads across the ranks besides their parts: when the last rank
+    arrived at each comm unit (per rank, its own clock), their iterations."""
+
+    world: int
+    link_bytes_per_s: float | None
+    arrivals: dict[int, np.ndarray]
+    steps: dict[int, RankSteps]
+    sels: dict[int, np.ndarray]
 
 
 class Dimension(Protocol):
@@ -38,7 +64,17 @@ class Dimension(Protocol):
 
     def rank(self, v: RankView) -> Any | None: ...
 
-    def run(self, parts: dict[int, Any]) -> Any | None: ...
+    def run(self, parts: dict[int, Any], v: RunView) -> Any | None: ...
+
+
+class _FSDP:
+    key = "fsdp"
+
+    def rank(self, v: RankView) -> Any | None:
+        return fsdp.rank(v)
+
+    def run(self, parts: dict[int, Any], v: RunView) -> Any | None:
+        return fsdp.run(parts, v)
 
 
 class _TP:
@@ -47,7 +83,7 @@ class _TP:
     def rank(self, v: RankView) -> Any | None:
         return tp.analyze(v.sp, v.rows, v.it_start, v.it_end, v.sel, v.terms)
 
-    def run(self, parts: dict[int, Any]) -> Any | None:
+    def run(self, parts: dict[int, Any], v: RunView) -> Any | None:
         return None
 
 
@@ -57,7 +93,7 @@ class _PP:
     def rank(self, v: RankView) -> Any | None:
         return pp.analyze(v.sp, v.rows, v.it_start, v.it_end, v.sel, v.terms)
 
-    def run(self, parts: dict[int, Any]) -> Any | None:
+    def run(self, parts: dict[int, Any], v: RunView) -> Any | None:
         return pp.combine(list(parts.values()))
 
 
@@ -67,11 +103,11 @@ class _EP:
     def rank(self, v: RankView) -> Any | None:
         return ep.analyze(v.sp, v.rows, v.it_start, v.it_end, v.sel)
 
-    def run(self, parts: dict[int, Any]) -> Any | None:
+    def run(self, parts: dict[int, Any], v: RunView) -> Any | None:
         return ep.imbalance(parts)
 
 
-DIMENSIONS: tuple[Dimension, ...] = (_TP(), _PP(), _EP())
+DIMENSIONS: tuple[Dimension, ...] = (_FSDP(), _TP(), _PP(), _EP())
 
 
 def rank_parts(v: RankView) -> dict[str, Any]:
@@ -84,15 +120,15 @@ def rank_parts(v: RankView) -> dict[str, Any]:
     return out
 
 
-def runs(parts: dict[int, dict[str, Any]]) -> dict[str, Any]:
+def runs(parts: dict[int, dict[str, Any]], v: RunView) -> dict[str, Any]:
     """Each dimension's view across the ranks (those that have one)."""
     out = {}
     for d in DIMENSIONS:
         mine = {r: p[d.key] for r, p in parts.items() if d.key in p}
         if mine:
-            v = d.run(mine)
-            if v is not None:
-                out[d.key] = v
+            got = d.run(mine, v)
+            if got is not None:
+                out[d.key] = got
     return out
 
 
