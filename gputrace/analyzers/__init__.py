@@ -31,6 +31,7 @@ from gputrace.analyzers.findings_replay import _agree, _extra_findings, _replay_
 from gputrace.analyzers.model import ModelResult, Speedup, build_model, speedup, unit_waits
 from gputrace.analyzers.outliers import find_outliers
 from gputrace.analyzers.parallel import registry
+from gputrace.analyzers.parallel.findings import findings as par_findings
 from gputrace.analyzers.ranks import _comm_wait, _host_bandwidth, _shared
 from gputrace.analyzers.replay import Replay, Scenario, replay, why_no_replay
 from gputrace.analyzers.results import Analysis, NothingToAnalyze, RankAnalysis, Stat, _stat
@@ -366,7 +367,8 @@ def combine(parts: list[FramePart], md: dict[str, Any], opts: Options, probe: An
                             bandwidth_series(samples, lo, hi, probe) if samples else [], lo)
         w = waits.get(r)
         more = {"findings": p.findings + _replay_findings(rp, world)
-                + shd_findings(p, missing)}
+                + shd_findings(p, missing)
+                + par_findings(p.dims, parallel, p.breakdown["t_iter"].mean)}
         out[r] = RankAnalysis(
             rank=r, iterations=p.iterations, warmup_skipped=p.warmup_skipped,
             synthetic_iterations=p.synthetic, breakdown=p.breakdown, comm=p.comm, io=p.io,
