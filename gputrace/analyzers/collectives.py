@@ -43,7 +43,8 @@ _KERNEL = [(re.compile(p, re.I), k) for p, k in (
 )]
 
 # the roles of FSDP's collectives (args.role) and the side of the iteration they belong to
-ROLES = ("unshard", "reshard_gather", "reduce_grad", "hsdp_all_reduce")
+# (`step_gather`: DeepSpeed ZeRO's updated partitions all-gathered in the optimizer's step)
+ROLES = ("unshard", "reshard_gather", "reduce_grad", "hsdp_all_reduce", "step_gather")
 
 # A collective of a few values (a gradient norm, an overflow or skip flag, a loss scale, a
 # metric) is never a gradient unit nor the base of a cost fit: one that moves under

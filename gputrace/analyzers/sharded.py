@@ -82,17 +82,25 @@ class Sharded:
 
     @property
     def label(self) -> str:
-        return {"fsdp2": "FSDP", "fsdp1": "FSDP (FullyShardedDataParallel)"}.get(
-            self.strategy, self.strategy.upper())
+        return LABELS.get(self.strategy, self.strategy.upper())
 
     def headline(self) -> str:
         ag = self.kinds.get("all_gather", 0.0)
         rs = self.kinds.get("reduce_scatter", 0.0)
         ar = self.kinds.get("all_reduce", 0.0)
-        more = f" and {_n(ar)} all-reduces" if ar else ""
+        if self.strategy.startswith("fsdp"):
+            more = f" and {_n(ar)} all-reduces" if ar else ""
+            what = f"{_n(ag)} all-gathers and {_n(rs)} reduce-scatters{more}"
+        else:   # ZeRO: the kinds it ran (stages 1 and 2 may all-reduce the gradients)
+            what = " and ".join(f"{_n(n)} {k}{'' if _n(n) == '1' else 's'}" for n, k in
+                                ((ag, "all-gather"), (rs, "reduce-scatter"),
+                                 (ar, "all-reduce")) if n)
         return (f"{self.label}, {self.world} rank{'s' if self.world != 1 else ''}: "
-                f"{_n(ag)} all-gathers and {_n(rs)} reduce-scatters{more} per iteration, "
-                f"{self.exposed['total_s'] * 1e3:.1f} ms exposed")
+                f"{what} per iteration, {self.exposed['total_s'] * 1e3:.1f} ms exposed")
+
+
+LABELS = {"fsdp2": "FSDP", "fsdp1": "FSDP (FullyShardedDataParallel)",
+          "zero1": "DeepSpeed ZeRO-1", "zero2": "DeepSpeed ZeRO-2", "zero3": "DeepSpeed ZeRO-3"}
 
 
 def _n(x: float) -> str:
@@ -164,8 +172,10 @@ def analyze_sharded(si: Inputs, rs: RankSteps, sel: np.ndarray, world: int,
         k = cr.kind[facts["rows"][j]]
         kinds[k] = kinds.get(k, 0.0) + 1.0 / n_it
     exp_f = sum(u.exposed_s for u in units if u.role == "unshard")
-    exp_b = sum(u.exposed_s for u in units if u.role != "unshard")
-    exposed = {"forward_s": exp_f, "backward_s": exp_b, "total_s": exp_f + exp_b}
+    exp_u = sum(u.exposed_s for u in units if u.role == "step_gather")
+    exp_b = sum(u.exposed_s for u in units if u.role not in ("unshard", "step_gather"))
+    exposed = {"forward_s": exp_f, "backward_s": exp_b, "update_s": exp_u,
+               "total_s": exp_f + exp_b + exp_u}
     ex_units = {
         "forward": sorted({u.unit for u in units if u.role == "unshard"
                            and u.exposed_s > HIDDEN * u.duration_s * u.count}),
@@ -223,11 +233,14 @@ def analyze_sharded(si: Inputs, rs: RankSteps, sel: np.ndarray, world: int,
             "CPU: the issuing thread waits, and bytes move only once every rank is in the "
             "call), so compute between unit boundaries had no comm to give back")
     scen: list[tuple[str, sim.Knobs]] = []
-    if resharded:
+    fsdp = strategy.startswith("fsdp")   # FSDP's own settings; ZeRO's are not these
+    if not fsdp:
+        pass
+    elif resharded:
         scen.append(("reshard_after_forward=False", replace(base, reshard=False)))
     elif len(fwd_gathers) > 1:
         scen.append(("reshard_after_forward=True", replace(base, reshard=True)))
-    for d in (0, 1, 2):
+    for d in (0, 1, 2) if fsdp else ():
         if d != base.prefetch_forward:
             scen.append((f"forward prefetch {d}", replace(base, prefetch_forward=d)))
         if d != base.prefetch_backward and resharded:

@@ -14,7 +14,8 @@ from gputrace.analyzers.collectives import KindTotal
 from gputrace.report.parallel import dims_headline
 
 ROLE = {"unshard": "forward all-gather", "reshard_gather": "backward re-gather",
-        "reduce_grad": "reduce-scatter", "hsdp_all_reduce": "HSDP all-reduce"}
+        "reduce_grad": "reduce-scatter", "hsdp_all_reduce": "HSDP all-reduce",
+        "step_gather": "step all-gather"}
 
 
 def _ms(s: float) -> str:
@@ -81,7 +82,8 @@ def render_sharded(con: Console, ra: RankAnalysis) -> None:
         t.add_column(h, justify="left" if h in ("name", "collective") else "right")
     rows = sh.units if len(sh.units) <= 40 else sh.units[:20] + sh.units[-20:]
     for u in rows:
-        t.add_row(str(u.unit), escape(u.name or "(root)"), ROLE.get(u.role, u.role),
+        what = u.kind.replace("_", "-") if u.role == "reduce_grad" else ROLE.get(u.role, u.role)
+        t.add_row(str(u.unit), escape(u.name or "(root)"), what,
                   f"{u.nbytes / max(u.count, 1e-9) / 1e6:.2f}", _ms(u.start_s), _ms(u.end_s),
                   ("[red]" if u.exposed_s > 0.1 * u.duration_s * u.count else "[green]")
                   + _ms(u.exposed_s) + "[/]", f"{u.prefetched:.0%}")
@@ -89,8 +91,9 @@ def render_sharded(con: Console, ra: RankAnalysis) -> None:
     if len(sh.units) > 40:
         con.print(f"({len(sh.units) - 40} rows not shown; all in --json)")
     ex = sh.exposed
+    step = f", step {_ms(ex['update_s'])}" if ex.get("update_s") else ""
     con.print(f"exposed: forward {_ms(ex['forward_s'])} (Case {sh.cases['forward']}), "
-              f"backward {_ms(ex['backward_s'])} (Case {sh.cases['backward']}); "
+              f"backward {_ms(ex['backward_s'])} (Case {sh.cases['backward']}){step}; "
               f"prefetch depth forward {sh.prefetch['forward']}, backward "
               f"{sh.prefetch['backward']}; reshard_after_forward "
               f"{'on' if sh.reshard_after_forward else 'off'}")

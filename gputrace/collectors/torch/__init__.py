@@ -68,6 +68,7 @@ class _State:
         self.probing: set[_LayerGrads] = set()    # layers learning their last gradient
         self.off = rec.clock.from_perf(0)         # perf_counter_ns -> trace clock
         self.update_t0 = 0
+        self.engine_steps = 0                     # > 0 inside a training engine's step
         self.last_bwd_end = 0
         self.last_fwd_end = 0                     # end of the last outermost forward
         self.loss_from = 0                        # a forward ended since the last backward
@@ -191,14 +192,32 @@ class _State:
     # -- update --------------------------------------------------------------------------
     @_guarded
     def step_pre(self, opt: Any, args: Any, kwargs: Any) -> None:
-        self.update_t0 = self.now()
+        if not self.engine_steps:   # inside an engine's step (DeepSpeed's), that one is it
+            self.update_t0 = self.now()
 
     @_guarded
     def step_post(self, opt: Any, args: Any, kwargs: Any) -> None:
+        if not self.engine_steps:
+            self.stepped(type(opt).__name__)
+
+    @_guarded
+    def engine_step(self, begin: bool, name: str) -> None:
+        """A training engine's step (DeepSpeed's) begins or ends: the update, and the
+        iteration's boundary, are it, not the optimizer steps inside it."""
+        if begin:
+            self.engine_steps += 1
+            if self.engine_steps == 1:
+                self.update_t0 = self.now()
+        else:
+            self.engine_steps = max(self.engine_steps - 1, 0)
+            if not self.engine_steps:
+                self.stepped(name)
+
+    def stepped(self, name: str) -> None:
         t = self.now()
         # With a closure, forward and backward run inside step(): update starts after them.
         start = max(self.update_t0, self.last_bwd_end if self.last_bwd_end <= t else 0)
-        self.rec.span("update", type(opt).__name__, start, t)
+        self.rec.span("update", name, start, t)
         self.loss_from = 0
         self.its.stepped(t)
 

@@ -123,7 +123,8 @@ def _record(st: Any, kind: str, a: tuple[Any, ...], k: dict[str, Any], ex: Any,
         group = ex[2](a, k)
     works = _works(res) if res is not None else ()
     ctx = TLS.ctx
-    layer, fsdp = (-1, "") if ctx is None else ctx.for_kind(kind)
+    layer, fsdp = (-1, "") if ctx is None or nin < getattr(ctx, "min_bytes", 0) \
+        else ctx.for_kind(kind)
     phase = _phase(st)
     if phase == "none" and '"role":"unshard"' in fsdp:
         phase = "forward"   # the root's FSDP pre-forward, run before the model's forward hook
@@ -294,10 +295,11 @@ def install(state: Callable[[], Any]) -> None:
         _patch_optimizer()
     except Exception as e:  # noqa: BLE001
         _hook_failed("torch.distributed collectives", e)
-    from gputrace.collectors.torch import dtensor, mesh, pipeline
+    from gputrace.collectors.torch import deepspeed, dtensor, mesh, pipeline
     from gputrace.collectors.torch import fsdp as torch_fsdp
 
     torch_fsdp.install()
+    deepspeed.install()
     mesh.install()
     pipeline.install()
     dtensor.install()
