@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml
 	# tf_keras (Keras 2, TF_USE_LEGACY_KERAS) for its tests: it asks for `tensorflow`, whose
 	# module tensorflow-cpu already is (both installed, removing either breaks the other)
 	$(BIN)/python -m pip install -q --no-deps tf-keras==2.21.0
+	# DeepSpeed for its tests, on the CPU (DS_ACCELERATOR=cpu): its sdist builds against the
+	# torch installed above (no isolated build: it would fetch another torch); no ops compiled
+	DS_BUILD_OPS=0 $(BIN)/python -m pip install -q --no-build-isolation deepspeed==0.19.8
 	rm -f $(VENV)/.installed-*; touch $@
 
 demo: $(STAMP)

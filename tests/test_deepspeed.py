@@ -1,0 +1,124 @@
+"""DeepSpeed ZeRO as users run it (tests/jobs/ds_train.py: `deepspeed.initialize`, then
+`engine(x)`, `engine.backward(loss)`, `engine.step()`, 2 ranks over gloo on the CPU),
+recorded with no change to the job and held against the job's own count of its
+collectives and its own clock: stages 1, 2 (with and without overlap_comm) and 3."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("deepspeed")
+
+from gputrace import load  # noqa: E402
+from gputrace.analyzers import analyze  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB = ROOT / "tests" / "jobs" / "ds_train.py"
+pytestmark = pytest.mark.slow
+SKIP = 3
+CONFIGS = {"zero1": ["--stage", "1"], "zero2": ["--stage", "2"],
+           "zero2-overlap": ["--stage", "2", "--overlap-comm"], "zero3": ["--stage", "3"]}
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ds")
+    cache: dict[str, tuple] = {}
+
+    def get(name: str):
+        if name not in cache:
+            prefix = out / name
+            env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=os.pathsep.join(
+                x for x in (str(ROOT), os.environ.get("PYTHONPATH")) if x))
+            p = subprocess.run(
+                [sys.executable, "-m", "gputrace", "record", "-q", "-f", "-o",
+                 f"{prefix}.arrow", "--", sys.executable, "-m", "torch.distributed.run",
+                 "--standalone", "--nproc_per_node", "2", str(JOB), str(prefix),
+                 *CONFIGS[name]], capture_output=True, text=True, timeout=600, env=env,
+                cwd=str(ROOT))
+            assert p.returncode == 0, f"{name}:\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+            assert "Traceback" not in p.stderr, p.stderr[-5000:]
+            truth = {r: json.loads(Path(f"{prefix}.rank{r}.json").read_text())
+                     for r in (0, 1)}
+            trace = load(f"{prefix}.arrow")
+            cache[name] = (trace, truth, analyze(trace))
+        return cache[name]
+
+    return get
+
+
+def _per_iteration_counts(trace, rank: int) -> dict[int, Counter]:
+    out: dict[int, Counter] = {}
+    for r in trace.table.to_pylist():
+        if r["rank"] == rank and r["kind"] == "span" and r["cat"] == "comm":
+            a = json.loads(r["args"] or "{}")
+            out.setdefault(r["step"], Counter())[(a.get("kind", r["name"]), r["bytes"])] += 1
+    return out
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_collectives_are_the_jobs_own(recorded, name):
+    """Per iteration, each kind of collective and its bytes, as many as the job issued."""
+    trace, truth, _ = recorded(name)
+    for rank in (0, 1):
+        ours = _per_iteration_counts(trace, rank)
+        own: dict[int, Counter] = {}
+        for c in truth[rank]["calls"]:
+            if c["it"] >= 0:
+                own.setdefault(c["it"], Counter())[(c["kind"], c["bytes"])] += 1
+        steps = sorted(own)[SKIP:]
+        assert len(steps) >= 8
+        assert [ours.get(k) for k in steps] == [own[k] for k in steps], (rank, ours, own)
+
+
+def _mean(truth, key: str) -> float:
+    its = truth["iterations"][SKIP:]
+    if key == "t_iter":
+        return float(np.mean([(i["end"] - i["start"]) / 1e9 for i in its]))
+    return float(np.mean([i[key] for i in its]))
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_phases_are_the_engines(recorded, name):
+    """engine(x), engine.backward and engine.step as the job timed them: each phase with
+    the collectives it stood in within 15 %, the iteration within 5 %, and almost nothing
+    of the iteration in no phase."""
+    trace, truth, a = recorded(name)
+    for rank, ra in a.ranks.items():
+        b = {k: s.mean for k, s in ra.breakdown.items()}
+        sh = ra.sharded
+        assert sh is not None and sh.strategy == f"zero{CONFIGS[name][1]}", sh
+        small = sum(k.exposed_s for k in ra.collectives.kinds if k.small)
+        ex = sh.exposed
+        got = {"t_iter": b["t_iter"],
+               "forward": b["t_f"] + ex["forward_s"],
+               "backward": b["t_b"] + ex["backward_s"],
+               "update": b["t_u"] + ex.get("update_s", 0.0) + small}
+        for key, g in got.items():
+            want = _mean(truth[rank], key)
+            tol = 0.05 if key == "t_iter" else 0.15
+            assert abs(g - want) <= max(tol * want, 1e-3), (name, rank, key, g, want)
+        assert b["t_other"] < 0.10 * b["t_iter"], (name, rank, b)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_headline_and_units(recorded, name):
+    """The headline names the stage and the per-iteration collectives; a collective of a few
+    bytes (the gradient norm, an overflow flag) is never a unit; nothing absurd."""
+    trace, truth, a = recorded(name)
+    ra = a.main
+    stage = CONFIGS[name][1]
+    head = ra.sharded.headline()
+    assert head.startswith(f"DeepSpeed ZeRO-{stage}, 2 ranks: "), head
+    assert all(u.nbytes >= 1024 for u in ra.sharded.units), ra.sharded.units
+    for w in ra.sharded.what_if:
+        assert w.withheld or w.t_iter < 3 * ra.breakdown["t_iter"].mean
