@@ -32,7 +32,9 @@ from gputrace.report.tables import MissingExtra, Table
 __all__ = ["AnalysisError", "ChartView", "MissingExtra", "ReportView", "Result", "Scenario",
            "Table", "analyze"]
 
-TABLES = ("breakdown", "iterations", "units", "ranks", "findings", "speedup", "what_if")
+TABLES = ("breakdown", "iterations", "units", "ranks", "findings", "speedup", "what_if",
+          # tensor, pipeline and expert parallelism (report.tables_parallel)
+          "tp_layers", "tp_what_if", "pipeline_stages", "pipeline_what_if", "expert_parallel")
 
 
 class AnalysisError(ValueError):
@@ -153,13 +155,18 @@ class Result:
         """One of TABLES: `breakdown` (the shown rank's terms, mean and std), `iterations`
         (every iteration of every rank), `units` (comm units of every rank), `ranks` (one
         row per rank), `findings`, `speedup` (points of the speedup model), `what_if`
-        (replayed scenarios)."""
-        from gputrace.report import tables
+        (replayed scenarios); the parallelisms': `tp_layers` (every rank's tensor-parallel
+        collectives per layer and phase), `tp_what_if` (the TP-degree what-if),
+        `pipeline_stages`, `pipeline_what_if`, `expert_parallel` (per rank, with its bytes
+        to each peer): with their columns and no rows for a run without them."""
+        from gputrace.report import tables, tables_parallel
 
         if name not in TABLES:
             raise KeyError(f"no table {name!r}; the tables are {', '.join(TABLES)}")
         if name == "iterations":
             return tables.iterations(self.analysis)
+        if name in tables_parallel.TABLES:
+            return getattr(tables_parallel, name)(self.to_dict())
         return getattr(tables, name)(self.to_dict())
 
     def to_pandas(self, name: str = "breakdown") -> Any:

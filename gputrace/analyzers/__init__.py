@@ -36,6 +36,7 @@ from gputrace.analyzers.ranks import _comm_wait, _host_bandwidth, _shared
 from gputrace.analyzers.replay import Replay, Scenario, replay, why_no_replay
 from gputrace.analyzers.results import Analysis, NothingToAnalyze, RankAnalysis, Stat, _stat
 from gputrace.analyzers.shardinputs import Inputs as ShardInputs
+from gputrace.analyzers.shardinputs import iteration_of
 from gputrace.analyzers.steps import PARALLEL_TERMS, TERMS, RankSteps, analyze_rank, warmup_skip
 from gputrace.analyzers.timeline_comm import with_collectives
 from gputrace.trace.ranked import RankedTrace, RankSource, read_rank
@@ -185,7 +186,8 @@ def analyze_spans(sp: fr.Spans, o: Options) -> RankPart:
         window=(int(its.start[0]), int(its.end[-1])) if n else (0, 0),
         series=iteration_series(rs, skipped) if o.detail else None, timeline=timeline,
         collectives=colls, sharded=sharded, shard_inputs=fs.inputs if fs is not None else None,
-        dims=dims, degrees=registry.degrees(cr))
+        dims=dims, degrees=registry.degrees(
+            cr, np.isin(iteration_of(rs, sp.start[cr.idx]), sel) if cr.n else None))
 
 
 def _fsdp_part(p: RankPart) -> Any:

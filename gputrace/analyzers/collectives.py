@@ -166,7 +166,7 @@ def rows(sp: Spans) -> Rows:
         if isinstance(g, dict):
             gsize[j] = _int(g.get("size"))
         dims.append(dimension(k, bool(contract[j]), a))
-        mdims.append(mesh_dim(a) if contract[j] else "")
+        mdims.append(mesh_dim(a))
     r = Rows(idx, kinds, contract, sp.nbytes[idx], bout, asy, phase, ws, we, fsdp, unit,
              role, pre, gsize, call_s=cs, call_e=ce, dim=dims, mesh_dim=mdims)
     grad = _gradient(sp, r)

@@ -22,6 +22,7 @@ from gputrace.importers.common import (
 )
 from gputrace.importers.host_ops import HostOps
 from gputrace.importers.kineto_convert import convert_batch
+from gputrace.importers.kineto_groups import Groups
 from gputrace.importers.kineto_json import as_int, document, events
 
 _RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
@@ -58,6 +59,7 @@ def read(path: str, rank: int, rows: Rows, *, phases: Sequence[tuple[Any, int, i
     iters = list(iters)
     iter_threads: dict[Any, int] = {}
     ops = HostOps()
+    groups = Groups()
     counts = {"events": 0, "skipped": 0}
     doc = document(path)
     base = doc.top.baseTimeNanoseconds
@@ -70,8 +72,10 @@ def read(path: str, rank: int, rows: Rows, *, phases: Sequence[tuple[Any, int, i
     for lo in progress.each(range(0, len(raws), _BATCH),
                             f"converting {os.path.basename(path)} (batches of events)"):
         convert_batch(events(raws[lo:lo + _BATCH], lo), lo, rank, rows, base_ns, gpu_only,
-                      threads, launches, fixed, h2d, phases, iters, iter_threads, ops, counts)
+                      threads, launches, fixed, h2d, phases, iters, iter_threads, ops, counts,
+                      groups)
     counts["events"] = len(raws)
+    groups.resolve(rows)
     del raws
     if counts["events"] == 0:
         raise ImportFailed("no 'traceEvents' in it: not a Kineto/Chrome trace")

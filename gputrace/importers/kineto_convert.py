@@ -15,6 +15,7 @@ from gputrace.importers.common import (
     phase_of,
 )
 from gputrace.importers.host_ops import HostOps, op_kind
+from gputrace.importers.kineto_groups import Groups
 from gputrace.importers.kineto_json import MAX_NS, UNSET, Event, as_int, as_ns, comm_bytes
 
 PTHREAD_MASK = 0xFFFFFFFF
@@ -24,20 +25,20 @@ _RUNTIME = frozenset(("cuda_runtime", "cuda_driver", "runtime"))
 _HOST = frozenset(("cpu_op", "user_annotation", "python_function", "operator",
                    "gpu_user_annotation"))
 _COLS = ("cat", "name", "start_ns", "end_ns", "pid", "tid", "device", "stream", "step",
-         "bytes", "src_kind", "dst_kind", "corr", "phase")
+         "bytes", "src_kind", "dst_kind", "corr", "phase", "args")
 
 
 def _convert_each(evs: list[Event], first: int, rank: int, rows: Rows, base_ns: int,
                   gpu_only: bool, threads: dict[int, int] | None, launches: Launches,
                   fixed: set[int], h2d: set[int], phases: list[tuple[Any, int, int, str]],
                   iters: list[tuple[int, int, int]], iter_threads: dict[Any, int],
-                  ops: HostOps, counts: dict[str, Any]) -> None:
+                  ops: HostOps, counts: dict[str, Any], groups: Groups) -> None:
     """One batch of events as rows, event by event (a column list each, in file order),
     appended at once: what `_convert` does for a batch whose values are not all of the
     usual types, with the error of the first event that has none."""
     cols: dict[str, list[Any]] = {c: [] for c in _COLS}
     (cat_c, name_c, start_c, end_c, pid_c, tid_c, dev_c, stream_c, step_c, bytes_c, src_c,
-     dst_c, corr_c, phase_c) = (cols[c] for c in _COLS)
+     dst_c, corr_c, phase_c, args_c) = (cols[c] for c in _COLS)
     at = rows.count                      # the index the next row will get
     gpu_work: list[int] = []             # (row, corr) of GPU records, flat
     calls: list[int] = []                # (corr, pid, tid, t) of API calls, flat
@@ -69,11 +70,12 @@ def _convert_each(evs: list[Event], first: int, rank: int, rows: Rows, base_ns: 
         if cat in _GPU:
             dev = as_int(pid if a is None or a.device is UNSET else a.device)
             stream = as_int(tid if a is None or a.stream is UNSET else a.stream)
-            src = dst = phase = None
+            src = dst = phase = group = None
             nb = None
             if cat == "kernel":
                 if is_nccl(name):
                     kind, phase, nb = "comm", "comm", comm_bytes(a)
+                    group = groups.kernel(at, a)
                     fixed.add(at)
                 else:
                     kind = "kernel"
@@ -99,6 +101,7 @@ def _convert_each(evs: list[Event], first: int, rank: int, rows: Rows, base_ns: 
             bytes_c.append(nb)
             src_c.append(src)
             dst_c.append(dst)
+            args_c.append(group)
             if corr >= 0:                   # no correlation (-1): not matched
                 gpu_work += (at, corr)
         elif cat in _RUNTIME:
@@ -119,6 +122,7 @@ def _convert_each(evs: list[Event], first: int, rank: int, rows: Rows, base_ns: 
             bytes_c.append(None)
             src_c.append(None)
             dst_c.append(None)
+            args_c.append(None)
         else:
             ph, step = phase_of(name)
             device = as_int(pid if a is None or a.device is UNSET else a.device) \
@@ -142,8 +146,11 @@ def _convert_each(evs: list[Event], first: int, rank: int, rows: Rows, base_ns: 
             corr_c.append(None)
             phase_c.append(None)
             bytes_c.append(comm_bytes(a) if name.startswith("record_param") else None)
+            if name.startswith("record_param"):
+                groups.op(a)
             src_c.append(None)
             dst_c.append(None)
+            args_c.append(None)
         name_c.append(name)
         start_c.append(start)
         end_c.append(end)
@@ -225,22 +232,22 @@ def convert_batch(evs: list[Event], first: int, rank: int, rows: Rows, base_ns: 
                   gpu_only: bool, threads: dict[int, int] | None, launches: Launches,
                   fixed: set[int], h2d: set[int], phases: list[tuple[Any, int, int, str]],
                   iters: list[tuple[int, int, int]], iter_threads: dict[Any, int],
-                  ops: HostOps, counts: dict[str, Any]) -> None:
+                  ops: HostOps, counts: dict[str, Any], groups: Groups) -> None:
     """One batch of events as rows, in file order: `_convert_each`'s rows, built a column
     at a time with numpy where the values are of the usual types."""
     try:
         _convert(evs, rank, rows, base_ns, gpu_only, threads, launches, fixed, h2d, phases,
-                 iters, iter_threads, ops, counts)
+                 iters, iter_threads, ops, counts, groups)
     except _Unusual:
         _convert_each(evs, first, rank, rows, base_ns, gpu_only, threads, launches, fixed, h2d,
-                      phases, iters, iter_threads, ops, counts)
+                      phases, iters, iter_threads, ops, counts, groups)
 
 
 def _convert(evs: list[Event], rank: int, rows: Rows, base_ns: int, gpu_only: bool,
              threads: dict[int, int] | None, launches: Launches, fixed: set[int],
              h2d: set[int], phases: list[tuple[Any, int, int, str]],
              iters: list[tuple[int, int, int]], iter_threads: dict[Any, int], ops: HostOps,
-             counts: dict[str, Any]) -> None:
+             counts: dict[str, Any], groups: Groups) -> None:
     xs = [e for e in evs if e.ph == "X"]
     cats = [e.cat for e in xs]
     try:
@@ -294,6 +301,7 @@ def _convert(evs: list[Event], rank: int, rows: Rows, base_ns: int, gpu_only: bo
     step = np.full(n, -1, np.int64)
     row_pid, row_tid = pid.copy(), tid.copy()
     corr_col = np.full(n, None, object)
+    arg_col = np.full(n, None, object)
 
     # GPU work
     if len(gpu):
@@ -320,6 +328,7 @@ def _convert(evs: list[Event], rank: int, rows: Rows, base_ns: int, gpu_only: bo
                     is_comm = nccl[name] = is_nccl(name)
                 if is_comm:
                     cat[i], phase[i], nbytes[i] = "comm", "comm", comm_bytes(args[i])
+                    arg_col[i] = groups.kernel(int(at[i]), args[i])
                     fixed.add(int(at[i]))
                 else:
                     cat[i] = "kernel"
@@ -373,6 +382,7 @@ def _convert(evs: list[Event], rank: int, rows: Rows, base_ns: int, gpu_only: bo
             cat[i] = ph or "user"
             if name.startswith("record_param"):
                 nbytes[i] = comm_bytes(args[i])
+                groups.op(args[i])
         if op_rows:
             o = np.array(op_rows, np.int64)
             ops.data.frombytes(np.column_stack(
@@ -384,4 +394,4 @@ def _convert(evs: list[Event], rank: int, rows: Rows, base_ns: int, gpu_only: bo
                      pid=row_pid[e], tid=row_tid[e], device=dev[e], stream=stream[e],
                      step=step[e], bytes=nbytes[e].tolist(), src_kind=src[e].tolist(),
                      dst_kind=dst[e].tolist(), corr=corr_col[e].tolist(),
-                     phase=phase[e].tolist())
+                     phase=phase[e].tolist(), args=arg_col[e].tolist())

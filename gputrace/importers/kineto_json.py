@@ -29,6 +29,21 @@ class Args(msgspec.Struct, gc=False):
     in_nelems: Any = msgspec.field(default=UNSET, name="In msg nelems")
     out_nelems: Any = msgspec.field(default=UNSET, name="Out msg nelems")
     dtype: Any = UNSET
+    # the process group of a collective: on `record_param_comms` CPU ops and, in recent
+    # PyTorch, on the NCCL kernels themselves
+    ext: Any = msgspec.field(default=UNSET, name="External id")
+    pg_name: Any = msgspec.field(default=UNSET, name="Process Group Name")
+    pg_desc: Any = msgspec.field(default=UNSET, name="Process Group Description")
+    pg_ranks: Any = msgspec.field(default=UNSET, name="Process Group Ranks")
+    group_size: Any = msgspec.field(default=UNSET, name="Group size")
+
+
+# Args' fields and the keys they are read from
+ARG_KEYS = (("correlation", "correlation"), ("device", "device"), ("stream", "stream"),
+            ("nbytes", "bytes"), ("in_nelems", "In msg nelems"),
+            ("out_nelems", "Out msg nelems"), ("dtype", "dtype"), ("ext", "External id"),
+            ("pg_name", "Process Group Name"), ("pg_desc", "Process Group Description"),
+            ("pg_ranks", "Process Group Ranks"), ("group_size", "Group size"))
 
 
 class Event(msgspec.Struct, gc=False):
@@ -115,10 +130,7 @@ def _loose(raw: msgspec.Raw, n: int) -> Event:
     args = ev.get("args")
     a = None
     if isinstance(args, dict):
-        a = Args(**{k: args[key] for k, key in (
-            ("correlation", "correlation"), ("device", "device"), ("stream", "stream"),
-            ("nbytes", "bytes"), ("in_nelems", "In msg nelems"),
-            ("out_nelems", "Out msg nelems"), ("dtype", "dtype")) if key in args})
+        a = Args(**{k: args[key] for k, key in ARG_KEYS if key in args})
     return Event(ev.get("ph"), ev.get("cat", ""), ev.get("name"), ev.get("ts"),
                   ev.get("dur", 0), ev.get("pid"), ev.get("tid"), a)
 

@@ -10,6 +10,9 @@ from rich.table import Table
 
 from gputrace.analyzers import RankAnalysis
 from gputrace.analyzers.parallel import pipesim
+from gputrace.analyzers.parallel.registry import beyond_dp
+
+_SHORT_DIM = {"tp": "TP", "pp": "PP", "ep": "EP", "cp": "CP"}
 
 
 def _ms(s: float) -> str:
@@ -43,7 +46,16 @@ def dims_headline(ra: RankAnalysis) -> str:
                                      if imb is not None else ""))
     if ra.sharded is not None:
         clauses.append(ra.sharded.headline())
-    return f"{ra.dimensions}: " + "; ".join(clauses)
+    told = {"pp"} if pl is not None or "t_pp" in ra.breakdown else set()
+    told |= {d for d in ("tp", "ep") if d in ra.dims}
+    for d in beyond_dp(ra.degrees):   # a dimension with no section of its own: its collectives
+        if d in told:
+            continue
+        mine = {k.kind: {"count": k.count} for k in ra.collectives.kinds if k.dim == d}
+        if mine:
+            ex = sum(k.exposed_s for k in ra.collectives.kinds if k.dim == d)
+            clauses.append(f"{_SHORT_DIM[d]} {_kinds(mine)} per iteration, {_ms(ex)} exposed")
+    return f"{ra.dimensions}: " + ("; ".join(clauses) or "no collective of theirs analyzed")
 
 
 def render_parallel(con: Console, ra: RankAnalysis) -> None:

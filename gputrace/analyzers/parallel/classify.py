@@ -63,7 +63,9 @@ def dimension(kind: str, contract: bool, a: dict[str, Any]) -> str:
         return "fsdp"
     if isinstance(a.get("pp"), dict):
         return "pp"
-    named = by_name(mesh_dim(a)) if contract else None
+    # a group named for a dimension: recorded collectives, and imported NCCL kernels whose
+    # trace gave their process group (importers.kineto_groups)
+    named = by_name(mesh_dim(a))
     if named in ("tp", "pp", "ep", "cp"):
         return named
     if a.get("issuer") == "dtensor":

@@ -132,11 +132,15 @@ def runs(parts: dict[int, dict[str, Any]], v: RunView) -> dict[str, Any]:
     return out
 
 
-def degrees(rows: Rows) -> dict[str, int]:
-    """Per dimension the rank's collectives show, its group's size (0 unknown)."""
+def degrees(rows: Rows, inside: np.ndarray | None = None) -> dict[str, int]:
+    """Per dimension the rank's collectives show (those `inside`, the analyzed iterations,
+    when given: not a setup's broadcasts nor an exit barrier), its group's size (0
+    unknown)."""
     out: dict[str, int] = {}
-    for d, g in zip(rows.dim, rows.group_size.tolist(), strict=True):
-        if d != "other":
+    for d, g, ok in zip(rows.dim, rows.group_size.tolist(),
+                        inside.tolist() if inside is not None else [True] * rows.n,
+                        strict=True):
+        if d != "other" and ok:
             out[d] = max(out.get(d, 0), int(g))
     return out
 

@@ -160,9 +160,11 @@ def _layers(sp: Spans, r: Rows, j: np.ndarray, t: np.ndarray, nb: np.ndarray,
 
 
 def _with_what_if(tp: TensorParallel, t: dict[str, float]) -> TensorParallel:
-    """Predicted iterations at other TP degrees (ASSUMPTIONS)."""
+    """Predicted iterations at other TP degrees (ASSUMPTIONS). Only where the breakdown has
+    the `t_tp` term (a host timeline): on a GPU timeline the TP collectives' time is inside
+    the phases' device time, not a term the prediction could take out and scale."""
     d = tp.degree
-    if d < 2 or not t.get("t_iter"):
+    if d < 2 or not t.get("t_iter") or "t_tp" not in t:
         return tp
     compute = t.get("t_f", 0.0) + t.get("t_b", 0.0) + t.get("t_u", 0.0)
     rest = t["t_iter"] - compute - t.get("t_tp", 0.0)
