@@ -170,7 +170,10 @@ def rows(sp: Spans) -> Rows:
     r = Rows(idx, kinds, contract, sp.nbytes[idx], bout, asy, phase, ws, we, fsdp, unit,
              role, pre, gsize, call_s=cs, call_e=ce, dim=dims, mesh_dim=mdims)
     grad = _gradient(sp, r)
-    r = replace(r, gradient=grad, dim=[d or ("dp" if g_ else "other")
+    # under FSDP every collective is the sharded model's comm, but only FSDP's own are its
+    # dimension: a barrier or a broadcast beside them is no data-parallel dimension
+    dp = not is_sharded(r)
+    r = replace(r, gradient=grad, dim=[d or ("dp" if g_ and dp else "other")
                                        for d, g_ in zip(dims, grad.tolist(), strict=True)])
     below = min(SMALL_BYTES, SMALL_SHARE * gradient_bytes(sp, r))
     # FSDP's own collectives are its units' (parameters and gradients), whatever their size

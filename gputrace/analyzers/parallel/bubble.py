@@ -28,9 +28,10 @@ def with_bubble(sp: Spans, par: dict[str, ov.Union]) -> dict[str, ov.Union]:
     step = sp.name == (sp.names.index("step") if "step" in sp.names else -2)
     steps = _u(sp, pipe & step)
     host = sp.device < 0
+    # comm spans the data-parallel model does not read are `collective` here (for_model)
+    comm = (sp.of("comm") | sp.of("collective")) & host
     busy = ov.merge(_u(sp, (sp.of("forward") | sp.of("backward")) & host),
-                    _u(sp, sp.of("comm") & host & ~np.isin(np.arange(sp.start.size),
-                                                           _pp_rows(sp))))
+                    _u(sp, comm & ~np.isin(np.arange(sp.start.size), _pp_rows(sp))))
     bubble = ov.subtract(steps, busy)
     out = dict(par)
     out["pp"] = ov.merge(bubble, par["pp"]) if "pp" in par else bubble
@@ -39,7 +40,7 @@ def with_bubble(sp: Spans, par: dict[str, ov.Union]) -> dict[str, ov.Union]:
 
 def _pp_rows(sp: Spans) -> np.ndarray:
     """The comm spans that go between pipeline stages (args.pp)."""
-    comm = np.flatnonzero(sp.of("comm"))
+    comm = np.flatnonzero(sp.of("comm") | sp.of("collective"))
     if not comm.size:
         return comm
     args = sp.args.take(pa.array(comm)).to_pylist()

@@ -119,7 +119,7 @@ def imbalance(parts: dict[int, ExpertParallel]) -> Imbalance | None:
 
 def as_dict(ep: ExpertParallel, imb: Imbalance | None) -> dict[str, Any]:
     """`--json`'s expert_parallel section."""
-    d = {k: v for k, v in vars(ep).items()}
+    d = {("bytes" if k == "nbytes" else k): v for k, v in vars(ep).items()}
     if imb is not None:
         d["imbalance"] = {"ratio": imb.ratio, "most_loaded_rank": imb.most_loaded,
                           "bytes_by_rank": {str(k): v for k, v in imb.bytes_by_rank.items()}}

@@ -103,7 +103,7 @@ def analyze(sp: Spans, r: Rows, it_start: np.ndarray, it_end: np.ndarray, sel: n
     step_s = float(dur[np.array([n == "step" for n in names], bool)].sum()) / n_it
     stage = int((head.get("stages") or [-1])[0])
     md = md or {}
-    p = int(md.get("num_stages") or 0) or _stages_from(sp, r)
+    p = int(head.get("num_stages") or md.get("num_stages") or 0) or _stages_from(sp, r)
     loss = _loss_s(sp, it_start, sel)
     pr = np.array([d == "pp" for d in r.dim], bool)
     j = np.flatnonzero(pr)
@@ -164,45 +164,58 @@ class Pipeline:
     microbatches: int
     num_stages: int
     bubble: float         # mean over stages: bubble / iteration
-    theory: float         # (p-1)/(m+p-1)
+    theory: float         # (p-1)/(m+p-1), a share of the schedule's step
     slowest: int          # stage index
     transfer_s: float     # fitted (pipesim.fit_transfer)
     replayed_step_s: float
     what_if: list[WhatIf] = field(default_factory=list)
     assumptions: tuple[str, ...] = ASSUMPTIONS
+    bubble_step: float = 0.0   # mean over stages: bubble / the schedule's step (as theory)
 
     def headline(self) -> str:
         return (f"pipeline, {self.num_stages} stages x {self.microbatches} microbatches "
                 f"({pipesim.SHORT.get(self.schedule, self.schedule)}): bubble "
-                f"{self.bubble:.0%} of the iteration, theory {self.theory:.0%}")
+                f"{self.bubble_step:.0%} of the schedule's step ({self.bubble:.0%} of the "
+                f"iteration), theory {self.theory:.0%}")
 
 
 def combine(stages: list[Stage], extra: list[int] | None = None) -> Pipeline | None:
     """The pipeline of the ranks' stages (one stage per rank), with its what-ifs: the
     microbatch counts in `extra` (default: half and double the measured), the other
     schedule, and the layers rebalanced."""
-    st = sorted((s for s in stages if s.stage >= 0), key=lambda s: s.stage)
+    st = sorted((s for s in stages if s.stage >= 0), key=lambda s: (s.stage, s.rank))
     if not st:
         return None
-    p = max(st[0].num_stages, len(st))
-    if [s.stage for s in st] != list(range(p)):
-        return None   # not every stage was recorded (or several per rank): no replay
+    # several ranks per stage (pipeline x data parallel: a pipeline per replica): a stage's
+    # times are its replicas' mean
+    by: dict[int, list[Stage]] = {}
+    for s in st:
+        by.setdefault(s.stage, []).append(s)
+    p = max(st[0].num_stages, len(by))
+    if sorted(by) != list(range(p)):
+        return None   # not every stage was recorded: no replay
+
+    def mean(stage: int, f: Any) -> float:
+        return float(np.mean([f(x) for x in by[stage]]))
+
     m, sched = st[0].microbatches, st[0].schedule
-    fwd = [s.forward_s for s in st]
-    bwd = [s.backward_s for s in st]
-    loss = st[-1].loss_s
+    fwd = [mean(k, lambda x: x.forward_s) for k in range(p)]
+    bwd = [mean(k, lambda x: x.backward_s) for k in range(p)]
+    loss = mean(p - 1, lambda x: x.loss_s)
     # the pipeline's makespan is the first stage's step: it starts the first forward and
     # (GPipe, 1F1B) ends the last backward; a later stage's step also holds its wait for
     # the first stage to start (ranks that left the previous iteration early)
-    step = st[0].step_s
+    step = mean(0, lambda x: x.step_s)
     known = sched in pipesim.SCHEDULES
     transfer = pipesim.fit_transfer(sched, fwd, bwd, m, loss, step) if known else 0.0
     base = pipesim.replay(sched, fwd, bwd, m, transfer, loss).makespan if known else step
-    outside = st[0].t_iter - st[0].step_s
+    outside = mean(0, lambda x: x.t_iter - x.step_s)
+    slowest = max(range(p), key=lambda k: mean(k, lambda x: x.busy_s))
     out = Pipeline(st, sched, m, p, float(np.mean([s.bubble_s / s.t_iter for s in st
                                                    if s.t_iter > 0])),
-                   pipesim.theory(p, m), max(st, key=lambda s: s.busy_s).stage, transfer,
-                   base)
+                   pipesim.theory(p, m), slowest, transfer, base,
+                   bubble_step=float(np.mean([min(s.bubble_s / s.step_s, 1.0) for s in st
+                                              if s.step_s > 0])))
     if not known:
         return out
     ifs = []
@@ -254,7 +267,8 @@ def _balanced(st: list[Stage]) -> tuple[list[float], list[float]] | None:
 def as_dict(pl: Pipeline) -> dict[str, Any]:
     """`--json`'s pipeline section."""
     return {"schedule": pl.schedule, "microbatches": pl.microbatches,
-            "num_stages": pl.num_stages, "bubble": pl.bubble, "theory": pl.theory,
+            "num_stages": pl.num_stages, "bubble": pl.bubble, "bubble_step": pl.bubble_step,
+            "theory": pl.theory,
             "slowest_stage": pl.slowest, "transfer_s": pl.transfer_s,
             "replayed_step_s": pl.replayed_step_s,
             "stages": [{k: v for k, v in vars(s).items() if k != "layers"} | {

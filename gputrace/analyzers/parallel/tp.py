@@ -183,6 +183,7 @@ def as_dict(tp: TensorParallel) -> dict[str, Any]:
     return {"degree": tp.degree, "mesh_dim": tp.mesh_dim, "count": tp.count,
             "bytes": tp.nbytes, "time_s": tp.time_s, "exposed_s": tp.exposed_s,
             "hidden_s": tp.hidden_s, "kinds": tp.kinds, "phases": tp.phases,
-            "layers": [vars(x) for x in tp.layers],
+            "layers": [{("bytes" if k == "nbytes" else k): v for k, v in vars(x).items()}
+                       for x in tp.layers],
             "what_if": [vars(w) for w in tp.what_if],
             "assumptions": list(tp.assumptions)}
