@@ -163,7 +163,9 @@ def analyze_sharded(si: Inputs, rs: RankSteps, sel: np.ndarray, world: int,
     n_it = max(len(tls), 1)
     units = _unit_rows(facts, cr, rs, sel)
     strategy = next(f for f in cr.fsdp if f)
-    world = max(world, max((int(g) for g in cr.group_size), default=1), 1)
+    # its own group's size (FSDP x TP: the FSDP dimension's, not the run's ranks)
+    sizes = [int(g) for g, f in zip(cr.group_size.tolist(), cr.fsdp, strict=True) if g > 0 and f]
+    world = max(sizes) if sizes else max(world, 1)
     inside = np.isin(facts["it"], sel)
     roles = np.array(facts["role"])
     per_role = {r: float(np.sum(inside & (roles == r))) / n_it for r in col.ROLES}
