@@ -130,6 +130,7 @@ class RankPart:
     shard_inputs: ShardInputs | None = None   # what the sharded analysis reads, kept small
     dims: dict[str, Any] = field(default_factory=dict)     # parallel.registry's rank parts
     degrees: dict[str, int] = field(default_factory=dict)  # dimension -> its group's size
+    groups: dict[str, dict[str, Any]] = field(default_factory=dict)  # registry.groups
 
     @property
     def sel(self) -> np.ndarray:
@@ -156,6 +157,7 @@ def analyze_spans(sp: fr.Spans, o: Options) -> RankPart:
     colls = shd.summarize_rank(sp, cr, rs, sel)
     dims = registry.rank_parts(registry.RankView(sp, cr, rs, sel, o.world,
                                                  o.link_bytes_per_s))
+    inside = np.isin(iteration_of(rs, sp.start[cr.idx]), sel) if cr.n else None
     fs = dims.pop("fsdp", None)          # sharded data parallelism: its model is the rank's
     sharded = fs.sharded if fs is not None else None
     model = build_model(rs, sel)
@@ -186,8 +188,7 @@ def analyze_spans(sp: fr.Spans, o: Options) -> RankPart:
         window=(int(its.start[0]), int(its.end[-1])) if n else (0, 0),
         series=iteration_series(rs, skipped) if o.detail else None, timeline=timeline,
         collectives=colls, sharded=sharded, shard_inputs=fs.inputs if fs is not None else None,
-        dims=dims, degrees=registry.degrees(
-            cr, np.isin(iteration_of(rs, sp.start[cr.idx]), sel) if cr.n else None))
+        dims=dims, degrees=registry.degrees(cr, inside), groups=registry.groups(cr, inside))
 
 
 def _fsdp_part(p: RankPart) -> Any:
@@ -334,6 +335,7 @@ def combine(parts: list[FramePart], md: dict[str, Any], opts: Options, probe: An
     for p in ranks.values():
         for d, g in p.degrees.items():
             degrees[d] = max(degrees.get(d, 0), g)
+    groups = registry.merge_groups([p.groups for p in ranks.values()])
     beyond = registry.beyond_dp(degrees)
     missing = None if beyond else sanity.comm_missing(list(ranks.values()), world, md)
     no_dp = registry.why_no_dp_prediction(degrees) if beyond else None
@@ -379,7 +381,7 @@ def combine(parts: list[FramePart], md: dict[str, Any], opts: Options, probe: An
             comm_wait_s=w[0] if w else None, comm_transfer_s=w[1] if w else None,
             replay=rp, detail=rd, replay_unavailable=why, host=p.host,
             collectives=p.collectives, comm_missing=missing, sharded=p.sharded,
-            dims=p.dims, degrees=degrees, parallel=parallel,
+            dims=p.dims, degrees=degrees, parallel=parallel, groups=groups,
             dimensions=registry.describe(degrees, world))
     slowest = max(out, key=lambda r: out[r].breakdown["t_iter"].mean)
     main = out[slowest]

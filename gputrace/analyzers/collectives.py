@@ -89,6 +89,7 @@ class Rows:
     # the parallelism each serves (parallel.classify: dp fsdp tp pp ep cp other)
     dim: list[str] = field(default_factory=list)
     mesh_dim: list[str] = field(default_factory=list)   # its DeviceMesh dimension, "" none
+    group_ranks: list[tuple[int, ...] | None] = field(default_factory=list)  # its group's
     # an asynchronous functional collective's issuing call [start, end] ns, -1 none
     call_s: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     call_e: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
@@ -128,7 +129,7 @@ def rows(sp: Spans) -> Rows:
         args = [parsed[c] for c in codes.tolist()]
     else:
         args = []
-    kinds, phase, fsdp, unit, role, dims, mdims = [], [], [], [], [], [], []
+    kinds, phase, fsdp, unit, role, dims, mdims, granks = [], [], [], [], [], [], [], []
     n = idx.size
     contract = np.zeros(n, bool)
     bout = np.full(n, np.nan)
@@ -163,12 +164,18 @@ def rows(sp: Spans) -> Rows:
         if isinstance(c, list) and len(c) == 2 and all(isinstance(x, int) for x in c):
             cs[j], ce[j] = c
         g = a.get("group")
+        gr = None
         if isinstance(g, dict):
             gsize[j] = _int(g.get("size"))
+            ranks = g.get("ranks")
+            if isinstance(ranks, list) and all(isinstance(x, int) for x in ranks):
+                gr = tuple(ranks)
+        granks.append(gr)
         dims.append(dimension(k, bool(contract[j]), a))
         mdims.append(mesh_dim(a))
     r = Rows(idx, kinds, contract, sp.nbytes[idx], bout, asy, phase, ws, we, fsdp, unit,
-             role, pre, gsize, call_s=cs, call_e=ce, dim=dims, mesh_dim=mdims)
+             role, pre, gsize, call_s=cs, call_e=ce, dim=dims, mesh_dim=mdims,
+             group_ranks=granks)
     grad = _gradient(sp, r)
     # under FSDP every collective is the sharded model's comm, but only FSDP's own are its
     # dimension: a barrier or a broadcast beside them is no data-parallel dimension

@@ -55,6 +55,7 @@ class RankAnalysis:
     dims: dict[str, Any] = field(default_factory=dict)
     degrees: dict[str, int] = field(default_factory=dict)
     parallel: dict[str, Any] = field(default_factory=dict)
+    groups: dict[str, dict[str, Any]] = field(default_factory=dict)  # dimension -> groups
     dimensions: str = ""   # the run's dimensions beyond data parallelism ("FSDP 2 x TP 2, 4 ranks")
 
 

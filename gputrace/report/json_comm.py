@@ -71,6 +71,7 @@ def parallelism_dict(ra: RankAnalysis) -> dict[str, Any] | None:
         return None
     out: dict[str, Any] = {"dimensions": ra.dimensions,
                            "degrees": dict(ra.degrees),
+                           "groups": dict(ra.groups),
                            "terms": {k: ra.breakdown[k].mean for k in ("t_tp", "t_pp", "t_ep",
                                                                        "t_cp")
                                      if k in ra.breakdown}}

@@ -145,6 +145,35 @@ def degrees(rows: Rows, inside: np.ndarray | None = None) -> dict[str, int]:
     return out
 
 
+def groups(rows: Rows, inside: np.ndarray | None = None) -> dict[str, dict[str, Any]]:
+    """Per dimension the rank's collectives show (those `inside`), its mesh dimension's name
+    ("" none) and the ranks of each of its groups seen (up to 64 ranks a group)."""
+    out: dict[str, dict[str, Any]] = {}
+    ok = inside.tolist() if inside is not None else [True] * rows.n
+    for d, m, gr, k in zip(rows.dim, rows.mesh_dim or [""] * rows.n,
+                           rows.group_ranks or [None] * rows.n, ok, strict=True):
+        if d == "other" or not k:
+            continue
+        e = out.setdefault(d, {"mesh_dim": m, "ranks": []})
+        e["mesh_dim"] = e["mesh_dim"] or m
+        if gr is not None and list(gr) not in e["ranks"]:
+            e["ranks"].append(list(gr))
+    return out
+
+
+def merge_groups(parts: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """The ranks' groups per dimension as one view of the run."""
+    out: dict[str, dict[str, Any]] = {}
+    for g in parts:
+        for d, e in g.items():
+            o = out.setdefault(d, {"mesh_dim": e["mesh_dim"], "ranks": []})
+            o["mesh_dim"] = o["mesh_dim"] or e["mesh_dim"]
+            o["ranks"] += [r for r in e["ranks"] if r not in o["ranks"]]
+    for o in out.values():
+        o["ranks"].sort()
+    return out
+
+
 _SHORT = {"dp": "DP", "fsdp": "FSDP", "tp": "TP", "pp": "PP", "ep": "EP", "cp": "CP"}
 ORDER = ("fsdp", "dp", "pp", "tp", "cp", "ep")
 
