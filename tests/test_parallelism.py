@@ -176,6 +176,17 @@ def tp_truth(t: dict) -> dict[int, list[dict]]:
     return out
 
 
+def blocks_per_iteration(own: dict[int, list[dict]]) -> dict[tuple[str, int], float]:
+    """(phase, block) -> the job's functional collectives per iteration: every block's
+    forward all-reduce; in the backward the blocks whose input needs a gradient (2-6: the
+    first block's input is the batch)."""
+    n = Counter((c["phase"], c["block"]) for i in own for c in own[i])
+    want = {k: v / len(own) for k, v in n.items()}
+    assert want == {**{("forward", b): 1 for b in range(1, 7)},
+                    **{("backward", b): 1 for b in range(2, 7)}}
+    return want
+
+
 def test_tp_collectives_as_the_job_counts_them(recorded):
     """Per iteration and rank, DTensor's all-reduces are the job's own: as many, of the
     same kinds, forward and backward apart, bytes within 1 %; all of them tensor parallel on
@@ -258,11 +269,7 @@ def test_tp_per_layer_attribution_is_the_jobs_blocks(recorded):
     all-reduce, which runs after that block's last parameter gradient."""
     run = recorded("tp")
     for rank in (0, 1):
-        own = tp_truth(run.truth[rank])
-        want = Counter((c["phase"], c["block"]) for i in own for c in own[i])
-        want = {k: v / len(own) for k, v in want.items()}
-        assert want == {**{("forward", b): 1 for b in range(1, 7)},
-                        **{("backward", b): 1 for b in range(2, 7)}}
+        want = blocks_per_iteration(tp_truth(run.truth[rank]))
         layers = run.rank(rank)["parallelism"]["tensor_parallel"]["layers"]
         got = {(x["phase"], x["layer"]): x["count"] for x in layers}
         assert got == pytest.approx(want), (rank, sorted(got))
@@ -274,7 +281,8 @@ def test_fsdp_tp_one_breakdown_each_dimension_its_own(recorded):
     """FSDP2 over "dp" and TP over "tp" on a 2x2 mesh: per iteration and rank, FSDP's
     all-gathers and reduce-scatters (at the ProcessGroup) and DTensor's all-reduces (the
     profiler) as the job counts them; one breakdown with a row for each (t_comm: FSDP's
-    comm in the sharded analysis; t_tp); FSDP's units only its own collectives; the
+    comm in the sharded analysis; t_tp), TP's all-reduces on the job's blocks (a layer's
+    backward ends at FSDP's post-backward here); FSDP's units only its own collectives; the
     headline names both dimensions and their degrees."""
     run = recorded("fsdp-tp")
     fsdp_per_it = None
@@ -313,6 +321,8 @@ def test_fsdp_tp_one_breakdown_each_dimension_its_own(recorded):
         tp = d["parallelism"]["tensor_parallel"]
         assert tp["phases"]["forward"]["count"] == pytest.approx(6)
         assert tp["phases"]["backward"]["count"] == pytest.approx(5)
+        assert {(x["phase"], x["layer"]): x["count"] for x in tp["layers"]} == \
+            pytest.approx(blocks_per_iteration(own))
         assert d["parallelism"]["degrees"] == {"fsdp": 2, "tp": 2}
         assert d["parallelism"]["dimensions"] == "FSDP 2 x TP 2, 4 ranks"
     assert fsdp_per_it == {"all_gather": 12, "reduce_scatter": 6}
