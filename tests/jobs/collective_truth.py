@@ -1,7 +1,8 @@
 """A job's own count of the collectives it issues: the ProcessGroup's methods (the C++
 binding every torch.distributed call ends in) wrapped at the class, each call noted with
-the job's current iteration and phase, its kind and this rank's input bytes. Imported by the
-jobs in this folder; written as JSON by `dump`."""
+the job's current iteration and phase, its kind and this rank's input bytes (a recv's
+received bytes as `bytes_out`; an all-to-all's bytes to each peer as `peers`). Imported by
+the jobs in this folder; written as JSON by `dump`."""
 
 from __future__ import annotations
 
@@ -28,6 +29,18 @@ def _nb(x: Any) -> int:
     return 0
 
 
+def _peers(name: str, pg: Any, a: tuple[Any, ...]) -> list[int]:
+    """An all-to-all's bytes to each rank of the group: its input list's tensors, or its
+    input tensor's rows as its input split sizes say (even splits without them)."""
+    if name == "alltoall":
+        return [_nb(t) for t in a[1]]
+    x = a[1]
+    rows = x.shape[0] if x.dim() else 1
+    per_row = _nb(x) // max(rows, 1)
+    splits = list(a[3]) if len(a) > 3 and a[3] else [rows // pg.size()] * pg.size()
+    return [int(n) * per_row for n in splits]
+
+
 # the argument holding this rank's input, per ProcessGroup method (None: no input)
 INPUT = {"allreduce": 0, "allgather": 1, "all_gather_single": 1, "reduce_scatter": 1,
          "reduce_scatter_single": 1, "broadcast": 0, "alltoall": 1, "all_to_all_single": 1,
@@ -52,9 +65,14 @@ class Truth:
         pos = INPUT[name]
 
         def counted(pg: Any, *a: Any, **k: Any) -> Any:
-            self.calls.append({"it": self.iteration, "phase": self.phase, "kind": kind,
-                               "bytes": 0 if pos is None or len(a) <= pos else _nb(a[pos]),
-                               "t": time.time_ns()})
+            call = {"it": self.iteration, "phase": self.phase, "kind": kind,
+                    "bytes": 0 if pos is None or len(a) <= pos else _nb(a[pos]),
+                    "t": time.time_ns()}
+            if name == "recv":
+                call["bytes_out"] = _nb(a[0]) if a else 0
+            elif kind == "all_to_all":
+                call["peers"] = _peers(name, pg, a)
+            self.calls.append(call)
             return orig(pg, *a, **k)
 
         return counted

@@ -1,17 +1,23 @@
 """A job's own clock of the collectives it issues through c10d's functional collectives
 (DTensor, tensor parallelism), read from PyTorch's profiler (its CPU op events, recorded by
-the dispatcher whatever Python layer issued them): each `_c10d_functional` op counted, and
-the time in them summed (the all-reduce op returns at once, the collective running on the
-backend's thread; `wait_tensor` is where the job stands still for it), by the job's
-iteration and phase, which the job marks with record_function ranges. Imported by the
-parallelism jobs of this folder."""
+the dispatcher whatever Python layer issued them): each `_c10d_functional` op counted with
+its input bytes (the profiler's input shapes and dtypes: `record_shapes`), and the time in
+them summed (the all-reduce op returns at once, the collective running on the backend's
+thread; `wait_tensor` is where the job stands still for it), by the job's iteration and
+phase, which the job marks with record_function ranges. A job that marks its blocks
+(`block` around each block's forward, `edge` on its input and output) gets each collective's
+block too: in the forward the block range holding it, in the backward the block whose
+output's gradient had arrived and whose input's gradient had not left when it was issued.
+Imported by the parallelism jobs of this folder."""
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerActivity, profile
 
@@ -20,11 +26,41 @@ KINDS = {"all_reduce": "all_reduce", "all_reduce_": "all_reduce",
          "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all",
          "broadcast": "broadcast", "broadcast_": "broadcast"}
 _PREFIX = "_c10d_functional::"
+# the profiler's dtype names (c10's C++ names) -> bytes per element
+ITEMSIZE = {"float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "long int": 8,
+            "int": 4, "short int": 2, "signed char": 1, "unsigned char": 1, "bool": 1,
+            "c10::complex<float>": 8, "c10::complex<double>": 16}
+
+
+def _nbytes(e: Any) -> int | None:
+    """The op's first input's bytes (the tensor it sends), None when not recorded."""
+    shapes, dtypes = e.input_shapes, getattr(e, "input_dtypes", None)
+    if not shapes or not dtypes or dtypes[0] not in ITEMSIZE:
+        return None
+    n = 1
+    for x in shapes[0]:
+        n *= int(x)
+    return n * ITEMSIZE[dtypes[0]]
+
+
+class _Edge(torch.autograd.Function):
+    """Identity whose backward leaves a marker in the profiler when the gradient passes."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, label: str) -> torch.Tensor:
+        ctx.label = label
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        with record_function(ctx.label):
+            pass
+        return g, None
 
 
 class CommClock:
     def __init__(self) -> None:
-        self.prof = profile(activities=[ProfilerActivity.CPU])
+        self.prof = profile(activities=[ProfilerActivity.CPU], record_shapes=True)
 
     def __enter__(self) -> CommClock:
         self.prof.__enter__()
@@ -43,17 +79,36 @@ class CommClock:
         with record_function(f"phase:{name}"):
             yield
 
+    @contextlib.contextmanager
+    def block(self, k: int) -> Iterator[None]:
+        """Block k's forward (1 from the input side)."""
+        with record_function(f"block:{k}"):
+            yield
+
+    @staticmethod
+    def edge(x: torch.Tensor, k: int, side: str) -> torch.Tensor:
+        """x at block k's input (`side` "in") or output ("out"): in the backward, a marker
+        when its gradient passes."""
+        return _Edge.apply(x, f"bmark:{side}:{k}")
+
     def dump(self) -> dict[str, Any]:
-        """{"functional": one {it, phase, kind, bytes?} per collective issued, "stood":
-        [{it, phase, s}] the seconds in the functional ops per iteration and phase}."""
+        """{"functional": one {it, phase, kind, bytes, block} per collective issued (block -1:
+        none known), "stood": [{it, phase, s}] the seconds in the functional ops per
+        iteration and phase}."""
         calls: list[dict[str, Any]] = []
         stood: dict[tuple[int, str], float] = {}
-        for e in self.prof.events():
+        events = list(self.prof.events())
+        marks = sorted((e.time_range.start, e.name.split(":")[1], int(e.name.split(":")[2]))
+                       for e in events if e.name.startswith("bmark:"))
+        at = [m[0] for m in marks]
+        for e in events:
             if not e.name.startswith(_PREFIX):
                 continue
-            it, phase, p = -1, "none", e.cpu_parent
+            it, phase, block, p = -1, "none", -1, e.cpu_parent
             while p is not None:
-                if p.name.startswith("phase:") and phase == "none":
+                if p.name.startswith("block:") and block < 0:
+                    block = int(p.name[6:])
+                elif p.name.startswith("phase:") and phase == "none":
                     phase = p.name[6:]
                 elif p.name.startswith("it:"):
                     it = int(p.name[3:])
@@ -64,7 +119,13 @@ class CommClock:
             key = (it, phase)
             stood[key] = stood.get(key, 0.0) + e.time_range.elapsed_us() / 1e6
             kind = KINDS.get(e.name[len(_PREFIX):])
-            if kind is not None:
-                calls.append({"it": it, "phase": phase, "kind": kind})
+            if kind is None:
+                continue
+            if phase == "backward" and block < 0:
+                i = bisect.bisect_right(at, e.time_range.start) - 1
+                if i >= 0 and marks[i][1] == "out":   # inside that block's backward
+                    block = marks[i][2]
+            calls.append({"it": it, "phase": phase, "kind": kind, "bytes": _nbytes(e),
+                          "block": block})
         return {"functional": calls,
                 "stood": [{"it": i, "phase": p, "s": s} for (i, p), s in stood.items()]}

@@ -1,12 +1,15 @@
 """An MoE-like exchange (2 ranks over gloo on the CPU) that issues its collectives itself,
 counts them at the ProcessGroup (collective_truth) and times its own waits.
 
-    torchrun --nproc_per_node 2 moe_exchange.py OUT_PREFIX [--iterations N]
+    torchrun --nproc_per_node 2 moe_exchange.py OUT_PREFIX [--iterations N] [--hot F]
 
 Per iteration, in forward: the routing counts all-gathered (dist.all_gather), a scale
 broadcast from rank 0 (dist.broadcast), the tokens sent to their experts and back
 (dist.all_to_all of per-rank lists, then an async dist.all_to_all_single the job waits on
-after some compute); in backward: nothing (autograd only); in update: the expert gradients
+after some compute; with `--hot F`, a hot expert: every rank routes the share F of its tokens
+to rank 0's expert, which then receives, and sends back, more than the others, the tokens
+sent with dist.all_to_all_single and its split sizes); in backward:
+nothing (autograd only); in update: the expert gradients
 all-reduced asynchronously (async_op=True, waited at once; rank 1 joins 50 ms late, so
 rank 0 stands in its wait) and a send/recv pair between the
 two ranks. The job writes OUT_PREFIX.rank<R>.json with its counted collectives, iterations
@@ -32,12 +35,22 @@ from collective_truth import Truth  # noqa: E402
 class MoE(nn.Module):
     """Route tokens to one expert per rank: the exchange runs inside the model's forward."""
 
-    def __init__(self, d: int, truth: Truth) -> None:
+    def __init__(self, d: int, truth: Truth, hot: float | None = None) -> None:
         super().__init__()
         self.world = dist.get_world_size()
         self.router = nn.Linear(d, self.world)
         self.expert = nn.Sequential(nn.Linear(d, 4 * d), nn.ReLU(), nn.Linear(4 * d, d))
         self.truth = truth
+        self.hot = hot
+
+    def split(self, n: int) -> list[int]:
+        """Tokens each rank sends each expert: evenly, or (`hot`) that share of them to rank
+        0's expert and the rest evenly to the others (a hot expert)."""
+        w = self.world
+        if self.hot is None or w < 2:
+            return [n // w] * w
+        first = int(n * self.hot)
+        return [first] + [(n - first) // (w - 1)] * (w - 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rank, world = dist.get_rank(), self.world
@@ -47,12 +60,19 @@ class MoE(nn.Module):
         dist.all_gather(gathered, counts)
         scale = torch.ones(1) * (rank + 1)
         dist.broadcast(scale, src=0)
-        send = list(x.detach().split(x.shape[0] // world))
-        recv = [torch.empty_like(t) for t in send]
-        dist.all_to_all(recv, send)
-        out = self.expert(torch.cat(recv)) * scale
-        back = torch.empty_like(out)
-        work = dist.all_to_all_single(back, out.detach().contiguous(), async_op=True)
+        sizes = self.split(x.shape[0])     # every rank routes alike: it receives sizes[rank]
+        send = list(x.detach().split(sizes))
+        if self.hot is None:
+            recv = [torch.empty(sizes[rank], x.shape[1]) for _ in range(world)]
+            dist.all_to_all(recv, send)
+            got = torch.cat(recv)
+        else:     # gloo's all_to_all of lists takes tensors of one size: uneven splits here
+            got = torch.empty(world * sizes[rank], x.shape[1])
+            dist.all_to_all_single(got, x.detach(), [sizes[rank]] * world, sizes)
+        out = self.expert(got) * scale
+        back = torch.empty(sum(sizes), x.shape[1])
+        work = dist.all_to_all_single(back, out.detach().contiguous(), sizes,
+                                      [sizes[rank]] * world, async_op=True)
         extra = self.expert(send[0]).sum()         # compute while the exchange runs
         t0 = time.time_ns()
         running = not work.is_completed()
@@ -97,13 +117,15 @@ def main() -> None:
     p.add_argument("--iterations", type=int, default=10)
     p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--d", type=int, default=128)
+    p.add_argument("--hot", type=float, default=None,
+                   help="share of each rank's tokens routed to rank 0's expert")
     a = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(rank)
     truth = Truth()
-    model = MoE(a.d, truth)
+    model = MoE(a.d, truth, a.hot)
     opt = SyncSGD(list(model.expert.parameters()), truth)
     x = torch.randn(a.tokens, a.d)
     for i in range(a.iterations):

@@ -6,11 +6,12 @@ hand into one stage per rank (`PipelineStage`), a schedule (`ScheduleGPipe` or
                                                 [--iterations N] [--blocks L] [--width D]
 
 Each stage times its own work per microbatch: its forward (in the stage module's own
-forward) and its backward (from the gradient's arrival at the stage's output to its first
+forward), its loss (the last stage's, in the loss function the schedule calls) and its
+backward (from the gradient's arrival at the stage's output to its first
 layer's last gradient, marked with autograd hooks of the job's own); each schedule.step and
 optimizer step with perf_counter. It counts its collectives at the ProcessGroup
 (collective_truth) and writes OUT.rank<R>.json: {"iterations" (start/end, step_s, update),
-"microbatches": [{"it", "mb", "forward", "backward"}], "calls", "stage"}.
+"microbatches": [{"it", "mb", "forward", "loss", "backward"}], "calls", "stage"}.
 """
 
 from __future__ import annotations
@@ -78,8 +79,13 @@ class Clock:
         self.pending = 0
 
     def forward(self, s: float) -> None:
-        self.mb.append({"it": self.it, "mb": self.fwd, "forward": s, "backward": 0.0})
+        self.mb.append({"it": self.it, "mb": self.fwd, "forward": s, "backward": 0.0,
+                        "loss": 0.0})
         self.fwd += 1
+
+    def loss(self, s: float) -> None:
+        """The last stage's loss of the microbatch it just computed."""
+        self.mb[-1]["loss"] += s
 
     def backward_began(self) -> None:
         self.t_bwd = time.perf_counter()
@@ -117,7 +123,14 @@ def main() -> None:
     for prm in (first.weight, first.bias):
         prm.register_post_accumulate_grad_hook(clock.grad_done)
     stage = PipelineStage(mod, rank, world, torch.device("cpu"))
-    loss_fn = nn.CrossEntropyLoss()
+    ce = nn.CrossEntropyLoss()
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        loss = ce(out, target)
+        clock.loss(time.perf_counter() - t0)
+        return loss
+
     sched = SCHEDULES[a.schedule](stage, a.microbatches, loss_fn=loss_fn)
     opt = torch.optim.SGD(mod.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(0)

@@ -8,8 +8,9 @@ with `--fsdp` a 2-D mesh ("dp", "tp"), each block and the root sharded with FSDP
 
 It counts its own collectives (c10d's at the ProcessGroup: collective_truth; the functional
 ones DTensor issues, and the time its thread stood in them, from PyTorch's profiler:
-comm_clock) and times its phases, and writes OUT.rank<R>.json: {"iterations", "calls" (c10d's), "functional" (DTensor's:
-comm_clock), "stood" (seconds per iteration and phase in the functional ones)}.
+comm_clock: kind, bytes, and the block, 1..L from the input side, each belongs to) and times
+its phases, and writes OUT.rank<R>.json: {"iterations", "calls" (c10d's), "functional"
+(DTensor's: comm_clock), "stood" (seconds per iteration and phase in the functional ones)}.
 """
 
 from __future__ import annotations
@@ -46,13 +47,20 @@ class MLP(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self, d: int, blocks: int) -> None:
+    """The blocks in a row, each marked for the job's clock (its forward a profiler range,
+    its input and output edges where the backward leaves markers)."""
+
+    def __init__(self, d: int, blocks: int, clock: CommClock) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(MLP(d) for _ in range(blocks))
+        self.clock = clock
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for b in self.blocks:
-            x = b(x)
+        for k, b in enumerate(self.blocks, 1):
+            x = self.clock.edge(x, k, "in")
+            with self.clock.block(k):
+                x = b(x)
+            x = self.clock.edge(x, k, "out")
         return x
 
 
@@ -75,7 +83,8 @@ def main() -> None:
         tp = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
         dp = None
     torch.manual_seed(0)
-    model = Net(a.width, a.blocks)
+    truth, clock = Truth(), CommClock()
+    model = Net(a.width, a.blocks, clock)
     for b in model.blocks:
         parallelize_module(b, tp, {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
     if dp is not None:
@@ -88,7 +97,6 @@ def main() -> None:
     # the same batch on the ranks of a TP group; another on each data-parallel rank
     g = torch.Generator().manual_seed(dp.get_local_rank() if dp is not None else 0)
     x = torch.randn(a.batch, a.width, generator=g)
-    truth, clock = Truth(), CommClock()
     with clock:
         for i in range(a.iterations):
             truth.begin(i)

@@ -10,6 +10,7 @@ its process group (the DeviceMesh dimension it runs on, by the dimension's name)
   collectives carry activations forward and their gradients backward);
 - `ep` also: an all-to-all outside FSDP (tokens dispatched to their experts and combined
   back);
+- `other`: a barrier (it moves no data);
 - `dp`: DDP's buckets (spans without args.kind: recorded buckets, imported NCCL kernels),
   and a job's own all-reduce of gradients (decided by the data-parallel rule,
   collectives._gradient);
@@ -61,6 +62,8 @@ def dimension(kind: str, contract: bool, a: dict[str, Any]) -> str:
     """A comm span's parallelism, or "" where the data-parallel rule decides."""
     if a.get("fsdp"):
         return "fsdp"
+    if kind == "barrier":     # moves no data: serves no dimension (not even under FSDP)
+        return "other"
     if isinstance(a.get("pp"), dict):
         return "pp"
     # a group named for a dimension: recorded collectives, and imported NCCL kernels whose

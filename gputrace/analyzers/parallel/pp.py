@@ -42,7 +42,7 @@ class Stage:
     step_s: float         # the schedule's step
     bubble_s: float       # per iteration (t_pp): the step's time it computed nothing
     waits_s: float        # its waits for its neighbours (p2p), per iteration
-    p2p_count: float
+    p2p_count: float      # sends and receives, per iteration
     p2p_bytes: float
     t_iter: float
     layers: dict[int, float] = field(default_factory=dict)   # layer -> backward s per mb
@@ -110,13 +110,19 @@ def analyze(sp: Spans, r: Rows, it_start: np.ndarray, it_end: np.ndarray, sel: n
     rit = np.searchsorted(it_start, sp.start[r.idx[j]], side="right") - 1
     j = j[(rit >= 0) & np.isin(rit, sel)]
     waits = np.where(r.wait_s[j] >= 0, r.wait_e[j] - r.wait_s[j], 0) / 1e9
+    # a batch_isend_irecv is one record of several sends and receives (args.ops)
+    ops = sum(_int(a.get("ops"), 1) for a in _args(sp, r.idx[j]))
     return Stage(sp.rank, stage, str(head.get("schedule", "")),
                  int(head.get("microbatches", 0)), p, per_mb("forward"),
                  per_mb("backward") + per_mb("backward_weight"), loss, step_s,
                  float(np.mean(terms["t_pp"][sel])) if "t_pp" in terms else 0.0,
-                 float(waits.sum()) / n_it, float(j.size) / n_it,
+                 float(waits.sum()) / n_it, float(ops) / n_it,
                  float(np.nansum(r.nbytes[j])) / n_it, float(np.mean(terms["t_iter"][sel])),
                  _layer_backward(sp, it_start, sel))
+
+
+def _int(v: Any, default: int) -> int:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else default
 
 
 def _stages_from(sp: Spans, r: Rows) -> int:

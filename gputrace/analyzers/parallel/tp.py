@@ -83,8 +83,10 @@ def _stood_s(sp: Spans, r: Rows, j: np.ndarray) -> np.ndarray:
     return out
 
 
-def _layer_of(sp: Spans, cat: str, t: np.ndarray) -> np.ndarray:
-    """For each time, the layer whose `cat` span (layer >= 1) holds it, -1 where none."""
+def _layer_of(sp: Spans, cat: str, t: np.ndarray, tail: bool = False) -> np.ndarray:
+    """For each time, the layer whose `cat` span (layer >= 1) holds it, -1 where none.
+    `tail`: the layer whose span ended where the one holding it began (the layer before it
+    in the same backward), where there is one."""
     m = np.flatnonzero(sp.of(cat) & (sp.layer >= 1) & (sp.device < 0))
     out = np.full(t.size, -1, np.int64)
     if not m.size or not t.size:
@@ -94,6 +96,10 @@ def _layer_of(sp: Spans, cat: str, t: np.ndarray) -> np.ndarray:
     ok = k >= 0
     inside = np.zeros(t.size, bool)
     inside[ok] = sp.end[m[k[ok]]] >= t[ok]
+    if tail:
+        prev = np.where(k > 0, k - 1, 0)
+        tiled = inside & (k > 0) & (sp.end[m[prev]] == sp.start[m[np.maximum(k, 0)]])
+        k = np.where(tiled, prev, k)
     out[inside] = sp.layer[m[k[inside]]]
     return out
 
@@ -145,9 +151,15 @@ def _layers(sp: Spans, r: Rows, j: np.ndarray, t: np.ndarray, nb: np.ndarray,
         for i in m[np.unique(sp.layer[m], return_index=True)[1]].tolist():
             names.setdefault(int(sp.layer[i]), sp.names[sp.name[i]])
     acc: dict[tuple[int, str], list[float]] = {}
+    # A layer's backward span ends at its last parameter gradient (collectors.torch.grads);
+    # its input's gradient comes after it, and the TP collective that carries it runs
+    # before the next layer's compute, in the span that follows: the layer it belongs to is
+    # the one whose span ended there. Under FSDP2 a layer's backward ends at FSDP's
+    # post-backward, after its input's gradient: there the span holding it.
+    tail = "fsdp2" not in r.fsdp
     for cat in ("forward", "backward"):
         sel = np.array([r.phase[i] == cat for i in j.tolist()], bool)
-        ly = _layer_of(sp, cat, t[sel])
+        ly = _layer_of(sp, cat, t[sel], tail and cat == "backward")
         for layer, b, s in zip(ly.tolist(), nb[sel].tolist(), stood[sel].tolist(),
                                strict=True):
             e = acc.setdefault((layer, cat), [0.0, 0.0, 0.0])

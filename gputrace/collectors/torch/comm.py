@@ -14,7 +14,8 @@ DistributedDataParallel comm hook (its buckets are timed there) is not recorded 
 record's fields are described in the trace format's comm contract: name/`kind`, `bytes`
 (this rank's input), `bytes_out`, `group`, `async`, `phase`, `wait`, and for FSDP the unit
 (`layer`, `fsdp`, `unit`, `role`, `prefetch`), which torch_fsdp sets on the thread while a
-unit issues its collectives.
+unit issues its collectives; a batch_isend_irecv's one record says how many sends and
+receives it holds (`ops`).
 """
 
 from __future__ import annotations
@@ -117,10 +118,12 @@ def _record(st: Any, kind: str, a: tuple[Any, ...], k: dict[str, Any], ex: Any,
         nin = sum(_nb(op.tensor) for op in ops if _is_send(op.op))
         nout = sum(_nb(op.tensor) for op in ops if not _is_send(op.op))
         group = ops[0].group if ops else None
+        more = f',"ops":{len(ops)}'   # one record, this many sends and receives
     else:
         nin = ex[0](a, k)
         nout = ex[1](a, k)
         group = ex[2](a, k)
+        more = ""
     works = _works(res) if res is not None else ()
     ctx = TLS.ctx
     layer, fsdp = (-1, "") if ctx is None or nin < getattr(ctx, "min_bytes", 0) \
@@ -134,7 +137,7 @@ def _record(st: Any, kind: str, a: tuple[Any, ...], k: dict[str, Any], ex: Any,
     if kind == "all_to_all":                     # the bytes this rank sends each peer
         fsdp += _peers(a, k)
     head = (f'{{"kind":"{kind}","bytes_out":{nout},"group":{_group_json(group)},'
-            f'"async":{"true" if works else "false"},"phase":"{phase}"{fsdp}')
+            f'"async":{"true" if works else "false"},"phase":"{phase}"{fsdp}{more}')
     if not works:    # on this thread (the recorder notes it): GPU launches inside are comm
         rec.span("comm", kind, t0, t1, layer=layer, nbytes=nin, args=head + "}")
         return
