@@ -53,7 +53,7 @@ def tp_layers(doc: dict[str, Any]) -> Table:
     tensor-parallel collectives per iteration: count, bytes, the time the job stood in
     them."""
     rows = [{"rank": r, "layer": x["layer"], "name": x["name"], "phase": x["phase"],
-             "count": x["count"], "bytes": x["nbytes"], "exposed_s": x["exposed_s"]}
+             "count": x["count"], "bytes": x["bytes"], "exposed_s": x["exposed_s"]}
             for r, tp in _sections(doc, "tensor_parallel") for x in tp["layers"]]
     return _table("tp_layers", rows, TP_LAYER_COLUMNS)
 
@@ -99,7 +99,7 @@ def expert_parallel(doc: dict[str, Any]) -> Table:
         by = {int(k): v for k, v in (imb.get("bytes_by_rank") or {}).items()}
         mean = sum(by.values()) / len(by) if by else 0.0
         row = {"rank": r, "degree": ep["degree"], "moe_layers": ep["moe_layers"],
-               "count": ep["count"], "bytes": ep["nbytes"], "time_s": ep["time_s"],
+               "count": ep["count"], "bytes": ep["bytes"], "time_s": ep["time_s"],
                "exposed_s": ep["exposed_s"]}
         for role in ("dispatch", "combine"):
             x = ep["roles"].get(role) or {}
