@@ -24,16 +24,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 from torch.profiler import ProfilerActivity, profile, schedule
-
-
-class MLP(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(d, 4 * d)
-        self.w2 = nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.w2(torch.relu(self.w1(x)))
+from tp_train import MLP  # the same Megatron block as the recorded TP job
 
 
 def main() -> None:

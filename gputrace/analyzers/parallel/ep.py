@@ -18,6 +18,7 @@ import pyarrow as pa
 
 from gputrace.analyzers.collectives import Rows
 from gputrace.analyzers.frame import Spans
+from gputrace.analyzers.parallel.rows import rows_in
 from gputrace.analyzers.parallel.tp import _stood_s
 
 
@@ -39,15 +40,7 @@ class ExpertParallel:
 
 def analyze(sp: Spans, r: Rows, it_start: np.ndarray, it_end: np.ndarray,
             sel: np.ndarray) -> ExpertParallel | None:
-    ep = np.array([d == "ep" for d in r.dim], bool)
-    if not ep.any() or not sel.size:
-        return None
-    j = np.flatnonzero(ep)
-    t = sp.start[r.idx[j]]
-    it = np.searchsorted(it_start, t, side="right") - 1
-    ok = (it >= 0) & np.isin(it, sel)
-    ok[ok] &= t[ok] < it_end[it[ok]]
-    j, it = j[ok], it[ok]
+    j, it = rows_in(sp, r, "ep", it_start, it_end, sel)
     if not j.size:
         return None
     n_it = float(sel.size)

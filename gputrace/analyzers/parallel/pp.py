@@ -17,6 +17,7 @@ import pyarrow as pa
 from gputrace.analyzers.collectives import Rows
 from gputrace.analyzers.frame import Spans
 from gputrace.analyzers.parallel import pipesim
+from gputrace.analyzers.parallel.rows import rows_in
 
 ASSUMPTIONS = (
     "the global batch stays: a microbatch's forward and backward take the measured time x "
@@ -105,10 +106,7 @@ def analyze(sp: Spans, r: Rows, it_start: np.ndarray, it_end: np.ndarray, sel: n
     md = md or {}
     p = int(head.get("num_stages") or md.get("num_stages") or 0) or _stages_from(sp, r)
     loss = _loss_s(sp, it_start, sel)
-    pr = np.array([d == "pp" for d in r.dim], bool)
-    j = np.flatnonzero(pr)
-    rit = np.searchsorted(it_start, sp.start[r.idx[j]], side="right") - 1
-    j = j[(rit >= 0) & np.isin(rit, sel)]
+    j, _ = rows_in(sp, r, "pp", it_start, it_end, sel)
     waits = np.where(r.wait_s[j] >= 0, r.wait_e[j] - r.wait_s[j], 0) / 1e9
     # a batch_isend_irecv is one record of several sends and receives (args.ops)
     ops = sum(_int(a.get("ops"), 1) for a in _args(sp, r.idx[j]))

@@ -20,6 +20,7 @@ import numpy as np
 
 from gputrace.analyzers.collectives import Rows
 from gputrace.analyzers.frame import Spans
+from gputrace.analyzers.parallel.rows import rows_in
 
 PHASES = ("forward", "backward", "update", "none")
 
@@ -108,18 +109,11 @@ def analyze(sp: Spans, r: Rows, it_start: np.ndarray, it_end: np.ndarray, sel: n
             terms: dict[str, np.ndarray]) -> TensorParallel | None:
     """The rank's tensor-parallel collectives over the analyzed iterations `sel`, or None
     when it has none."""
-    tp = np.array([d == "tp" for d in r.dim], bool)
-    if not tp.any() or not sel.size:
-        return None
-    j = np.flatnonzero(tp)
-    t = sp.start[r.idx[j]]
-    it = np.searchsorted(it_start, t, side="right") - 1
-    inside = (it >= 0) & np.isin(it, sel)
-    inside[inside] &= t[inside] < it_end[it[inside]]
-    j, t = j[inside], t[inside]
-    n_it = float(sel.size)
+    j, _ = rows_in(sp, r, "tp", it_start, it_end, sel)
     if not j.size:
         return None
+    t = sp.start[r.idx[j]]
+    n_it = float(sel.size)
     nb = np.nan_to_num(r.nbytes[j])
     dur = (sp.end[r.idx[j]] - sp.start[r.idx[j]]) / 1e9
     stood = _stood_s(sp, r, j)
