@@ -152,7 +152,8 @@ class WhatIf:
     schedule: str
     microbatches: int
     t_iter: float
-    bubble: float         # share of the replayed step
+    bubble: float         # share of the iteration (as Pipeline.bubble), mean over stages
+    bubble_s: float       # per iteration, mean over stages: replayed step time computing nothing
 
 
 @dataclass(frozen=True)
@@ -198,7 +199,6 @@ def combine(stages: list[Stage], extra: list[int] | None = None) -> Pipeline | N
     known = sched in pipesim.SCHEDULES
     transfer = pipesim.fit_transfer(sched, fwd, bwd, m, loss, step) if known else 0.0
     base = pipesim.replay(sched, fwd, bwd, m, transfer, loss).makespan if known else step
-    outside = st[0].t_iter - st[0].step_s
     out = Pipeline(st, sched, m, p, float(np.mean([s.bubble_s / s.t_iter for s in st
                                                    if s.t_iter > 0])),
                    pipesim.theory(p, m), max(st, key=lambda s: s.busy_s).stage, transfer,
@@ -206,24 +206,37 @@ def combine(stages: list[Stage], extra: list[int] | None = None) -> Pipeline | N
     if not known:
         return out
     ifs = []
-
-    def run(what: str, schedule: str, m2: int, f: list[float], b: list[float]) -> None:
-        k = m / m2
-        r = pipesim.replay(schedule, [x * k for x in f], [x * k for x in b], m2,
-                           transfer, loss * k)
-        ifs.append(WhatIf(what, schedule, m2, r.makespan + outside,
-                          float(np.mean(r.bubble)) / r.makespan if r.makespan else 0.0))
-
     for m2 in sorted(set(extra or [max(p, m // 2), m * 2]) - {m}):
         if m2 >= 1 and (sched != "Schedule1F1B" or m2 >= p):   # torch's 1F1B needs m >= p
-            run(f"{m2} microbatches", sched, m2, fwd, bwd)
+            ifs.append(predict(out, sched, m2))
     other = next(s for s in pipesim.SCHEDULES if s != sched)
     if other != "Schedule1F1B" or m >= p:
-        run(f"{pipesim.SHORT[other]} schedule", other, m, fwd, bwd)
+        ifs.append(predict(out, other, m))
     moved = _balanced(st)
     if moved is not None:
-        run("layers balanced across stages", sched, m, *moved)
+        ifs.append(predict(out, sched, m, *moved, what="layers balanced across stages"))
     return replace(out, what_if=ifs)
+
+
+def predict(pl: Pipeline, schedule: str, m: int, fwd: list[float] | None = None,
+            bwd: list[float] | None = None, what: str = "") -> WhatIf:
+    """The pipeline's iteration replayed with `schedule` over `m` microbatches (the global
+    batch kept: each microbatch's times x pl.microbatches / m, ASSUMPTIONS), from the
+    measured per-microbatch times (or `fwd`/`bwd` per stage at the measured count)."""
+    if schedule not in pipesim.SCHEDULES or pl.schedule not in pipesim.SCHEDULES:
+        raise ValueError(f"no replay of {schedule} from {pl.schedule}")
+    st = pl.stages
+    k = pl.microbatches / m
+    f = [x * k for x in (fwd or [s.forward_s for s in st])]
+    b = [x * k for x in (bwd or [s.backward_s for s in st])]
+    r = pipesim.replay(schedule, f, b, m, pl.transfer_s, st[-1].loss_s * k)
+    t_iter = r.makespan + st[0].t_iter - st[0].step_s
+    idle = float(np.mean(r.bubble))
+    if not what:
+        what = (f"{m} microbatches" if schedule == pl.schedule else
+                f"{pipesim.SHORT[schedule]} schedule" + (
+                    f", {m} microbatches" if m != pl.microbatches else ""))
+    return WhatIf(what, schedule, m, t_iter, idle / t_iter if t_iter > 0 else 0.0, idle)
 
 
 def _balanced(st: list[Stage]) -> tuple[list[float], list[float]] | None:
