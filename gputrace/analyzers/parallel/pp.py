@@ -46,10 +46,16 @@ class Stage:
     p2p_bytes: float
     t_iter: float
     layers: dict[int, float] = field(default_factory=dict)   # layer -> backward s per mb
+    # the pipeline spans of a few analyzed iterations (BLOCK_STEPS, the middle ones), as
+    # recorded (trace ns): (step, name, microbatch, start, end); the step itself has mb -1
+    blocks: tuple[tuple[int, str, int, int, int], ...] = ()
 
     @property
     def busy_s(self) -> float:
         return self.microbatches * (self.forward_s + self.backward_s + self.loss_s)
+
+
+BLOCK_STEPS = 9      # iterations whose pipeline spans a stage keeps (a report draws one)
 
 
 def _args(sp: Spans, idx: np.ndarray) -> list[dict[str, Any]]:
@@ -116,7 +122,27 @@ def analyze(sp: Spans, r: Rows, it_start: np.ndarray, it_end: np.ndarray, sel: n
                  float(np.mean(terms["t_pp"][sel])) if "t_pp" in terms else 0.0,
                  float(waits.sum()) / n_it, float(j.size) / n_it,
                  float(np.nansum(r.nbytes[j])) / n_it, float(np.mean(terms["t_iter"][sel])),
-                 _layer_backward(sp, it_start, sel))
+                 _layer_backward(sp, it_start, sel), _blocks(sp, pipe, names, args))
+
+
+def _blocks(sp: Spans, pipe: np.ndarray, names: list[str], args: list[dict[str, Any]]
+            ) -> tuple[tuple[int, str, int, int, int], ...]:
+    """The pipeline spans of the middle BLOCK_STEPS analyzed iterations (by their step: the
+    same ones on every rank of a lock-stepped pipeline)."""
+    steps = np.unique(sp.step[pipe])
+    steps = steps[steps >= 0]
+    if not steps.size:
+        return ()
+    mid = steps.size // 2
+    keep = set(steps[max(mid - BLOCK_STEPS // 2, 0):mid + BLOCK_STEPS // 2 + 1].tolist())
+    out = []
+    for i, n, a in zip(pipe.tolist(), names, args, strict=True):
+        st = int(sp.step[i])
+        if st in keep:
+            mb = a.get("mb", -1) if n != "step" else -1
+            out.append((st, n, int(mb) if isinstance(mb, int) else -1, int(sp.start[i]),
+                        int(sp.end[i])))
+    return tuple(sorted(out, key=lambda b: (b[0], b[3])))
 
 
 def _stages_from(sp: Spans, r: Rows) -> int:
@@ -270,7 +296,69 @@ def as_dict(pl: Pipeline) -> dict[str, Any]:
             "num_stages": pl.num_stages, "bubble": pl.bubble, "theory": pl.theory,
             "slowest_stage": pl.slowest, "transfer_s": pl.transfer_s,
             "replayed_step_s": pl.replayed_step_s,
-            "stages": [{k: v for k, v in vars(s).items() if k != "layers"} | {
+            "stages": [{k: v for k, v in vars(s).items()
+                        if k not in ("layers", "blocks")} | {
                 "busy_s": s.busy_s} for s in pl.stages],
             "what_if": [vars(w) for w in pl.what_if], "assumptions": list(pl.assumptions),
             "headline": pl.headline()}
+
+
+@dataclass(frozen=True)
+class Block:
+    """A microbatch's forward or backward on a stage (or the stage's schedule step, name
+    "step", mb -1), in seconds from the iteration's first step start."""
+
+    stage: int
+    rank: int
+    name: str
+    mb: int
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True)
+class Iteration:
+    """One iteration of the pipeline as it ran: every stage's blocks on one clock."""
+
+    step: int
+    blocks: list[Block]
+    makespan_s: float           # the first stage's step start to the last step's end
+
+    @property
+    def idle(self) -> dict[int, float]:
+        """Per stage, the share of the makespan it computed nothing (its bubble: the gaps
+        between its blocks, before its first and after its last)."""
+        busy: dict[int, float] = {}
+        for b in self.blocks:
+            busy.setdefault(b.stage, 0.0)
+            if b.name != "step":
+                busy[b.stage] += b.end_s - b.start_s
+        return {s: 1 - v / self.makespan_s if self.makespan_s > 0 else 0.0
+                for s, v in sorted(busy.items())}
+
+
+def iteration(pl: Pipeline, offsets: dict[int, int] | None = None) -> Iteration | None:
+    """A representative iteration: of those every stage kept (Stage.blocks), the one whose
+    first stage's step is the median; times from the first stage's step start (where the
+    pipeline starts; a later stage's step, begun earlier to wait for it, is cut there), on
+    one clock by subtracting each rank's host offset (`offsets`, ns, as Analysis.clock gives
+    them). None when no iteration was kept by every stage."""
+    offsets = offsets or {}
+    common: set[int] | None = None
+    for s in pl.stages:
+        mine = {b[0] for b in s.blocks if b[1] == "step"}
+        common = mine if common is None else common & mine
+    if not common:
+        return None
+    first = {b[0]: b for b in pl.stages[0].blocks if b[1] == "step"}
+    ranked = sorted(common, key=lambda k: (first[k][4] - first[k][3], k))
+    step = ranked[(len(ranked) - 1) // 2]
+    t0 = first[step][3] - offsets.get(pl.stages[0].rank, 0)
+    blocks = []
+    for s in pl.stages:
+        off = offsets.get(s.rank, 0) + t0
+        for b in s.blocks:
+            if b[0] == step and b[4] - off > 0:
+                blocks.append(Block(s.stage, s.rank, b[1], b[2], max(b[3] - off, 0) / 1e9,
+                                    (b[4] - off) / 1e9))
+    return Iteration(step, blocks, max(b.end_s for b in blocks))
