@@ -1,16 +1,17 @@
-"""The report of pipeline- and tensor-parallel runs: real 2-rank jobs
+"""The report and the timeline export of pipeline- and tensor-parallel runs: real 2-rank jobs
 over gloo on the CPU recorded with gputrace (tests/jobs/pp_train.py with torch's 1F1B
 schedule; tests/jobs/tp_train.py, Megatron-style blocks through DTensor), the page's
 pipeline chart held to torch's own schedule and to the recorded spans, the tensor-parallel
-section to the analysis."""
+section to the analysis, and the export's tracks and arguments to the trace."""
 
 from __future__ import annotations
 
 import html.parser
+import json
 import os
 import subprocess
 import sys
-from collections import Counter
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from gputrace.analyzers.parallel import pipesim  # noqa: E402
 from gputrace.report import html as report_html  # noqa: E402
 from gputrace.report.charts import charts  # noqa: E402
 from gputrace.trace import load  # noqa: E402
+from tests.conftest import run_gputrace  # noqa: E402
 from tests.tracebuilder import Builder, ddp_iterations  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -186,3 +188,77 @@ def test_a_data_parallel_page_has_no_parallel_sections(tmp_path):
     page = report_html.render(a, None, "", "t.arrow")
     assert 'id="pipeline"' not in page and 'id="tensor-parallel"' not in page
     assert "Pipeline:" not in page and "Tensor parallel:" not in page
+
+
+# -- export -------------------------------------------------------------------------------
+
+
+def _chrome(trace: Path, out: Path) -> tuple[list[dict], dict, dict]:
+    run_gputrace("export", str(trace), "--format", "chrome", "-o", str(out), check=True)
+    ev = json.loads(out.read_text())["traceEvents"]
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in ev
+               if e["ph"] == "M" and e["name"] == "thread_name"}
+    procs = {e["pid"]: e["args"]["name"] for e in ev
+             if e["ph"] == "M" and e["name"] == "process_name"}
+    return [e for e in ev if e["ph"] == "X"], threads, procs
+
+
+def test_export_puts_pipeline_spans_on_a_track_per_rank(pp_trace, tmp_path):
+    slices, threads, procs = _chrome(pp_trace, tmp_path / "pp.json")
+    want = Counter((r["rank"], r["name"]) for r in load(pp_trace).table.to_pylist()
+                   if r["cat"] == "pipeline")
+    got: Counter = Counter()
+    where = defaultdict(set)
+    for e in slices:
+        if e["cat"] == "pipeline":
+            rank = int(procs[e["pid"]].split()[-1])
+            where[rank].add(threads[(e["pid"], e["tid"])])
+            got[(rank, e["name"].split()[0])] += 1
+            if e["name"].startswith(("forward", "backward")):
+                assert e["name"] == f"{e['name'].split()[0]} mb {e['args']['mb']}"
+                assert e["args"]["stage"] == rank
+            else:
+                assert e["name"] == "step (Schedule1F1B)"
+                assert e["args"]["microbatches"] == MB and e["args"]["num_stages"] == 2
+    assert got == want
+    assert where == {0: {"pipeline stage 0"}, 1: {"pipeline stage 1"}}
+    # the track holds nothing else
+    tracks = {(e["pid"], e["tid"]) for e in slices if e["cat"] == "pipeline"}
+    assert {e["cat"] for e in slices if (e["pid"], e["tid"]) in tracks} == {"pipeline"}
+    p2p = [e for e in slices if e["cat"] == "comm" and e["args"].get("kind") == "send_recv"]
+    assert p2p and all(e["args"]["parallelism"] == "pp" for e in p2p)
+    assert {e["args"]["pp_stage"] for e in p2p} == {0, 1}
+
+
+def test_export_keeps_a_tensor_parallel_collectives_mesh_and_issuer(tp_trace, tmp_path):
+    slices, _, _ = _chrome(tp_trace, tmp_path / "tp.json")
+    dt = [e for e in slices if e["cat"] == "comm" and e["args"].get("issuer") == "dtensor"]
+    assert dt
+    for e in dt:
+        a = e["args"]
+        assert a["parallelism"] == "tp" and a["mesh_dim"] == "tp" and a["mesh_shape"] == "2"
+        assert a["functional"] is True and a["call_ns"] >= 0
+
+
+def test_perfetto_export_has_the_pipeline_tracks(pp_trace, tmp_path):
+    pytest.importorskip("perfetto")
+    from perfetto.protos.perfetto.trace.perfetto_trace_pb2 import Trace, TrackEvent
+
+    out = tmp_path / "pp.pftrace"
+    run_gputrace("export", str(pp_trace), "-o", str(out), check=True)
+    t = Trace()
+    t.ParseFromString(out.read_bytes())
+    names, begins = {}, Counter()
+    args: dict[str, dict] = {}
+    for p in t.packet:
+        if p.HasField("track_descriptor"):
+            names[p.track_descriptor.uuid] = p.track_descriptor.name
+        elif p.HasField("track_event") and p.track_event.type == TrackEvent.TYPE_SLICE_BEGIN:
+            ev = p.track_event
+            begins[(names[ev.track_uuid], ev.categories[0])] += 1
+            if ev.categories[0] == "comm" and ev.name == "comm: send_recv":
+                args = {a.name: a for a in ev.debug_annotations}
+    n = sum(r["cat"] == "pipeline" for r in load(pp_trace).table.to_pylist()) // 2
+    assert begins[("pipeline stage 0", "pipeline")] == n
+    assert begins[("pipeline stage 1", "pipeline")] == n
+    assert args["parallelism"].string_value == "pp" and "pp_stage" in args
