@@ -20,7 +20,9 @@ from gputrace.analyzers.parallel import pipesim
 
 ASSUMPTIONS = (
     "the global batch stays: a microbatch's forward and backward take the measured time x "
-    "m/m' (proportional to its size)",
+    "m/m' (proportional to its size) under either schedule (a smaller microbatch's lower "
+    "efficiency, or a schedule's smaller activation footprint computing faster, is not "
+    "predicted)",
     "a transfer between stages (with the schedule's own work per microbatch) costs what "
     "replaying the measured schedule needs to give the measured step (fitted once), the "
     "same per transfer at any microbatch count (latency, not bandwidth, bound)",
