@@ -22,7 +22,7 @@ the error when the compute is right, i.e. the schedule replay and the transfer m
 
     python bench/whatif_pp.py [--configs gpipe:4,gpipe:8,1f1b:4,1f1b:8] [--iterations 12]
         [--width 1024] [--batch 512] [--blocks 4] [--rounds 1] [--quiet SECONDS]
-        [--keep DIR | --reuse DIR]
+        [--keep DIR | --reuse DIR] [--tiny]
 """
 
 from __future__ import annotations
@@ -139,7 +139,11 @@ def main() -> None:
                     help="before each recording, wait up to SECONDS for the machine to idle")
     ap.add_argument("--keep", type=Path, help="keep the traces in DIR")
     ap.add_argument("--reuse", type=Path, help="analyze the traces kept in DIR again")
+    ap.add_argument("--tiny", action="store_true",
+                    help="a tiny model, GPipe and 1F1B at 2 microbatches, 5 iterations")
     a = ap.parse_args()
+    if a.tiny:
+        a.configs, a.iterations, a.width, a.batch, a.blocks = "gpipe:2,1f1b:2", 5, 64, 32, 1
     cfgs = configs(a.configs)
     out = a.reuse or a.keep or Path(tempfile.mkdtemp(prefix="whatif-pp-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -190,7 +194,7 @@ def main() -> None:
                                  f"{ratio:.2f}" + ("" if abs(ratio - 1) <= SAME_COMPUTE
                                                    else " (differs)"),
                                  f"{busy:.2f}" if busy == busy else "?"])
-        print(machine())
+        print(f"machine: {machine()}")
         print(f"pp_train.py: {a.blocks} blocks per stage, width {a.width}, batch {a.batch}, "
               f"{a.iterations} iterations; t_iter and bubble: stage 0's (its iteration is "
               "what the replay predicts), bubble: share of the iteration, mean over stages")
