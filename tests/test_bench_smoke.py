@@ -16,7 +16,7 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 @pytest.mark.slow
 @pytest.mark.parametrize("script", ["analysis.py", "sampler.py", "overhead.py", "merge.py",
                                     "report.py", "whatif.py", "overhead_tf.py", "scale.py",
-                                    "imports.py", "overhead_gpt.py"])
+                                    "imports.py", "overhead_gpt.py", "whatif_pp.py"])
 def test_benchmark_runs_tiny(script, tmp_path):
     if script == "overhead_tf.py" and importlib.util.find_spec("tensorflow") is None:
         pytest.skip("tensorflow is not installed (make test installs it)")
@@ -42,6 +42,8 @@ def test_benchmark_runs_tiny(script, tmp_path):
     if script == "whatif.py":   # two runs, each predicting the other: two errors reported
         assert "bucket predictions: 2," in p.stdout, p.stdout
         assert set(whatif_errors(p.stdout)) == {"bucket"}
+    if script == "whatif_pp.py":   # GPipe and 1F1B, each predicting the other
+        assert "replayed with the target's own compute: 2 predictions" in p.stdout, p.stdout
 
 
 def whatif_errors(out: str) -> dict[str, float]:

@@ -45,6 +45,7 @@ class Chart:
     title: str
     caption: str       # one line: what to look for
     spec: dict[str, Any]
+    extra: str = ""    # HTML below the chart (its tables), escaped where it is made
 
 
 def _columns(**cols: Sequence[Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -341,8 +342,9 @@ def evidence(finding_id: str) -> str | None:
 def charts(a: Analysis, ra: RankAnalysis) -> list[Chart]:
     """Every chart the analysis has data for, in page order."""
     from gputrace.report.charts_comm import unit_bars
+    from gputrace.report.charts_parallel import pipeline, tensor_parallel
     from gputrace.report.charts_scaling import speedup, what_if
 
-    made = (breakdown(ra), timeline(ra), unit_bars(ra), rank_heatmap(a), comm_wait(a),
-            bandwidth(ra), speedup(ra), what_if(ra))
+    made = (breakdown(ra), timeline(ra), unit_bars(ra), pipeline(a, ra), tensor_parallel(ra),
+            rank_heatmap(a), comm_wait(a), bandwidth(ra), speedup(ra), what_if(ra))
     return [c for c in made if c is not None]

@@ -1,11 +1,16 @@
 """Timelines for viewers: Perfetto protobuf (ui.perfetto.dev) and Chrome Trace Event JSON.
 
 Tracks: per rank a process; in it one track per host thread (`pid/tid`) and one per GPU
-stream (`GPU d stream s`); samples become counter tracks (`name` or `name@GPU d`).
+stream (`GPU d stream s`); samples become counter tracks (`name` or `name@GPU d`). A
+pipeline-parallel rank's `pipeline` spans (its schedule steps, each microbatch's forward
+and backward on its stage) get a track of their own, `pipeline stage S`, beside the
+thread that ran them.
 Spans that overlap without nesting on one thread go to extra lanes of that thread, so
 every track's slices nest as the formats require. A collective's slice carries its kind,
-bytes, process group and, under FSDP, its unit, role and prefetch; the job's wait on it is a
-slice nested in it (`wait: <kind>`, cat `comm_wait`).
+bytes, process group (its DeviceMesh dimension), the parallelism it serves (`parallelism`:
+dp, fsdp, tp, pp, ep, cp, as `analyze` classifies it), who issued it (a pipeline stage's
+send/recv: `pp_stage`; DTensor: `issuer`) and, under FSDP, its unit, role and prefetch; the
+job's wait on it is a slice nested in it (`wait: <kind>`, cat `comm_wait`).
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+
+from gputrace.report.export_args import json_args, label, slice_args
 
 
 class ExportUnavailable(Exception):
@@ -52,34 +59,6 @@ def _columns(table: pa.Table) -> dict[str, Any]:
         if "args" in table.column_names else [None] * table.num_rows,
     }
     return _with_waits(cols)
-
-
-COMM_ARGS = ("kind", "bytes_out", "async", "fsdp", "unit", "role", "prefetch")
-
-
-def _comm_args(cols: dict[str, Any], i: int) -> dict[str, Any]:
-    """A collective's record-contract args, flattened for a viewer's argument panel."""
-    raw = cols["args"][i]
-    try:
-        a = json.loads(raw) if raw else {}
-    except ValueError:
-        return {}
-    if not isinstance(a, dict):
-        return {}
-    out: dict[str, Any] = {k: a[k] for k in COMM_ARGS if k in a and a[k] is not None}
-    g = a.get("group")
-    if isinstance(g, dict):
-        for k in ("size", "name"):
-            if k in g:
-                out[f"group_{k}"] = g[k]
-        if isinstance(g.get("ranks"), list):
-            out["group_ranks"] = ",".join(str(r) for r in g["ranks"])
-    if isinstance(a.get("layers"), list):
-        out["layers"] = ",".join(str(x) for x in a["layers"])
-    w = a.get("wait")
-    if isinstance(w, list) and len(w) == 2:
-        out["wait_ns"] = int(w[1]) - int(w[0])
-    return out
 
 
 def _with_waits(cols: dict[str, Any]) -> dict[str, Any]:
@@ -141,12 +120,19 @@ def tracks(cols: dict[str, Any]) -> tuple[list[_Track], dict[tuple[int, str], li
     """Span tracks (nesting) and counter series keyed (rank, name)."""
     groups: dict[tuple[Any, ...], list[int]] = defaultdict(list)
     counters: dict[tuple[int, str], list[int]] = defaultdict(list)
+    stages: dict[int, set[str]] = defaultdict(set)
     for i, kind in enumerate(cols["kind"]):
         rank = int(cols["rank"][i])
         if kind == "span":
             dev = int(cols["device"][i])
             if dev >= 0:
                 groups[(rank, "gpu", dev, int(cols["stream"][i]))].append(i)
+            elif cols["cat"][i] == "pipeline":
+                groups[(rank, "pipeline", 0, 0)].append(i)
+                st = json_args(cols, i).get("stage" if cols["name"][i] != "step"
+                                             else "stages")
+                stages[rank].update(str(x) for x in (st if isinstance(st, list) else [st])
+                                    if isinstance(x, int))
             else:
                 groups[(rank, "cpu", int(cols["pid"][i]), int(cols["tid"][i]))].append(i)
         elif kind == "sample" and cols["value"][i] == cols["value"][i]:
@@ -156,32 +142,13 @@ def tracks(cols: dict[str, Any]) -> tuple[list[_Track], dict[tuple[int, str], li
     out: list[_Track] = []
     for key in sorted(groups):
         rank, where, a, b = key
-        base = f"GPU {a} stream {b}" if where == "gpu" else f"{a}/{b}"
+        st = sorted(stages.get(rank, ()), key=int)
+        base = f"GPU {a} stream {b}" if where == "gpu" else f"{a}/{b}" if where == "cpu" \
+            else f"pipeline stage{'s' if len(st) > 1 else ''} {', '.join(st)}".rstrip()
         lanes = _lanes(groups[key], cols["start"], cols["end"])
         for n, lane in enumerate(lanes):
             out.append(_Track(key + (n,), rank, base if n == 0 else f"{base} ({n + 1})", lane))
     return out, counters
-
-
-def _label(cols: dict[str, Any], i: int) -> str:
-    cat, name = cols["cat"][i], cols["name"][i]
-    if cat in ("kernel", "memcpy", "memset", "user", "sync", "comm_wait") or name == cat:
-        return name
-    return f"{cat}: {name}"
-
-
-def _slice_args(cols: dict[str, Any], i: int) -> dict[str, Any]:
-    a: dict[str, Any] = {"cat": cols["cat"][i]}
-    for k in ("step", "layer"):
-        if cols[k][i] >= 0:
-            a[k] = int(cols[k][i])
-    if cols["phase"][i]:
-        a["phase"] = cols["phase"][i]
-    if cols["cat"][i] == "comm":
-        if cols["bytes"][i] >= 0:
-            a["bytes"] = int(cols["bytes"][i])
-        a.update(_comm_args(cols, i))
-    return a
 
 
 def write(trace: Any, path: str, fmt: str) -> dict[str, int]:
@@ -221,10 +188,10 @@ def _write_chrome(path: str, cols: dict[str, Any], span_tracks: list[_Track],
             yield {"ph": "M", "name": "thread_name", "pid": t.rank + 1, "tid": tid,
                    "args": {"name": t.name}}
             for i in t.spans:
-                yield {"ph": "X", "name": _label(cols, i), "cat": cols["cat"][i],
+                yield {"ph": "X", "name": label(cols, i), "cat": cols["cat"][i],
                        "pid": t.rank + 1, "tid": tid, "ts": us(cols["start"][i]),
                        "dur": max(us(cols["end"][i]) - us(cols["start"][i]), 0.0)
-                       if cols["end"][i] >= 0 else 0.0, "args": _slice_args(cols, i)}
+                       if cols["end"][i] >= 0 else 0.0, "args": slice_args(cols, i)}
         for (r, name), idx in sorted(counters.items()):
             for i in idx:
                 yield {"ph": "C", "name": name, "pid": r + 1, "ts": us(cols["start"][i]),
@@ -300,9 +267,9 @@ def _write_perfetto(path: str, cols: dict[str, Any], span_tracks: list[_Track],
                 p.track_event.track_uuid = u
                 if is_begin:
                     p.track_event.type = TrackEvent.TYPE_SLICE_BEGIN
-                    p.track_event.name = _label(cols, i)
+                    p.track_event.name = label(cols, i)
                     p.track_event.categories.append(cols["cat"][i])
-                    for k, v in _slice_args(cols, i).items():
+                    for k, v in slice_args(cols, i).items():
                         a = p.track_event.debug_annotations.add()
                         a.name = k
                         if isinstance(v, bool):

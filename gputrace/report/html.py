@@ -37,7 +37,7 @@ NOT_DRAWN = {    # chart id: (what it would show, why it is not drawn)
 CSS = """
 body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",sans-serif;color:#222;margin:0 auto;
 max-width:1000px;padding:16px 24px 48px}
-h1{font-size:22px;margin:8px 0 4px}h2{font-size:17px;margin:28px 0 2px}
+h1{font-size:22px;margin:8px 0 4px}h2{font-size:17px;margin:28px 0 2px}h3{font-size:15px;margin:14px 0 2px}
 .headline{font-size:16px;font-weight:600;margin:6px 0}.meta,.caption{color:#555;margin:2px 0 8px}
 nav a{margin-right:12px}table{border-collapse:collapse;margin:6px 0}
 td,th{padding:2px 10px;text-align:right}td:nth-child(-n+2),th:nth-child(-n+2){text-align:left}
@@ -145,6 +145,19 @@ def _findings(ra: RankAnalysis, drawn: dict[str, Chart]) -> list[str]:
     return ['<h2 id="findings">Findings</h2>', f'<ul class="findings">{"".join(items)}</ul>']
 
 
+def _parallel_not_drawn(ra: RankAnalysis) -> list[tuple[str, str, str]]:
+    """The parallel sections a run's dimensions call for, with why each would be missing."""
+    out = []
+    if "pp" in ra.degrees:
+        out.append(("pipeline", "Pipeline: one iteration, stage by stage",
+                    "no pipeline spans of every stage in one analyzed iteration (each stage "
+                    "recorded by gputrace's pipelining collector, one stage per rank)"))
+    if "tp" in ra.degrees:
+        out.append(("tensor-parallel", "Tensor parallel: collectives per layer",
+                    "no tensor-parallel collectives in this rank's analyzed iterations"))
+    return out
+
+
 def render(a: Analysis, rank: int | None, script: str, source: str = "") -> str:
     """The page for one rank (default: the slowest) of an analysis made with detail=True;
     `script` is vega_script()'s."""
@@ -157,12 +170,14 @@ def render(a: Analysis, rank: int | None, script: str, source: str = "") -> str:
     for c in drawn.values():
         body.append(f'<section id="{c.id}" class="chart"><h2>{_e(c.title)}</h2>'
                     f'<p class="caption">{_e(c.caption)}</p>'
-                    f'<div class="vis" id="vis-{c.id}"></div></section>')
+                    f'<div class="vis" id="vis-{c.id}"></div>{c.extra}</section>')
     reasons = {k: why for k, (_, why) in NOT_DRAWN.items()}
     if ra.replay_unavailable:
         reasons["what-if"] = ra.replay_unavailable
     missing = [f"<li>{_e(what)}: {_e(reasons[k])}</li>" for k, (what, _) in NOT_DRAWN.items()
                if k not in drawn]
+    missing += [f"<li>{_e(what)}: {_e(why)}</li>" for k, what, why in _parallel_not_drawn(ra)
+                if k not in drawn]
     if missing:
         body.append(f'<h2>Not drawn</h2><ul class="missing">{"".join(missing)}</ul>')
     specs: dict[str, Any] = {c.id: c.spec for c in drawn.values()}
@@ -211,7 +226,7 @@ def fragment(chart: Chart, script: str, uid: str) -> str:
     script = script.replace("</script", "<\\/script")
     return (f'<section id="{_e(uid)}" class="chart gputrace-chart" data-chart="{_e(chart.id)}">'
             f"<h3>{_e(chart.title)}</h3><p>{_e(chart.caption)}</p>"
-            f'<div class="vis" id="vis-{_e(uid)}"></div></section>\n'
+            f'<div class="vis" id="vis-{_e(uid)}"></div>{chart.extra}</section>\n'
             f"<script>if (!window.vegaEmbed) {{ (function () {{\n{script}\n}})(); }}</script>\n"
             f"<script>{FRAGMENT % (json.dumps(uid), spec)}</script>\n")
 

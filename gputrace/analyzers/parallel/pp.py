@@ -21,7 +21,9 @@ from gputrace.analyzers.parallel.rows import rows_in
 
 ASSUMPTIONS = (
     "the global batch stays: a microbatch's forward and backward take the measured time x "
-    "m/m' (proportional to its size)",
+    "m/m' (proportional to its size) under either schedule (a smaller microbatch's lower "
+    "efficiency, or a schedule's smaller activation footprint computing faster, is not "
+    "predicted)",
     "a transfer between stages (with the schedule's own work per microbatch) costs what "
     "replaying the measured schedule needs to give the measured step (fitted once), the "
     "same per transfer at any microbatch count (latency, not bandwidth, bound)",
@@ -47,10 +49,16 @@ class Stage:
     p2p_bytes: float
     t_iter: float
     layers: dict[int, float] = field(default_factory=dict)   # layer -> backward s per mb
+    # the pipeline spans of a few analyzed iterations (BLOCK_STEPS, the middle ones), as
+    # recorded (trace ns): (step, name, microbatch, start, end); the step itself has mb -1
+    blocks: tuple[tuple[int, str, int, int, int], ...] = ()
 
     @property
     def busy_s(self) -> float:
         return self.microbatches * (self.forward_s + self.backward_s + self.loss_s)
+
+
+BLOCK_STEPS = 9      # iterations whose pipeline spans a stage keeps (a report draws one)
 
 
 def _args(sp: Spans, idx: np.ndarray) -> list[dict[str, Any]]:
@@ -116,7 +124,27 @@ def analyze(sp: Spans, r: Rows, it_start: np.ndarray, it_end: np.ndarray, sel: n
                  float(np.mean(terms["t_pp"][sel])) if "t_pp" in terms else 0.0,
                  float(waits.sum()) / n_it, float(ops) / n_it,
                  float(np.nansum(r.nbytes[j])) / n_it, float(np.mean(terms["t_iter"][sel])),
-                 _layer_backward(sp, it_start, sel))
+                 _layer_backward(sp, it_start, sel), _blocks(sp, pipe, names, args))
+
+
+def _blocks(sp: Spans, pipe: np.ndarray, names: list[str], args: list[dict[str, Any]]
+            ) -> tuple[tuple[int, str, int, int, int], ...]:
+    """The pipeline spans of the middle BLOCK_STEPS analyzed iterations (by their step: the
+    same ones on every rank of a lock-stepped pipeline)."""
+    steps = np.unique(sp.step[pipe])
+    steps = steps[steps >= 0]
+    if not steps.size:
+        return ()
+    mid = steps.size // 2
+    keep = set(steps[max(mid - BLOCK_STEPS // 2, 0):mid + BLOCK_STEPS // 2 + 1].tolist())
+    out = []
+    for i, n, a in zip(pipe.tolist(), names, args, strict=True):
+        st = int(sp.step[i])
+        if st in keep:
+            mb = a.get("mb", -1) if n != "step" else -1
+            out.append((st, n, int(mb) if isinstance(mb, int) else -1, int(sp.start[i]),
+                        int(sp.end[i])))
+    return tuple(sorted(out, key=lambda b: (b[0], b[3])))
 
 
 def _int(v: Any, default: int) -> int:
@@ -156,7 +184,8 @@ class WhatIf:
     schedule: str
     microbatches: int
     t_iter: float
-    bubble: float         # share of the replayed step
+    bubble: float         # share of the iteration (as Pipeline.bubble), mean over stages
+    bubble_s: float       # per iteration, mean over stages: replayed step time computing nothing
 
 
 @dataclass(frozen=True)
@@ -175,6 +204,9 @@ class Pipeline:
     what_if: list[WhatIf] = field(default_factory=list)
     assumptions: tuple[str, ...] = ASSUMPTIONS
     bubble_step: float = 0.0   # mean over stages: bubble / the schedule's step (as theory)
+    # per stage, its replicas averaged: forward and backward per microbatch; the last
+    # stage's loss; the first stage's iteration outside its step
+    per_stage: tuple[tuple[float, ...], tuple[float, ...], float, float] = ((), (), 0.0, 0.0)
 
     def headline(self) -> str:
         return (f"pipeline, {self.num_stages} stages x {self.microbatches} microbatches "
@@ -219,42 +251,57 @@ def combine(stages: list[Stage], extra: list[int] | None = None) -> Pipeline | N
                                                    if s.t_iter > 0])),
                    pipesim.theory(p, m), slowest, transfer, base,
                    bubble_step=float(np.mean([min(s.bubble_s / s.step_s, 1.0) for s in st
-                                              if s.step_s > 0])))
+                                              if s.step_s > 0])),
+                   per_stage=(tuple(fwd), tuple(bwd), loss, outside))
     if not known:
         return out
     ifs = []
-
-    def run(what: str, schedule: str, m2: int, f: list[float], b: list[float]) -> None:
-        k = m / m2
-        r = pipesim.replay(schedule, [x * k for x in f], [x * k for x in b], m2,
-                           transfer, loss * k)
-        ifs.append(WhatIf(what, schedule, m2, r.makespan + outside,
-                          float(np.mean(r.bubble)) / r.makespan if r.makespan else 0.0))
-
     for m2 in sorted(set(extra or [max(p, m // 2), m * 2]) - {m}):
         if m2 >= 1 and (sched != "Schedule1F1B" or m2 >= p):   # torch's 1F1B needs m >= p
-            run(f"{m2} microbatches", sched, m2, fwd, bwd)
+            ifs.append(predict(out, sched, m2))
     other = next(s for s in pipesim.SCHEDULES if s != sched)
     if other != "Schedule1F1B" or m >= p:
-        run(f"{pipesim.SHORT[other]} schedule", other, m, fwd, bwd)
-    moved = _balanced(st)
+        ifs.append(predict(out, other, m))
+    moved = _balanced([by[k][0] for k in range(p)], fwd, bwd)
     if moved is not None:
-        run("layers balanced across stages", sched, m, *moved)
+        ifs.append(predict(out, sched, m, *moved, what="layers balanced across stages"))
     return replace(out, what_if=ifs)
 
 
-def _balanced(st: list[Stage]) -> tuple[list[float], list[float]] | None:
+def predict(pl: Pipeline, schedule: str, m: int, fwd: list[float] | None = None,
+            bwd: list[float] | None = None, what: str = "") -> WhatIf:
+    """The pipeline's iteration replayed with `schedule` over `m` microbatches (the global
+    batch kept: each microbatch's times x pl.microbatches / m, ASSUMPTIONS), from the
+    measured per-microbatch times (or `fwd`/`bwd` per stage at the measured count)."""
+    if schedule not in pipesim.SCHEDULES or pl.schedule not in pipesim.SCHEDULES:
+        raise ValueError(f"no replay of {schedule} from {pl.schedule}")
+    f0, b0, loss, outside = pl.per_stage
+    k = pl.microbatches / m
+    f = [x * k for x in (fwd or f0)]
+    b = [x * k for x in (bwd or b0)]
+    r = pipesim.replay(schedule, f, b, m, pl.transfer_s, loss * k)
+    t_iter = r.makespan + outside
+    idle = float(np.mean(r.bubble))
+    if not what:
+        what = (f"{m} microbatches" if schedule == pl.schedule else
+                f"{pipesim.SHORT[schedule]} schedule" + (
+                    f", {m} microbatches" if m != pl.microbatches else ""))
+    return WhatIf(what, schedule, m, t_iter, idle / t_iter if t_iter > 0 else 0.0, idle)
+
+
+def _balanced(st: list[Stage], fwd: list[float], bwd: list[float]
+              ) -> tuple[list[float], list[float]] | None:
     """Stage times with the layers cut where they balance (by their backward time; a
     stage's forward split in the same proportions), None when the layers are not known or
-    the cut stays."""
+    the cut stays. `st`: one rank per stage (its layers); `fwd`, `bwd`: each stage's."""
     layers: list[tuple[float, float]] = []    # (backward, forward) per layer, in order
-    for s in st:
+    for s, f_s, b_s in zip(st, fwd, bwd, strict=True):
         tot = sum(s.layers.values())
         if not s.layers or tot <= 0:
             return None
         for b in s.layers.values():
             share = b / tot
-            layers.append((s.backward_s * share, s.forward_s * share))
+            layers.append((b_s * share, f_s * share))
     cuts = pipesim.balance([b + f for b, f in layers], len(st))
     now, at = [], 0
     for s in st[:-1]:
@@ -275,7 +322,79 @@ def as_dict(pl: Pipeline) -> dict[str, Any]:
             "theory": pl.theory,
             "slowest_stage": pl.slowest, "transfer_s": pl.transfer_s,
             "replayed_step_s": pl.replayed_step_s,
-            "stages": [{k: v for k, v in vars(s).items() if k != "layers"} | {
+            "stages": [{k: v for k, v in vars(s).items()
+                        if k not in ("layers", "blocks")} | {
                 "busy_s": s.busy_s} for s in pl.stages],
             "what_if": [vars(w) for w in pl.what_if], "assumptions": list(pl.assumptions),
             "headline": pl.headline()}
+
+
+@dataclass(frozen=True)
+class Block:
+    """A microbatch's forward or backward on a stage (or the stage's schedule step, name
+    "step", mb -1), in seconds from the iteration's first step start."""
+
+    stage: int
+    rank: int
+    name: str
+    mb: int
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True)
+class Iteration:
+    """One iteration of the pipeline as it ran: every stage's blocks on one clock."""
+
+    step: int
+    blocks: list[Block]
+    makespan_s: float           # the first stage's step start to the last step's end
+
+    @property
+    def idle(self) -> dict[int, float]:
+        """Per stage, the share of the makespan it computed nothing (its bubble: the gaps
+        between its blocks, before its first and after its last)."""
+        busy: dict[int, float] = {}
+        for b in self.blocks:
+            busy.setdefault(b.stage, 0.0)
+            if b.name != "step":
+                busy[b.stage] += b.end_s - b.start_s
+        return {s: 1 - v / self.makespan_s if self.makespan_s > 0 else 0.0
+                for s, v in sorted(busy.items())}
+
+
+def first_replica(pl: Pipeline) -> list[Stage]:
+    """One pipeline: each stage's lowest rank (pipeline x data parallel runs a pipeline per
+    replica)."""
+    out: dict[int, Stage] = {}
+    for s in pl.stages:
+        out.setdefault(s.stage, s)
+    return [out[k] for k in sorted(out)]
+
+
+def iteration(pl: Pipeline, offsets: dict[int, int] | None = None) -> Iteration | None:
+    """A representative iteration: of those every stage kept (Stage.blocks), the one whose
+    first stage's step is the median; times from the first stage's step start (where the
+    pipeline starts; a later stage's step, begun earlier to wait for it, is cut there), on
+    one clock by subtracting each rank's host offset (`offsets`, ns, as Analysis.clock gives
+    them). None when no iteration was kept by every stage."""
+    offsets = offsets or {}
+    stages = first_replica(pl)
+    common: set[int] | None = None
+    for s in stages:
+        mine = {b[0] for b in s.blocks if b[1] == "step"}
+        common = mine if common is None else common & mine
+    if not common:
+        return None
+    first = {b[0]: b for b in stages[0].blocks if b[1] == "step"}
+    ranked = sorted(common, key=lambda k: (first[k][4] - first[k][3], k))
+    step = ranked[(len(ranked) - 1) // 2]
+    t0 = first[step][3] - offsets.get(stages[0].rank, 0)
+    blocks = []
+    for s in stages:
+        off = offsets.get(s.rank, 0) + t0
+        for b in s.blocks:
+            if b[0] == step and b[4] - off > 0:
+                blocks.append(Block(s.stage, s.rank, b[1], b[2], max(b[3] - off, 0) / 1e9,
+                                    (b[4] - off) / 1e9))
+    return Iteration(step, blocks, max(b.end_s for b in blocks))
