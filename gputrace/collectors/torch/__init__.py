@@ -222,6 +222,39 @@ class _State:
         self.its.stepped(t)
 
 
+def _patch_optimizer_step(cls: Any) -> None:
+    """The update is the whole of `optimizer.step()`: torch wraps each optimizer class's
+    step (Optimizer.profile_hook_step: a profiler range and the step hooks around it) on its
+    first instance, and the range's entry and exit cost about as much as the hooks leave
+    out (0.3 ms of a 6 ms AdamW step on the CPU). Wrapping that wrapper makes the step an
+    enclosing step (as DeepSpeed's engine step); the hooks stay for classes wrapped before
+    gputrace was installed."""
+    orig = cls.__dict__.get("profile_hook_step")
+    if not isinstance(orig, staticmethod) or getattr(orig.__func__, "_gputrace", False):
+        return
+    wrap = orig.__func__
+
+    def profile_hook_step(func: Any) -> Any:
+        inner = wrap(func)
+
+        @functools.wraps(inner)
+        def step(*args: Any, **kwargs: Any) -> Any:
+            st = _installed
+            if st is None or not args:
+                return inner(*args, **kwargs)
+            name = type(args[0]).__name__
+            st.engine_step(True, name)
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                st.engine_step(False, name)
+
+        return step
+
+    profile_hook_step._gputrace = True  # type: ignore[attr-defined]
+    cls.profile_hook_step = staticmethod(profile_hook_step)
+
+
 def _patch_dataloader(state: _State) -> None:
     import torch.utils.data._utils.fetch as fetch
     import torch.utils.data.dataloader as dl
@@ -307,6 +340,7 @@ def auto_instrument(rec: Recorder) -> str:
     state.modules.install()
     optim_module.register_optimizer_step_pre_hook(state.step_pre)
     optim_module.register_optimizer_step_post_hook(state.step_post)
+    _patch_optimizer_step(optim_module.Optimizer)
     _patch_backward(state)
     _patch_dataloader(state)
     patch_ddp(lambda: _installed)
