@@ -16,10 +16,13 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 @pytest.mark.slow
 @pytest.mark.parametrize("script", ["analysis.py", "sampler.py", "overhead.py", "merge.py",
                                     "report.py", "whatif.py", "overhead_tf.py", "scale.py",
-                                    "imports.py", "overhead_gpt.py", "whatif_pp.py"])
+                                    "imports.py", "overhead_gpt.py", "whatif_pp.py",
+                                    "whatif_ds.py"])
 def test_benchmark_runs_tiny(script, tmp_path):
     if script == "overhead_tf.py" and importlib.util.find_spec("tensorflow") is None:
         pytest.skip("tensorflow is not installed (make test installs it)")
+    if script == "whatif_ds.py" and importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed (make test installs it)")
     args = [sys.executable, str(BENCH / script), "--tiny"]
     if script == "overhead.py":
         args += ["--ranks", "1", "--save", str(tmp_path / "runs.json")]
@@ -44,6 +47,8 @@ def test_benchmark_runs_tiny(script, tmp_path):
         assert set(whatif_errors(p.stdout)) == {"bucket"}
     if script == "whatif_pp.py":   # GPipe and 1F1B, each predicting the other
         assert "replayed with the target's own compute: 2 predictions" in p.stdout, p.stdout
+    if script == "whatif_ds.py":   # one bucket and a quarter, each predicting the other
+        assert "predictions: 2," in p.stdout, p.stdout
 
 
 def whatif_errors(out: str) -> dict[str, float]:

@@ -25,8 +25,12 @@ ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "tests" / "jobs" / "ds_train.py"
 pytestmark = pytest.mark.slow
 SKIP = 3
+# ds_train.py's MLP at width 512: 1,055,754 gradient elements; a quarter of them is the
+# bucket size the one-bucket run (DeepSpeed's default reduce_bucket_size) offers a what-if for
+QUARTER = (4 * (512 * 512 + 512) + 512 * 10 + 10) // 4
 CONFIGS = {"zero1": ["--stage", "1"], "zero2": ["--stage", "2"],
-           "zero2-overlap": ["--stage", "2", "--overlap-comm"], "zero3": ["--stage", "3"]}
+           "zero2-overlap": ["--stage", "2", "--overlap-comm"], "zero3": ["--stage", "3"],
+           "zero2-buckets": ["--stage", "2", "--bucket", str(QUARTER)]}
 
 
 @pytest.fixture(scope="module")
@@ -122,3 +126,40 @@ def test_headline_and_units(recorded, name):
     assert all(u.nbytes >= 1024 for u in ra.sharded.units), ra.sharded.units
     for w in ra.sharded.what_if:
         assert w.withheld or w.t_iter < 3 * ra.breakdown["t_iter"].mean
+
+
+def _what_if(a, **knobs):
+    return [w for w in a.main.sharded.what_if
+            if all(w.knobs.get(k) == v for k, v in knobs.items())]
+
+
+def test_reduce_bucket_size_what_ifs_are_the_buckets_deepspeed_makes(recorded):
+    """The one-bucket run's what-if at a quarter of the gradients and the run made with that
+    reduce_bucket_size (and back): the buckets the what-if replays are as many per
+    iteration as the other run reduced, its figures given (never absurd); the settings are
+    read from the engine, DDP's bucket_cap_mb nowhere."""
+    _, _, one = recorded("zero2")
+    _, _, four = recorded("zero2-buckets")
+    measured = {n: a.main.sharded.per_iteration["reduce_grad"] for n, a in
+                (("one", one), ("four", four))}
+    assert measured["one"] == 1 and measured["four"] > 1, measured
+    (w,) = _what_if(one, reduce_bucket_size=QUARTER)
+    assert w.knobs["buckets"] == measured["four"], (w, measured)
+    (back,) = _what_if(four, reduce_bucket_size=500_000_000)
+    assert back.knobs["buckets"] == 1, back
+    for a in (one, four):
+        labels = [x.label for x in a.main.sharded.what_if]
+        assert not any("bucket_cap_mb" in x for x in labels), labels
+        for x in a.main.sharded.what_if:
+            assert x.withheld is None and x.t_iter > 0, x
+
+
+def test_overlap_comm_changes_nothing_where_collectives_are_synchronous(recorded):
+    """gloo's collectives block the backward whether or not DeepSpeed overlaps them: the
+    overlap_comm what-if of either run predicts its own iteration, and says why."""
+    for name, flip in (("zero2", True), ("zero2-overlap", False)):
+        _, _, a = recorded(name)
+        (w,) = _what_if(a, overlap_comm=flip)
+        assert w.t_iter == pytest.approx(a.main.breakdown["t_iter"].mean, rel=1e-3), w
+        assert any("overlap_comm" in x and "synchronous" in x
+                   for x in a.main.sharded.assumptions)

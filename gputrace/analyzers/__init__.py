@@ -13,7 +13,7 @@ import numpy as np
 from gputrace import progress
 from gputrace.analyzers import collectives as col
 from gputrace.analyzers import frame as fr
-from gputrace.analyzers import sanity
+from gputrace.analyzers import sanity, zero_whatif
 from gputrace.analyzers import sharded as shd
 from gputrace.analyzers.bandwidth import analyze_bandwidth, bandwidth_series
 from gputrace.analyzers.clocks import UnitTimes, estimate
@@ -98,6 +98,7 @@ class Options:
     detail: bool
     world: int
     host_bytes_per_s: float | None = None
+    engine: tuple[tuple[str, Any], ...] = ()   # a training engine's settings (DeepSpeed's)
 
 
 @dataclass(frozen=True)
@@ -156,7 +157,7 @@ def analyze_spans(sp: fr.Spans, o: Options) -> RankPart:
     sel = np.arange(skipped, n)
     colls = shd.summarize_rank(sp, cr, rs, sel)
     dims = registry.rank_parts(registry.RankView(sp, cr, rs, sel, o.world,
-                                                 o.link_bytes_per_s))
+                                                 o.link_bytes_per_s, dict(o.engine)))
     inside = np.isin(iteration_of(rs, sp.start[cr.idx]), sel) if cr.n else None
     fs = dims.pop("fsdp", None)          # sharded data parallelism: its model is the rank's
     sharded = fs.sharded if fs is not None else None
@@ -191,10 +192,10 @@ def analyze_spans(sp: fr.Spans, o: Options) -> RankPart:
         dims=dims, degrees=registry.degrees(cr, inside), groups=registry.groups(cr, inside))
 
 
-def _fsdp_part(p: RankPart) -> Any:
+def _fsdp_part(p: RankPart, o: Options) -> Any:
     from gputrace.analyzers.parallel import fsdp
 
-    return fsdp.Part(p.shard_inputs, p.sharded)
+    return fsdp.Part(p.shard_inputs, p.sharded, dict(o.engine))
 
 
 def analyze_frame(f: fr.Frame, o: Options) -> FramePart:
@@ -285,7 +286,8 @@ def analyze(trace: Any, *, skip: int | None = None, gpus: Sequence[int] = (2, 4,
         link_bytes_per_s = _link_from_probe(probe)
     world = _md_world(md)
     opts = Options(skip, tuple(gpus), link_bytes_per_s, shared_io, tuple(what_if), detail, 1,
-                   host_bytes_per_s or _host_bandwidth(md))
+                   host_bytes_per_s or _host_bandwidth(md),
+                   tuple(sorted(zero_whatif.settings(md).items())))
     parts: list[FramePart] = []
     if isinstance(trace, RankedTrace):
         ranked = any(r >= 0 for r in trace.groups)
@@ -325,7 +327,7 @@ def combine(parts: list[FramePart], md: dict[str, Any], opts: Options, probe: An
     parts_of = {r: p.dims for r, p in ranks.items()}
     for r, p in ranks.items():
         if p.sharded is not None:
-            parts_of[r] = {**p.dims, "fsdp": _fsdp_part(p)}
+            parts_of[r] = {**p.dims, "fsdp": _fsdp_part(p, opts)}
     parallel = registry.runs(parts_of, rv)
     # FSDP: its analysis again, knowing when the last rank came
     for r, sh in (parallel.pop("fsdp", None) or {}).items():

@@ -14,6 +14,7 @@ import numpy as np
 
 from gputrace.analyzers import collectives as col
 from gputrace.analyzers import shardsim as sim
+from gputrace.analyzers import zero_whatif as zw
 from gputrace.analyzers.model import (
     ModelResult,
     Speedup,
@@ -153,9 +154,11 @@ def _ring(n: int) -> float:
 def analyze_sharded(si: Inputs, rs: RankSteps, sel: np.ndarray, world: int,
                     link_bytes_per_s: float | None = None,
                     gpus: Sequence[int] = (2, 4, 8, 16),
-                    arrive: np.ndarray | None = None) -> Sharded | None:
+                    arrive: np.ndarray | None = None, engine: dict | None = None
+                    ) -> Sharded | None:
     """The sharded view of one rank (None when it has no FSDP collective in `sel`);
-    `arrive`: per comm row, when the last rank arrived at it (from the other ranks)."""
+    `arrive`: per comm row, when the last rank arrived at it (from the other ranks);
+    `engine`: DeepSpeed's settings (its what-ifs are in them)."""
     cr = si.cr
     tls, facts, fgathers = timelines(si, rs, sel, arrive)
     if not tls:
@@ -249,7 +252,8 @@ def analyze_sharded(si: Inputs, rs: RankSteps, sel: np.ndarray, world: int,
             scen.append((f"backward prefetch {d}", replace(base, prefetch_backward=d)))
     for x in (2.0, 0.5):
         scen.append((f"link x{x:g}", replace(base, bandwidth_x=x)))
-    what = []
+    what = [] if fsdp else _zero_what_ifs(tls, facts, cr, inside, engine or {}, base,
+                                           measured, assumptions, _call_s(si, arrive))
     for label, k in scen:
         v = preds(k)
         m, lo, hi = _mean_ci(v)
@@ -286,6 +290,47 @@ def analyze_sharded(si: Inputs, rs: RankSteps, sel: np.ndarray, world: int,
     return Sharded(strategy, world, units, per_role, kinds, exposed, cases, ex_units,
                    {"forward": base.prefetch_forward, "backward": base.prefetch_backward},
                    resharded, model, ovl, sp_, what, baseline, err, assumptions)
+
+
+def _zero_what_ifs(tls: list[sim.Timeline], facts: dict, cr: col.Rows, inside: np.ndarray,
+                   engine: dict, base: sim.Knobs, measured: float,
+                   assumptions: list[str], call_s: float) -> list[WhatIf]:
+    """DeepSpeed's reduce_bucket_size and overlap_comm (analyzers.zero_whatif)."""
+    red = inside & (np.array(facts["role"]) == "reduce_grad")
+    rows = facts["rows"][red]
+    sync = bool(np.mean(~cr.is_async[rows]) >= 0.5) if rows.size else True
+    out = []
+    for label, knobs, new, ref in zw.scenarios(tls, facts["svc"][red], cr.nbytes[rows],
+                                               engine, sync, call_s):
+        v = np.array([tl.t_iter + _total(sim.simulate(a, base)) - _total(sim.simulate(b, base))
+                      for tl, a, b in zip(tls, new, ref, strict=True)])
+        m, lo, hi = _mean_ci(v)
+        far = far_off(m, measured)
+        if far:
+            out.append(WhatIf(label, *[math.nan] * 5, knobs, far))   # type: ignore[arg-type]
+            continue
+        r = [sim.simulate(a, base) for a in new]
+        out.append(WhatIf(label, m, lo, hi, float(np.mean([x.exposed_forward_s +
+                                                           x.exposed_backward_s for x in r])),
+                          float(np.mean([x.comm_s for x in r])), knobs))
+    if out:
+        assumptions.extend(zw.ASSUMPTIONS)
+    return out
+
+
+def _call_s(si: Inputs, arrive: np.ndarray | None) -> float:
+    """What a collective of a few bytes took past the last rank's arrival (median), 0 when
+    the arrivals are not known."""
+    if arrive is None:
+        return 0.0
+    small = np.flatnonzero((si.cr.nbytes < col.SMALL_BYTES) & (si.cr.nbytes >= 0))
+    if not small.size:
+        return 0.0
+    return float(np.median(si.end[small] - np.maximum(si.start[small], arrive[small]))) / 1e9
+
+
+def _total(r: sim.Result) -> float:
+    return r.forward_s + r.backward_s
 
 
 def _speedup(tls: list[sim.Timeline], fg: list[dict[int, float]], base: sim.Knobs,

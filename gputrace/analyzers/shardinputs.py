@@ -5,7 +5,7 @@ replay counts it as that rank's pace (compute), not as transfer."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -26,6 +26,11 @@ class Inputs:
     fwd_hi: np.ndarray
     bwd_lo: np.ndarray
     bwd_hi: np.ndarray
+    # the host backward's per-layer spans (a layer's gradients ready at its end): their
+    # iteration, end (ns) and gradient bytes (nan unknown); empty when not recorded
+    lay_it: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    lay_end: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    lay_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
 
 def window(sp: Spans, cat: str, it_of: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -52,8 +57,11 @@ def inputs(sp: Spans, cr: col.Rows, rs: RankSteps) -> Inputs:
     it_all = iteration_of(rs, sp.start)
     fl, fh = window(sp, "forward", it_all, n)
     bl, bh = window(sp, "backward", it_all, n)
+    lay = np.flatnonzero(sp.of("backward") & (sp.device < 0) & (sp.layer >= 1) &
+                         (it_all >= 0))
     return Inputs(cr, sp.start[cr.idx].copy(), sp.end[cr.idx].copy(),
-                  sp.layer[cr.idx].astype(np.int64), it_all[cr.idx], fl, fh, bl, bh)
+                  sp.layer[cr.idx].astype(np.int64), it_all[cr.idx], fl, fh, bl, bh,
+                  it_all[lay], sp.end[lay].copy(), sp.nbytes[lay].astype(float))
 
 
 def summarize_rank(sp: Spans, cr: col.Rows, rs: RankSteps, sel: np.ndarray

@@ -42,6 +42,9 @@ class Timeline:
     forward_s: float
     backward_s: float
     t_iter: float
+    # the backward's layers in the order their gradients became ready: (compute before
+    # it, from the backward's start, waits for comm left out; gradient bytes)
+    layers: tuple[tuple[float, float], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -140,7 +140,13 @@ def timelines(si: Inputs, rs: RankSteps, sel: np.ndarray, arrive: np.ndarray | N
         blk.append(False)
         bwd = sim.Side(0.0, comp, gs, rsv, us, blk)
         t_iter = float(rs.terms["t_iter"][k])
-        out.append(sim.Timeline(fwd, bwd, (f1 - f0) / 1e9, (tail_end - b0) / 1e9, t_iter))
+        lay = np.flatnonzero(si.lay_it == k)
+        lay = lay[np.argsort(si.lay_end[lay], kind="stable")]
+        layers = tuple((max(int(e) - b0 - waits.inside(b0, int(e)), 0) / 1e9, float(b))
+                       for e, b in zip(si.lay_end[lay].tolist(), si.lay_bytes[lay].tolist(),
+                                       strict=True) if b0 <= e <= tail_end)
+        out.append(sim.Timeline(fwd, bwd, (f1 - f0) / 1e9, (tail_end - b0) / 1e9, t_iter,
+                                layers))
         gathers.append({int(unit[j]): float(svc[j]) for j in fg})
     return out, facts, gathers
 

@@ -7,7 +7,7 @@ collective. docs/sharded.md says what it computes."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -21,6 +21,7 @@ from gputrace.analyzers.shardinputs import Inputs, arrivals_of, inputs
 class Part:
     inputs: Inputs            # what the sharded analysis reads, kept small (travels)
     sharded: shd.Sharded
+    engine: dict[str, Any] = field(default_factory=dict)   # DeepSpeed's settings
 
 
 def rank(v: Any) -> Part | None:
@@ -29,8 +30,8 @@ def rank(v: Any) -> Part | None:
         return None
     rows = col.subset(v.rows, ~np.array([d in col.PARALLEL for d in v.rows.dim], bool))
     si = inputs(v.sp, rows, v.rs)
-    sh = shd.analyze_sharded(si, v.rs, v.sel, v.world, v.link_bytes_per_s)
-    return None if sh is None else Part(si, sh)
+    sh = shd.analyze_sharded(si, v.rs, v.sel, v.world, v.link_bytes_per_s, engine=v.engine)
+    return None if sh is None else Part(si, sh, v.engine)
 
 
 def run(parts: dict[int, Part], v: Any) -> dict[int, shd.Sharded] | None:
@@ -43,7 +44,7 @@ def run(parts: dict[int, Part], v: Any) -> dict[int, shd.Sharded] | None:
         steps = v.steps[r]
         arr = arrivals_of(p.inputs, steps.units.start, v.arrivals[r])
         sh = shd.analyze_sharded(p.inputs, steps, v.sels[r], v.world, v.link_bytes_per_s,
-                                 arrive=arr)
+                                 arrive=arr, engine=p.engine)
         if sh is not None:
             out[r] = sh
     return out or None

@@ -11,7 +11,7 @@ gets; here it is recognized and named beside the others (its degree, its words).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -33,6 +33,7 @@ class RankView:
     sel: np.ndarray
     world: int
     link_bytes_per_s: float | None
+    engine: dict[str, Any] = field(default_factory=dict)   # a training engine's settings
 
     @property
     def it_start(self) -> np.ndarray:

@@ -91,6 +91,9 @@ def _describe(engine: Any, s: _Engine) -> None:
         if isinstance(v, (bool, int, float)):
             d[k] = v
     d["gradient_accumulation_steps"] = int(engine.gradient_accumulation_steps())
+    p = next(iter(engine.module.parameters()), None)
+    if p is not None:   # reduce_bucket_size counts elements: the bytes of one
+        d["element_size"] = int(p.element_size())
     st.rec.metadata.setdefault("deepspeed", d)
 
 

@@ -1,0 +1,147 @@
+"""DeepSpeed ZeRO's what-ifs checked against the runs they predict.
+
+Real 2-rank DeepSpeed jobs over gloo on the CPU (tests/jobs/ds_train.py under torchrun:
+an MLP of 5 layers, Adam), one configuration after the other in each round:
+- `reduce_bucket_size` 5e8 (DeepSpeed's default: one bucket holds every gradient) and a
+  quarter of the gradients' elements (the what-if the first run offers), and
+- `overlap_comm` on and off,
+at ZeRO stage 2 (and `--stages 1,2` for stage 1 too). Each run predicts every other run of
+its stage whose settings it offers a what-if for (`analyze --json`'s `sharded.what_if`,
+matched by the setting's value), and the prediction is printed beside the measured t_iter
+with the jobs' own per-iteration clock (the job times `engine(x)`, `engine.backward`,
+`engine.step` itself).
+
+    python bench/whatif_ds.py [--stages 2] [--rounds 2] [--iterations 14] [--width 512]
+        [--keep DIR | --reuse DIR] [--tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from common import PY, ROOT, machine, table
+
+JOB = ROOT / "tests" / "jobs" / "ds_train.py"
+ONE_BUCKET = 500_000_000
+
+
+def grad_elements(width: int) -> int:
+    return 4 * (width * width + width) + width * 10 + 10
+
+
+def configs(stages: list[int], width: int) -> list[tuple[int, int, bool]]:
+    """(stage, reduce_bucket_size, overlap_comm) per configuration."""
+    quarter = grad_elements(width) // 4
+    return [c for s in stages for c in ((s, ONE_BUCKET, False), (s, quarter, False),
+                                        (s, ONE_BUCKET, True))]
+
+
+def name(c: tuple[int, int, bool]) -> str:
+    return f"zero{c[0]}-b{c[1]}-{'overlap' if c[2] else 'sync'}"
+
+
+def record(out: Path, c: tuple[int, int, bool], a: argparse.Namespace) -> Path:
+    trace = out / f"{name(c)}.arrow"
+    cmd = [PY, "-m", "gputrace", "record", "-q", "-f", "-o", str(trace), "--", PY, "-m",
+           "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(JOB),
+           str(out / name(c)), "--stage", str(c[0]), "--bucket", str(c[1]),
+           "--iterations", str(a.iterations), "--width", str(a.width)] + (
+        ["--overlap-comm"] if c[2] else [])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]), DS_ACCELERATOR="cpu")
+    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1200, env=env)
+    return trace
+
+
+def analyzed(trace: Path) -> dict:
+    p = subprocess.run([PY, "-m", "gputrace", "analyze", "--json", str(trace)],
+                       capture_output=True, text=True, check=True,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    return json.loads(p.stdout)
+
+
+def own_t_iter(out: Path, c: tuple[int, int, bool], skip: int = 3) -> float:
+    """The job's own mean iteration (rank 0's clock: forward + backward + step + the
+    rest), warm-up left out."""
+    steps = json.loads((out / f"{name(c)}.rank0.json").read_text())["iterations"][skip:]
+    return statistics.fmean((s["end"] - s["start"]) / 1e9 for s in steps)
+
+
+def offers(d: dict, src: tuple[int, int, bool], dst: tuple[int, int, bool]) -> dict | None:
+    """The what-if of `src`'s analysis that predicts `dst` (one setting changed)."""
+    if src[0] != dst[0] or (src[1] != dst[1]) == (src[2] != dst[2]):
+        return None
+    want = ({"reduce_bucket_size": dst[1]} if src[1] != dst[1]
+            else {"overlap_comm": dst[2]})
+    for w in (d.get("sharded") or {}).get("what_if", []):
+        if all(w.get(k) == v for k, v in want.items()):
+            return w
+    return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--stages", default="2")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--iterations", type=int, default=14)
+    ap.add_argument("--width", type=int, default=512)
+    ap.add_argument("--keep", type=Path, help="keep the traces in DIR")
+    ap.add_argument("--reuse", type=Path, help="analyze the traces kept in DIR again")
+    ap.add_argument("--tiny", action="store_true", help="stage 2, one bucket and a quarter "
+                    "of the gradients, one round, 6 iterations, width 64")
+    a = ap.parse_args()
+    if a.tiny:
+        a.stages, a.rounds, a.iterations, a.width = "2", 1, 6, 64
+    cfgs = configs([int(s) for s in a.stages.split(",")], a.width)
+    if a.tiny:
+        cfgs = cfgs[:2]
+    out = a.reuse or a.keep or Path(tempfile.mkdtemp(prefix="whatif-ds-"))
+    rows, errors = [], []
+    for i in range(a.rounds):
+        sub = out / f"round{i}"
+        sub.mkdir(parents=True, exist_ok=True)
+        order = cfgs if i % 2 == 0 else cfgs[::-1]
+        traces = {c: (sub / f"{name(c)}.arrow") if a.reuse else record(sub, c, a)
+                  for c in order}
+        res = {c: analyzed(t) for c, t in traces.items()}
+        for src in cfgs:
+            for dst in cfgs:
+                w = offers(res[src], src, dst)
+                if w is None:
+                    continue
+                meas = res[dst]["breakdown"]["t_iter"]["mean"]
+                own = own_t_iter(sub, dst)
+                if w.get("withheld"):
+                    rows.append([str(i), name(src), w["label"], "withheld", "", "", "", ""])
+                    continue
+                err = w["t_iter"] / meas - 1
+                errors.append(err)
+                rows.append([str(i), name(src), w["label"],
+                             f"{res[src]['breakdown']['t_iter']['mean'] * 1e3:.1f}",
+                             f"{w['t_iter'] * 1e3:.1f}", f"{meas * 1e3:.1f}",
+                             f"{own * 1e3:.1f}", f"{err:+.1%}"])
+    print(f"machine: {machine()}")
+    print(f"ds_train.py: width {a.width}, {a.iterations} iterations, 2 ranks (gloo); "
+          f"stage(s) {a.stages}; t_iter: rank 0's mean over the analyzed iterations")
+    print(table("DeepSpeed what-if against the run it predicts",
+                ["round", "from", "what-if", "from t_iter ms", "predicted ms", "measured ms",
+                 "job's own ms", "error"], rows))
+    if errors:
+        print(f"predictions: {len(errors)}, |error| at most "
+              f"{max(abs(e) for e in errors):.1%}, median "
+              f"{statistics.median(abs(e) for e in errors):.1%}")
+    if not (a.keep or a.reuse):
+        import shutil
+
+        shutil.rmtree(out, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
