@@ -30,6 +30,7 @@ from common import PY, ROOT, machine, table
 
 JOB = ROOT / "tests" / "jobs" / "ds_train.py"
 ONE_BUCKET = 500_000_000
+SAME_SPEED = 0.10     # forward ratio beyond which a pair ran at two machine speeds
 
 
 def grad_elements(width: int) -> int:
@@ -103,7 +104,8 @@ def main() -> None:
     if a.tiny:
         cfgs = cfgs[:2]
     out = a.reuse or a.keep or Path(tempfile.mkdtemp(prefix="whatif-ds-"))
-    rows, errors = [], []
+    rows, errors, moved = [], [], []
+    by_pair: dict[tuple[str, str], list[tuple[float, bool]]] = {}
     for i in range(a.rounds):
         sub = out / f"round{i}"
         sub.mkdir(parents=True, exist_ok=True)
@@ -119,24 +121,36 @@ def main() -> None:
                 meas = res[dst]["breakdown"]["t_iter"]["mean"]
                 own = own_t_iter(sub, dst)
                 if w.get("withheld"):
-                    rows.append([str(i), name(src), w["label"], "withheld", "", "", "", ""])
+                    rows.append([str(i), name(src), w["label"], "withheld", "", "", "", "", ""])
                     continue
                 err = w["t_iter"] / meas - 1
-                errors.append(err)
+                # neither setting changes the forward: a pair whose forward differs ran at
+                # two machine speeds, and its error measures the machine
+                fwd = res[dst]["breakdown"]["t_f"]["mean"] / res[src]["breakdown"]["t_f"]["mean"]
+                same = abs(fwd - 1) <= SAME_SPEED
+                (errors if same else moved).append(err)
+                by_pair.setdefault((name(src), w["label"]), []).append((err, same))
                 rows.append([str(i), name(src), w["label"],
                              f"{res[src]['breakdown']['t_iter']['mean'] * 1e3:.1f}",
                              f"{w['t_iter'] * 1e3:.1f}", f"{meas * 1e3:.1f}",
-                             f"{own * 1e3:.1f}", f"{err:+.1%}"])
+                             f"{own * 1e3:.1f}", f"{err:+.1%}",
+                             f"{fwd:.2f}" + ("" if same else " (speed changed)")])
     print(f"machine: {machine()}")
     print(f"ds_train.py: width {a.width}, {a.iterations} iterations, 2 ranks (gloo); "
           f"stage(s) {a.stages}; t_iter: rank 0's mean over the analyzed iterations")
     print(table("DeepSpeed what-if against the run it predicts",
                 ["round", "from", "what-if", "from t_iter ms", "predicted ms", "measured ms",
-                 "job's own ms", "error"], rows))
-    if errors:
-        print(f"predictions: {len(errors)}, |error| at most "
-              f"{max(abs(e) for e in errors):.1%}, median "
-              f"{statistics.median(abs(e) for e in errors):.1%}")
+                 "job's own ms", "error", "forward ratio"], rows))
+    for what, errs in (("at one machine speed", errors), ("the others", moved)):
+        if errs:
+            print(f"predictions {what}: {len(errs)}, |error| at most "
+                  f"{max(abs(e) for e in errs):.1%}, median "
+                  f"{statistics.median(abs(e) for e in errs):.1%}")
+    means = {k: statistics.fmean(e for e, ok in v if ok) for k, v in by_pair.items()
+             if any(ok for _, ok in v)}
+    if means:
+        print("per prediction, its mean error over the rounds at one machine speed: " +
+              ", ".join(f"{s} -> {w}: {m:+.1%}" for (s, w), m in means.items()))
     if not (a.keep or a.reuse):
         import shutil
 

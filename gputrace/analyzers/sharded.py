@@ -253,7 +253,7 @@ def analyze_sharded(si: Inputs, rs: RankSteps, sel: np.ndarray, world: int,
     for x in (2.0, 0.5):
         scen.append((f"link x{x:g}", replace(base, bandwidth_x=x)))
     what = [] if fsdp else _zero_what_ifs(tls, facts, cr, inside, engine or {}, base,
-                                           measured, assumptions, _call_s(si, arrive))
+                                           measured, assumptions)
     for label, k in scen:
         v = preds(k)
         m, lo, hi = _mean_ci(v)
@@ -294,14 +294,14 @@ def analyze_sharded(si: Inputs, rs: RankSteps, sel: np.ndarray, world: int,
 
 def _zero_what_ifs(tls: list[sim.Timeline], facts: dict, cr: col.Rows, inside: np.ndarray,
                    engine: dict, base: sim.Knobs, measured: float,
-                   assumptions: list[str], call_s: float) -> list[WhatIf]:
+                   assumptions: list[str]) -> list[WhatIf]:
     """DeepSpeed's reduce_bucket_size and overlap_comm (analyzers.zero_whatif)."""
     red = inside & (np.array(facts["role"]) == "reduce_grad")
     rows = facts["rows"][red]
     sync = bool(np.mean(~cr.is_async[rows]) >= 0.5) if rows.size else True
     out = []
     for label, knobs, new, ref in zw.scenarios(tls, facts["svc"][red], cr.nbytes[rows],
-                                               engine, sync, call_s):
+                                               engine, sync):
         v = np.array([tl.t_iter + _total(sim.simulate(a, base)) - _total(sim.simulate(b, base))
                       for tl, a, b in zip(tls, new, ref, strict=True)])
         m, lo, hi = _mean_ci(v)
@@ -316,17 +316,6 @@ def _zero_what_ifs(tls: list[sim.Timeline], facts: dict, cr: col.Rows, inside: n
     if out:
         assumptions.extend(zw.ASSUMPTIONS)
     return out
-
-
-def _call_s(si: Inputs, arrive: np.ndarray | None) -> float:
-    """What a collective of a few bytes took past the last rank's arrival (median), 0 when
-    the arrivals are not known."""
-    if arrive is None:
-        return 0.0
-    small = np.flatnonzero((si.cr.nbytes < col.SMALL_BYTES) & (si.cr.nbytes >= 0))
-    if not small.size:
-        return 0.0
-    return float(np.median(si.end[small] - np.maximum(si.start[small], arrive[small]))) / 1e9
 
 
 def _total(r: sim.Result) -> float:

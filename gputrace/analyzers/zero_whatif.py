@@ -7,8 +7,7 @@ backward layers: in the order gradients become ready, a layer whose gradients wo
 the bucket past `reduce_bucket_size` elements reduces the bucket first (issued when that
 layer's gradients are ready), the last bucket is reduced when the backward ends; where the
 run reduced every bucket after its backward (ZeRO-1), the new buckets are too. A bucket's
-service time is a + b x bytes, fitted on the run's reductions (b alone when their sizes do
-not differ)."""
+service time is its bytes at the run's own reductions' time per byte."""
 
 from __future__ import annotations
 
@@ -21,9 +20,9 @@ from gputrace.analyzers import shardsim as sim
 DEFAULT_BUCKET = 500_000_000   # DeepSpeed's reduce_bucket_size
 ASSUMPTIONS = (
     "reduce_bucket_size: gradients fill buckets at the recorded layers' granularity, in the "
-    "order they became ready; a bucket's service time a + b x bytes is fitted on the run's "
-    "own reductions (when they are of one size, a is what its collectives of a few bytes "
-    "took past the wait for the last rank)",
+    "order they became ready; a bucket's service time is its bytes at the run's own "
+    "reductions' time per byte: the cost of one more call is not modeled (on the CPU, runs "
+    "with 1 and 5 buckets differed by no more than their run-to-run noise)",
     "overlap_comm: with it, a gradient reduction runs on its own stream beside the backward; "
     "without it, the backward waits for each; synchronous collectives (gloo's on the CPU) "
     "block the backward either way, so there it changes nothing",
@@ -40,21 +39,12 @@ def settings(md: dict) -> dict:
     return {}
 
 
-def fit(svc: np.ndarray, nbytes: np.ndarray, call_s: float = 0.0) -> tuple[float, float]:
-    """(seconds per call, seconds per byte) of the run's gradient reductions: a line
-    through them where their sizes differ; else `call_s` per call (what the run's
-    collectives of a few bytes took, past the wait for the last rank) and the rest per
-    byte."""
+def per_byte(svc: np.ndarray, nbytes: np.ndarray) -> float:
+    """Seconds per byte of the run's gradient reductions (their service over their bytes;
+    the cost of a call is not modeled: see ASSUMPTIONS)."""
     ok = (nbytes > 0) & np.isfinite(svc) & (svc >= 0)
-    svc, nbytes = svc[ok], nbytes[ok]
-    if not svc.size or nbytes.sum() <= 0:
-        return 0.0, 0.0
-    if nbytes.max() > 1.5 * nbytes.min() and svc.size >= 2:
-        b, a = np.polyfit(nbytes, svc, 1)
-        if a >= 0 and b > 0:
-            return float(a), float(b)
-    a = min(max(call_s, 0.0), float(svc.min()))
-    return a, float(max(svc.sum() - a * svc.size, 0.0) / nbytes.sum())
+    total = float(nbytes[ok].sum())
+    return float(svc[ok].sum()) / total if total > 0 else 0.0
 
 
 def buckets(layers: tuple[tuple[float, float], ...], cap_bytes: float, after: bool,
@@ -114,7 +104,7 @@ def rebucket(tl: sim.Timeline, new: list[tuple[float, float]], call_s: float,
 
 
 def scenarios(tls: list[sim.Timeline], red_svc: np.ndarray, red_bytes: np.ndarray,
-              engine: dict, sync: bool, call_s: float = 0.0
+              engine: dict, sync: bool
               ) -> list[tuple[str, dict, list[sim.Timeline], list[sim.Timeline]]]:
     """(label, settings, the timelines under them, the timelines they are compared with)
     for the reduce_bucket_size and overlap_comm what-ifs; none when the run recorded no
@@ -122,7 +112,7 @@ def scenarios(tls: list[sim.Timeline], red_svc: np.ndarray, red_bytes: np.ndarra
     re-bucketed the same way (the model's own error cancels), when that size is known."""
     if not tls or not red_svc.size or not all(tl.layers for tl in tls):
         return []
-    call_s, byte_s = fit(red_svc, red_bytes, call_s)
+    byte_s = per_byte(red_svc, red_bytes)
     elem = int(engine.get("element_size") or 4)
     cap = engine.get("reduce_bucket_size")
     grad = float(np.mean([sum(b for _, b in tl.layers) for tl in tls]))
@@ -146,7 +136,7 @@ def scenarios(tls: list[sim.Timeline], red_svc: np.ndarray, red_bytes: np.ndarra
     def at(c: float) -> list[sim.Timeline]:
         return [rebucket(tl, [(o, b * wire) for o, b in buckets(
             tl.layers, c * elem, after, float(sum(tl.backward.compute_s)))],
-            call_s, byte_s, blocking) for tl in tls]
+            0.0, byte_s, blocking) for tl in tls]
 
     def count(c: float) -> int:   # buckets per iteration
         return round(float(np.mean([len(buckets(tl.layers, c * elem, after, 0.0))

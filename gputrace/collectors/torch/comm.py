@@ -49,6 +49,22 @@ class _Local(threading.local):
 TLS = _Local()
 
 
+def with_tls(orig: Any, attr: str, value: Any) -> Any:
+    """`orig` run with TLS.<attr> set to `value` (the previous value back after it)."""
+
+    @functools.wraps(orig)
+    def run(*a: Any, **k: Any) -> Any:
+        prev = getattr(TLS, attr)
+        setattr(TLS, attr, value)
+        try:
+            return orig(*a, **k)
+        finally:
+            setattr(TLS, attr, prev)
+
+    run._gputrace_orig = orig  # type: ignore[attr-defined]
+    return run
+
+
 def _no_state() -> Any:
     return None
 

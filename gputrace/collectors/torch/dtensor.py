@@ -6,12 +6,11 @@ job's own gradient exchange."""
 
 from __future__ import annotations
 
-import functools
 import sys
 from typing import Any
 
 from gputrace.collectors.torch import lazy
-from gputrace.collectors.torch.comm import TLS
+from gputrace.collectors.torch.comm import with_tls
 
 REDISTRIBUTE = "torch.distributed.tensor._redistribute"
 # modules that import redistribute_local_tensor by name
@@ -19,17 +18,7 @@ _USERS = ("torch.distributed.tensor._api", "torch.distributed.tensor._dispatch")
 
 
 def _wrap(orig: Any) -> Any:
-    @functools.wraps(orig)
-    def redistribute_local_tensor(*a: Any, **k: Any) -> Any:
-        prev = TLS.dtensor
-        TLS.dtensor = True
-        try:
-            return orig(*a, **k)
-        finally:
-            TLS.dtensor = prev
-
-    redistribute_local_tensor._gputrace_orig = orig  # type: ignore[attr-defined]
-    return redistribute_local_tensor
+    return with_tls(orig, "dtensor", True)
 
 
 def _patch(mod: Any) -> None:

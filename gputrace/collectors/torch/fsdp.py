@@ -20,7 +20,7 @@ import threading
 from typing import Any
 
 from gputrace.collectors.torch import lazy
-from gputrace.collectors.torch.comm import TLS
+from gputrace.collectors.torch.comm import TLS, with_tls
 from gputrace.collectors.torch.guard import _hook_failed
 
 FSDP2 = "torch.distributed.fsdp._fully_shard._fsdp_param_group"
@@ -111,19 +111,7 @@ def _within(ctx_of: Any, orig: Any, where: str) -> Any:
 
 
 def _prefetching(orig: Any) -> Any:
-    tls = TLS
-
-    @functools.wraps(orig)
-    def run(*a: Any, **k: Any) -> Any:
-        prev = tls.prefetch
-        tls.prefetch = True
-        try:
-            return orig(*a, **k)
-        finally:
-            tls.prefetch = prev
-
-    run._gputrace_orig = orig  # type: ignore[attr-defined]
-    return run
+    return with_tls(orig, "prefetch", True)
 
 
 # -- FSDP2 ----------------------------------------------------------------------------------
