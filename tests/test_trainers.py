@@ -13,6 +13,7 @@ however its launcher started it; a DDP job's gradient units are its buckets."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -28,7 +29,8 @@ from gputrace.analyzers.steps import analyze_rank  # noqa: E402
 from tests.conftest import run_gputrace  # noqa: E402
 from tests.truth import matched  # noqa: E402
 
-JOBS = Path(__file__).resolve().parent / "jobs" / "trainers"
+ROOT = Path(__file__).resolve().parents[1]
+JOBS = ROOT / "tests" / "jobs" / "trainers"
 pytestmark = pytest.mark.slow
 TOL, ABS_S, ITER_TOL = 0.15, 1e-3, 0.05
 
@@ -62,8 +64,11 @@ def recorded(tmp_path_factory):
             pytest.importorskip(module)
             prefix = out / name
             argv = [str(JOBS / a) if a.endswith(".py") else a.format(out=prefix) for a in cmd]
+            # the jobs import this tree's gputrace, whatever the environment installed
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+                x for x in (str(ROOT), os.environ.get("PYTHONPATH")) if x))
             p = run_gputrace("record", "-q", "-o", f"{prefix}.arrow", "--", *argv,
-                             timeout=400)
+                             timeout=400, env=env, cwd=str(ROOT))
             assert p.returncode == 0, f"{name}:\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
             assert "Traceback" not in p.stderr, p.stderr[-5000:]
             truth = {r: json.loads(Path(f"{prefix}.rank{r}.json").read_text())
