@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from gputrace import progress
+from gputrace.analyzers import collective_totals as ct
 from gputrace.analyzers import collectives as col
 from gputrace.analyzers import frame as fr
 from gputrace.analyzers import sanity, zero_whatif
@@ -126,7 +127,7 @@ class RankPart:
     window: tuple[int, int]       # first start, last end of every iteration
     series: IterationSeries | None = None
     timeline: IterationTimeline | None = None
-    collectives: col.Collectives = field(default_factory=col.Collectives)
+    collectives: ct.Collectives = field(default_factory=ct.Collectives)
     sharded: shd.Sharded | None = None
     shard_inputs: ShardInputs | None = None   # what the sharded analysis reads, kept small
     dims: dict[str, Any] = field(default_factory=dict)     # parallel.registry's rank parts

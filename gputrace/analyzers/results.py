@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from gputrace.analyzers import collectives as col
+from gputrace.analyzers import collective_totals as ct
 from gputrace.analyzers import sharded as shd
 from gputrace.analyzers.bandwidth import Bandwidth
 from gputrace.analyzers.clocks import ClockAlignment
@@ -47,7 +47,7 @@ class RankAnalysis:
     detail: RankDetail | None = None    # per-iteration figures and a timeline, when asked for
     replay_unavailable: str | None = None   # why there is no what-if replay
     host: str = ""
-    collectives: col.Collectives = field(default_factory=col.Collectives)
+    collectives: ct.Collectives = field(default_factory=ct.Collectives)
     comm_missing: str | None = None     # several ranks, no collective recorded: why no figure
     sharded: shd.Sharded | None = None  # FSDP: units, exposed per unit, model and what-ifs
     # tensor, pipeline, expert parallelism (analyzers.parallel): this rank's parts, the run's

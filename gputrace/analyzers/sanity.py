@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from gputrace.analyzers import collectives as col
+from gputrace.analyzers import collective_totals as ct
 from gputrace.fmt import mb, rate
 
 # A predicted iteration over this many times the measured one is withheld: the models replay
@@ -76,11 +76,11 @@ def comm_missing(parts: list[Any], world: int, md: dict[str, Any]) -> str | None
     if world < 2:
         return None
     if not any(p.collectives.in_iterations for p in parts):
-        why = col.missing_message(world, tf_unprofiled=_tf_unprofiled(md),
+        why = ct.missing_message(world, tf_unprofiled=_tf_unprofiled(md),
                                   outside=max(p.collectives.recorded for p in parts))
     elif not any(p.model.units or p.sharded is not None for p in parts):
         most = max(parts, key=lambda p: p.collectives.in_iterations)
-        why = col.gradient_missing_message(world, most.collectives.kinds)
+        why = ct.gradient_missing_message(world, most.collectives.kinds)
     else:
         return None
     notes = _torch_notes(md)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from gputrace.analyzers import collective_totals as ct
 from gputrace.analyzers import collectives as col
 from gputrace.analyzers import overlap as ov
 from gputrace.analyzers.frame import Spans
@@ -65,15 +66,15 @@ def inputs(sp: Spans, cr: col.Rows, rs: RankSteps) -> Inputs:
 
 
 def summarize_rank(sp: Spans, cr: col.Rows, rs: RankSteps, sel: np.ndarray
-                   ) -> col.Collectives:
+                   ) -> ct.Collectives:
     """Per-kind totals of a rank's comm (collectives.summarize with its iterations and
     host compute)."""
     if not cr.n:
-        return col.Collectives()
+        return ct.Collectives()
     compute_m = (sp.of("forward") | sp.of("backward") | sp.of("update") | sp.of("h2d")) & \
         sp.lasting()
     compute = ov.union(sp.start[compute_m], sp.end[compute_m])
-    return col.summarize(sp, cr, iteration_of(rs, sp.start[cr.idx]), sel, compute)
+    return ct.summarize(sp, cr, iteration_of(rs, sp.start[cr.idx]), sel, compute)
 
 
 def arrivals_of(si: Inputs, unit_start: np.ndarray, unit_arrival: np.ndarray) -> np.ndarray:

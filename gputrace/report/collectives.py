@@ -10,7 +10,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from gputrace.analyzers import RankAnalysis
-from gputrace.analyzers.collectives import KindTotal
+from gputrace.analyzers.collective_totals import KindTotal
 from gputrace.report.parallel import dims_headline
 
 ROLE = {"unshard": "forward all-gather", "reshard_gather": "backward re-gather",

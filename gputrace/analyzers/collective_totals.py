@@ -1,0 +1,121 @@
+"""Per-kind totals of a rank's collectives over its analyzed iterations (count, bytes, time,
+the part the job stood still for, gradient or not, the parallelism served), and the
+headline's words when a multi-rank trace holds no collective, or none of the gradient."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from gputrace.analyzers import overlap as ov
+from gputrace.analyzers.collectives import KINDS, Rows, gradient_mask, small_mask
+from gputrace.analyzers.frame import Spans
+
+
+@dataclass(frozen=True)
+class KindTotal:
+    kind: str
+    count: float          # per analyzed iteration
+    nbytes: float         # this rank's input bytes per iteration
+    bytes_out: float
+    time_s: float         # summed durations per iteration
+    exposed_s: float      # the part the job stood still for, per iteration
+    gradient: bool        # counted as gradient units by the data-parallel model
+    small: bool = False   # of a few bytes each (under Collectives.small_below): not units
+    dim: str = ""         # the parallelism they serve (parallel.classify)
+
+
+@dataclass(frozen=True)
+class Collectives:
+    """What one rank's comm spans say, by kind (per analyzed iteration)."""
+
+    kinds: list[KindTotal] = field(default_factory=list)
+    recorded: int = 0               # comm spans of any kind in the whole trace
+    in_iterations: int = 0          # of them, inside analyzed iterations
+    sharded: str | None = None      # "fsdp2" / "fsdp1" when FSDP issued them
+    group_sizes: tuple[int, ...] = ()
+    small_below: float = 0.0        # a gradient collective under this many bytes is no unit
+
+    def total(self, key: str) -> float:
+        return float(sum(getattr(k, key) for k in self.kinds))
+
+
+def exposed_ns(sp: Spans, r: Rows, compute: ov.Union) -> np.ndarray:
+    """Per comm row, the time the job stood still for it: its `wait` interval when recorded
+    (and its issuing `call`, where recorded); a synchronous call on the loop's thread in
+    full; else the part no compute covers."""
+    out = np.zeros(r.n)
+    if not r.n:
+        return out
+    s, e = sp.start[r.idx], sp.end[r.idx]
+    has_wait = r.wait_s >= 0
+    out[has_wait] = (r.wait_e - r.wait_s)[has_wait]
+    if r.call_s.size == r.n:   # an asynchronous functional collective's issuing call
+        called = r.call_s >= 0
+        out[called] += (r.call_e - r.call_s)[called]
+    sync = r.contract & ~r.is_async & ~has_wait
+    out[sync] = (e - s)[sync]
+    rest = ~has_wait & ~sync
+    if rest.any():
+        cov = ov._cover_before(compute, e[rest]) - ov._cover_before(compute, s[rest])
+        out[rest] = np.maximum((e - s)[rest] - cov, 0)
+    return out
+
+
+def summarize(sp: Spans, r: Rows, it_of: np.ndarray, sel: np.ndarray, compute: ov.Union
+              ) -> Collectives:
+    """Per-kind totals over the analyzed iterations `sel` (it_of: each comm row's iteration,
+    -1 outside any)."""
+    if not r.n:
+        return Collectives()
+    grad = gradient_mask(sp, r)
+    small = small_mask(r)
+    inside = np.isin(it_of, sel)
+    n_it = max(int(sel.size), 1)
+    dur = (sp.end[r.idx] - sp.start[r.idx]) / 1e9
+    exp = exposed_ns(sp, r, compute) / 1e9
+    kinds = np.array(r.kind)
+    out = []
+    dims = np.array(r.dim if len(r.dim) == r.n else [""] * r.n)
+    for k in [k for k in KINDS if k in set(r.kind)]:
+        for d in sorted(set(dims[kinds == k].tolist())):   # a row per parallelism served
+            for few in (False, True):   # a kind's collectives of a few bytes on a row of their own
+                m = inside & (kinds == k) & (small == few) & (dims == d)
+                if not m.any():
+                    continue
+                out.append(KindTotal(k, float(m.sum()) / n_it,
+                                     float(np.nansum(r.nbytes[m])) / n_it,
+                                     float(np.nansum(r.bytes_out[m])) / n_it,
+                                     float(dur[m].sum()) / n_it, float(exp[m].sum()) / n_it,
+                                     bool(grad[m].any()) and not few, few, d))
+    sharded = next((f for f in r.fsdp if f), None)
+    sizes = tuple(sorted({int(g) for g in r.group_size if g > 0}))
+    return Collectives(out, r.n, int(inside.sum()), sharded, sizes, r.small_below)
+
+
+def missing_message(world: int, tf_unprofiled: bool = False, outside: int = 0) -> str:
+    """The headline's words for a multi-rank trace without one collective in its analyzed
+    iterations (`outside`: how many were recorded outside them: before, after, in warm-up)."""
+    where = "" if not outside else f" in the analyzed iterations (only {outside} outside them)"
+    head = (f"{world} ranks, but no collective was recorded{where}: the ranks' communication "
+            "(all-reduce, all-gather, reduce-scatter...) is not in this trace, so no comm "
+            "figure, Case or speedup can be given; ")
+    if tf_unprofiled:
+        return head + ("TensorFlow's collectives are seen through its profiler, which was "
+                       "off in this run (a multi-worker job's default): record again with "
+                       "--tf-steps START:COUNT to profile those steps")
+    return head + ("record with a gputrace whose torch collector captures torch.distributed "
+                   "collectives, or import a trace that has the NCCL kernels")
+
+
+def gradient_missing_message(world: int, kinds: list[KindTotal]) -> str:
+    """The headline's words for a multi-rank trace whose analyzed iterations hold
+    collectives, none of them a gradient unit."""
+    what = ", ".join(f"{k.kind} x{k.count:.3g}" + (" of a few bytes" if k.small else "")
+                     for k in kinds)
+    return (f"{world} ranks, but no gradient communication was recorded in the analyzed "
+            f"iterations (only {what} per iteration): the ranks' gradient exchange is not "
+            "in this trace, or not as collectives the data-parallel model reads (DDP's "
+            "buckets, a job's own all-reduces of gradients, FSDP's collectives), so no Case, "
+            "speedup or what-if can be given from it")
