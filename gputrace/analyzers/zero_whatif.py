@@ -67,10 +67,10 @@ def buckets(layers: tuple[tuple[float, float], ...], cap_bytes: float, after: bo
     return out
 
 
-def rebucket(tl: sim.Timeline, new: list[tuple[float, float]], call_s: float,
-             byte_s: float, blocking: bool) -> sim.Timeline:
+def rebucket(tl: sim.Timeline, new: list[tuple[float, float]], byte_s: float,
+             blocking: bool) -> sim.Timeline:
     """The timeline with its backward's reductions replaced by `new` (issue offset, bytes
-    on the wire), each of service call_s + byte_s x bytes."""
+    on the wire), each of service byte_s x bytes."""
     side = tl.backward
     total = float(sum(side.compute_s))
     gathers: list[tuple[float, float, int]] = []   # (offset, service, unit)
@@ -80,7 +80,7 @@ def rebucket(tl: sim.Timeline, new: list[tuple[float, float]], call_s: float,
             gathers.append((off, side.gather_s[j], side.units[j] if side.units else -1))
         off += c
     events = sorted([(o, 1, g, u) for o, g, u in gathers] +
-                    [(min(o, total), 0, call_s + byte_s * b, -1) for o, b in new],
+                    [(min(o, total), 0, byte_s * b, -1) for o, b in new],
                     key=lambda e: (e[0], e[1]))
     comp, gs, rs, us, blk = [], [], [], [], []
     cur_g: float | None = side.gather_s[0] if side.gather_s else None
@@ -140,7 +140,7 @@ def scenarios(tls: list[sim.Timeline], red_svc: np.ndarray, red_bytes: np.ndarra
     def at(c: float) -> list[sim.Timeline]:
         return [rebucket(tl, [(o, b * wire) for o, b in buckets(
             tl.layers, c * elem, after, float(sum(tl.backward.compute_s)))],
-            0.0, byte_s, blocking) for tl in tls]
+            byte_s, blocking) for tl in tls]
 
     def count(c: float) -> int:   # buckets per iteration
         return round(float(np.mean([len(buckets(tl.layers, c * elem, after, 0.0))

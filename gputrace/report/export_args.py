@@ -16,12 +16,8 @@ PIPELINE_ARGS = ("stage", "mb", "schedule", "microbatches", "stages", "num_stage
 
 def _comm_args(cols: dict[str, Any], i: int) -> dict[str, Any]:
     """A collective's record-contract args, flattened for a viewer's argument panel."""
-    raw = cols["args"][i]
-    try:
-        a = json.loads(raw) if raw else {}
-    except ValueError:
-        return {}
-    if not isinstance(a, dict):
+    a = json_args(cols, i)
+    if not a:
         return {}
     out: dict[str, Any] = {k: a[k] for k in COMM_ARGS if k in a and a[k] is not None}
     dim = classify.dimension(str(a.get("kind") or cols["name"][i]), "kind" in a, a)
