@@ -20,7 +20,13 @@ And the same prediction replayed with the target run's own per-microbatch comput
 source's fitted transfer, schedule work and time outside the step kept): what is left of
 the error when the compute is right, i.e. the schedule replay and the transfer model alone.
 
-    python bench/whatif_pp.py [--configs gpipe:4,gpipe:8,1f1b:4,1f1b:8] [--iterations 12]
+And, where runs at other microbatch counts were recorded to calibrate with (--calibrate-with,
+never the target itself), the prediction with the source's compute fitted as fixed +
+per-sample from the source and a calibrating run of its schedule (`analyze --calibrate`):
+the one whose count has the target's between it and the source's where there is one.
+
+    python bench/whatif_pp.py [--configs gpipe:4,gpipe:8,1f1b:4,1f1b:8]
+        [--calibrate-with gpipe:2,gpipe:16,1f1b:2,1f1b:16] [--iterations 12]
         [--width 1024] [--batch 512] [--blocks 4] [--rounds 1] [--quiet SECONDS]
         [--keep DIR | --reuse DIR] [--tiny]
 """
@@ -125,10 +131,32 @@ def compute_s(pl) -> float:  # noqa: ANN001
     return sum(s.busy_s for s in pl.stages)
 
 
+def fitted_cells(errs: list[float]) -> list[str]:
+    """The fitted predictions' median error and range over the rounds ("" where none)."""
+    if not errs:
+        return ["", ""]
+    return [f"{sorted(errs)[len(errs) // 2]:+.1%}", f"{min(errs):+.1%} .. {max(errs):+.1%}"]
+
+
+def calibrator(src: tuple[str, int], dst: tuple[str, int], cals: dict[tuple[str, int], object]
+               ) -> tuple[tuple[str, int], object] | None:
+    """The run to fit src's compute with for predicting dst: of src's schedule, at another
+    count than both; dst's count between it and src's where one is (an interpolation)."""
+    mine = [c for c in cals if c[0] == src[0] and c[1] not in (src[1], dst[1])]
+    if not mine or src[1] == dst[1]:
+        return None
+    between = [c for c in mine if min(src[1], c[1]) < dst[1] < max(src[1], c[1])]
+    c = min(between or mine, key=lambda c: abs(c[1] - dst[1]))
+    return c, cals[c]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="gpipe:4,gpipe:8,1f1b:4,1f1b:8",
                     help="SCHEDULE:MICROBATCHES,... recorded in each round (gpipe, 1f1b)")
+    ap.add_argument("--calibrate-with", default="gpipe:2,gpipe:16,1f1b:2,1f1b:16",
+                    help="SCHEDULE:MICROBATCHES,... recorded in each round only to calibrate "
+                    "the predictions with ('' for none)")
     ap.add_argument("--iterations", type=int, default=12)
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=512)
@@ -140,27 +168,35 @@ def main() -> None:
     ap.add_argument("--keep", type=Path, help="keep the traces in DIR")
     ap.add_argument("--reuse", type=Path, help="analyze the traces kept in DIR again")
     ap.add_argument("--tiny", action="store_true",
-                    help="a tiny model, GPipe and 1F1B at 2 microbatches, 5 iterations")
+                    help="a tiny model, GPipe at 2 and 4 microbatches (8 to calibrate), 5 "
+                    "iterations")
     a = ap.parse_args()
     if a.tiny:
-        a.configs, a.iterations, a.width, a.batch, a.blocks = "gpipe:2,1f1b:2", 5, 64, 32, 1
+        a.configs, a.iterations, a.width, a.batch, a.blocks = "gpipe:2,gpipe:4", 5, 64, 32, 1
+        a.calibrate_with = "gpipe:8"
     cfgs = configs(a.configs)
+    cal_cfgs = [c for c in configs(a.calibrate_with) if c not in cfgs] \
+        if a.calibrate_with else []
     out = a.reuse or a.keep or Path(tempfile.mkdtemp(prefix="whatif-pp-"))
     out.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(ROOT))      # this tree's analysis
-    from gputrace.analyzers.parallel import pipesim, pp
+    from gputrace.analyzers.parallel import pipesim, pp, pp_whatif
 
     try:
         runs: list[dict[tuple[str, int], object]] = []
+        cal_runs: list[dict[tuple[str, int], object]] = []
+        fitted_errors: list[float] = []
         others: list[dict[tuple[str, int], float]] = []
         for i in range(a.rounds):
             sub = out / f"round{i}"
             sub.mkdir(exist_ok=True)
             # each round in another order: a machine that slows down during a round does
             # not always meet the same configuration last
-            order = cfgs[i % len(cfgs):] + cfgs[:i % len(cfgs)]
+            every = cfgs + cal_cfgs
+            order = every[i % len(every):] + every[:i % len(every)]
             got = {c: kept(sub, *c) if a.reuse else record(sub, *c, a) for c in order}
             runs.append({c: pipeline(got[c][0]) for c in cfgs})
+            cal_runs.append({c: pipeline(got[c][0]) for c in every})
             others.append({c: got[c][1] for c in cfgs})
         rows, errors = [], {True: [], False: []}
         replay_errors: list[float] = []
@@ -176,19 +212,26 @@ def main() -> None:
                     busy = max(others[i][src], others[i][dst])
                     same = abs(ratio - 1) <= SAME_COMPUTE and not busy > BUSY_OTHERS
                     err = w.t_iter / meas - 1
-                    k = d.microbatches / s.microbatches    # predict() scales by its inverse
-                    own = pp.predict(s, SCHEDULES[dst[0]], dst[1],
-                                     [x * k for x in d.per_stage[0]],
-                                     [x * k for x in d.per_stage[1]])
+                    own = pp.predict(s, SCHEDULES[dst[0]], dst[1], list(d.per_stage[0]),
+                                     list(d.per_stage[1]))
+                    cal = calibrator(src, dst, cal_runs[i])
+                    fit, fe = "", 0.0
+                    if cal is not None:
+                        fs = pp_whatif.calibrated(s, pp_whatif.calibration_of(cal[1]),
+                                                  pp.first_replica(s))
+                        fe = pp_whatif.predict(fs, SCHEDULES[dst[0]], dst[1]).t_iter / meas - 1
+                        fitted_errors.append(fe)
+                        fit = f"{fe:+.1%} ({cal[0][0]} {cal[0][1]})"
                     errors[same].append(err)
                     replay_errors.append(own.t_iter / meas - 1)
                     if not busy > BUSY_OTHERS:
                         by_pair.setdefault((src, dst), []).append(
-                            (err, own.t_iter / meas - 1, ratio, w.bubble, d.bubble))
+                            (err, own.t_iter / meas - 1, ratio, w.bubble, d.bubble,
+                             fe if cal is not None else None))
                     rows.append([str(i), f"{src[0]} {src[1]}", f"{dst[0]} {dst[1]}",
                                  f"{s.stages[0].t_iter * 1e3:.0f}", f"{w.t_iter * 1e3:.0f}",
                                  f"{meas * 1e3:.0f}", f"{err:+.1%}",
-                                 f"{own.t_iter / meas - 1:+.1%}",
+                                 f"{own.t_iter / meas - 1:+.1%}", fit,
                                  f"{w.bubble:.1%}", f"{d.bubble:.1%}",
                                  f"{pipesim.theory(d.num_stages, dst[1]):.0%}",
                                  f"{ratio:.2f}" + ("" if abs(ratio - 1) <= SAME_COMPUTE
@@ -201,7 +244,7 @@ def main() -> None:
         print(table("Pipeline what-if against the run it predicts (one round: every "
                     "configuration recorded once, one after the other)",
                     ["round", "from", "to", "from t_iter ms", "predicted ms", "measured ms",
-                     "error", "with its compute", "bubble pred.", "bubble meas.", "theory",
+                     "error", "with its compute", "fitted (with)", "bubble pred.", "bubble meas.", "theory",
                      "compute ratio",
                      "others' cores"],
                     rows))
@@ -210,11 +253,14 @@ def main() -> None:
             print(table(f"By pair over the rounds whose two runs had at most {BUSY_OTHERS} "
                         "cores of other work beside them (medians; the error's range)",
                         ["from", "to", "rounds", "error", "range", "with its compute",
-                         "compute ratio", "bubble pred.", "bubble meas."],
+                         "fitted", "fitted range", "compute ratio", "bubble pred.",
+                         "bubble meas."],
                         [[f"{s_[0]} {s_[1]}", f"{d_[0]} {d_[1]}", str(len(v)),
                           f"{med([x[0] for x in v]):+.1%}",
                           f"{min(x[0] for x in v):+.1%} .. {max(x[0] for x in v):+.1%}",
-                          f"{med([x[1] for x in v]):+.1%}", f"{med([x[2] for x in v]):.2f}",
+                          f"{med([x[1] for x in v]):+.1%}",
+                          *fitted_cells([x[5] for x in v if x[5] is not None]),
+                          f"{med([x[2] for x in v]):.2f}",
                           f"{med([x[3] for x in v]):.1%}", f"{med([x[4] for x in v]):.1%}"]
                          for (s_, d_), v in by_pair.items()]))
         for r, rnd in enumerate(runs):
@@ -230,6 +276,11 @@ def main() -> None:
                       f"|error| at most {max(abs(x) for x in e):.1%}, median "
                       f"{sorted(abs(x) for x in e)[len(e) // 2]:.1%}, mean "
                       f"{sum(e) / len(e):+.1%}")
+        e = fitted_errors
+        if e:
+            print(f"fitted with a calibrating run: {len(e)} predictions, |error| at most "
+                  f"{max(abs(x) for x in e):.1%}, median "
+                  f"{sorted(abs(x) for x in e)[len(e) // 2]:.1%}, mean {sum(e) / len(e):+.1%}")
         e = replay_errors
         if e:
             print(f"replayed with the target's own compute: {len(e)} predictions, |error| at "

@@ -48,7 +48,8 @@ def analyze(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *,
             link_bandwidth: float | str | None = None,
             what_if: Sequence[str | Scenario] | str = (), shared_io: bool = False,
             jobs: int | None = None, executor: Executor | None = None, align: bool = True,
-            progress: bool | None = None) -> Result:
+            progress: bool | None = None,
+            calibrate: str | os.PathLike[str] | None = None) -> Result:
     """Analyze a trace as `gputrace analyze` does, with the same options.
 
     `paths`: a trace file, several, a directory of shards, the name of a multi-node
@@ -58,6 +59,8 @@ def analyze(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *,
     "gpus=16,bandwidth=2x,bucket_cap_mb=5" or `Scenario`s. `jobs`: worker processes for the
     ranks; `executor`: a concurrent.futures Executor to analyze them in instead (e.g. a Dask
     `Client.get_executor()`). `progress`: draw progress bars (default: on a terminal only).
+    `calibrate`: another run of the same pipeline job at another microbatch count, to fit
+    the pipeline what-ifs' compute per microbatch (`analyze --calibrate`).
     Raises AnalysisError with the command line's one-line message on bad input."""
     from gputrace import progress as bars
     from gputrace.cli import CommandError
@@ -75,7 +78,8 @@ def analyze(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *,
         trace=names, rank=rank, skip=skip,
         gpus=gpus if isinstance(gpus, str) else ",".join(str(int(g)) for g in gpus),
         link_bandwidth=link_bandwidth, what_if=list(what_if), shared_io=shared_io, jobs=jobs,
-        dask=None, ray=None, no_align=not align)
+        dask=None, ray=None, no_align=not align,
+        calibrate=os.fspath(calibrate) if calibrate is not None else None)
     try:
         with bars.shown(progress):
             a = analysis(args, detail=True, use=executor)

@@ -45,8 +45,9 @@ def test_benchmark_runs_tiny(script, tmp_path):
     if script == "whatif.py":   # two runs, each predicting the other: two errors reported
         assert "bucket predictions: 2," in p.stdout, p.stdout
         assert set(whatif_errors(p.stdout)) == {"bucket"}
-    if script == "whatif_pp.py":   # GPipe and 1F1B, each predicting the other
+    if script == "whatif_pp.py":   # 2 and 4 microbatches, each predicting the other
         assert "replayed with the target's own compute: 2 predictions" in p.stdout, p.stdout
+        assert "fitted with a calibrating run: 2 predictions" in p.stdout, p.stdout
     if script == "whatif_ds.py":   # one bucket and a quarter, each predicting the other
         import re
 

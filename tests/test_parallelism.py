@@ -77,6 +77,7 @@ class Run:
     analysis: Any
     comm: dict[int, list[dict]] = field(default_factory=dict)
     pipeline: dict[int, list[dict]] = field(default_factory=dict)
+    arrow: str = ""
 
     def rank(self, r: int) -> dict:
         return self.doc["ranks"][str(r)]
@@ -101,7 +102,7 @@ def recorded(tmp_path_factory):
             run = Run(trace, {r: json.loads(Path(f"{prefix}.rank{r}.json").read_text())
                               for r in range(ranks)},
                       json.loads(_cli("analyze", arrow, "--json").stdout),
-                      _cli("analyze", arrow).stdout, analyze(trace, detail=True))
+                      _cli("analyze", arrow).stdout, analyze(trace, detail=True), arrow=arrow)
             for r in trace.table.to_pylist():
                 if r["kind"] == "span" and r["cat"] in ("comm", "pipeline"):
                     r["a"] = json.loads(r["args"]) if r["args"] else {}
@@ -428,6 +429,43 @@ def test_pp_headline_and_the_schedules_runtime_order(recorded, name):
         # step's shape inference runs the stage's forward once more)
         n = Counter(mb["it"] for mb in run.truth[rank]["microbatches"] if mb["it"] > 0)
         assert set(n.values()) == {m}
+
+
+def test_pp_what_if_fitted_with_a_run_at_another_microbatch_count(recorded):
+    """`analyze GPIPE4 --calibrate GPIPE8`: each stage's compute per microbatch fitted as
+    fixed + per-sample through the two runs, so the what-if at 8 microbatches replays the
+    8-microbatch run's own compute: its t_iter within 15 % of that job's own iterations
+    (the fitted transfer and the time outside the step are the 4-microbatch run's). A run
+    at the same count is no calibration (said, not used); one with no pipeline is a
+    command error."""
+    four, eight = recorded("gpipe-4"), recorded("gpipe-8")
+    doc = json.loads(_cli("analyze", four.arrow, "--calibrate", eight.arrow, "--json").stdout)
+    pl = doc["parallelism"]["pipeline"]
+    c = pl["compute"]
+    assert (c["model"], c["calibrated_with"]) == ("fitted", 8)
+    assert "calibrating run at 8 microbatches" in pl["assumptions"][0]
+    own = eight.doc["parallelism"]["pipeline"]["stages"]
+    for k, (f, b) in enumerate(zip(c["forward"], c["backward"], strict=True)):
+        st = next(s for s in own if s["stage"] == k)
+        assert f["fixed_s"] >= 0 and f["per_batch_s"] >= 0
+        for part, want in ((f, st["forward_s"]), (b, st["backward_s"])):
+            if part["fixed_s"] > 0 and part["per_batch_s"] > 0:   # not clipped at 0
+                assert part["fixed_s"] + part["per_batch_s"] / 8 == pytest.approx(want,
+                                                                                  rel=1e-6)
+    (w,) = [w for w in pl["what_if"] if w["microbatches"] == 8
+            and w["schedule"] == "ScheduleGPipe"]
+    its = eight.truth[0]["iterations"][WARMUP:]
+    job = float(np.mean([(i["end"] - i["start"]) / 1e9 for i in its]))
+    assert abs(w["t_iter"] / job - 1) <= TIME_TOL, (w["t_iter"], job)
+    text = _cli("analyze", four.arrow, "--calibrate", eight.arrow).stdout
+    assert "fitted with the run at 8 microbatches" in text
+    same = json.loads(_cli("analyze", four.arrow, "--calibrate", four.arrow, "--json").stdout)
+    c = same["parallelism"]["pipeline"]["compute"]
+    assert c["model"] == "proportional" and "same 4 microbatches" in c["calibration_unused"]
+    p = subprocess.run([PY, "-m", "gputrace", "analyze", four.arrow, "--calibrate",
+                        recorded("tp").arrow], capture_output=True, text=True, env=_env())
+    assert p.returncode == 2 and "no pipeline in it" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr
 
 
 # -- expert parallelism -------------------------------------------------------------------

@@ -33,7 +33,13 @@ from gputrace.analyzers.model import ModelResult, Speedup, build_model, speedup,
 from gputrace.analyzers.outliers import find_outliers
 from gputrace.analyzers.parallel import registry
 from gputrace.analyzers.parallel.findings import findings as par_findings
-from gputrace.analyzers.ranks import _comm_wait, _host_bandwidth, _shared
+from gputrace.analyzers.ranks import (
+    _comm_wait,
+    _host_bandwidth,
+    _link_from_probe,
+    _md_world,
+    _shared,
+)
 from gputrace.analyzers.replay import Replay, Scenario, replay, why_no_replay
 from gputrace.analyzers.results import Analysis, NothingToAnalyze, RankAnalysis, Stat, _stat
 from gputrace.analyzers.shardinputs import Inputs as ShardInputs
@@ -100,6 +106,7 @@ class Options:
     world: int
     host_bytes_per_s: float | None = None
     engine: tuple[tuple[str, Any], ...] = ()   # a training engine's settings (DeepSpeed's)
+    calibration: Any = None   # another run of a pipeline (pp_whatif.Calibration)
 
 
 @dataclass(frozen=True)
@@ -236,20 +243,6 @@ def replay_rank(p: RankPart, arrivals: np.ndarray | None, world: int, o: Options
     return rp, sp_, why
 
 
-def _link_from_probe(probe: Any) -> float | None:
-    if isinstance(probe, dict):
-        for key in ("allreduce_bus", "ib", "p2p"):
-            v = (probe.get("results") or {}).get(key)
-            if isinstance(v, dict) and isinstance(v.get("bytes_per_s"), (int, float)):
-                return float(v["bytes_per_s"])
-    return None
-
-
-def _md_world(md: Any) -> int:
-    w = md.get("world_size") if isinstance(md, dict) else None
-    return w if isinstance(w, int) else 0
-
-
 # below this many rows, a trace is analyzed in the calling process: starting workers
 # (~0.5 s each on a 2-core machine) would cost more than they save
 PARALLEL_MIN_ROWS = 2_000_000
@@ -269,7 +262,8 @@ def analyze(trace: Any, *, skip: int | None = None, gpus: Sequence[int] = (2, 4,
             link_bytes_per_s: float | None = None, shared_io: bool = False,
             what_if: Sequence[Scenario] = (), consume: bool = False,
             detail: bool = False, executor: Executor | None = None,
-            align: bool = True, host_bytes_per_s: float | None = None) -> Analysis:
+            align: bool = True, host_bytes_per_s: float | None = None,
+            calibration: Any = None) -> Analysis:
     """Analyze a loaded trace (gputrace.trace.Trace, or a RankedTrace read one rank at a
     time); `what_if` adds replay scenarios; `host_bytes_per_s`: the host's own gloo
     all-reduce bus bandwidth (default: the probe's, when it ran gloo), the least CPU a byte of
@@ -280,7 +274,8 @@ def analyze(trace: Any, *, skip: int | None = None, gpus: Sequence[int] = (2, 4,
     bandwidth over time. `executor` (a concurrent.futures Executor: a process pool, Dask's
     or Ray's) analyzes a RankedTrace's ranks in its workers, each reading its own rank from
     the files. Host clocks are aligned on the comm units every rank ends at once (`align`
-    False: the offsets are reported, not applied)."""
+    False: the offsets are reported, not applied). `calibration`: another run of the same
+    pipeline at another microbatch count (pp_whatif.calibration_of), for its what-ifs."""
     md = trace.metadata if isinstance(trace.metadata, dict) else {}
     probe = md.get("probe")
     if link_bytes_per_s is None:
@@ -288,7 +283,7 @@ def analyze(trace: Any, *, skip: int | None = None, gpus: Sequence[int] = (2, 4,
     world = _md_world(md)
     opts = Options(skip, tuple(gpus), link_bytes_per_s, shared_io, tuple(what_if), detail, 1,
                    host_bytes_per_s or _host_bandwidth(md),
-                   tuple(sorted(zero_whatif.settings(md).items())))
+                   tuple(sorted(zero_whatif.settings(md).items())), calibration)
     parts: list[FramePart] = []
     if isinstance(trace, RankedTrace):
         ranked = any(r >= 0 for r in trace.groups)
@@ -324,7 +319,8 @@ def combine(parts: list[FramePart], md: dict[str, Any], opts: Options, probe: An
     sels = {r: p.sel for r, p in ranks.items()}
     offsets = {r: clock.offset_ns(p.host) for r, p in ranks.items()} if clock else {}
     waits, arrivals = _comm_wait(steps, sels, offsets) if len(ranks) > 1 else ({}, {})
-    rv = registry.RunView(world, opts.link_bytes_per_s, arrivals, steps, sels)
+    rv = registry.RunView(world, opts.link_bytes_per_s, arrivals, steps, sels,
+                          opts.calibration)
     parts_of = {r: p.dims for r, p in ranks.items()}
     for r, p in ranks.items():
         if p.sharded is not None:

@@ -86,3 +86,17 @@ def _host_bandwidth(md: Any) -> float | None:
             isinstance(v.get("bytes_per_s"), (int, float)):
         return float(v["bytes_per_s"])
     return None
+
+
+def _link_from_probe(probe: Any) -> float | None:
+    if isinstance(probe, dict):
+        for key in ("allreduce_bus", "ib", "p2p"):
+            v = (probe.get("results") or {}).get(key)
+            if isinstance(v, dict) and isinstance(v.get("bytes_per_s"), (int, float)):
+                return float(v["bytes_per_s"])
+    return None
+
+
+def _md_world(md: Any) -> int:
+    w = md.get("world_size") if isinstance(md, dict) else None
+    return w if isinstance(w, int) else 0

@@ -78,6 +78,10 @@ def add_options(p: argparse.ArgumentParser) -> None:
                    "cluster, e.g. tcp://scheduler:8786 (its workers read the trace files)")
     p.add_argument("--ray", metavar="ADDRESS", help="analyze ranks on a Ray cluster "
                    "(address, or 'auto'); its workers read the trace files")
+    p.add_argument("--calibrate", metavar="OTHER", help="another run of the same pipeline "
+                   "job at another microbatch count (a trace or shard directory): the "
+                   "pipeline what-ifs fit each stage's compute per microbatch as fixed + "
+                   "per-sample from the two runs")
     p.add_argument("--no-align", action="store_true", help="take each host's clock as "
                    "recorded (offsets are still estimated and reported)")
 
@@ -138,8 +142,10 @@ def analysis(args: argparse.Namespace, detail: bool = False,  # type: ignore[no-
     if args.dask is not None and args.ray is not None:
         raise CommandError("--dask and --ray: choose one engine")
     engine = use is not None or args.dask is not None or args.ray is not None
+    cal = _calibration(args) if getattr(args, "calibrate", None) else None
     kw = dict(skip=args.skip, gpus=gpus, link_bytes_per_s=link, shared_io=args.shared_io,
-              what_if=what_if, consume=True, detail=detail, align=not args.no_align)
+              what_if=what_if, consume=True, detail=detail, align=not args.no_align,
+              calibration=cal)
     try:
         with contextlib.ExitStack() as stack:
             # an engine is reached first: an address that does not answer fails before any
@@ -170,6 +176,21 @@ def analysis(args: argparse.Namespace, detail: bool = False,  # type: ignore[no-
                            f"{', '.join(map(str, sorted(a.ranks)))})")
     _say_skip_clamped(a, args.skip, args.rank)
     return a
+
+
+def _calibration(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """--calibrate's run, analyzed under the same options: its pipeline, what this run's
+    what-ifs fit their compute with."""
+    from gputrace.analyzers.parallel.pp_whatif import calibration_of
+
+    other = argparse.Namespace(**{**vars(args), "trace": [args.calibrate], "calibrate": None,
+                                  "rank": None, "report": None, "skip": None})
+    a = analysis(other)
+    pl = next((ra.parallel["pp"] for ra in a.ranks.values() if "pp" in ra.parallel), None)
+    if pl is None:
+        raise CommandError(f"--calibrate {args.calibrate}: no pipeline in it (it takes a run "
+                           "of the same pipeline job at another microbatch count)")
+    return calibration_of(pl)
 
 
 def _say_skip_clamped(a, skip: int | None, rank: int | None) -> None:  # type: ignore[no-untyped-def]

@@ -116,7 +116,10 @@ def _pp(con: Console, pl) -> None:  # noqa: ANN001 - pp.Pipeline
               f"theory (p-1)/(m+p-1) = {pl.theory:.0%} of its step; replayed step "
               f"{_ms(pl.replayed_step_s)} with {_ms(pl.transfer_s)} per transfer (fitted)")
     if pl.what_if:
-        w = Table(title="What if: the pipeline replayed on the measured per-microbatch times",
+        c = pl.compute
+        w = Table(title="What if: the pipeline replayed on the measured per-microbatch times"
+                  + (f", fitted with the run at {c.calibrated_with} microbatches"
+                     if c.calibrated_with else ""),
                   title_justify="left", box=None, padding=(0, 2))
         for h in ("change", "schedule", "microbatches", "t_iter", "bubble"):
             w.add_column(h, justify="left" if h in ("change", "schedule") else "right")
@@ -126,6 +129,13 @@ def _pp(con: Console, pl) -> None:  # noqa: ANN001 - pp.Pipeline
         con.print(w)
         for a in pl.assumptions:
             con.print(f"  assumes {a}")
+        if c.calibrated_with:
+            con.print("  per microbatch, fixed + share of the batch: " + "; ".join(
+                f"stage {k} forward {_ms(f[0])} + {_ms(f[1])}/m, backward {_ms(b[0])} + "
+                f"{_ms(b[1])}/m" for k, (f, b) in enumerate(zip(c.forward, c.backward,
+                                                                strict=True))))
+        if pl.calibration_note:
+            con.print(f"  [yellow]--calibrate not used: {pl.calibration_note}[/yellow]")
 
 
 def _ep(con: Console, ep, imb) -> None:  # noqa: ANN001 - ep.ExpertParallel, ep.Imbalance

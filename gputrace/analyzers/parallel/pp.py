@@ -8,7 +8,7 @@ layers moved between stages to balance them."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -17,17 +17,15 @@ import pyarrow as pa
 from gputrace.analyzers.collectives import Rows
 from gputrace.analyzers.frame import Spans
 from gputrace.analyzers.parallel import pipesim
+from gputrace.analyzers.parallel.pp_whatif import (
+    ASSUMPTIONS,
+    Calibration,
+    Compute,
+    WhatIf,
+    predict,  # noqa: F401 - the what-ifs' replay
+)
+from gputrace.analyzers.parallel.pp_whatif import calibrated as _calibrated
 from gputrace.analyzers.parallel.rows import rows_in
-
-ASSUMPTIONS = (
-    "the global batch stays: a microbatch's forward and backward take the measured time x "
-    "m/m' (proportional to its size) under either schedule (a smaller microbatch's lower "
-    "efficiency, or a schedule's smaller activation footprint computing faster, is not "
-    "predicted)",
-    "a transfer between stages (with the schedule's own work per microbatch) costs what "
-    "replaying the measured schedule needs to give the measured step (fitted once), the "
-    "same per transfer at any microbatch count (latency, not bandwidth, bound)",
-    "the update and the time outside the schedule's step stay as measured")
 
 
 @dataclass(frozen=True)
@@ -179,16 +177,6 @@ def _layer_backward(sp: Spans, it_start: np.ndarray, sel: np.ndarray) -> dict[in
 
 
 @dataclass(frozen=True)
-class WhatIf:
-    what: str
-    schedule: str
-    microbatches: int
-    t_iter: float
-    bubble: float         # share of the iteration (as Pipeline.bubble), mean over stages
-    bubble_s: float       # per iteration, mean over stages: replayed step time computing nothing
-
-
-@dataclass(frozen=True)
 class Pipeline:
     """The pipeline across its ranks."""
 
@@ -207,6 +195,8 @@ class Pipeline:
     # per stage, its replicas averaged: forward and backward per microbatch; the last
     # stage's loss; the first stage's iteration outside its step
     per_stage: tuple[tuple[float, ...], tuple[float, ...], float, float] = ((), (), 0.0, 0.0)
+    compute: Compute = Compute((), (), (0.0, 0.0))   # per microbatch as m changes (what-ifs)
+    calibration_note: str = ""   # why a calibrating run given was not used
 
     def headline(self) -> str:
         return (f"pipeline, {self.num_stages} stages x {self.microbatches} microbatches "
@@ -215,10 +205,12 @@ class Pipeline:
                 f"iteration), theory {self.theory:.0%}")
 
 
-def combine(stages: list[Stage], extra: list[int] | None = None) -> Pipeline | None:
+def combine(stages: list[Stage], extra: list[int] | None = None,
+            calibration: Calibration | None = None) -> Pipeline | None:
     """The pipeline of the ranks' stages (one stage per rank), with its what-ifs: the
     microbatch counts in `extra` (default: half and double the measured), the other
-    schedule, and the layers rebalanced."""
+    schedule, and the layers rebalanced; `calibration`: another run of it at another
+    microbatch count, to fit each stage's compute per microbatch (pp_whatif)."""
     st = sorted((s for s in stages if s.stage >= 0), key=lambda s: (s.stage, s.rank))
     if not st:
         return None
@@ -255,64 +247,7 @@ def combine(stages: list[Stage], extra: list[int] | None = None) -> Pipeline | N
                    per_stage=(tuple(fwd), tuple(bwd), loss, outside))
     if not known:
         return out
-    ifs = []
-    for m2 in sorted(set(extra or [max(p, m // 2), m * 2]) - {m}):
-        if m2 >= 1 and (sched != "Schedule1F1B" or m2 >= p):   # torch's 1F1B needs m >= p
-            ifs.append(predict(out, sched, m2))
-    other = next(s for s in pipesim.SCHEDULES if s != sched)
-    if other != "Schedule1F1B" or m >= p:
-        ifs.append(predict(out, other, m))
-    moved = _balanced([by[k][0] for k in range(p)], fwd, bwd)
-    if moved is not None:
-        ifs.append(predict(out, sched, m, *moved, what="layers balanced across stages"))
-    return replace(out, what_if=ifs)
-
-
-def predict(pl: Pipeline, schedule: str, m: int, fwd: list[float] | None = None,
-            bwd: list[float] | None = None, what: str = "") -> WhatIf:
-    """The pipeline's iteration replayed with `schedule` over `m` microbatches (the global
-    batch kept: each microbatch's times x pl.microbatches / m, ASSUMPTIONS), from the
-    measured per-microbatch times (or `fwd`/`bwd` per stage at the measured count)."""
-    if schedule not in pipesim.SCHEDULES or pl.schedule not in pipesim.SCHEDULES:
-        raise ValueError(f"no replay of {schedule} from {pl.schedule}")
-    f0, b0, loss, outside = pl.per_stage
-    k = pl.microbatches / m
-    f = [x * k for x in (fwd or f0)]
-    b = [x * k for x in (bwd or b0)]
-    r = pipesim.replay(schedule, f, b, m, pl.transfer_s, loss * k)
-    t_iter = r.makespan + outside
-    idle = float(np.mean(r.bubble))
-    if not what:
-        what = (f"{m} microbatches" if schedule == pl.schedule else
-                f"{pipesim.SHORT[schedule]} schedule" + (
-                    f", {m} microbatches" if m != pl.microbatches else ""))
-    return WhatIf(what, schedule, m, t_iter, idle / t_iter if t_iter > 0 else 0.0, idle)
-
-
-def _balanced(st: list[Stage], fwd: list[float], bwd: list[float]
-              ) -> tuple[list[float], list[float]] | None:
-    """Stage times with the layers cut where they balance (by their backward time; a
-    stage's forward split in the same proportions), None when the layers are not known or
-    the cut stays. `st`: one rank per stage (its layers); `fwd`, `bwd`: each stage's."""
-    layers: list[tuple[float, float]] = []    # (backward, forward) per layer, in order
-    for s, f_s, b_s in zip(st, fwd, bwd, strict=True):
-        tot = sum(s.layers.values())
-        if not s.layers or tot <= 0:
-            return None
-        for b in s.layers.values():
-            share = b / tot
-            layers.append((b_s * share, f_s * share))
-    cuts = pipesim.balance([b + f for b, f in layers], len(st))
-    now, at = [], 0
-    for s in st[:-1]:
-        at += len(s.layers)
-        now.append(at)
-    if cuts == now:
-        return None
-    bounds = [0, *cuts, len(layers)]
-    fwd = [sum(f for _, f in layers[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
-    bwd = [sum(b_ for b_, _ in layers[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
-    return fwd, bwd
+    return _calibrated(out, calibration, [by[k][0] for k in range(p)], extra)
 
 
 def as_dict(pl: Pipeline) -> dict[str, Any]:
@@ -326,6 +261,8 @@ def as_dict(pl: Pipeline) -> dict[str, Any]:
                         if k not in ("layers", "blocks")} | {
                 "busy_s": s.busy_s} for s in pl.stages],
             "what_if": [vars(w) for w in pl.what_if], "assumptions": list(pl.assumptions),
+            "compute": pl.compute.as_dict() | (
+                {"calibration_unused": pl.calibration_note} if pl.calibration_note else {}),
             "headline": pl.headline()}
 
 

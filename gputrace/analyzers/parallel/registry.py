@@ -58,6 +58,7 @@ class RunView:
     arrivals: dict[int, np.ndarray]
     steps: dict[int, RankSteps]
     sels: dict[int, np.ndarray]
+    calibration: Any = None    # another run of a pipeline (pp_whatif.Calibration)
 
 
 class Dimension(Protocol):
@@ -95,7 +96,7 @@ class _PP:
         return pp.analyze(v.sp, v.rows, v.it_start, v.it_end, v.sel, v.terms)
 
     def run(self, parts: dict[int, Any], v: RunView) -> Any | None:
-        return pp.combine(list(parts.values()))
+        return pp.combine(list(parts.values()), calibration=v.calibration)
 
 
 class _EP:
