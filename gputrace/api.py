@@ -33,6 +33,7 @@ __all__ = ["AnalysisError", "ChartView", "MissingExtra", "ReportView", "Result",
            "Table", "analyze"]
 
 TABLES = ("breakdown", "iterations", "units", "ranks", "findings", "speedup", "what_if",
+          "throughput",
           # tensor, pipeline and expert parallelism (report.tables_parallel)
           "tp_layers", "tp_what_if", "pipeline_stages", "pipeline_what_if", "expert_parallel")
 
@@ -49,7 +50,8 @@ def analyze(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *,
             what_if: Sequence[str | Scenario] | str = (), shared_io: bool = False,
             jobs: int | None = None, executor: Executor | None = None, align: bool = True,
             progress: bool | None = None,
-            calibrate: str | os.PathLike[str] | None = None) -> Result:
+            calibrate: str | os.PathLike[str] | None = None,
+            batch_size: int | None = None, tokens_per_sample: int | None = None) -> Result:
     """Analyze a trace as `gputrace analyze` does, with the same options.
 
     `paths`: a trace file, several, a directory of shards, the name of a multi-node
@@ -60,7 +62,8 @@ def analyze(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *,
     ranks; `executor`: a concurrent.futures Executor to analyze them in instead (e.g. a Dask
     `Client.get_executor()`). `progress`: draw progress bars (default: on a terminal only).
     `calibrate`: another run of the same pipeline job at another microbatch count, to fit
-    the pipeline what-ifs' compute per microbatch (`analyze --calibrate`).
+    the pipeline what-ifs' compute per microbatch (`analyze --calibrate`). `batch_size`,
+    `tokens_per_sample`: the throughput's batch where the trace does not tell.
     Raises AnalysisError with the command line's one-line message on bad input."""
     from gputrace import progress as bars
     from gputrace.cli import CommandError
@@ -79,7 +82,8 @@ def analyze(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *,
         gpus=gpus if isinstance(gpus, str) else ",".join(str(int(g)) for g in gpus),
         link_bandwidth=link_bandwidth, what_if=list(what_if), shared_io=shared_io, jobs=jobs,
         dask=None, ray=None, no_align=not align,
-        calibrate=os.fspath(calibrate) if calibrate is not None else None)
+        calibrate=os.fspath(calibrate) if calibrate is not None else None,
+        batch_size=batch_size, tokens_per_sample=tokens_per_sample)
     try:
         with bars.shown(progress):
             a = analysis(args, detail=True, use=executor)
@@ -159,7 +163,8 @@ class Result:
         """One of TABLES: `breakdown` (the shown rank's terms, mean and std), `iterations`
         (every iteration of every rank), `units` (comm units of every rank), `ranks` (one
         row per rank), `findings`, `speedup` (points of the speedup model), `what_if`
-        (replayed scenarios); the parallelisms': `tp_layers` (every rank's tensor-parallel
+        (replayed scenarios), `throughput` (samples and tokens per second per rank, and the
+        job's over its data-parallel replicas: rank None); the parallelisms': `tp_layers` (every rank's tensor-parallel
         collectives per layer and phase), `tp_what_if` (the TP-degree what-if),
         `pipeline_stages`, `pipeline_what_if`, `expert_parallel` (per rank, with its bytes
         to each peer): with their columns and no rows for a run without them."""

@@ -261,6 +261,12 @@ def test_tp_headline_and_no_data_parallel_predictions(recorded):
     assert "Predicted speedup: not computed (tensor parallel communication" in run.text
     assert "What if: not replayed: tensor parallel communication" in run.text
     assert "Predicted speedup (eq." not in run.text
+    # throughput: the 2 TP ranks take the same 128 samples: one replica, not doubled
+    tp = run.doc["throughput"]
+    assert tp["samples_per_iteration"] == pytest.approx(128)
+    assert tp["job"]["replicas"] == 1
+    ranks = [d["throughput"]["samples_per_s"] for d in run.doc["ranks"].values()]
+    assert tp["job"]["samples_per_s"] == pytest.approx(float(np.mean(ranks)))
 
 
 def test_tp_per_layer_attribution_is_the_jobs_blocks(recorded):
@@ -429,6 +435,11 @@ def test_pp_headline_and_the_schedules_runtime_order(recorded, name):
         # step's shape inference runs the stage's forward once more)
         n = Counter(mb["it"] for mb in run.truth[rank]["microbatches"] if mb["it"] > 0)
         assert set(n.values()) == {m}
+    # throughput: each stage takes the batch's 256 samples as m microbatches; one replica
+    tp = run.doc["throughput"]
+    assert tp["forwards_per_iteration"] == pytest.approx(m)
+    assert tp["samples_per_iteration"] == pytest.approx(256)
+    assert tp["job"]["replicas"] == 1
 
 
 def test_pp_what_if_fitted_with_a_run_at_another_microbatch_count(recorded):

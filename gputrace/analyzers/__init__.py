@@ -16,6 +16,7 @@ from gputrace.analyzers import collectives as col
 from gputrace.analyzers import frame as fr
 from gputrace.analyzers import sanity, zero_whatif
 from gputrace.analyzers import sharded as shd
+from gputrace.analyzers import throughput as tput
 from gputrace.analyzers.bandwidth import analyze_bandwidth, bandwidth_series
 from gputrace.analyzers.clocks import UnitTimes, estimate
 from gputrace.analyzers.detail import (
@@ -31,6 +32,7 @@ from gputrace.analyzers.findings_comm import shd_findings
 from gputrace.analyzers.findings_replay import _agree, _extra_findings, _replay_findings
 from gputrace.analyzers.model import ModelResult, Speedup, build_model, speedup, unit_waits
 from gputrace.analyzers.outliers import find_outliers
+from gputrace.analyzers.overlap import summary as _overlap
 from gputrace.analyzers.parallel import registry
 from gputrace.analyzers.parallel.findings import findings as par_findings
 from gputrace.analyzers.ranks import (
@@ -47,15 +49,6 @@ from gputrace.analyzers.shardinputs import iteration_of
 from gputrace.analyzers.steps import PARALLEL_TERMS, TERMS, RankSteps, analyze_rank, warmup_skip
 from gputrace.analyzers.timeline_comm import with_collectives
 from gputrace.trace.ranked import RankedTrace, RankSource, read_rank
-
-
-def _overlap(h: Any, sel: np.ndarray) -> dict[str, float]:
-    tot = float(np.mean(h.total_s[sel])) if sel.size else 0.0
-    hid = float(np.mean(h.hidden_s[sel])) if sel.size else 0.0
-    exp = float(np.mean(h.exposed_s[sel])) if sel.size else 0.0
-    return {"total_s": tot, "hidden_s": hid, "exposed_s": exp,
-            "hidden_fraction": hid / tot if tot > 0 else 0.0}
-
 
 _trim: Any = None     # glibc's malloc_trim, once looked up (False: none here)
 
@@ -107,6 +100,7 @@ class Options:
     host_bytes_per_s: float | None = None
     engine: tuple[tuple[str, Any], ...] = ()   # a training engine's settings (DeepSpeed's)
     calibration: Any = None   # another run of a pipeline (pp_whatif.Calibration)
+    batch: tuple[int | None, int | None] = (None, None)   # samples per forward, tokens each
 
 
 @dataclass(frozen=True)
@@ -134,6 +128,7 @@ class RankPart:
     window: tuple[int, int]       # first start, last end of every iteration
     series: IterationSeries | None = None
     timeline: IterationTimeline | None = None
+    throughput: tput.Throughput | None = None
     collectives: ct.Collectives = field(default_factory=ct.Collectives)
     sharded: shd.Sharded | None = None
     shard_inputs: ShardInputs | None = None   # what the sharded analysis reads, kept small
@@ -197,7 +192,9 @@ def analyze_spans(sp: fr.Spans, o: Options) -> RankPart:
         window=(int(its.start[0]), int(its.end[-1])) if n else (0, 0),
         series=iteration_series(rs, skipped) if o.detail else None, timeline=timeline,
         collectives=colls, sharded=sharded, shard_inputs=fs.inputs if fs is not None else None,
-        dims=dims, degrees=registry.degrees(cr, inside), groups=registry.groups(cr, inside))
+        dims=dims, degrees=registry.degrees(cr, inside), groups=registry.groups(cr, inside),
+        throughput=tput.rank(sp, its.start, its.end, sel, float(rs.terms["t_iter"][sel].mean())
+                             if sel.size else 0.0, *o.batch))
 
 
 def _fsdp_part(p: RankPart, o: Options) -> Any:
@@ -263,7 +260,8 @@ def analyze(trace: Any, *, skip: int | None = None, gpus: Sequence[int] = (2, 4,
             what_if: Sequence[Scenario] = (), consume: bool = False,
             detail: bool = False, executor: Executor | None = None,
             align: bool = True, host_bytes_per_s: float | None = None,
-            calibration: Any = None) -> Analysis:
+            calibration: Any = None, batch: tuple[int | None, int | None] = (None, None)
+            ) -> Analysis:
     """Analyze a loaded trace (gputrace.trace.Trace, or a RankedTrace read one rank at a
     time); `what_if` adds replay scenarios; `host_bytes_per_s`: the host's own gloo
     all-reduce bus bandwidth (default: the probe's, when it ran gloo), the least CPU a byte of
@@ -275,7 +273,8 @@ def analyze(trace: Any, *, skip: int | None = None, gpus: Sequence[int] = (2, 4,
     or Ray's) analyzes a RankedTrace's ranks in its workers, each reading its own rank from
     the files. Host clocks are aligned on the comm units every rank ends at once (`align`
     False: the offsets are reported, not applied). `calibration`: another run of the same
-    pipeline at another microbatch count (pp_whatif.calibration_of), for its what-ifs."""
+    pipeline at another microbatch count (pp_whatif.calibration_of), for its what-ifs;
+    `batch`: samples per forward and tokens per sample where the trace does not tell."""
     md = trace.metadata if isinstance(trace.metadata, dict) else {}
     probe = md.get("probe")
     if link_bytes_per_s is None:
@@ -283,7 +282,7 @@ def analyze(trace: Any, *, skip: int | None = None, gpus: Sequence[int] = (2, 4,
     world = _md_world(md)
     opts = Options(skip, tuple(gpus), link_bytes_per_s, shared_io, tuple(what_if), detail, 1,
                    host_bytes_per_s or _host_bandwidth(md),
-                   tuple(sorted(zero_whatif.settings(md).items())), calibration)
+                   tuple(sorted(zero_whatif.settings(md).items())), calibration, batch)
     parts: list[FramePart] = []
     if isinstance(trace, RankedTrace):
         ranked = any(r >= 0 for r in trace.groups)
@@ -381,7 +380,7 @@ def combine(parts: list[FramePart], md: dict[str, Any], opts: Options, probe: An
             replay=rp, detail=rd, replay_unavailable=why, host=p.host,
             collectives=p.collectives, comm_missing=missing, sharded=p.sharded,
             dims=p.dims, degrees=degrees, parallel=parallel, groups=groups,
-            dimensions=registry.describe(degrees, world))
+            dimensions=registry.describe(degrees, world), throughput=p.throughput)
     slowest = max(out, key=lambda r: out[r].breakdown["t_iter"].mean)
     main = out[slowest]
     if main.replay is not None:
@@ -393,4 +392,5 @@ def combine(parts: list[FramePart], md: dict[str, Any], opts: Options, probe: An
                for r, p in ranks.items()}
     outliers, told = find_outliers(figures, {r: p.host for r, p in ranks.items()})
     return Analysis(out, slowest, world, dict(md), clock=clock, outliers=outliers,
-                    slowest_why=told)
+                    slowest_why=told, throughput=tput.job(
+                        {r: p.throughput for r, p in ranks.items()}, world, degrees))

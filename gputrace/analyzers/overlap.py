@@ -8,6 +8,7 @@ per-iteration figures over millions of spans stay fast.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -207,3 +208,12 @@ def busy_before(start: np.ndarray, end: np.ndarray, lane: np.ndarray, t: np.ndar
         i = np.searchsorted(s, t[want], side="left") - 1
         out[want] = np.where(i >= 0, reach[np.maximum(i, 0)], -1) if s.size else -1
     return out
+
+
+def summary(h: Any, sel: np.ndarray) -> dict[str, float]:
+    """Means over the iterations `sel` of an overlap's total, hidden and exposed seconds."""
+    tot = float(np.mean(h.total_s[sel])) if sel.size else 0.0
+    hid = float(np.mean(h.hidden_s[sel])) if sel.size else 0.0
+    exp = float(np.mean(h.exposed_s[sel])) if sel.size else 0.0
+    return {"total_s": tot, "hidden_s": hid, "exposed_s": exp,
+            "hidden_fraction": hid / tot if tot > 0 else 0.0}

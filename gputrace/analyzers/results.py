@@ -57,6 +57,7 @@ class RankAnalysis:
     parallel: dict[str, Any] = field(default_factory=dict)
     groups: dict[str, dict[str, Any]] = field(default_factory=dict)  # dimension -> groups
     dimensions: str = ""   # the run's dimensions beyond data parallelism ("FSDP 2 x TP 2, 4 ranks")
+    throughput: Any = None   # throughput.Throughput: samples (tokens) per second, this rank's
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class Analysis:
     clock: ClockAlignment | None = None     # host clock offsets (several hosts)
     outliers: list[Outlier] = field(default_factory=list)
     slowest_why: Outlier | None = None      # the slowest rank, told as an outlier is
+    throughput: Any = None   # throughput.JobThroughput: the job's, over its DP replicas
 
     @property
     def main(self) -> RankAnalysis:

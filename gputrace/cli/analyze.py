@@ -78,6 +78,10 @@ def add_options(p: argparse.ArgumentParser) -> None:
                    "cluster, e.g. tcp://scheduler:8786 (its workers read the trace files)")
     p.add_argument("--ray", metavar="ADDRESS", help="analyze ranks on a Ray cluster "
                    "(address, or 'auto'); its workers read the trace files")
+    p.add_argument("--batch-size", type=int, metavar="N", help="samples each forward of the "
+                   "model takes on a rank, where the trace does not tell (throughput)")
+    p.add_argument("--tokens-per-sample", type=int, metavar="N",
+                   help="tokens per sample, where the input is not token ids (throughput)")
     p.add_argument("--calibrate", metavar="OTHER", help="another run of the same pipeline "
                    "job at another microbatch count (a trace or shard directory): the "
                    "pipeline what-ifs fit each stage's compute per microbatch as fixed + "
@@ -142,10 +146,14 @@ def analysis(args: argparse.Namespace, detail: bool = False,  # type: ignore[no-
     if args.dask is not None and args.ray is not None:
         raise CommandError("--dask and --ray: choose one engine")
     engine = use is not None or args.dask is not None or args.ray is not None
+    batch = (getattr(args, "batch_size", None), getattr(args, "tokens_per_sample", None))
+    for opt, v in zip(("--batch-size", "--tokens-per-sample"), batch, strict=True):
+        if v is not None and v < 1:
+            raise CommandError(f"{opt} takes a positive number, not {v}")
     cal = _calibration(args) if getattr(args, "calibrate", None) else None
     kw = dict(skip=args.skip, gpus=gpus, link_bytes_per_s=link, shared_io=args.shared_io,
               what_if=what_if, consume=True, detail=detail, align=not args.no_align,
-              calibration=cal)
+              calibration=cal, batch=batch)
     try:
         with contextlib.ExitStack() as stack:
             # an engine is reached first: an address that does not answer fails before any

@@ -30,6 +30,7 @@ def rank_dict(ra: RankAnalysis) -> dict[str, Any]:
                        "synthetic": ra.synthetic_iterations},
         "breakdown": {k: {"mean": s.mean, "std": s.std} for k, s in ra.breakdown.items()},
         "overlap": {"comm": dict(ra.comm), "io": dict(ra.io)},
+        "throughput": ra.throughput.as_dict() if ra.throughput is not None else None,
         "model": {
             "strategy": m.strategy, "case": m.case, "C": m.C, "C_unit": m.C_unit,
             "equation": m.equation, "predicted_t_iter": m.predicted_t_iter,
@@ -110,6 +111,10 @@ def _what_if(rp: Replay | None) -> dict[str, Any] | None:
     }
 
 
+NO_BATCH = ("the batch is not known: no input tensor was seen at the model's outermost "
+            "forward (give --batch-size N)")
+
+
 def to_dict(a: Analysis, rank: int | None = None) -> dict[str, Any]:
     main = a.ranks[rank] if rank is not None else a.main
     doc: dict[str, Any] = {"format": FORMAT, "version": VERSION}
@@ -118,6 +123,9 @@ def to_dict(a: Analysis, rank: int | None = None) -> dict[str, Any]:
     doc["slowest_rank"] = a.slowest_rank
     doc["world_size"] = a.world_size
     doc["ranks"] = {str(r): rank_dict(ra) for r, ra in sorted(a.ranks.items())}
+    doc["throughput"] = {**(doc["throughput"] or {}), "job": a.throughput.as_dict()
+                         if a.throughput is not None else None,
+                         "unavailable": None if main.throughput is not None else NO_BATCH}
     doc["hosts"] = _hosts(a)
     doc["clock"] = _clock(a)
     doc["slowest"] = _outlier(a.slowest_why) if a.slowest_why else None

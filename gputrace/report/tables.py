@@ -154,6 +154,22 @@ def ranks(doc: dict[str, Any]) -> Table:
     return _table("ranks", out)
 
 
+def throughput(doc: dict[str, Any]) -> Table:
+    """One row per rank whose batch is known: samples and tokens per iteration and per
+    second, the model's forwards per iteration, where the batch came from; and a row `job`
+    (rank None): the job's, summed over its data-parallel replicas."""
+    cols = ("rank", "samples_per_iteration", "samples_per_s", "tokens_per_sample",
+            "tokens_per_s", "forwards_per_iteration", "replicas", "source")
+    out = [{"rank": int(r), **{k: v for k, v in rd["throughput"].items() if k in cols}}
+           for r, rd in doc["ranks"].items() if rd.get("throughput")]
+    job = (doc.get("throughput") or {}).get("job")
+    if job:
+        out.append({"rank": None, "samples_per_s": job["samples_per_s"],
+                    "tokens_per_s": job["tokens_per_s"], "replicas": job["replicas"],
+                    "source": "job"})
+    return _table("throughput", out, cols)
+
+
 def iterations(a: Analysis) -> Table:
     """Every iteration of every rank (an analysis made with detail=True): its step, whether
     it is warm-up (left out of the means), its start (seconds from the earliest iteration of

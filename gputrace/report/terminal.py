@@ -16,6 +16,7 @@ from gputrace.fmt import mb, rate
 from gputrace.report import console
 from gputrace.report.collectives import headline_case, render_kinds, render_sharded
 from gputrace.report.parallel import render_parallel
+from gputrace.report.throughput import rate_text, throughput_line
 
 PHASES = (("t_io", "waiting for data (I/O)"), ("t_h2d", "host to device copies"),
            ("t_f", "forward"), ("t_b", "backward"), ("t_u", "update (optimizer)"),
@@ -79,7 +80,9 @@ def headline(ra: RankAnalysis) -> str:
         case = "single process: no gradient communication"
     case = headline_case(ra) or case
     share = parts[top] / t_iter if t_iter else 0
-    return (f"{_ms(t_iter)} per iteration. {case}. Largest share: {top_name} "
+    t = ra.throughput
+    rate = f" ({rate_text(t.samples_per_s)} samples/s)" if t is not None else ""
+    return (f"{_ms(t_iter)} per iteration{rate}. {case}. Largest share: {top_name} "
             f"({_ms(parts[top])}, {share:.0%}).")
 
 
@@ -208,6 +211,7 @@ def render(a: Analysis, rank: int | None = None, file: IO[str] | None = None,
         share = "" if key == "t_iter" or t_iter == 0 else f"{s.mean / t_iter:.0%}"
         bt.add_row(key, label, _ms(s.mean), _ms(s.std), share)
     con.print(bt)
+    con.print(throughput_line(a, ra))
     con.print()
 
     ot = Table(title="Hidden vs exposed (per iteration)", title_justify="left", box=None,

@@ -36,6 +36,7 @@ import torch
 
 from gputrace.collectors.torch import comm as torch_comm
 from gputrace.collectors.torch import guard as torch_guard
+from gputrace.collectors.torch.batch import BatchOnce, describe
 from gputrace.collectors.torch.ddp import maybe_hook_ddp, patch_ddp
 from gputrace.collectors.torch.grads import _begin, _LayerGrads, _settle
 from gputrace.collectors.torch.guard import _guarded
@@ -78,6 +79,7 @@ class _State:
         self.lock = threading.Lock()
         self.modules = Modules(self, layers, forward)
         self.adopted = False                      # the live models were looked for once
+        self.batch: dict | None = None            # the model's input, described once (batch)
         self.root_ran = False                     # a root's forward since the last backward
         self.pipeline_steps = 0                   # > 0 inside a pipeline schedule's step
 
@@ -135,6 +137,11 @@ class _State:
             if module not in self.modules.seen:
                 maybe_hook_ddp(self, module)
                 self.modules.first_forward(module)
+                if self.batch is None:
+                    self.batch = describe(type(module).__name__, args, {})
+                    if self.batch is None:   # keyword inputs: read at the next call
+                        once = BatchOnce(self, type(module).__name__)
+                        once.handle = module.register_forward_pre_hook(once, with_kwargs=True)
         self.depth += 1
 
     @_guarded
@@ -142,7 +149,12 @@ class _State:
         self.depth = max(self.depth - 1, 0)
         if self.depth == 0:
             t = self.now()
-            self.rec.span("forward", self.root_name, self.root_t0, t)
+            if self.batch:
+                self.rec.span("forward", self.root_name, self.root_t0, t,
+                              args={"batch": self.batch})
+                self.batch = {}
+            else:
+                self.rec.span("forward", self.root_name, self.root_t0, t)
             self.last_fwd_end = self.loss_from = t
 
     # -- backward ------------------------------------------------------------------------

@@ -1,0 +1,79 @@
+"""A training loop that knows its own throughput: each iteration (ACC micro-batches of B
+samples, then the optimizer step) timed with perf_counter, the samples it fed counted.
+
+    python throughput_train.py OUT [--tokens] [--iterations N] [--batch B] [--acc K]
+    torchrun --nproc_per_node 2 throughput_train.py OUT ...   (DDP over gloo)
+
+--tokens: a token model (embedding, linear head) called as `model(input_ids=ids)` with a
+2-D integer batch of B x SEQ token ids, as Hugging Face models are called; otherwise an MLP
+called as `model(x)`. Writes OUT.rank<R>.json: {"iterations": [seconds...], "samples":
+samples per iteration, "tokens_per_sample": SEQ or null}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+SEQ, VOCAB, WIDTH = 32, 512, 256
+
+
+class TokenModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.body = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU())
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.embed(input_ids)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--tokens", action="store_true")
+    ap.add_argument("--iterations", type=int, default=30)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--acc", type=int, default=2)
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    rank = 0
+    model: nn.Module = TokenModel() if a.tokens else nn.Sequential(
+        nn.Linear(WIDTH, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        model = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    its = []
+    for _ in range(a.iterations):
+        t0 = time.perf_counter()
+        for _ in range(a.acc):
+            if a.tokens:
+                ids = torch.randint(0, VOCAB, (a.batch, SEQ))
+                out = model(input_ids=ids)
+                loss = nn.functional.cross_entropy(out.reshape(-1, VOCAB), ids.reshape(-1))
+            else:
+                x, y = torch.randn(a.batch, WIDTH), torch.randint(0, 10, (a.batch,))
+                loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        its.append(time.perf_counter() - t0)
+    with open(f"{a.out}.rank{rank}.json", "w") as f:
+        json.dump({"iterations": its, "samples": a.batch * a.acc,
+                   "tokens_per_sample": SEQ if a.tokens else None}, f)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
