@@ -59,8 +59,13 @@ def _pass(kind: str, orig: Any) -> Any:
             cur.fwd += 1
         else:
             cur.bwd += 1
-        stage = int(self.stage_id)
-        restore = _time_loss(self, st) if kind == "forward" and self.is_last_stage() else None
+        try:
+            stage = int(self.stage_id)
+            restore = _time_loss(self, st) if kind == "forward" and self.is_last_stage() \
+                else None
+        except Exception as e:  # noqa: BLE001 - the pass runs, unrecorded
+            _hook_failed(f"pipeline {kind}", e)
+            return orig(self, *a, **k)
         t0 = st.now()
         try:
             return orig(self, *a, **k)
@@ -81,7 +86,8 @@ def _time_loss(engine: Any, st: Any) -> Any:
     """The module's loss function as a `forward` span named `loss` for this pass; returns
     what puts the job's own function back."""
     mod = engine.module
-    fn = mod.__dict__.get("loss_fn")
+    own = "loss_fn" in mod.__dict__     # else none, or an nn.Module loss (in _modules)
+    fn = getattr(mod, "loss_fn", None)
     if fn is None:
         return None
 
@@ -96,7 +102,10 @@ def _time_loss(engine: Any, st: Any) -> Any:
     mod.__dict__["loss_fn"] = loss_fn
 
     def restore() -> None:
-        mod.__dict__["loss_fn"] = fn
+        if own:
+            mod.__dict__["loss_fn"] = fn
+        else:
+            mod.__dict__.pop("loss_fn", None)
 
     return restore
 
@@ -147,11 +156,15 @@ def _train_batch(orig: Any) -> Any:
         st = comm._state()
         if st is None or _cur(self) is not None:
             return orig(self, *a, **k)
+        try:
+            tag = f',"pp":{{"stage":{int(self.stage_id)}}}'
+        except Exception as e:  # noqa: BLE001 - the step runs, unrecorded
+            _hook_failed("pipeline step", e)
+            return orig(self, *a, **k)
         cur = self.__dict__["_gputrace_step"] = _Step()
         t0 = st.now()
         prev = TLS.pp, TLS.pp_ranks
-        TLS.pp = f',"pp":{{"stage":{int(self.stage_id)}}}'
-        TLS.pp_ranks = _pipe_ranks(self)
+        TLS.pp, TLS.pp_ranks = tag, _pipe_ranks(self)
         st.pipeline_steps += 1
         try:
             return orig(self, *a, **k)
