@@ -101,7 +101,8 @@ def _tp(con: Console, ra: RankAnalysis, tp) -> None:  # noqa: ANN001 - tp.Tensor
 def _pp(con: Console, pl) -> None:  # noqa: ANN001 - pp.Pipeline
     con.print()
     t = Table(title=f"Pipeline: {pl.num_stages} stages x {pl.microbatches} microbatches "
-              f"({pipesim.SHORT.get(pl.schedule, pl.schedule)}); per stage, per iteration",
+              f"({pl.recorded_schedule + ', ' if pl.recorded_schedule else ''}"
+              f"{pipesim.SHORT.get(pl.schedule, pl.schedule)}); per stage, per iteration",
               title_justify="left", box=None, padding=(0, 2))
     for h in ("stage", "rank", "forward/mb", "backward/mb", "busy", "bubble", "of t_iter",
               "waits", "p2p"):

@@ -3,8 +3,9 @@
 its process group (the DeviceMesh dimension it runs on, by the dimension's name) and its kind.
 
 - `fsdp`: issued by an FSDP unit (args.fsdp): sharded data parallel (the sharded model);
-- `pp`: a send/recv a pipeline schedule issued between its stages (args.pp), or any
-  collective on a mesh dimension named for pipelining;
+- `pp`: a send/recv a pipeline schedule issued between its stages (args.pp; DeepSpeed's
+  pipeline engine also tags its collectives on the pipeline group), or any collective on a
+  mesh dimension named for pipelining;
 - `tp`, `ep`, `cp`: on a mesh dimension named for tensor (or sequence), expert or context
   parallelism; a DTensor redistribution on an unnamed dimension is tensor parallel (its
   collectives carry activations forward and their gradients backward);

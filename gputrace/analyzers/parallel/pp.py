@@ -113,6 +113,9 @@ def analyze(sp: Spans, r: Rows, it_start: np.ndarray, it_end: np.ndarray, sel: n
     p = int(head.get("num_stages") or md.get("num_stages") or 0) or _stages_from(sp, r)
     loss = _loss_s(sp, it_start, sel)
     j, _ = rows_in(sp, r, "pp", it_start, it_end, sel)
+    # the sends and receives (a DeepSpeed pipeline's step also has collectives on the
+    # pipeline group: its loss broadcast, its gradient norm's all-reduce)
+    j = j[np.array([r.kind[x] == "send_recv" for x in j.tolist()], bool)]
     waits = np.where(r.wait_s[j] >= 0, r.wait_e[j] - r.wait_s[j], 0) / 1e9
     # a batch_isend_irecv is one record of several sends and receives (args.ops)
     ops = sum(_int(a.get("ops"), 1) for a in _args(sp, r.idx[j]))
@@ -143,6 +146,17 @@ def _blocks(sp: Spans, pipe: np.ndarray, names: list[str], args: list[dict[str, 
             out.append((st, n, int(mb) if isinstance(mb, int) else -1, int(sp.start[i]),
                         int(sp.end[i])))
     return tuple(sorted(out, key=lambda b: (b[0], b[3])))
+
+
+def _ran(s: Stage) -> list[tuple[str, int]]:
+    """The stage's forward and backward microbatches in the order it ran them, in every
+    step of its kept blocks alike ([] when steps differ or none was kept)."""
+    per: dict[int, list[tuple[str, int]]] = {}
+    for step, name, mb, _, _ in s.blocks:
+        if name in ("forward", "backward"):
+            per.setdefault(step, []).append((name[0].upper(), mb))
+    orders = list(per.values())
+    return orders[0] if orders and all(o == orders[0] for o in orders) else []
 
 
 def _int(v: Any, default: int) -> int:
@@ -197,10 +211,14 @@ class Pipeline:
     per_stage: tuple[tuple[float, ...], tuple[float, ...], float, float] = ((), (), 0.0, 0.0)
     compute: Compute = Compute((), (), (0.0, 0.0))   # per microbatch as m changes (what-ifs)
     calibration_note: str = ""   # why a calibrating run given was not used
+    recorded_schedule: str = ""  # the recorded schedule replayed as `schedule` (its order)
 
     def headline(self) -> str:
+        name = pipesim.SHORT.get(self.schedule, self.schedule)
+        if self.recorded_schedule:
+            name = f"{self.recorded_schedule}, {name} order"
         return (f"pipeline, {self.num_stages} stages x {self.microbatches} microbatches "
-                f"({pipesim.SHORT.get(self.schedule, self.schedule)}): bubble "
+                f"({name}): bubble "
                 f"{self.bubble_step:.0%} of the schedule's step ({self.bubble:.0%} of the "
                 f"iteration), theory {self.theory:.0%}")
 
@@ -227,6 +245,15 @@ def combine(stages: list[Stage], extra: list[int] | None = None,
         return float(np.mean([f(x) for x in by[stage]]))
 
     m, sched = st[0].microbatches, st[0].schedule
+    recorded = ""
+    if sched not in pipesim.SCHEDULES:
+        # a schedule of another library (DeepSpeed's TrainSchedule) replays as the known one
+        # whose order every stage ran
+        ran = [_ran(by[k][0]) for k in range(p)]
+        same = [s for s in pipesim.SCHEDULES
+                if all(o and o == pipesim.order(s, k, p, m) for k, o in enumerate(ran))]
+        if same:
+            recorded, sched = sched, same[0]
     fwd = [mean(k, lambda x: x.forward_s) for k in range(p)]
     bwd = [mean(k, lambda x: x.backward_s) for k in range(p)]
     loss = mean(p - 1, lambda x: x.loss_s)
@@ -244,7 +271,8 @@ def combine(stages: list[Stage], extra: list[int] | None = None,
                    pipesim.theory(p, m), slowest, transfer, base,
                    bubble_step=float(np.mean([min(s.bubble_s / s.step_s, 1.0) for s in st
                                               if s.step_s > 0])),
-                   per_stage=(tuple(fwd), tuple(bwd), loss, outside))
+                   per_stage=(tuple(fwd), tuple(bwd), loss, outside),
+                   recorded_schedule=recorded)
     if not known:
         return out
     return _calibrated(out, calibration, [by[k][0] for k in range(p)], extra)
@@ -252,7 +280,8 @@ def combine(stages: list[Stage], extra: list[int] | None = None,
 
 def as_dict(pl: Pipeline) -> dict[str, Any]:
     """`--json`'s pipeline section."""
-    return {"schedule": pl.schedule, "microbatches": pl.microbatches,
+    return {"schedule": pl.schedule, "recorded_schedule": pl.recorded_schedule or pl.schedule,
+            "microbatches": pl.microbatches,
             "num_stages": pl.num_stages, "bubble": pl.bubble, "bubble_step": pl.bubble_step,
             "theory": pl.theory,
             "slowest_stage": pl.slowest, "transfer_s": pl.transfer_s,

@@ -43,6 +43,7 @@ class _Local(threading.local):
     ctx: Any = None       # the FSDP unit issuing collectives on this thread (torch_fsdp)
     prefetch = False      # that unit's all-gather is a prefetch
     pp: Any = None        # a pipeline schedule's step runs: its p2p carry `pp` (pipeline)
+    pp_ranks: Any = None  # and the pipeline group's ranks: its collectives on it carry `pp`
     dtensor = False       # a DTensor redistribution runs (dtensor)
 
 
@@ -87,6 +88,23 @@ def ddp_hook_enter() -> bool:
 
 def ddp_hook_exit(prev: bool) -> None:
     TLS.busy = prev
+
+
+_ranks_of: dict[int, tuple[int, ...]] = {}
+
+
+def _on_pipeline(group: Any) -> bool:
+    """Whether a collective's group is the running pipeline's own group (TLS.pp_ranks: a
+    DeepSpeed pipeline's loss broadcast, its gradient-norm all-reduce across stages)."""
+    want = TLS.pp_ranks
+    if want is None:
+        return False
+    c10d = _c10d[0]
+    g = group if group is not None else c10d._world.default_pg
+    got = _ranks_of.get(id(g))
+    if got is None:
+        got = _ranks_of[id(g)] = tuple(c10d.get_process_group_ranks(g))
+    return got == want
 
 
 def _phase(st: Any) -> str:
@@ -148,7 +166,7 @@ def _record(st: Any, kind: str, a: tuple[Any, ...], k: dict[str, Any], ex: Any,
     if phase == "none" and '"role":"unshard"' in fsdp:
         phase = "forward"   # the root's FSDP pre-forward, run before the model's forward hook
     pp = TLS.pp
-    if pp is not None and kind == "send_recv":   # between pipeline stages
+    if pp is not None and (kind == "send_recv" or _on_pipeline(group)):   # between stages
         fsdp += pp
     if kind == "all_to_all":                     # the bytes this rank sends each peer
         fsdp += _peers(a, k)
@@ -314,11 +332,12 @@ def install(state: Callable[[], Any]) -> None:
         _patch_optimizer()
     except Exception as e:  # noqa: BLE001
         _hook_failed("torch.distributed collectives", e)
-    from gputrace.collectors.torch import deepspeed, dtensor, mesh, pipeline
+    from gputrace.collectors.torch import deepspeed, ds_pipeline, dtensor, mesh, pipeline
     from gputrace.collectors.torch import fsdp as torch_fsdp
 
     torch_fsdp.install()
     deepspeed.install()
+    ds_pipeline.install()
     mesh.install()
     pipeline.install()
     dtensor.install()
