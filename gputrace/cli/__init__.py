@@ -60,9 +60,10 @@ class Command(Protocol):
 
 
 def _commands() -> dict[str, Command]:
-    from gputrace.cli import analyze, export, imports, info, probe, record, recover, report
+    from gputrace.cli import analyze, diff, export, imports, info, probe, record, recover, report
 
-    return {"record": record, "analyze": analyze, "info": info,  # type: ignore[dict-item]
+    return {"record": record, "analyze": analyze, "diff": diff,  # type: ignore[dict-item]
+            "info": info,
             "import": imports, "export": export, "probe": probe, "recover": recover,
             "report": report}
 
