@@ -23,8 +23,7 @@ TERMS = (("t_iter", "iteration"), ("t_io", "waiting for data (I/O)"),
          ("t_cp", "context-parallel comm"), ("t_framework", "framework"),
          ("t_other", "in no phase"))
 # what a run's metadata says of how it was made (the rest differs from run to run anyway)
-MADE = ("world_size", "hosts", "argv", "software", "env", "sample_hz", "options", "ddp",
-        "fsdp", "deepspeed")
+MADE = ("world_size", "hosts", "cpus", "argv", "software", "env", "sample_hz", "collectors")
 
 
 def series(ra: RankAnalysis) -> dict[str, np.ndarray]:
@@ -87,8 +86,8 @@ def headline(terms: dict[str, dict[str, Any]]) -> dict[str, Any]:
                for k, v in terms.items()
                if k not in ("t_iter", "t_comm") and v["beyond_noise"]]
     explain.sort(key=lambda e: -abs(e["change"]))
-    verdict = "within noise" if not t["beyond_noise"] else \
-        ("faster" if t["change"] < 0 else "slower")
+    verdict = "no interval" if t["low"] is None else "within noise" \
+        if not t["beyond_noise"] else "faster" if t["change"] < 0 else "slower"
     return {**t, "verdict": verdict, "explained_by": explain}
 
 
@@ -168,6 +167,9 @@ def made(b: Analysis, a: Analysis) -> dict[str, Any]:
         if k == "hosts":
             vb, va = sorted({r.host for r in b.ranks.values()}), \
                 sorted({r.host for r in a.ranks.values()})
+        if k == "collectors":   # what each collector did (its pids differ in every run)
+            vb, va = ({n: c.get("status") if isinstance(c, dict) else c
+                       for n, c in (v or {}).items()} for v in (vb, va))
         if vb == va:
             continue
         if isinstance(vb, dict) and isinstance(va, dict):

@@ -84,7 +84,7 @@ def _side(args: argparse.Namespace, path: str):  # type: ignore[no-untyped-def]
     if d is None or ra.iterations - ra.warmup_skipped < 1:
         return a, Parts()
     s = d.series
-    trace = load_trace([path])
+    trace = load_trace([path], quiet=True)
     table = getattr(trace, "table", None)
     if table is None:
         return a, Parts()

@@ -7,7 +7,7 @@ from typing import IO, Any
 from rich.markup import escape
 from rich.table import Table
 
-from gputrace.fmt import mb
+from gputrace.fmt import count, mb
 from gputrace.report import console
 
 
@@ -15,7 +15,8 @@ def _ms(s: float | None, sign: bool = False) -> str:
     if s is None:
         return "-"
     v = s * 1e3
-    return f"{v:+.1f} ms" if sign else f"{v:.1f} ms"
+    digits = 1 if abs(v) >= 1 or v == 0 else 2   # a change of 40 us is not "+0.0 ms"
+    return f"{v:+.{digits}f} ms" if sign else f"{v:.{digits}f} ms"
 
 
 def _ci(r: dict[str, Any]) -> str:
@@ -29,7 +30,9 @@ def headline(doc: dict[str, Any]) -> str:
     pct = f" ({h['change_pct']:+.0f} %)" if h["change_pct"] is not None else ""
     text = (f"t_iter {_ms(h['before'])} -> {_ms(h['after'])}: {_ms(h['change'], True)} "
             f"{_ci(h)}{pct}")
-    if not h["beyond_noise"]:
+    if h["low"] is None:
+        text += ", fewer than 2 iterations on a side: no noise to measure"
+    elif not h["beyond_noise"]:
         text += ", within noise"
     ex = h["explained_by"]
     if ex:
@@ -44,8 +47,8 @@ def render(doc: dict[str, Any], file: IO[str] | None = None) -> None:
     con = console(file)
     con.print(escape(headline(doc)))
     it = doc["iterations"]
-    con.print(f"{it['before']} iterations analyzed before, {it['after']} after; 95 % "
-              "intervals by bootstrap resampling of each run's iterations")
+    con.print(f"{count(it['before'], 'iteration')} analyzed before, {it['after']} after; "
+              "95 % intervals by bootstrap resampling of each run's iterations")
     if doc["not_comparable"]:
         con.print(escape(f"Not comparable: {doc['not_comparable']}; what matches is "
                          "compared below"))
@@ -55,7 +58,8 @@ def render(doc: dict[str, Any], file: IO[str] | None = None) -> None:
         t.add_column(c, justify="left" if c in ("term", "") else "right")
     for k, r in doc["breakdown"].items():
         t.add_row(k, r["label"], _ms(r["before"]), _ms(r["after"]), _ms(r["change"], True),
-                  _ci(r), "beyond noise" if r["beyond_noise"] else "within noise")
+                  _ci(r), "" if r["low"] is None else
+                  "beyond noise" if r["beyond_noise"] else "within noise")
     con.print(t)
     for ph in ("forward", "backward"):
         _named(con, f"Layers, {ph} (per iteration)", doc["layers"][ph], "layer")
@@ -80,7 +84,7 @@ def _named(con: Any, title: str, d: dict[str, Any], what: str, count: bool = Fal
     for c in cols:
         t.add_column(c, justify="left" if c == what else "right")
     for r in d["top"]:
-        row = [escape(r["name"]), _ms(r["time_s_before"]), _ms(r["time_s_after"]),
+        row = [escape(_short(r["name"])), _ms(r["time_s_before"]), _ms(r["time_s_after"]),
                _ms(r["change"], True)]
         if count:
             row += [f"{r['count_before']:g}", f"{r['count_after']:g}"]
@@ -92,7 +96,12 @@ def _named(con: Any, title: str, d: dict[str, Any], what: str, count: bool = Fal
         names = d[f"only_{side}"]
         if names:
             more = f" (+{len(names) - 10} more)" if len(names) > 10 else ""
-            con.print(escape(f"  only {side}: {', '.join(names[:10])}{more}"))
+            con.print(escape(f"  only {side}: {', '.join(map(_short, names[:10]))}{more}"))
+
+
+def _short(name: str, most: int = 80) -> str:
+    """A kernel's name as a table can hold it (C++ templates run to hundreds of characters)."""
+    return name if len(name) <= most else name[: most - 3] + "..."
 
 
 def _ranks(con: Any, d: dict[str, Any]) -> None:
