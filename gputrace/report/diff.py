@@ -35,9 +35,11 @@ def headline(doc: dict[str, Any]) -> str:
     elif not h["beyond_noise"]:
         text += ", within noise"
     ex = h["explained_by"]
-    if ex:
-        text += ": " + ", ".join(f"{e['label']} {_ms(e['change'], True)}" for e in ex)
-        text += "; the rest within noise"
+    terms = ", ".join(f"{e['label']} {_ms(e['change'], True)}" for e in ex)
+    if ex and h["beyond_noise"]:
+        text += f": {terms}; the rest within noise"
+    elif ex:    # the iteration did not move, its parts did (they offset each other)
+        text += f"; its terms beyond noise: {terms}"
     elif h["beyond_noise"]:
         text += "; no single term beyond noise"
     return text
