@@ -5,7 +5,7 @@ itself with perf_counter: the ground truth of `gputrace diff`.
 
 The extra time is a busy wait in a backward hook of the middle layer, so it lies inside the
 backward pass. The forward pass has a cost that varies from step to step as a data-dependent
-one does (a sleep of 0-6 ms drawn with a fixed seed: the same in every run). The model is small
+one does (a sleep of 0-12 ms drawn with a fixed seed: the same in every run). The model is small
 so that the run's length depends little on what else the machine is doing. Per step it writes
 `forward`, `backward`, `update`, `iteration` (seconds) and `extra` (the wait the hook itself
 measured).
@@ -55,7 +55,7 @@ def main() -> None:
     varies = torch.rand(a.steps, generator=torch.Generator().manual_seed(1)).tolist()
 
     def data_dependent(_module, _inputs):  # type: ignore[no-untyped-def]
-        time.sleep(0.006 * varies[len(steps)])
+        time.sleep(0.012 * varies[len(steps)])
 
     model[0].register_forward_pre_hook(data_dependent)
     loss_fn = torch.nn.CrossEntropyLoss()
