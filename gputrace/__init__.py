@@ -7,6 +7,7 @@
             s.step()
 
     r = gputrace.analyze("run.arrow")       # what `gputrace analyze --json` says, as objects
+    d = gputrace.diff("a.arrow", "b.arrow") # what `gputrace diff --json` says
 """
 
 from __future__ import annotations
@@ -18,14 +19,14 @@ from gputrace.recorder import current
 from gputrace.session import Session, iterate, record_sample, record_span, step
 
 if TYPE_CHECKING:
-    from gputrace.api import AnalysisError, Result, analyze
+    from gputrace.api import AnalysisError, Result, analyze, diff
     from gputrace.trace.reader import Trace
 
 __version__ = "0.1.0"
-__all__ = ["AnalysisError", "Result", "Session", "analyze", "current", "iterate", "load",
+__all__ = ["AnalysisError", "Result", "Session", "analyze", "current", "diff", "iterate", "load",
            "phase", "record_sample", "record_span", "step", "__version__"]
 
-_API = ("analyze", "Result", "AnalysisError")
+_API = ("analyze", "diff", "Result", "AnalysisError")
 
 
 def __getattr__(name: str) -> Any:

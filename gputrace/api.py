@@ -6,6 +6,7 @@
     r.to_pandas("iterations")          # a DataFrame per table (pandas; polars: to_polars)
     r.chart("breakdown")               # a chart, drawn inline in Jupyter (offline)
     r.report()                         # the whole HTML report, inline
+    gputrace.diff("before.arrow", "after.arrow")   # == `gputrace diff ... --json`
 
 The result holds the analyzers' own frozen results (`Analysis`, `RankAnalysis`, ...); its
 JSON document is made by the one serializer `analyze --json` uses, and its tables are built
@@ -30,7 +31,7 @@ from gputrace.analyzers.replay import Replay, Scenario
 from gputrace.report.tables import MissingExtra, Table
 
 __all__ = ["AnalysisError", "ChartView", "MissingExtra", "ReportView", "Result", "Scenario",
-           "Table", "analyze"]
+           "Table", "analyze", "diff"]
 
 TABLES = ("breakdown", "iterations", "units", "ranks", "findings", "speedup", "what_if",
           "throughput",
@@ -73,23 +74,53 @@ def analyze(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *,
     names = [os.fspath(p) for p in ([paths] if single else paths)]  # type: ignore[list-item]
     if not names:
         raise AnalysisError("no trace given")
-    if isinstance(what_if, str):
-        what_if = [what_if]
-    if link_bandwidth is not None and not isinstance(link_bandwidth, str):
-        link_bandwidth = f"{float(link_bandwidth):.17g}".replace("e+", "e")
-    args = argparse.Namespace(
-        trace=names, rank=rank, skip=skip,
-        gpus=gpus if isinstance(gpus, str) else ",".join(str(int(g)) for g in gpus),
-        link_bandwidth=link_bandwidth, what_if=list(what_if), shared_io=shared_io, jobs=jobs,
-        dask=None, ray=None, no_align=not align,
-        calibrate=os.fspath(calibrate) if calibrate is not None else None,
-        batch_size=batch_size, tokens_per_sample=tokens_per_sample)
+    args = _options(trace=names, rank=rank, skip=skip, gpus=gpus,
+                    link_bandwidth=link_bandwidth, what_if=what_if, shared_io=shared_io,
+                    jobs=jobs, align=align,
+                    calibrate=os.fspath(calibrate) if calibrate is not None else None,
+                    batch_size=batch_size, tokens_per_sample=tokens_per_sample)
     try:
         with bars.shown(progress):
             a = analysis(args, detail=True, use=executor)
     except CommandError as e:
         raise AnalysisError(str(e)) from None
     return Result(a, rank if rank is not None else a.slowest_rank, " ".join(names))
+
+
+def _options(*, gpus: Sequence[int] | str, link_bandwidth: float | str | None,
+             what_if: Sequence[str | Scenario] | str, align: bool, **given: Any
+             ) -> argparse.Namespace:
+    """The command line's options from the API's arguments."""
+    if isinstance(what_if, str):
+        what_if = [what_if]
+    if link_bandwidth is not None and not isinstance(link_bandwidth, str):
+        link_bandwidth = f"{float(link_bandwidth):.17g}".replace("e+", "e")
+    return argparse.Namespace(
+        gpus=gpus if isinstance(gpus, str) else ",".join(str(int(g)) for g in gpus),
+        link_bandwidth=link_bandwidth, what_if=list(what_if), dask=None, ray=None,
+        no_align=not align, **given)
+
+
+def diff(before: str | os.PathLike[str], after: str | os.PathLike[str], *,
+         rank: int | None = None, skip: int | None = None,
+         gpus: Sequence[int] | str = (2, 4, 8, 16), link_bandwidth: float | str | None = None,
+         what_if: Sequence[str | Scenario] | str = (), shared_io: bool = False,
+         jobs: int | None = None, align: bool = True, progress: bool | None = None
+         ) -> dict[str, Any]:
+    """Compare two runs as `gputrace diff BEFORE AFTER --json` does, with analyze's options:
+    the same document, as a dict. Raises AnalysisError on bad input."""
+    from gputrace import progress as bars
+    from gputrace.cli import CommandError
+    from gputrace.cli.diff import document
+
+    args = _options(before=os.fspath(before), after=os.fspath(after), rank=rank, skip=skip,
+                    gpus=gpus, link_bandwidth=link_bandwidth, what_if=what_if,
+                    shared_io=shared_io, jobs=jobs, align=align)
+    try:
+        with bars.shown(progress):
+            return document(args)
+    except CommandError as e:
+        raise AnalysisError(str(e)) from None
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from tests.test_reliability import _seeds
 
 IN_PROCESS = 1200
 SUBPROCESSES = 24
+DIFFS = 80
 
 
 @dataclass
@@ -263,6 +264,26 @@ class Gen:
         })
         return Case(["analyze", *self.shuffle(opts, paths)], "error" if bad else expect)
 
+    def diff(self) -> Case:
+        """Two inputs of one trace each, analyze's options and --fail-if-slower (a limit no
+        diff of the corpus's traces passes: exit 1 is for a run that got slower)."""
+        sides = []
+        while len(sides) < 2:
+            paths, expect = self.traces()
+            if len(paths) == 1:
+                sides.append((paths[0], expect))
+        expects = {e for _, e in sides}
+        expect = "error" if "error" in expects else "either" if "either" in expects else "ok"
+        opts, bad = self.options({
+            "--json": ([], []),
+            "--rank": (["0"], ["x", "-1", "7"]),
+            "--skip": (["0", "1"], ["-1", "x"]),
+            "--gpus": (["2,4", "8"], ["0", "x,2", ""]),
+            "--fail-if-slower": (["1e9", "1e6"], ["x", "-1", "nan", ""]),
+        })
+        return Case(["diff", *self.shuffle(opts, [p for p, _ in sides])],
+                    "error" if bad else expect)
+
     def info(self) -> Case:
         paths, expect = self.traces()
         opts, bad = self.options({"--json": ([], [])}, p=0.5)
@@ -436,6 +457,19 @@ def test_generated_command_lines_never_give_a_traceback(corpus):
     for c in commands - {"probe", "", "--version", "--help", "nosuch", "--bogus"}:
         assert seen[(c, "0")] and seen[(c, "2")], (c, seen)   # both outcomes were exercised
     print(f"{IN_PROCESS} generated command lines in-process: {dict(sorted(seen.items()))}")
+
+
+def test_generated_diff_command_lines_never_give_a_traceback(corpus):
+    """`diff` on its own stream of cases (the other commands' stay as they were)."""
+    gen = Gen(random.Random(23), corpus)
+    seen: Counter[str] = Counter()
+    cases = [Case(["diff"], "error"), Case(["diff", str(corpus.arrow)], "error"),
+             Case(["diff", "--help"], "help")] + [gen.diff() for _ in range(DIFFS)]
+    for case in cases:
+        rc, out, err = _in_process(case.argv)
+        check(case, rc, out, err)
+        seen[str(rc)] += 1
+    assert seen["0"] and seen["2"], seen
 
 
 @pytest.mark.slow

@@ -60,9 +60,10 @@ class Command(Protocol):
 
 
 def _commands() -> dict[str, Command]:
-    from gputrace.cli import analyze, export, imports, info, probe, record, recover, report
+    from gputrace.cli import analyze, diff, export, imports, info, probe, record, recover, report
 
-    return {"record": record, "analyze": analyze, "info": info,  # type: ignore[dict-item]
+    return {"record": record, "analyze": analyze, "diff": diff,  # type: ignore[dict-item]
+            "info": info,
             "import": imports, "export": export, "probe": probe, "recover": recover,
             "report": report}
 
@@ -121,13 +122,15 @@ def one_line(text: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
-def load_trace(paths: Sequence[str], by_rank: bool = False):  # type: ignore[no-untyped-def]
+def load_trace(paths: Sequence[str], by_rank: bool = False,  # type: ignore[no-untyped-def]
+               quiet: bool = False):
     """Load a trace for a command, turning every unreadable input into one line (exit 2).
 
     Kineto JSON and Nsight Systems SQLite files are imported on the fly. A glob pattern and
     the name of a multi-node recording stand for their files. With `by_rank`, intact trace
     files written one rank per batch (one, several, or a directory of them) come back as a
-    RankedTrace, read one rank at a time by its consumer."""
+    RankedTrace, read one rank at a time by its consumer. `quiet`: the trace's warnings
+    are not printed (a second reading of an input already warned of)."""
     import os
 
     import pyarrow as pa
@@ -163,6 +166,6 @@ def load_trace(paths: Sequence[str], by_rank: bool = False):  # type: ignore[no-
         if not foreign:
             raise
         raise CommandError(f"cannot import {' '.join(paths)}: {reason(e)}") from None
-    for w in trace.warnings:
+    for w in [] if quiet else trace.warnings:
         print(f"gputrace: warning: {one_line(w)}", file=sys.stderr)
     return trace

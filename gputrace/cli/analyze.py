@@ -57,10 +57,14 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
                    "(as `gputrace report`)")
 
 
-def add_options(p: argparse.ArgumentParser) -> None:
-    """The inputs and model options that `analyze` and `report` share."""
-    p.add_argument("trace", nargs="+", help="trace file(s), a directory of shards, Kineto "
-                   "JSON or Nsight Systems SQLite")
+INPUT_HELP = "trace file(s), a directory of shards, Kineto JSON or Nsight Systems SQLite"
+
+
+def add_options(p: argparse.ArgumentParser, inputs: bool = True) -> None:
+    """The inputs and model options that `analyze`, `report` and `diff` share (`diff` names
+    its two inputs itself)."""
+    if inputs:
+        p.add_argument("trace", nargs="+", help=INPUT_HELP)
     p.add_argument("--rank", type=int, help="show this rank (default: the slowest)")
     p.add_argument("--skip", type=int, help="warm-up iterations to leave out "
                    "(default: the first 10%% or 3)")

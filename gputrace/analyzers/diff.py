@@ -1,0 +1,202 @@
+"""Two analyses compared: each term's change with a 95 % interval from bootstrap resampling of
+each run's analyzed iterations, and what matched (layers, comm units, collectives, ranks,
+kernels) side by side. A pure function of the two analyses and their per-name totals."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from gputrace.analyzers import Analysis, RankAnalysis
+from gputrace.analyzers.diff_parts import Parts
+
+RESAMPLES = 2000
+SEED = 0
+TOP = 10
+# the breakdown's terms as the terminal report shows them, exposed comm beside all comm
+TERMS = (("t_iter", "iteration"), ("t_io", "waiting for data (I/O)"),
+         ("t_h2d", "host to device copies"), ("t_f", "forward"), ("t_b", "backward"),
+         ("t_u", "update (optimizer)"), ("t_comm", "comm (all of it)"),
+         ("comm_exposed", "exposed comm"), ("t_tp", "tensor-parallel comm"),
+         ("t_pp", "pipeline bubble"), ("t_ep", "expert-parallel all-to-all"),
+         ("t_cp", "context-parallel comm"), ("t_framework", "framework"),
+         ("t_other", "in no phase"))
+# what a run's metadata says of how it was made (the rest differs from run to run anyway)
+MADE = ("world_size", "hosts", "cpus", "argv", "software", "env", "sample_hz", "collectors")
+
+
+def series(ra: RankAnalysis) -> dict[str, np.ndarray]:
+    """A rank's analyzed iterations, per term (empty without the analysis's detail)."""
+    d = ra.detail
+    if d is None:
+        return {}
+    s = d.series
+    out = {k: np.asarray(v[s.warmup:], float) for k, v in s.terms.items()}
+    out["comm_exposed"] = np.asarray(s.comm_exposed_s[s.warmup:], float)
+    return out
+
+
+def interval(x: np.ndarray, y: np.ndarray, seed: int = SEED) -> tuple[float, float] | None:
+    """95 % interval of mean(y) - mean(x), each run's iterations resampled on its own."""
+    if x.size < 2 or y.size < 2:
+        return None
+    rng = np.random.default_rng(seed)
+    mx = x[rng.integers(0, x.size, (RESAMPLES, x.size))].mean(axis=1)
+    my = y[rng.integers(0, y.size, (RESAMPLES, y.size))].mean(axis=1)
+    lo, hi = np.percentile(my - mx, [2.5, 97.5])
+    return float(lo), float(hi)
+
+
+def change(before: float, after: float, ci: tuple[float, float] | None) -> dict[str, Any]:
+    d = after - before
+    beyond = ci is not None and (ci[0] > 0 or ci[1] < 0)
+    return {"before": before, "after": after, "change": d,
+            "change_pct": d / before * 100 if before else None,
+            "low": ci[0] if ci else None, "high": ci[1] if ci else None,
+            "beyond_noise": bool(beyond)}
+
+
+def _mean(ra: RankAnalysis, k: str) -> float | None:
+    if k == "comm_exposed":
+        return float(ra.comm["exposed_s"])
+    s = ra.breakdown.get(k)
+    return None if s is None else float(s.mean)
+
+
+def breakdown(b: RankAnalysis, a: RankAnalysis) -> dict[str, dict[str, Any]]:
+    sb, sa = series(b), series(a)
+    out: dict[str, dict[str, Any]] = {}
+    for k, label in TERMS:
+        mb_, ma = _mean(b, k), _mean(a, k)
+        if mb_ is None or ma is None:
+            continue
+        if k != "t_iter" and mb_ == 0 and ma == 0:
+            continue
+        # FSDP's exposed comm is its units' own, not the per-iteration series
+        own = k == "comm_exposed" and (b.sharded is not None or a.sharded is not None)
+        ci = interval(sb[k], sa[k]) if k in sb and k in sa and not own else None
+        out[k] = {"label": label, **change(mb_, ma, ci)}
+    return out
+
+
+def headline(terms: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    t = terms["t_iter"]
+    explain = [{"term": k, "label": v["label"], "change": v["change"]}
+               for k, v in terms.items()
+               if k not in ("t_iter", "t_comm") and v["beyond_noise"]]
+    explain.sort(key=lambda e: -abs(e["change"]))
+    verdict = "no interval" if t["low"] is None else "within noise" \
+        if not t["beyond_noise"] else "faster" if t["change"] < 0 else "slower"
+    return {**t, "verdict": verdict, "explained_by": explain}
+
+
+def _top(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows.sort(key=lambda r: -abs(r["change"]))
+    return rows[:TOP]
+
+
+def named(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]],
+          key: str = "time_s") -> dict[str, Any]:
+    """Rows matched by name: the top changes of `key`, and the names on one side only."""
+    both = [{"name": n, **{f"{f}_before": before[n][f] for f in before[n]},
+             **{f"{f}_after": after[n][f] for f in after[n]},
+             "change": after[n][key] - before[n][key]} for n in before if n in after]
+    return {"matched": len(both), "top": _top(both),
+            "only_before": sorted(n for n in before if n not in after),
+            "only_after": sorted(n for n in after if n not in before)}
+
+
+def units(b: RankAnalysis, a: RankAnalysis) -> dict[str, Any]:
+    """Comm units (DDP buckets, FSDP units) matched by their unit names or their layers,
+    by position only where neither is known."""
+    def keyed(ra: RankAnalysis) -> dict[str, dict[str, float]]:
+        if ra.sharded is not None:
+            return {f"{u.name or u.unit} {u.kind}": {"time_s": u.duration_s, "exposed_s":
+                    u.exposed_s, "bytes": u.nbytes} for u in ra.sharded.units}
+        out = {}
+        for u in ra.model.units:
+            name = ("layers " + ",".join(map(str, u.layers))) if u.layers else f"unit {u.index}"
+            out[name] = {"time_s": u.duration_s, "hidden": float(u.hidden),
+                         "bytes": float(u.nbytes) if u.nbytes == u.nbytes else None}
+        return out
+
+    return named(keyed(b), keyed(a))  # type: ignore[arg-type]
+
+
+def collectives(b: RankAnalysis, a: RankAnalysis) -> dict[str, Any]:
+    def kinds(ra: RankAnalysis) -> dict[str, dict[str, float]]:
+        out: dict[str, dict[str, float]] = {}
+        for k in ra.collectives.kinds:
+            d = out.setdefault(k.kind, {"time_s": 0.0, "count": 0.0, "bytes": 0.0})
+            d["time_s"] += k.time_s
+            d["count"] += k.count
+            d["bytes"] += k.nbytes
+        return out
+
+    return named(kinds(b), kinds(a))
+
+
+def ranks(b: Analysis, a: Analysis) -> dict[str, Any]:
+    def t(x: Analysis) -> dict[str, dict[str, float]]:
+        return {str(r): {"time_s": ra.breakdown["t_iter"].mean} for r, ra in x.ranks.items()}
+
+    sb, sa = {o.rank for o in b.outliers}, {o.rank for o in a.outliers}
+    return {"slowest_before": b.slowest_rank, "slowest_after": a.slowest_rank,
+            "stragglers_before": sorted(sb), "stragglers_after": sorted(sa),
+            "stragglers_appeared": sorted(sa - sb), "stragglers_gone": sorted(sb - sa),
+            **named(t(b), t(a))}
+
+
+def model(ra: RankAnalysis) -> dict[str, Any]:
+    m, sp = ra.model, ra.speedup
+    return {"strategy": m.strategy, "case": m.case, "predicted_t_iter": m.predicted_t_iter,
+            "measured_t_iter": m.measured_t_iter,
+            "speedup": {str(p.gpus): None if p.withheld or p.speedup != p.speedup
+                        else float(p.speedup) for p in sp.points}}
+
+
+def made(b: Analysis, a: Analysis) -> dict[str, Any]:
+    """How the runs were made, where they differ."""
+    out: dict[str, Any] = {}
+    mb_, ma = b.metadata, a.metadata
+    for k in MADE:
+        vb, va = mb_.get(k), ma.get(k)
+        if k == "world_size":
+            vb, va = b.world_size, a.world_size
+        if k == "hosts":
+            vb, va = sorted({r.host for r in b.ranks.values()}), \
+                sorted({r.host for r in a.ranks.values()})
+        if k == "collectors":   # what each collector did (its pids differ in every run)
+            vb, va = ({n: c.get("status") if isinstance(c, dict) else c
+                       for n, c in (v or {}).items()} for v in (vb, va))
+        if vb == va:
+            continue
+        if isinstance(vb, dict) and isinstance(va, dict):
+            out[k] = {n: [vb.get(n), va.get(n)] for n in sorted({*vb, *va})
+                      if vb.get(n) != va.get(n)}
+        else:
+            out[k] = [vb, va]
+    return out
+
+
+def compare(b: Analysis, a: Analysis, rank_b: int, rank_a: int, pb: Parts, pa: Parts
+            ) -> dict[str, Any]:
+    """The diff document of two analyses (the rank each shows) and their per-name parts."""
+    rb, ra = b.ranks[rank_b], a.ranks[rank_a]
+    terms = breakdown(rb, ra)
+    layers = {ph: named(getattr(pb, ph), getattr(pa, ph)) for ph in ("forward", "backward")}
+    unit = units(rb, ra)
+    why = []
+    for what, d in (("layers", layers["backward"]), ("comm units", unit)):
+        if d["only_before"] or d["only_after"]:
+            why.append(f"{what} do not match ({len(d['only_before'])} only before, "
+                       f"{len(d['only_after'])} only after, {d['matched']} in both)")
+    return {"headline": headline(terms), "breakdown": terms,
+            "comparable": not why, "not_comparable": "; ".join(why) or None,
+            "rank_before": rank_b, "rank_after": rank_a,
+            "iterations": {"before": rb.iterations - rb.warmup_skipped,
+                           "after": ra.iterations - ra.warmup_skipped},
+            "layers": layers, "units": unit, "collectives": collectives(rb, ra),
+            "ranks": ranks(b, a), "kernels": named(pb.kernels, pa.kernels),
+            "model": {"before": model(rb), "after": model(ra)}, "made": made(b, a)}

@@ -1,0 +1,182 @@
+"""`gputrace diff`: a real CPU training loop (tests/jobs/slowed_phase.py) recorded twice as it
+is and once with a busy wait in its backward; each run times itself with perf_counter, and
+the change the diff reports is compared with the change the loops measured themselves. And
+the sample CNN under 2-rank gloo DDP with two bucket sizes: the same gradient bytes in fewer
+all-reduces, the comm units no longer matching."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import gputrace  # noqa: E402
+from tests.conftest import run_gputrace  # noqa: E402
+
+JOB = str(Path(__file__).resolve().parent / "jobs" / "slowed_phase.py")
+SAMPLE = str(Path(__file__).resolve().parent.parent / "samples" / "train_cnn.py")
+EXTRA_MS = "8"
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """name -> (trace, the loop's own per-step times): `base`, `again` (the same job
+    recorded a second time), `slowed` (backward slowed), `other` (another model)."""
+    d = tmp_path_factory.mktemp("diff")
+    out = {}
+    for name, extra in (("base", []), ("again", []),
+                        ("slowed", ["--backward-extra-ms", EXTRA_MS]),
+                        ("other", ["--model", "other"])):
+        trace, truth = d / f"{name}.arrow", d / f"{name}.json"
+        p = run_gputrace("record", "-q", "-o", str(trace), "--", sys.executable, JOB,
+                         str(truth), *extra, timeout=300)
+        assert p.returncode == 0, p.stderr
+        out[name] = (trace, json.loads(truth.read_text()))
+    return out
+
+
+@pytest.fixture(scope="module")
+def slowed(runs):
+    return gputrace.diff(runs["base"][0], runs["slowed"][0], progress=False)
+
+
+def own_change(runs, key: str, analyzed: int) -> float:
+    """The loops' own change of `key`, over the iterations the diff analyzed (the last)."""
+    before = np.mean([s[key] for s in runs["base"][1][-analyzed:]])
+    after = np.mean([s[key] for s in runs["slowed"][1][-analyzed:]])
+    return float(after - before)
+
+
+def test_slowed_backward_is_found_in_backward_with_the_loops_own_magnitude(runs, slowed):
+    n = slowed["iterations"]["after"]
+    assert n == slowed["iterations"]["before"] >= 30
+    h = slowed["headline"]
+    assert h["verdict"] == "slower" and h["beyond_noise"]
+    assert h["explained_by"][0]["term"] == "t_b"       # the largest term of the change
+    t_b = slowed["breakdown"]["t_b"]
+    want_b = own_change(runs, "backward", n)
+    assert want_b > 5e-3                               # the wait is there, and it is large
+    assert t_b["beyond_noise"] and t_b["change"] == pytest.approx(want_b, rel=0.15)
+    assert t_b["low"] < t_b["change"] < t_b["high"]
+    want_iter = own_change(runs, "iteration", n)
+    assert h["change"] == pytest.approx(want_iter, rel=0.15)
+    # the layer holding the wait, among the backward's layers
+    top = slowed["layers"]["backward"]["top"][0]
+    extra = float(np.mean([s["extra"] for s in runs["slowed"][1][-n:]]))
+    assert top["change"] == pytest.approx(extra, rel=0.2)
+    assert slowed["comparable"] and slowed["not_comparable"] is None
+    # how the runs were made: the command line differs, by the option that slowed it
+    argv_before, argv_after = slowed["made"]["argv"]
+    assert "--backward-extra-ms" in argv_after and "--backward-extra-ms" not in argv_before
+
+
+def test_the_same_job_recorded_twice_is_within_noise(runs):
+    d = gputrace.diff(runs["base"][0], runs["again"][0], progress=False)
+    h = d["headline"]
+    assert h["verdict"] == "within noise" and h["low"] < 0 < h["high"]
+    assert not h["beyond_noise"]
+    # the loops' own difference lies in the interval too
+    n = d["iterations"]["after"]
+    own = np.mean([s["iteration"] for s in runs["again"][1][-n:]]) - \
+        np.mean([s["iteration"] for s in runs["base"][1][-n:]])
+    assert abs(h["change"] - own) < h["high"] - h["low"]
+    assert d["comparable"]
+
+
+def test_fail_if_slower_exits_1_only_for_the_slowed_run(runs):
+    base, again, slow = (str(runs[k][0]) for k in ("base", "again", "slowed"))
+    p = run_gputrace("diff", base, again, "--fail-if-slower", "5")
+    assert p.returncode == 0, p.stderr
+    assert "within noise" in p.stdout.splitlines()[0]
+    p = run_gputrace("diff", base, slow, "--fail-if-slower", "5")
+    assert p.returncode == 1, p.stderr
+    first = p.stdout.splitlines()[0]
+    assert first.startswith("t_iter") and "backward +" in first and "within noise" not in \
+        first.split(":")[1]
+    # a limit beyond the change: not slower by that much
+    p = run_gputrace("diff", base, slow, "--fail-if-slower", "100000")
+    assert p.returncode == 0, p.stderr
+
+
+def test_json_is_the_api_document(runs, slowed):
+    p = run_gputrace("diff", str(runs["base"][0]), str(runs["slowed"][0]), "--json")
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    assert doc["format"] == "gputrace-diff" and doc["version"] == 1
+    assert doc["headline"] == slowed["headline"]      # a fixed seed: the same intervals
+    assert doc["breakdown"].keys() == slowed["breakdown"].keys()
+    assert {"before", "after"} <= doc["model"].keys()
+
+
+def test_different_models_are_not_comparable_and_matching_layers_still_compared(runs):
+    p = run_gputrace("diff", str(runs["base"][0]), str(runs["other"][0]))
+    assert p.returncode == 0, p.stderr
+    said = [ln for ln in p.stdout.splitlines() if ln.startswith("Not comparable")]
+    assert len(said) == 1 and "layers do not match" in said[0]
+    d = gputrace.diff(runs["base"][0], runs["other"][0], progress=False)
+    bw = d["layers"]["backward"]
+    assert not d["comparable"]
+    # the second layer is a Linear in one model and a Conv1d in the other
+    assert any("Linear" in n for n in bw["only_before"])
+    assert any("Conv1d" in n for n in bw["only_after"])
+    assert bw["matched"] >= 1
+
+
+def test_bad_input_is_one_line_and_exit_2(runs, tmp_path):
+    not_a_trace = tmp_path / "notes.arrow"
+    not_a_trace.write_text("not a trace\n")
+    for after in (str(tmp_path / "missing.arrow"), str(not_a_trace)):
+        p = run_gputrace("diff", str(runs["base"][0]), after)
+        assert p.returncode == 2
+        lines = p.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("gputrace: error: ")
+        assert "Traceback" not in p.stderr and not p.stdout
+    with pytest.raises(gputrace.AnalysisError):
+        gputrace.diff(runs["base"][0], tmp_path / "missing.arrow")
+
+
+@pytest.fixture(scope="module")
+def ddp_buckets(tmp_path_factory):
+    """The sample CNN, 2-rank gloo DDP, with 1 MB buckets and with one bucket (100 MB)."""
+    d = tmp_path_factory.mktemp("ddp")
+    out = []
+    for cap in ("1", "100"):
+        trace = d / f"cap{cap}.arrow"
+        p = run_gputrace("record", "-q", "-o", str(trace), "--", sys.executable, "-m",
+                         "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                         SAMPLE, "--preset", "case2", "--iterations", "10", "--samples", "256",
+                         "--data", str(d / "data"), "--bucket-cap-mb", cap, timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        out.append(trace)
+    return out
+
+
+def test_ddp_bucket_cap_change_is_seen_in_units_and_all_reduces(ddp_buckets):
+    sys.path.insert(0, str(Path(SAMPLE).parent))
+    from train_cnn import PRESETS, make_model
+
+    cfg = PRESETS["case2"]
+    grads = sum(p.numel() * p.element_size()
+                for p in make_model(cfg["width"], cfg["fc_hidden"], cfg["fc_layers"]
+                                    ).parameters())
+    layers = 3 + cfg["fc_layers"] + 1
+    d = gputrace.diff(*ddp_buckets, progress=False)
+    # another bucketing: no comm unit matches, and the line says so
+    assert not d["comparable"] and "comm units do not match" in d["not_comparable"]
+    assert d["units"]["only_after"] == ["layers " + ",".join(map(str, range(1, layers + 1)))]
+    assert len(d["units"]["only_before"]) > 1
+    # the same gradients all-reduced, in fewer collectives
+    ar = next(r for r in d["collectives"]["top"] if r["name"] == "all_reduce")
+    assert ar["bytes_before"] == pytest.approx(grads, rel=0.01)
+    assert ar["bytes_after"] == pytest.approx(grads, rel=0.01)
+    assert ar["count_after"] == 1 < ar["count_before"]
+    # one bucket waits for the whole backward: its comm is exposed
+    assert d["breakdown"]["comm_exposed"]["change"] > 0
+    assert d["made"]["argv"][1][-1] == "100" and d["made"]["argv"][0][-1] == "1"
+    assert sorted(d["ranks"]["top"][i]["name"] for i in range(2)) == ["0", "1"]
