@@ -74,6 +74,10 @@ def test_slowed_backward_is_found_in_backward_with_the_loops_own_magnitude(runs,
     # how the runs were made: the command line differs, by the option that slowed it
     argv_before, argv_after = slowed["made"]["argv"]
     assert "--backward-extra-ms" in argv_after and "--backward-extra-ms" not in argv_before
+    # the job's samples/s fell as its own iterations grew (the same batch in both)
+    mean_it = {k: np.mean([s["iteration"] for s in runs[k][1][-n:]]) for k in ("base", "slowed")}
+    assert slowed["throughput"]["samples_per_s"]["ratio"] == pytest.approx(
+        mean_it["base"] / mean_it["slowed"], rel=0.05)
 
 
 def test_the_same_job_recorded_twice_is_within_noise(runs):

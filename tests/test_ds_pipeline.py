@@ -7,10 +7,9 @@ loss and backward per microbatch); warm-up left out, medians over iterations."""
 from __future__ import annotations
 
 import json
-from collections import Counter, defaultdict
+from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 pytest.importorskip("torch")
@@ -23,13 +22,10 @@ from tests.test_parallelism import (  # noqa: E402
     BYTES_TOL,
     JOBS,
     PY,
-    TIME_TOL,
     Run,
     _cli,
-    held,
     inside,
-    per_iteration,
-    t_iter_on_the_jobs_clock,
+    stages_clocks,
 )
 
 pytestmark = pytest.mark.slow
@@ -107,18 +103,7 @@ def test_iteration_and_bubble_on_the_stages_clocks(recorded, name):
     """Per stage: t_iter within 5 % of the job's own train_batch loop; the bubble (t_pp)
     within 15 % of what the stage measured itself: its train_batch less its own forward,
     loss (the last stage) and backward of every microbatch; median over iterations."""
-    run = recorded(name)
-    for rank in (0, 1):
-        t = run.truth[rank]
-        t_iter_on_the_jobs_clock(run, rank)
-        compute = defaultdict(float)
-        for mb in t["microbatches"]:
-            compute[mb["it"]] += mb["forward"] + mb["loss"] + mb["backward"]
-        s = run.analysis.ranks[rank].detail.series
-        m = per_iteration(run, rank, {"t_pp": s.terms["t_pp"]}, t["iterations"])
-        its = [t["iterations"][i] for i in m["job"]]
-        want = np.array([it["step_s"] - compute[it["it"]] for it in its])
-        held(m["t_pp"], want, TIME_TOL, (rank, "t_pp"))
+    stages_clocks(recorded(name))
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

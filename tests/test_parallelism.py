@@ -391,7 +391,12 @@ def test_pp_bubble_and_iteration_on_the_stages_clocks(recorded, name):
     """Per stage: t_iter within 5 % of the job's iteration; the bubble (t_pp) within 15 % of
     what the stage measured itself: its schedule step less its own forward, loss (the last
     stage) and backward of every microbatch; median over iterations."""
-    run = recorded(name)
+    stages_clocks(recorded(name))
+
+
+def stages_clocks(run: Run) -> None:
+    """Each of the 2 stages: t_iter on the job's clock, and the bubble (t_pp) within
+    TIME_TOL of its step less its own forward, loss and backward of every microbatch."""
     for rank in (0, 1):
         t = run.truth[rank]
         t_iter_on_the_jobs_clock(run, rank)

@@ -199,4 +199,20 @@ def compare(b: Analysis, a: Analysis, rank_b: int, rank_a: int, pb: Parts, pa: P
                            "after": ra.iterations - ra.warmup_skipped},
             "layers": layers, "units": unit, "collectives": collectives(rb, ra),
             "ranks": ranks(b, a), "kernels": named(pb.kernels, pa.kernels),
-            "model": {"before": model(rb), "after": model(ra)}, "made": made(b, a)}
+            "model": {"before": model(rb), "after": model(ra)}, "made": made(b, a),
+            "throughput": throughput(b, a)}
+
+
+def throughput(b: Analysis, a: Analysis) -> dict[str, Any] | None:
+    """The job's samples (tokens) per second before and after, where both runs tell their
+    batch (None otherwise)."""
+    tb, ta = b.throughput, a.throughput
+    if tb is None or ta is None:
+        return None
+    out = {"samples_per_s": {"before": tb.samples_per_s, "after": ta.samples_per_s,
+                             "ratio": ta.samples_per_s / tb.samples_per_s
+                             if tb.samples_per_s else None}}
+    if tb.tokens_per_s and ta.tokens_per_s:
+        out["tokens_per_s"] = {"before": tb.tokens_per_s, "after": ta.tokens_per_s,
+                               "ratio": ta.tokens_per_s / tb.tokens_per_s}
+    return out

@@ -63,6 +63,9 @@ def render(doc: dict[str, Any], file: IO[str] | None = None) -> None:
                   _ci(r), "" if r["low"] is None else
                   "beyond noise" if r["beyond_noise"] else "within noise")
     con.print(t)
+    for k, v in (doc.get("throughput") or {}).items():
+        con.print(f"the job's {k.replace('_per_s', '')}/s: {v['before']:,.1f} -> "
+                  f"{v['after']:,.1f}" + (f" ({v['ratio']:.3g}x)" if v["ratio"] else ""))
     for ph in ("forward", "backward"):
         _named(con, f"Layers, {ph} (per iteration)", doc["layers"][ph], "layer")
     _named(con, "Comm units (per iteration)", doc["units"], "unit")
