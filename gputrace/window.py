@@ -80,9 +80,11 @@ class Window:
         self._lock = threading.Lock()
 
     def describe(self) -> dict[str, Any]:
+        # a run span's args: its phase sums in microseconds, in this order
+        d: dict[str, Any] = {"run_phases": list(PHASES), "run_unit": "us"}
         if self.steps is not None:
-            return {"steps": list(self.steps)}
-        d: dict[str, Any] = {"delay_s": self.delay_s, "origin_ns": self.origin_ns}
+            return {"steps": list(self.steps), **d}
+        d.update(delay_s=self.delay_s, origin_ns=self.origin_ns)
         if self.duration_s != float("inf"):
             d["duration_s"] = self.duration_s
         return d
@@ -195,8 +197,9 @@ class Window:
             out.append(sp)
             out_rows.extend(mine_rows)
             return
+        sums = phase_sums(mine)
         out.append(("run", sp[1], start, end, sp[4], step, -1, None,
-                    json.dumps(phase_sums(mine), separators=(",", ":"))))
+                    "[" + ",".join(str(round(sums[p] / 1e3)) for p in PHASES) + "]"))
 
 
 def phase_sums(spans: list[tuple[Any, ...]]) -> dict[str, int]:

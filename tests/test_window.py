@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -23,18 +24,20 @@ pytestmark = pytest.mark.slow
 
 JOB = str(Path(__file__).parent / "jobs" / "window_loop.py")
 ITERATIONS, START, COUNT, SPIKE = 2000, 1000, 20, 1500
+TIME_ITERATIONS, DELAY = 500, 16
 # per-iteration detail that dominates a full recording: a span per layer's forward and
-# backward (12 layers); the system samplers are left out of both recordings (they sample
+# backward (24 layers); the system samplers are left out of both recordings (they sample
 # time, not iterations)
 DETAIL = ("--layers", "leaves", "--layer-forward", "--collectors", "torch")
 
 
-def _record(out: Path, *window: str) -> dict[int, list[dict[str, float]]]:
+def _record(out: Path, *window: str, iterations: int = ITERATIONS,
+            job: tuple[str, ...] = ()) -> dict[int, list[dict[str, float]]]:
     truth = out.with_suffix(".json")
     p = run_gputrace("record", "-q", "-o", str(out), *DETAIL, *window, "--",
                      sys.executable, "-m", "torch.distributed.run", "--standalone",
-                     "--nproc_per_node", "2", JOB, str(truth), "--iterations", str(ITERATIONS),
-                     "--spike-at", str(SPIKE), timeout=600)
+                     "--nproc_per_node", "2", JOB, str(truth), "--iterations", str(iterations),
+                     "--spike-at", str(SPIKE), *job, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     return {r: json.loads(Path(str(truth).replace(".json", f".rank{r}.json")).read_text())
             for r in (0, 1)}
@@ -46,8 +49,11 @@ def runs(tmp_path_factory):
     return {"full": (d / "full.arrow", _record(d / "full.arrow")),
             "steps": (d / "steps.arrow", _record(d / "steps.arrow", "--steps",
                                                  f"{START}:{COUNT}")),
-            "time": (d / "time.arrow", _record(d / "time.arrow", "--delay", "14",
-                                               "--duration", "2"))}
+            # the loop waits until 15 s after now (past any start-up): the window, 16 s
+            # after the recording starts, falls inside it
+            "time": (d / "time.arrow", _record(d / "time.arrow", "--delay", str(DELAY),
+                                               "--duration", "2", iterations=TIME_ITERATIONS,
+                                               job=("--start-at", str(time.time() + 15))))}
 
 
 def _json(path: Path, *extra: str) -> dict:
@@ -65,27 +71,41 @@ def test_windowed_trace_is_a_tenth_of_the_full_one(runs):
 
 
 def test_every_iteration_time_matches_the_jobs_clock(runs, steps_json):
-    truth = [r["t_iter"] for r in runs["steps"][1][0]]
     run = steps_json["run"]
-    assert run["rank"] == 0 and run["iterations"] == ITERATIONS
+    truth = [r["t_iter"] for r in runs["steps"][1][run["rank"]]]
+    assert run["iterations"] == ITERATIONS
     assert run["step"] == list(range(ITERATIONS))
-    got = np.array(run["t_iter_s"])
-    rel = np.abs(got / np.array(truth) - 1)
-    assert rel.max() <= 0.05, (int(rel.argmax()), got[rel.argmax()], truth[rel.argmax()])
+    _agree(np.array(run["t_iter_s"]), np.array(truth))
     s = run["summary"]
     assert s["max_s"] == pytest.approx(max(truth), rel=0.05)
     assert s["p50_s"] == pytest.approx(float(np.median(truth)), rel=0.05)
     # the stall the job made, outside the window (its sleep belongs to the next iteration)
-    assert {"step": SPIKE + 1, "inside_window": False} <= \
-        next(x for x in run["spikes"] if x["step"] == SPIKE + 1)
+    spike = [x for x in run["spikes"] if x["step"] == SPIKE + 1]
+    assert spike and not spike[0]["inside_window"], run["spikes"]
     assert any(f["id"] == "window_missed" and str(SPIKE + 1) in f["message"]
                for f in steps_json["findings"]) or \
         "did not catch" in (run["finding"] or ""), run["finding"]
 
 
+def _agree(got: np.ndarray, truth: np.ndarray) -> None:
+    """Every iteration within 5 % of the job's clock, or its boundary moved into a
+    neighbour: the job reads its clock after the optimizer step returns, and a thread switch
+    there (the recorder's writer holding the GIL, up to the 5 ms switch interval) moves
+    that time from one iteration into the next on the job's clock alone; the two together
+    agree."""
+    assert len(got) == len(truth)
+    rel = np.abs(got / truth - 1)
+    bad = np.flatnonzero(rel > 0.05)
+    assert len(bad) <= len(got) // 100, bad
+    for i in bad:
+        pairs = [abs((got[i] + got[j]) / (truth[i] + truth[j]) - 1)
+                 for j in (i - 1, i + 1) if 0 <= j < len(got)]
+        assert min(pairs) <= 0.05, (int(i), got[i], truth[i])
+
+
 def test_phase_sums_outside_the_window_match_the_jobs_clock(runs, steps_json):
-    truth = runs["steps"][1][0]
     run = steps_json["run"]
+    truth = runs["steps"][1][run["rank"]]
     out = ~np.array(run["inside_window"])
     out[:3] = False
     for phase in ("forward", "backward", "update"):
@@ -106,7 +126,7 @@ def test_window_holds_its_iterations_in_full_on_both_ranks(runs, steps_json):
         assert len(outside) == ITERATIONS - COUNT
         layers = {r["layer"] for r in t if r["rank"] == rank and r["cat"] == "backward"
                   and r["layer"] > 0}
-        assert len(layers) == 12
+        assert len(layers) == 24
         assert all(START <= r["step"] < START + COUNT for r in t if r["rank"] == rank
                    and r["cat"] in ("forward", "backward", "update", "comm"))
 
@@ -115,28 +135,29 @@ def test_window_breakdown_agrees_with_a_full_recording(runs, steps_json):
     """Each term measured over the window, and over a full recording of the same job, held
     against the job's own clock over the same iterations: the two ratios agree."""
     full = _json(runs["full"][0], "--skip", "0")
-    for key, phase in (("t_iter", "t_iter"), ("t_f", "forward"), ("t_b", "backward"),
-                       ("t_u", "update")):
-        w_truth = np.mean([r[phase] for r in runs["steps"][1][0][START:START + COUNT]])
-        f_truth = np.mean([r[phase] for r in runs["full"][1][0]])
-        rw = steps_json["breakdown"][key]["mean"] / w_truth
-        rf = full["breakdown"][key]["mean"] / f_truth
-        tol = 0.05 if key == "t_iter" else 0.25
-        assert abs(rw - 1) <= tol and abs(rf - 1) <= tol and abs(rw - rf) <= tol, \
-            (key, rw, rf)
+    # DDP's backward on the job's clock holds its gradients' all-reduce: t_b + t_comm
+    for keys, phase in ((("t_iter",), "t_iter"), (("t_f",), "forward"),
+                        (("t_b", "t_comm"), "backward"), (("t_u",), "update")):
+        w_truth = np.mean([r[phase] for r in runs["steps"][1][steps_json["rank"]][START:START + COUNT]])
+        f_truth = np.mean([r[phase] for r in runs["full"][1][full["rank"]]])
+        rw = sum(steps_json["breakdown"][k]["mean"] for k in keys) / w_truth
+        rf = sum(full["breakdown"][k]["mean"] for k in keys) / f_truth
+        if keys == ("t_iter",):
+            assert abs(rw - 1) <= 0.05 and abs(rf - 1) <= 0.05, (rw, rf)
+        assert abs(rw - rf) <= 0.15, (keys, rw, rf)
     assert "window" not in full and "run" not in full
 
 
 def test_time_window(runs):
     path, truth = runs["time"]
     md = load(path).metadata
-    lo = md["window"]["origin_ns"] + 14 * 10**9
+    lo = md["window"]["origin_ns"] + DELAY * 10**9
     hi = lo + 2 * 10**9
     t = load(path).table.to_pylist()
     its = [r for r in t if r["rank"] == 0 and r["cat"] == "iteration"]
     outside = [r for r in t if r["rank"] == 0 and r["cat"] == "run"]
     assert its, "no iteration inside the window"
-    assert len(its) + len(outside) == ITERATIONS
+    assert len(its) + len(outside) == TIME_ITERATIONS
     assert all(lo <= r["start_ns"] and r["end_ns"] <= hi for r in its)
     # every iteration that fits the window is in it
     assert not any(lo <= r["start_ns"] and r["end_ns"] <= hi for r in outside)
@@ -144,8 +165,8 @@ def test_time_window(runs):
     assert d["window"]["duration_s"] == 2 and d["window"]["iterations"] == len(its)
     steps = sorted(r["step"] for r in its)
     assert steps == list(range(steps[0], steps[-1] + 1))
-    got = np.array(d["run"]["t_iter_s"])
-    assert np.abs(got / np.array([r["t_iter"] for r in truth[0]]) - 1).max() <= 0.05
+    _agree(np.array(d["run"]["t_iter_s"]),
+           np.array([r["t_iter"] for r in truth[d["run"]["rank"]]]))
 
 
 def test_terminal_section_names_the_spike(runs):

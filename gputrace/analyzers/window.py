@@ -57,10 +57,7 @@ def series(table: pa.Table, rank: int) -> dict[str, Any]:
         if inside:
             sums = phase_sums(by_step.get(r["step"], []))
         else:
-            try:
-                sums = json.loads(r["args"] or "{}")
-            except ValueError:
-                sums = {}
+            sums = run_sums(r["args"])
         out["step"].append(r["step"])
         out["start"].append(r["start_ns"])
         out["end"].append(r["end_ns"])
@@ -68,6 +65,17 @@ def series(table: pa.Table, rank: int) -> dict[str, Any]:
         for p in PHASES:
             out[p].append(int(sums.get(p, 0)))
     return out
+
+
+def run_sums(args: str | None) -> dict[str, int]:
+    """A run span's phase sums (ns) from its args: microseconds in PHASES' order."""
+    try:
+        v = json.loads(args or "[]")
+    except ValueError:
+        return {}
+    if isinstance(v, dict):
+        return {k: int(x) for k, x in v.items()}
+    return {p: int(x) * 1000 for p, x in zip(PHASES, v, strict=False)}
 
 
 def _summary(t: np.ndarray, steps: np.ndarray, inside: np.ndarray) -> dict[str, Any]:
@@ -104,7 +112,8 @@ def analyze_window(table: pa.Table, md: dict[str, Any], rank: int) -> dict[str, 
     inside = np.array(s["inside"], bool)
     t0 = s["start"][0] if s["start"] else 0
     ins = np.flatnonzero(inside)
-    window: dict[str, Any] = {**{k: v for k, v in win.items() if k != "origin_ns"},
+    window: dict[str, Any] = {**{k: v for k, v in win.items()
+                                 if k not in ("origin_ns", "run_phases", "run_unit")},
                               "iterations": int(len(ins)),
                               "first_step": int(steps[ins[0]]) if len(ins) else None,
                               "last_step": int(steps[ins[-1]]) if len(ins) else None,

@@ -5,6 +5,7 @@ loop: from the previous step's end, the first from its first forward), `forward`
 and loss), `backward` and `update`.
 
     torchrun --nproc_per_node 2 window_loop.py OUT.json [--iterations N] [--spike-at K]
+                                               [--start-at T]
 
 `--spike-at K`: iteration K sleeps 60 ms more (a stall that a window elsewhere misses)."""
 
@@ -25,12 +26,14 @@ def main() -> None:
     p.add_argument("out")
     p.add_argument("--iterations", type=int, default=2000)
     p.add_argument("--spike-at", type=int, default=-1)
+    p.add_argument("--start-at", type=float, default=0.0,
+                   help="begin the loop at this time.time(), not before")
     a = p.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(12)])
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(24)])
     ddp = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(100 + rank)
@@ -38,6 +41,8 @@ def main() -> None:
     now = time.perf_counter
     rows = []
     prev = None
+    time.sleep(max(0.0, a.start_at - time.time()))
+    dist.barrier()
     for i in range(a.iterations):
         t0 = now()
         prev = t0 if prev is None else prev
