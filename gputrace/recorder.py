@@ -249,8 +249,8 @@ class Recorder:
         self._writer = None
         self._closed = False
         self._iter_start = None
-        if self.window is not None:
-            self.window._lock = threading.Lock()
+        if self.window is not None:   # the parent's pending spans are the parent's
+            self.window = self.window.fresh()
         self._stop = threading.Event()
         self._thread = None
         self.start()

@@ -89,6 +89,12 @@ class Window:
             d["duration_s"] = self.duration_s
         return d
 
+    def fresh(self) -> Window:
+        """The same window with nothing pending (a forked child's)."""
+        w = Window(self.steps, self.delay_s, self.duration_s, self.origin_ns)
+        w.lo, w.hi = self.lo, self.hi
+        return w
+
     def env(self) -> str:
         return json.dumps(self.describe())
 
