@@ -84,6 +84,8 @@ class Recorder:
         # them in-process (torch.distributed: mp.spawn, Lightning's or any launcher that
         # sets no variables); see `learn_rank`
         self.rank_source: Any = None
+        # a recording window (gputrace.window): what falls outside it is folded at flush
+        self.window: Any = None
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> Recorder:
@@ -157,6 +159,17 @@ class Recorder:
                 self.flush_hooks.remove(hook)
                 print(f"gputrace: {getattr(hook, '__qualname__', hook)} failed and is off: "
                       f"{type(e).__name__}: {e}", file=sys.stderr)
+        if self.window is not None:
+            try:
+                spans, rows = self.window.apply(spans + _on_clock(perf, offset), rows,
+                                                self._closed)
+                perf = []
+            except Exception as e:  # noqa: BLE001 - the window's bug: record everything
+                self.window = None
+                spans += _on_clock(perf, offset)
+                perf = []
+                print(f"gputrace: the recording window failed and is off: {reason(e)}",
+                      file=sys.stderr)
         n = len(spans) + len(perf) + len(rows)
         if not n:
             return
@@ -236,6 +249,8 @@ class Recorder:
         self._writer = None
         self._closed = False
         self._iter_start = None
+        if self.window is not None:   # the parent's pending spans are the parent's
+            self.window = self.window.fresh()
         self._stop = threading.Event()
         self._thread = None
         self.start()

@@ -27,11 +27,19 @@ class Session:
     Starts an in-process recorder and a small sampler subprocess for the system collectors,
     and merges both into `path` on exit. Under `gputrace record`, it joins that recording
     instead (the record's own trace gets everything) and `path` is not written.
+    `steps=(START, COUNT)` (or "START:COUNT"), or `delay`/`duration` in seconds: a recording
+    window, as `record --steps`/`--delay`/`--duration` (README, "Long jobs").
     """
 
     def __init__(self, path: str = "trace.arrow", *, hz: float = 50.0,
                  collectors: Iterable[str] = SYSTEM_COLLECTORS, sampler: bool = True,
-                 flush_interval_s: float = _recorder.FLUSH_INTERVAL_S) -> None:
+                 flush_interval_s: float = _recorder.FLUSH_INTERVAL_S,
+                 steps: str | tuple[int, int] | None = None, delay: float | None = None,
+                 duration: float | None = None) -> None:
+        from gputrace.window import make
+
+        # as record's --steps/--delay/--duration (a ValueError when it cannot be)
+        self.window = make(steps, delay, duration)
         self.path = os.fspath(path)
         self.hz = hz
         self.collectors = list(collectors)
@@ -70,6 +78,8 @@ class Session:
         shard = os.path.join(self._dir, f"process-{os.getpid()}{frames.SUFFIX}")
         rec = _recorder.Recorder(shard, md, flush_interval_s=self.flush_interval_s, quiet=True)
         rec.set_collector("ranges", "ok")
+        if self.window is not None:
+            self.window.attach(rec)
         self.recorder = rec.start()
         self._owned = True
         _recorder.set_current(rec)

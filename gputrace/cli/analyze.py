@@ -103,21 +103,44 @@ def run(args: argparse.Namespace) -> int:
 
     with progress.shown(not args.json):
         a = analysis(args, detail=bool(args.report))
+        w = _window(args, a)
     if args.json:
         from gputrace.report.json import to_dict
 
-        json.dump(to_dict(a, args.rank), sys.stdout, indent=1)
+        doc = to_dict(a, args.rank)
+        if w is not None:
+            doc.update(w)
+            if w["run"]["finding"]:
+                doc["findings"].append({"id": "window_missed", "severity": "moderate",
+                                        "message": w["run"]["finding"]})
+        json.dump(doc, sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
         from gputrace.report.terminal import render
 
         render(a, args.rank)
+        if w is not None:
+            from gputrace.report.window import render_window
+
+            render_window(w)
     if args.report:
         from gputrace.cli.report import write
 
         sys.stdout.flush()
         print(write(a, args.report, args.rank, args.trace), file=sys.stderr)
     return 0
+
+
+def _window(args: argparse.Namespace, a):  # type: ignore[no-untyped-def]
+    """A windowed recording's `window` and `run` (None for another trace)."""
+    from gputrace.analyzers.window import analyze_window, window_of
+
+    if window_of(a.metadata) is None:
+        return None
+    from gputrace.cli import load_trace
+
+    rank = args.rank if args.rank is not None else a.main.rank
+    return analyze_window(load_trace(args.trace).table, a.metadata, rank)
 
 
 def analysis(args: argparse.Namespace, detail: bool = False,  # type: ignore[no-untyped-def]

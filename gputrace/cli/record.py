@@ -30,6 +30,15 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
                    help="PyTorch: time each of those layers' forward too (a span per call; "
                    "about 1%% on a 12-block transformer); by default a layer's backward is "
                    "timed, what the analysis uses")
+    p.add_argument("--steps", metavar="START:COUNT",
+                   help="PyTorch: record COUNT iterations from iteration START (0-based) in "
+                   "full detail; every other iteration keeps its time and phase sums only")
+    p.add_argument("--delay", type=float, metavar="S",
+                   help="PyTorch: record in full detail the iterations that begin S seconds "
+                   "after the job starts or later (with --duration: and end within it); "
+                   "the others keep their time and phase sums only")
+    p.add_argument("--duration", type=float, metavar="S",
+                   help="with --delay (or from the start): the window's length in seconds")
     p.add_argument("--redact-argv", action="store_true",
                    help="keep only program and flag names of argv in the trace")
     p.add_argument("--kill-after", type=float, default=10.0, metavar="S",
@@ -55,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         force=args.force, redact_argv=args.redact_argv, gpu_timeline=args.gpu_timeline,
         kill_after_s=args.kill_after, per_host=True if args.per_host else None,
         tf_steps=args.tf_steps, layers=args.layers, layer_forward=args.layer_forward,
-        quiet=args.quiet)
+        quiet=args.quiet, steps=args.steps, delay_s=args.delay, duration_s=args.duration)
     if args.report:
         from gputrace.cli.report import check_output
 

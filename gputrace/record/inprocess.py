@@ -29,12 +29,27 @@ def shard_path(shard_dir: str) -> str:
     return os.path.join(shard_dir, f"{host}-{os.getpid()}-{next(_counter)}{frames.SUFFIX}")
 
 
+def _window(rec: _recorder.Recorder) -> None:
+    """The window `record --steps/--delay/--duration` asked for, if any."""
+    try:
+        from gputrace import window
+
+        w = window.from_env()
+        if w is not None:
+            w.attach(rec)
+    except Exception as e:  # noqa: BLE001 - recorded in full instead
+        print(f"gputrace: no recording window ({type(e).__name__}: {e}); recording every "
+              "iteration in full", file=sys.stderr)
+
+
 def boot(shard_dir: str) -> _recorder.Recorder:
     """Start this process's recorder writing a shard into shard_dir."""
     global _shard_dir
     _shard_dir = shard_dir
     md = base_metadata("process")
-    rec = _recorder.Recorder(shard_path(shard_dir), md).start()
+    rec = _recorder.Recorder(shard_path(shard_dir), md)
+    _window(rec)
+    rec.start()
     _recorder.set_current(rec)
     atexit.register(_close_current)
     os.register_at_fork(after_in_child=_after_fork)

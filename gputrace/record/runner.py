@@ -57,6 +57,9 @@ class RecordOptions:
     tf_steps: str | None = None    # START:COUNT | all | off (TensorFlow's profiler window)
     layers: str | None = None      # blocks | leaves | off (PyTorch modules timed)
     layer_forward: bool = False    # their forward spans too
+    steps: str | None = None       # START:COUNT: the iterations recorded in full
+    delay_s: float | None = None   # or the seconds recorded in full: from delay_s after the
+    duration_s: float | None = None  # job starts, for duration_s
 
 
 @dataclass
@@ -105,6 +108,12 @@ def _check(opts: RecordOptions) -> None:
     if opts.tf_steps is not None and not _TF_STEPS.match(opts.tf_steps):
         raise RecordError(f"--tf-steps is START:COUNT (e.g. 5:10), all or off, "
                           f"not {opts.tf_steps!r}")
+    from gputrace.window import WindowError, make
+
+    try:
+        make(opts.steps, opts.delay_s, opts.duration_s)
+    except WindowError as e:
+        raise RecordError(str(e)) from None
     if not (0 < opts.hz <= 10_000):
         raise RecordError("--hz must be between 0 and 10000")
     if not (0 < opts.kill_after_s < 1e6):
@@ -162,6 +171,12 @@ def _prepare(opts: RecordOptions, shard_dir: str, clock: Clock
     env["GPUTRACE_GPU_TIMELINE"] = opts.gpu_timeline
     if opts.tf_steps is not None:
         env["GPUTRACE_TF_STEPS"] = opts.tf_steps
+    from gputrace.window import ENV, make
+
+    win = make(opts.steps, opts.delay_s, opts.duration_s, origin_ns=clock.now_ns())
+    if win is not None:
+        env[ENV] = win.env()
+        md["window"] = win.describe()
     if opts.layers is not None:
         env["GPUTRACE_LAYERS"] = opts.layers
     if opts.layer_forward:

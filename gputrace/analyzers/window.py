@@ -1,0 +1,175 @@
+"""A windowed recording (`record --steps/--delay/--duration`): what the window held, and the
+whole run's per-iteration series (its `run` spans outside the window, its `iteration`
+spans inside), with a finding when the iterations outside it differ from those inside."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from gputrace.window import PHASES, phase_sums
+
+_CATS = ("iteration", "run", *PHASES)
+# leave out of the comparison the first iterations (warm-up)
+_WARMUP = 3
+
+
+def window_of(md: dict[str, Any]) -> dict[str, Any] | None:
+    """The window a trace was recorded with (its metadata, or a shard's), None for none."""
+    if isinstance(md.get("window"), dict):
+        return md["window"]
+    for sh in md.get("shards") or []:
+        if isinstance(sh, dict) and isinstance(sh.get("window"), dict):
+            return sh["window"]
+    return None
+
+
+def _rows(table: pa.Table, rank: int) -> list[dict[str, Any]]:
+    m = pc.and_(pc.equal(table["kind"], "span"), pc.equal(table["rank"], rank))
+    m = pc.and_(m, pc.is_in(table["cat"].cast(pa.string()), pa.array(_CATS)))
+    cols = ["cat", "name", "start_ns", "end_ns", "step", "layer", "args"]
+    return table.filter(m).select(cols).to_pylist()
+
+
+def series(table: pa.Table, rank: int) -> dict[str, Any]:
+    """Per iteration of the run on `rank`, in order: step, start/end (ns), whether it was
+    inside the window, and its phase sums (ns)."""
+    rows = _rows(table, rank)
+    by_step: dict[int, list[tuple[Any, ...]]] = {}
+    its = []
+    for r in rows:
+        if r["cat"] in ("iteration", "run"):
+            if r["name"] == "iteration":
+                its.append(r)
+        elif r["step"] is not None and r["step"] >= 0:
+            by_step.setdefault(r["step"], []).append(
+                (r["cat"], r["name"], r["start_ns"], r["end_ns"] or r["start_ns"], 0,
+                 r["step"], r["layer"] if r["layer"] is not None else -1))
+    its.sort(key=lambda r: r["start_ns"])
+    out: dict[str, Any] = {"step": [], "start": [], "end": [], "inside": [],
+                           **{p: [] for p in PHASES}}
+    for r in its:
+        inside = r["cat"] == "iteration"
+        if inside:
+            sums = phase_sums(by_step.get(r["step"], []))
+        else:
+            sums = run_sums(r["args"])
+        out["step"].append(r["step"])
+        out["start"].append(r["start_ns"])
+        out["end"].append(r["end_ns"])
+        out["inside"].append(inside)
+        for p in PHASES:
+            out[p].append(int(sums.get(p, 0)))
+    return out
+
+
+def run_sums(args: str | None) -> dict[str, int]:
+    """A run span's phase sums (ns) from its args: microseconds in PHASES' order."""
+    try:
+        v = json.loads(args or "[]")
+    except ValueError:
+        return {}
+    if isinstance(v, dict):
+        return {k: int(x) for k, x in v.items()}
+    return {p: int(x) * 1000 for p, x in zip(PHASES, v, strict=False)}
+
+
+def _summary(t: np.ndarray, steps: np.ndarray, inside: np.ndarray) -> dict[str, Any]:
+    if not len(t):
+        return {}
+    order = np.argsort(-t, kind="stable")[:5]
+    return {"mean_s": float(t.mean()), "p50_s": float(np.percentile(t, 50)),
+            "p95_s": float(np.percentile(t, 95)), "max_s": float(t.max()),
+            "slowest": [{"step": int(steps[i]), "t_iter_s": float(t[i]),
+                         "inside_window": bool(inside[i])} for i in order]}
+
+
+def spikes(t: np.ndarray) -> np.ndarray:
+    """Indices of iterations well above the run's typical one (past warm-up): more than
+    1.5x the median and 6 median absolute deviations above it."""
+    if len(t) <= _WARMUP:
+        return np.zeros(0, np.int64)
+    body = t[_WARMUP:]
+    med = float(np.median(body))
+    mad = float(np.median(np.abs(body - med)))
+    bar = max(1.5 * med, med + 6 * mad)
+    idx = np.flatnonzero(t > bar)
+    return idx[idx >= _WARMUP]
+
+
+def analyze_window(table: pa.Table, md: dict[str, Any], rank: int) -> dict[str, Any] | None:
+    """`window` and `run` of analyze --json (None: not a windowed recording)."""
+    win = window_of(md)
+    if win is None:
+        return None
+    s = series(table, rank)
+    steps = np.array(s["step"], np.int64)
+    t = (np.array(s["end"], np.int64) - np.array(s["start"], np.int64)) / 1e9
+    inside = np.array(s["inside"], bool)
+    t0 = s["start"][0] if s["start"] else 0
+    ins = np.flatnonzero(inside)
+    window: dict[str, Any] = {**{k: v for k, v in win.items()
+                                 if k not in ("origin_ns", "run_phases", "run_unit")},
+                              "iterations": int(len(ins)),
+                              "first_step": int(steps[ins[0]]) if len(ins) else None,
+                              "last_step": int(steps[ins[-1]]) if len(ins) else None,
+                              "start_s": (s["start"][ins[0]] - t0) / 1e9 if len(ins) else None,
+                              "end_s": (s["end"][ins[-1]] - t0) / 1e9 if len(ins) else None}
+    sp = spikes(t)
+    run: dict[str, Any] = {
+        "rank": rank, "iterations": int(len(t)), "step": steps.tolist(),
+        "t_iter_s": t.tolist(), "inside_window": inside.tolist(),
+        "phases_s": {p: (np.array(s[p], np.int64) / 1e9).tolist() for p in PHASES},
+        "summary": _summary(t, steps, inside),
+        "spikes": [{"step": int(steps[i]), "t_iter_s": float(t[i]),
+                    "inside_window": bool(inside[i])} for i in sp],
+    }
+    run["finding"] = _finding(t, steps, inside, sp)
+    return {"window": window, "run": run}
+
+
+def _finding(t: np.ndarray, steps: np.ndarray, inside: np.ndarray, sp: np.ndarray
+             ) -> str | None:
+    """The window did not catch the problem: the iterations outside it take longer (or
+    shorter) beyond noise, or spike where it did not look."""
+    keep = np.arange(len(t)) >= _WARMUP
+    tin, tout = t[inside & keep], t[~inside & keep]
+    if not len(tin):
+        return "no iteration was recorded in full: the window lies outside the run " \
+            f"({len(t)} iterations)"
+    notes = []
+    if len(tout):
+        med_in, med_out = float(np.median(tin)), float(np.median(tout))
+        q75, q25 = np.percentile(tin, [75, 25])
+        noise = max(0.10, 2 * float(q75 - q25) / med_in) if med_in > 0 else 0.10
+        if med_in > 0 and abs(med_out / med_in - 1) > noise:
+            notes.append(f"the median iteration outside the window takes {med_out * 1e3:.3g} "
+                         f"ms, inside it {med_in * 1e3:.3g} ms "
+                         f"({med_out / med_in - 1:+.0%}, beyond the window's noise "
+                         f"{noise:.0%})")
+    out_spikes = [i for i in sp if not inside[i]]
+    if out_spikes and not any(inside[i] for i in sp):
+        worst = sorted(out_spikes, key=lambda i: -t[i])[:3]
+        notes.append(f"{len(out_spikes)} iteration(s) outside it spike: " + ", ".join(
+            f"{int(steps[i])} ({t[i] * 1e3:.3g} ms)" for i in worst))
+    if not notes:
+        return None
+    return "the window did not catch the problem: " + "; ".join(notes) + \
+        "; record those iterations with --steps START:COUNT"
+
+
+def sparkline(t: np.ndarray, width: int = 60) -> str:
+    """The run's iteration time as one line of blocks (each the max of its iterations)."""
+    if not len(t):
+        return ""
+    bars = "▁▂▃▄▅▆▇█"
+    chunks = np.array_split(t, min(width, len(t)))
+    v = np.array([c.max() for c in chunks])
+    lo, hi = float(v.min()), float(v.max())
+    if hi <= lo:
+        return bars[0] * len(v)
+    return "".join(bars[min(7, int((x - lo) / (hi - lo) * 8))] for x in v)

@@ -1,0 +1,44 @@
+"""The terminal section of a windowed recording: the whole run's iteration time."""
+
+from __future__ import annotations
+
+from typing import IO, Any
+
+import numpy as np
+from rich.markup import escape
+
+from gputrace.analyzers.window import sparkline
+from gputrace.report import console
+
+
+def render_window(w: dict[str, Any], file: IO[str] | None = None) -> None:
+    con = console(file, None)
+    win, run = w["window"], w["run"]
+    t = np.array(run["t_iter_s"], float)
+    what = (f"iterations {win['steps'][0]}..{win['steps'][0] + win['steps'][1] - 1}"
+            if "steps" in win else
+            f"{win.get('delay_s', 0):g} s after the start"
+            + (f" for {win['duration_s']:g} s" if "duration_s" in win else ""))
+    inside = (f"{win['iterations']} iterations in full detail "
+              f"({win['first_step']}..{win['last_step']})" if win["iterations"]
+              else "no iteration in full detail")
+    con.print()
+    con.print(f"[bold]The whole run[/] (rank {run['rank']}): {run['iterations']} iterations; "
+              f"window {escape(what)}: {inside}")
+    s = run["summary"]
+    if s:
+        con.print(f"  iteration time: mean {s['mean_s'] * 1e3:.3g} ms, p50 "
+                  f"{s['p50_s'] * 1e3:.3g}, p95 {s['p95_s'] * 1e3:.3g}, max "
+                  f"{s['max_s'] * 1e3:.3g}")
+        con.print(f"  {sparkline(t)}  [dim](max per column, iteration 0 to "
+                  f"{run['step'][-1]})[/]")
+        slow = ", ".join(f"{x['step']} ({x['t_iter_s'] * 1e3:.3g} ms"
+                         + ("" if x["inside_window"] else ", outside") + ")"
+                         for x in s["slowest"])
+        con.print(f"  slowest: {slow}")
+    if run["spikes"]:
+        con.print("  spikes: " + ", ".join(f"{x['step']} ({x['t_iter_s'] * 1e3:.3g} ms)"
+                                           for x in run["spikes"][:8])
+                  + (f" and {len(run['spikes']) - 8} more" if len(run["spikes"]) > 8 else ""))
+    if run["finding"]:
+        con.print(f"  [yellow]{escape(run['finding'])}[/]")

@@ -1,0 +1,219 @@
+"""A recording window: full detail for some iterations (`--steps START:COUNT`) or some
+seconds (`--delay S --duration S`), and for every other iteration only its boundaries and
+phase sums: one `run` span per iteration (see README, "The trace file").
+
+Applied by the recorder's flusher, off the training loop's path: the hooks record as they
+always do, and what falls outside the window is folded before it is written."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+from typing import Any
+
+ENV = "GPUTRACE_WINDOW"
+_STEPS = re.compile(r"^(\d+):([1-9]\d*)$")
+# the phase sums an iteration outside the window keeps (ns); forward and backward count
+# only the spans of whole passes (layer < 1), not the layers inside them
+PHASES = ("io", "h2d", "forward", "backward", "update", "comm")
+_KEEP_DECIDED = 4096
+
+
+class WindowError(ValueError):
+    """A window that cannot be: said as one line."""
+
+
+def parse_steps(text: str) -> tuple[int, int]:
+    m = _STEPS.match(text.strip())
+    if not m:
+        raise WindowError(f"--steps is START:COUNT (e.g. 1000:20, COUNT at least 1), "
+                          f"not {text!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def make(steps: str | tuple[int, int] | None = None, delay_s: float | None = None,
+         duration_s: float | None = None, origin_ns: int | None = None) -> Window | None:
+    """The window asked for (None: record everything), every mistake a WindowError."""
+    if steps is not None and (delay_s is not None or duration_s is not None):
+        raise WindowError("--steps and --delay/--duration: choose one window")
+    if steps is not None:
+        start, count = parse_steps(steps) if isinstance(steps, str) else steps
+        if start < 0 or count < 1:
+            raise WindowError(f"--steps is START:COUNT with START >= 0 and COUNT >= 1, "
+                              f"not {start}:{count}")
+        return Window(steps=(int(start), int(count)))
+    if delay_s is None and duration_s is None:
+        return None
+    delay = 0.0 if delay_s is None else float(delay_s)
+    duration = float("inf") if duration_s is None else float(duration_s)
+    if not (0 <= delay < 1e9) or delay != delay:
+        raise WindowError(f"--delay takes seconds, 0 or more, not {delay_s}")
+    if not duration > 0 or duration != duration:
+        raise WindowError(f"--duration takes seconds greater than 0, not {duration_s}")
+    return Window(delay_s=delay, duration_s=duration, origin_ns=origin_ns)
+
+
+def from_env(env: dict[str, str] | None = None) -> Window | None:
+    text = (os.environ if env is None else env).get(ENV)
+    if not text:
+        return None
+    d = json.loads(text)
+    if "steps" in d:
+        return Window(steps=tuple(d["steps"]))
+    return Window(delay_s=d["delay_s"], duration_s=d.get("duration_s") or float("inf"),
+                  origin_ns=d.get("origin_ns"))
+
+
+class Window:
+    def __init__(self, steps: tuple[int, int] | None = None, delay_s: float = 0.0,
+                 duration_s: float = float("inf"), origin_ns: int | None = None) -> None:
+        self.steps = steps
+        self.delay_s, self.duration_s = delay_s, duration_s
+        self.origin_ns = origin_ns
+        self.lo: int | None = None       # trace time of the window's first iteration's start
+        self.hi: int | None = None       # ... and its last one's end
+        self.pending: dict[int, list[tuple[Any, ...]]] = {}   # step -> spans not yet decided
+        self.pending_rows: dict[int, list[tuple[Any, ...]]] = {}
+        self.decided: dict[int, bool] = {}   # step -> inside the window
+        self._lock = threading.Lock()
+
+    def describe(self) -> dict[str, Any]:
+        # a run span's args: its phase sums in microseconds, in this order
+        d: dict[str, Any] = {"run_phases": list(PHASES), "run_unit": "us"}
+        if self.steps is not None:
+            return {"steps": list(self.steps), **d}
+        d.update(delay_s=self.delay_s, origin_ns=self.origin_ns)
+        if self.duration_s != float("inf"):
+            d["duration_s"] = self.duration_s
+        return d
+
+    def fresh(self) -> Window:
+        """The same window with nothing pending (a forked child's)."""
+        w = Window(self.steps, self.delay_s, self.duration_s, self.origin_ns)
+        w.lo, w.hi = self.lo, self.hi
+        return w
+
+    def env(self) -> str:
+        return json.dumps(self.describe())
+
+    def attach(self, rec: Any) -> None:
+        """Make `rec` write through this window (from its next flush)."""
+        if self.steps is None and self.origin_ns is None:
+            self.origin_ns = rec.clock.now_ns()
+        if self.steps is None:
+            self.lo = self.origin_ns + int(self.delay_s * 1e9)
+            if self.duration_s != float("inf"):
+                self.hi = self.lo + int(self.duration_s * 1e9)
+        rec.metadata["window"] = self.describe()
+        rec.window = self
+
+    # -- the rule ---------------------------------------------------------------------------
+    def _inside(self, step: int, start: int, end: int) -> bool:
+        if self.steps is not None:
+            s, c = self.steps
+            return s <= step < s + c
+        assert self.lo is not None
+        return start >= self.lo and (self.hi is None or end <= self.hi)
+
+    def _in_time(self, t: int) -> bool:
+        """A span of no iteration (a loader worker's fetch, a GPU record): inside when it
+        starts within the window's time, as far as it is known."""
+        if self.lo is None or t < self.lo:
+            return False
+        return self.hi is None or t <= self.hi
+
+    def _undecided(self, step: int, closing: bool) -> bool:
+        """Spans of a step no iteration span ended: by their step (or time) alone."""
+        spans = self.pending.pop(step, [])
+        rows = self.pending_rows.pop(step, [])
+        if self.steps is not None:
+            return self._inside(step, 0, 0)
+        t = min([s[2] for s in spans] + [r[3] for r in rows], default=0)
+        return self._in_time(t)
+
+    def apply(self, spans: list[tuple[Any, ...]], rows: list[tuple[Any, ...]], closing: bool
+              ) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+        """What of one flush is written: spans are (cat, name, start, end, tid, step, layer,
+        bytes, args), rows the recorder's rows (kind, cat, name, start, end, ..., step at
+        13). Iteration spans decide their step; the spans before them wait for it."""
+        with self._lock:
+            return self._apply(spans, rows, closing)
+
+    def _apply(self, spans: list[tuple[Any, ...]], rows: list[tuple[Any, ...]],
+               closing: bool) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+        out: list[tuple[Any, ...]] = []
+        out_rows: list[tuple[Any, ...]] = []
+        iters = []
+        for sp in spans:
+            step = sp[5]
+            if sp[0] == "iteration":
+                iters.append(sp)
+            elif step is None or step < 0:
+                if self._in_time(sp[2]):
+                    out.append(sp)
+            elif step in self.decided:
+                if self.decided[step]:
+                    out.append(sp)
+            else:
+                self.pending.setdefault(step, []).append(sp)
+        for r in rows:
+            if r[0] != "span":
+                out_rows.append(r)          # instants and samples: cheap, always kept
+            elif r[13] is None or r[13] < 0:
+                if self._in_time(r[3]):
+                    out_rows.append(r)
+            elif r[13] in self.decided:
+                if self.decided[r[13]]:
+                    out_rows.append(r)
+            else:
+                self.pending_rows.setdefault(r[13], []).append(r)
+        for sp in sorted(iters, key=lambda s: s[2]):
+            self._iteration(sp, out, out_rows)
+        if closing:
+            for step in sorted(set(self.pending) | set(self.pending_rows)):
+                keep_sp, keep_rows = self.pending.get(step, []), self.pending_rows.get(step, [])
+                if self._undecided(step, True):
+                    out.extend(keep_sp)
+                    out_rows.extend(keep_rows)
+        return out, out_rows
+
+    def _iteration(self, sp: tuple[Any, ...], out: list[tuple[Any, ...]],
+                   out_rows: list[tuple[Any, ...]]) -> None:
+        step, start, end = sp[5], sp[2], sp[3]
+        for old in [s for s in set(self.pending) | set(self.pending_rows) if s < step]:
+            keep_sp, keep_rows = self.pending.get(old, []), self.pending_rows.get(old, [])
+            if self._undecided(old, False):
+                out.extend(keep_sp)
+                out_rows.extend(keep_rows)
+        mine = self.pending.pop(step, [])
+        mine_rows = self.pending_rows.pop(step, [])
+        inside = self._inside(step, start, end)
+        self.decided[step] = inside
+        if len(self.decided) > _KEEP_DECIDED:
+            for k in sorted(self.decided)[:len(self.decided) - _KEEP_DECIDED]:
+                del self.decided[k]
+        if inside:
+            if self.steps is not None:
+                self.lo = start if self.lo is None else min(self.lo, start)
+                if step == self.steps[0] + self.steps[1] - 1:
+                    self.hi = end
+            out.extend(mine)
+            out.append(sp)
+            out_rows.extend(mine_rows)
+            return
+        sums = phase_sums(mine)
+        out.append(("run", sp[1], start, end, sp[4], step, -1, None,
+                    "[" + ",".join(str(round(sums[p] / 1e3)) for p in PHASES) + "]"))
+
+
+def phase_sums(spans: list[tuple[Any, ...]]) -> dict[str, int]:
+    """ns per phase of one iteration's spans: io, h2d, update and comm spans whole (comm:
+    busy time, hidden or not), forward and backward only the passes (layer < 1)."""
+    sums = dict.fromkeys(PHASES, 0)
+    for sp in spans:
+        cat = sp[0]
+        if cat in sums and (cat not in ("forward", "backward") or sp[6] is None or sp[6] < 1):
+            sums[cat] += max(0, sp[3] - sp[2])
+    return sums

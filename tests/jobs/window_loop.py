@@ -1,0 +1,70 @@
+"""2-rank gloo DDP of a small stack of layers over many short iterations, timing itself:
+each rank writes argv[1] with its rank in the name (`OUT.rank0.json`) holding, per
+optimizer step, the loop's own perf_counter times (seconds): `t_iter` (iterations tile the
+loop: from the previous step's end, the first from its first forward), `forward` (model
+and loss), `backward` and `update`.
+
+    torchrun --nproc_per_node 2 window_loop.py OUT.json [--iterations N] [--spike-at K]
+                                               [--start-at T]
+
+`--spike-at K`: iteration K sleeps 60 ms more (a stall that a window elsewhere misses)."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--iterations", type=int, default=2000)
+    p.add_argument("--spike-at", type=int, default=-1)
+    p.add_argument("--start-at", type=float, default=0.0,
+                   help="begin the loop at this time.time(), not before")
+    a = p.parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(24)])
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(100 + rank)
+    x, y = torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)
+    now = time.perf_counter
+    rows = []
+    prev = None
+    time.sleep(max(0.0, a.start_at - time.time()))
+    dist.barrier()
+    for i in range(a.iterations):
+        t0 = now()
+        prev = t0 if prev is None else prev
+        loss = nn.functional.mse_loss(ddp(x), y)
+        t1 = now()
+        loss.backward()
+        t2 = now()
+        opt.step()
+        t3 = now()
+        rows.append({"t_iter": t3 - prev, "forward": t1 - t0, "backward": t2 - t1,
+                     "update": t3 - t2})
+        prev = t3
+        # the loop's bookkeeping, inside the next iteration (iterations tile the loop)
+        opt.zero_grad()
+        time.sleep(0.06 if i == a.spike_at else 0.001)
+    with open(a.out.replace(".json", f".rank{rank}.json"), "w") as f:
+        json.dump(rows, f)
+    ddp = opt = loss = None
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
