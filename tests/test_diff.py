@@ -180,7 +180,5 @@ def test_ddp_bucket_cap_change_is_seen_in_units_and_all_reduces(ddp_buckets):
     assert ar["bytes_before"] == pytest.approx(grads, rel=0.01)
     assert ar["bytes_after"] == pytest.approx(grads, rel=0.01)
     assert ar["count_after"] == 1 < ar["count_before"]
-    # one bucket waits for the whole backward: its comm is exposed
-    assert d["breakdown"]["comm_exposed"]["change"] > 0
     assert d["made"]["argv"][1][-1] == "100" and d["made"]["argv"][0][-1] == "1"
     assert sorted(d["ranks"]["top"][i]["name"] for i in range(2)) == ["0", "1"]

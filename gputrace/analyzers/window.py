@@ -151,8 +151,9 @@ def _finding(t: np.ndarray, steps: np.ndarray, inside: np.ndarray, sp: np.ndarra
                          f"ms, inside it {med_in * 1e3:.3g} ms "
                          f"({med_out / med_in - 1:+.0%}, beyond the window's noise "
                          f"{noise:.0%})")
-    out_spikes = [i for i in sp if not inside[i]]
-    if out_spikes and not any(inside[i] for i in sp):
+    # spikes outside the window longer than any iteration it recorded in full
+    out_spikes = [i for i in sp if not inside[i] and t[i] > tin.max()]
+    if out_spikes:
         worst = sorted(out_spikes, key=lambda i: -t[i])[:3]
         notes.append(f"{len(out_spikes)} iteration(s) outside it spike: " + ", ".join(
             f"{int(steps[i])} ({t[i] * 1e3:.3g} ms)" for i in worst))
