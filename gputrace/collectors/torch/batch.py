@@ -20,7 +20,7 @@ import torch
 
 from gputrace.collectors.torch.guard import _hook_failed
 
-_INTS = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+_INTS = ("int64", "int32", "int16", "int8", "uint8")   # token ids (torch's dtype names)
 
 
 def _first_tensor(v: Any, depth: int = 0) -> torch.Tensor | None:
@@ -54,7 +54,8 @@ def describe(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[s
     if x is None or x.dim() < 1:
         return None
     shape = [int(s) for s in x.shape]
-    tokens = shape[1] if x.dim() == 2 and x.dtype in _INTS else None
+    tokens = shape[1] if x.dim() == 2 and str(x.dtype).removeprefix("torch.") in _INTS \
+        else None
     return {"samples": shape[0], "tokens_per_sample": tokens, "shape": shape,
             "dtype": str(x.dtype), "input": f"{name}.forward {where}"}
 
