@@ -6,25 +6,19 @@ loss and backward per microbatch); warm-up left out, medians over iterations."""
 
 from __future__ import annotations
 
-import json
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("deepspeed")
 
-from gputrace import load  # noqa: E402
-from gputrace.analyzers import analyze  # noqa: E402
 from gputrace.analyzers.parallel import pipesim  # noqa: E402
 from tests.test_parallelism import (  # noqa: E402
     BYTES_TOL,
-    JOBS,
-    PY,
     Run,
-    _cli,
     inside,
+    record_run,
     stages_clocks,
 )
 
@@ -40,23 +34,8 @@ def recorded(tmp_path_factory):
 
     def get(name: str) -> Run:
         if name not in cache:
-            prefix = out / name
-            arrow = f"{prefix}.arrow"
-            p = _cli("record", "-q", "-o", arrow, "--", PY, "-m", "torch.distributed.run",
-                     "--standalone", "--nproc_per_node", "2",
-                     str(JOBS / "ds_pipe_train.py"), str(prefix), "--iterations", "10",
-                     *CONFIGS[name])
-            assert "Traceback" not in p.stderr, p.stderr[-5000:]
-            trace = load(arrow)
-            run = Run(trace, {r: json.loads(Path(f"{prefix}.rank{r}.json").read_text())
-                              for r in (0, 1)},
-                      json.loads(_cli("analyze", arrow, "--json").stdout),
-                      _cli("analyze", arrow).stdout, analyze(trace, detail=True), arrow=arrow)
-            for r in trace.table.to_pylist():
-                if r["kind"] == "span" and r["cat"] in ("comm", "pipeline"):
-                    r["a"] = json.loads(r["args"]) if r["args"] else {}
-                    getattr(run, r["cat"]).setdefault(r["rank"], []).append(r)
-            cache[name] = run
+            cache[name] = record_run(out / name, "ds_pipe_train.py", 2,
+                                     ("--iterations", "10", *CONFIGS[name]))
         return cache[name]
 
     return get

@@ -92,25 +92,30 @@ def recorded(tmp_path_factory):
     def get(name: str) -> Run:
         if name not in cache:
             script, ranks, args = CONFIGS[name]
-            prefix = out / name
-            arrow = f"{prefix}.arrow"
-            p = _cli("record", "-q", "-o", arrow, "--", PY, "-m", "torch.distributed.run",
-                     "--standalone", "--nproc_per_node", str(ranks), str(JOBS / script),
-                     str(prefix), *args)
-            assert "Traceback" not in p.stderr, p.stderr[-5000:]
-            trace = load(arrow)
-            run = Run(trace, {r: json.loads(Path(f"{prefix}.rank{r}.json").read_text())
-                              for r in range(ranks)},
-                      json.loads(_cli("analyze", arrow, "--json").stdout),
-                      _cli("analyze", arrow).stdout, analyze(trace, detail=True), arrow=arrow)
-            for r in trace.table.to_pylist():
-                if r["kind"] == "span" and r["cat"] in ("comm", "pipeline"):
-                    r["a"] = json.loads(r["args"]) if r["args"] else {}
-                    getattr(run, r["cat"]).setdefault(r["rank"], []).append(r)
-            cache[name] = run
+            cache[name] = record_run(out / name, script, ranks, args)
         return cache[name]
 
     return get
+
+
+def record_run(prefix: Path, script: str, ranks: int, args: Any) -> Run:
+    """`script` (of tests/jobs) recorded under torchrun with `ranks` ranks, its own truth,
+    its analysis and its comm and pipeline spans."""
+    arrow = f"{prefix}.arrow"
+    p = _cli("record", "-q", "-o", arrow, "--", PY, "-m", "torch.distributed.run",
+             "--standalone", "--nproc_per_node", str(ranks), str(JOBS / script),
+             str(prefix), *args)
+    assert "Traceback" not in p.stderr, p.stderr[-5000:]
+    trace = load(arrow)
+    run = Run(trace, {r: json.loads(Path(f"{prefix}.rank{r}.json").read_text())
+                      for r in range(ranks)},
+              json.loads(_cli("analyze", arrow, "--json").stdout),
+              _cli("analyze", arrow).stdout, analyze(trace, detail=True), arrow=arrow)
+    for r in trace.table.to_pylist():
+        if r["kind"] == "span" and r["cat"] in ("comm", "pipeline"):
+            r["a"] = json.loads(r["args"]) if r["args"] else {}
+            getattr(run, r["cat"]).setdefault(r["rank"], []).append(r)
+    return run
 
 
 def inside(spans: list[dict], it: dict) -> list[dict]:
