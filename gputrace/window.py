@@ -1,6 +1,6 @@
 """A recording window: full detail for some iterations (`--steps START:COUNT`) or some
 seconds (`--delay S --duration S`), and for every other iteration only its boundaries and
-phase sums: one `run` span per iteration (see README, "The trace file").
+phase sums, packed as one `run` span per flush (see README, "The trace file").
 
 Applied by the recorder's flusher, off the training loop's path: the hooks record as they
 always do, and what falls outside the window is folded before it is written."""
@@ -77,6 +77,9 @@ class Window:
         self.pending: dict[int, list[tuple[Any, ...]]] = {}   # step -> spans not yet decided
         self.pending_rows: dict[int, list[tuple[Any, ...]]] = {}
         self.decided: dict[int, bool] = {}   # step -> inside the window
+        # iterations outside the window folded by this flush: (start, end, name, tid, step,
+        # phase sums)
+        self._folded: list[tuple[Any, ...]] = []
         self._lock = threading.Lock()
 
     def describe(self) -> dict[str, Any]:
@@ -177,6 +180,8 @@ class Window:
                 if self._undecided(step, True):
                     out.extend(keep_sp)
                     out_rows.extend(keep_rows)
+        out.extend(pack(self._folded))
+        self._folded = []
         return out, out_rows
 
     def _iteration(self, sp: tuple[Any, ...], out: list[tuple[Any, ...]],
@@ -203,9 +208,62 @@ class Window:
             out.append(sp)
             out_rows.extend(mine_rows)
             return
-        sums = phase_sums(mine)
-        out.append(("run", sp[1], start, end, sp[4], step, -1, None,
-                    "[" + ",".join(str(round(sums[p] / 1e3)) for p in PHASES) + "]"))
+        self._folded.append((start, end, sp[1], sp[4], step, phase_sums(mine)))
+
+
+def pack(folded: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """Iterations outside the window, (start, end, name, tid, step, phase sums in ns), as
+    one `run` span per name and thread: from the first one's start to the last one's end,
+    the first one's step, and in `args` one list per key, an entry per iteration: `step`,
+    `gap_us` (since the previous one's end), `t_us` (its length) and the phase sums in
+    microseconds. Times are rounded from the span's start, so no rounding accumulates."""
+    groups: dict[tuple[Any, Any], list[tuple[Any, ...]]] = {}
+    for f in sorted(folded, key=lambda f: f[0]):
+        groups.setdefault((f[2], f[3]), []).append(f)
+    out = []
+    for (name, tid), its in groups.items():
+        t0 = its[0][0]
+        cols: dict[str, list[int]] = {"step": [], "gap_us": [], "t_us": [],
+                                      **{p: [] for p in PHASES}}
+        prev = 0
+        for start, end, _, _, step, sums in its:
+            s, e = round((start - t0) / 1e3), round((end - t0) / 1e3)
+            cols["step"].append(step)
+            cols["gap_us"].append(s - prev)
+            cols["t_us"].append(e - s)
+            prev = e
+            for p in PHASES:
+                cols[p].append(round(sums[p] / 1e3))
+        out.append(("run", name, t0, its[-1][1], tid, its[0][4], -1, None,
+                    json.dumps(cols, separators=(",", ":"))))
+    return out
+
+
+def unpack(start_ns: int, end_ns: int | None, step: int, args: str | None
+           ) -> list[tuple[int, int, int, dict[str, int]]]:
+    """A `run` span's iterations: (step, start, end, phase sums), times in ns. A span of
+    one iteration whose `args` is a list of its phase sums (microseconds in PHASES' order)
+    is read too."""
+    try:
+        v = json.loads(args or "[]")
+    except ValueError:
+        return []
+    if isinstance(v, list):
+        return [(step, start_ns, end_ns if end_ns is not None else start_ns,
+                 {p: int(x) * 1000 for p, x in zip(PHASES, v, strict=False)})]
+    if not isinstance(v, dict) or not isinstance(v.get("t_us"), list):
+        return []
+    out, prev = [], 0
+    n = len(v["t_us"])
+    cols = {k: v.get(k) if isinstance(v.get(k), list) and len(v[k]) == n else [0] * n
+            for k in ("step", "gap_us", *PHASES)}
+    for i in range(n):
+        s = prev + int(cols["gap_us"][i])
+        prev = e = s + int(v["t_us"][i])
+        out.append((int(cols["step"][i]) if "step" in v else step + i,
+                    start_ns + s * 1000, start_ns + e * 1000,
+                    {p: int(cols[p][i]) * 1000 for p in PHASES}))
+    return out
 
 
 def phase_sums(spans: list[tuple[Any, ...]]) -> dict[str, int]:

@@ -18,6 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from gputrace.trace import load  # noqa: E402
+from gputrace.window import unpack  # noqa: E402
 from tests.conftest import run_gputrace  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -54,6 +55,13 @@ def runs(tmp_path_factory):
             "time": (d / "time.arrow", _record(d / "time.arrow", "--delay", str(DELAY),
                                                "--duration", "2", iterations=TIME_ITERATIONS,
                                                job=("--start-at", str(time.time() + 15))))}
+
+
+def _outside(rows: list[dict], rank: int | None = None) -> list[dict]:
+    """The iterations outside the window, from their packed `run` spans."""
+    return [{"step": step, "start_ns": s, "end_ns": e, "rank": r["rank"]}
+            for r in rows if r["cat"] == "run" and rank in (None, r["rank"])
+            for step, s, e, _ in unpack(r["start_ns"], r["end_ns"], r["step"], r["args"])]
 
 
 def _json(path: Path, *extra: str) -> dict:
@@ -122,8 +130,9 @@ def test_window_holds_its_iterations_in_full_on_both_ranks(runs, steps_json):
     for rank in (0, 1):
         its = sorted(r["step"] for r in t if r["rank"] == rank and r["cat"] == "iteration")
         assert its == list(range(START, START + COUNT)), rank
-        outside = [r for r in t if r["rank"] == rank and r["cat"] == "run"]
-        assert len(outside) == ITERATIONS - COUNT
+        outside = _outside(t, rank)
+        assert sorted(r["step"] for r in outside) == \
+            [s for s in range(ITERATIONS) if not START <= s < START + COUNT]
         layers = {r["layer"] for r in t if r["rank"] == rank and r["cat"] == "backward"
                   and r["layer"] > 0}
         assert len(layers) == 24
@@ -155,7 +164,7 @@ def test_time_window(runs):
     hi = lo + 2 * 10**9
     t = load(path).table.to_pylist()
     its = [r for r in t if r["rank"] == 0 and r["cat"] == "iteration"]
-    outside = [r for r in t if r["rank"] == 0 and r["cat"] == "run"]
+    outside = _outside(t, 0)
     assert its, "no iteration inside the window"
     assert len(its) + len(outside) == TIME_ITERATIONS
     assert all(lo <= r["start_ns"] and r["end_ns"] <= hi for r in its)
@@ -197,8 +206,29 @@ def test_session_takes_the_same_window(tmp_path):
     assert p.returncode == 0, p.stderr
     t = load(out).table.to_pylist()
     assert sorted(r["step"] for r in t if r["cat"] == "iteration") == [3, 4]
-    assert sorted(r["step"] for r in t if r["cat"] == "run") == [0, 1, 2, 5, 6, 7]
+    assert sorted(r["step"] for r in _outside(t)) == [0, 1, 2, 5, 6, 7]
     assert all(r["step"] in (3, 4) for r in t if r["cat"] in ("forward", "backward"))
     with pytest.raises(ValueError):
         import gputrace
         gputrace.Session(str(tmp_path / "y.arrow"), steps="5:0")
+
+
+def test_packed_run_span_keeps_every_iteration_to_the_microsecond():
+    """A flush's folded iterations, with gaps and lengths that are not whole microseconds,
+    come back from their one `run` span each within a microsecond: no rounding adds up."""
+    from gputrace.window import PHASES, pack
+    rng = np.random.default_rng(7)
+    t, folded = 10**18 + 123, []
+    for step in range(3000):
+        t += int(rng.integers(0, 5000))               # a gap, often none
+        n = int(rng.integers(1_000, 50_000_000))
+        folded.append((t, t + n, "iteration", 11, step, {p: n // (i + 2) for i, p in
+                                                         enumerate(PHASES)}))
+        t += n
+    (span,) = pack(folded)
+    assert span[0] == "run" and span[2] == folded[0][0] and span[3] == folded[-1][1]
+    got = unpack(span[2], span[3], span[5], span[8])
+    assert [g[0] for g in got] == list(range(3000))
+    for (step, s, e, sums), f in zip(got, folded, strict=True):
+        assert abs(s - f[0]) <= 500 and abs(e - f[1]) <= 500, step
+        assert all(abs(sums[p] - f[5][p]) <= 500 for p in PHASES), step

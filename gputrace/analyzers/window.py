@@ -4,14 +4,13 @@ spans inside), with a finding when the iterations outside it differ from those i
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from gputrace.window import PHASES, phase_sums
+from gputrace.window import PHASES, phase_sums, unpack
 
 _CATS = ("iteration", "run", *PHASES)
 # leave out of the comparison the first iterations (warm-up)
@@ -49,33 +48,22 @@ def series(table: pa.Table, rank: int) -> dict[str, Any]:
             by_step.setdefault(r["step"], []).append(
                 (r["cat"], r["name"], r["start_ns"], r["end_ns"] or r["start_ns"], 0,
                  r["step"], r["layer"] if r["layer"] is not None else -1))
-    its.sort(key=lambda r: r["start_ns"])
-    out: dict[str, Any] = {"step": [], "start": [], "end": [], "inside": [],
-                           **{p: [] for p in PHASES}}
+    # (start, end, step, inside, phase sums in ns) per iteration
+    per: list[tuple[int, int, int, bool, dict[str, int]]] = []
     for r in its:
-        inside = r["cat"] == "iteration"
-        if inside:
-            sums = phase_sums(by_step.get(r["step"], []))
+        if r["cat"] == "iteration":
+            per.append((r["start_ns"], r["end_ns"], r["step"], True,
+                        phase_sums(by_step.get(r["step"], []))))
         else:
-            sums = run_sums(r["args"])
-        out["step"].append(r["step"])
-        out["start"].append(r["start_ns"])
-        out["end"].append(r["end_ns"])
-        out["inside"].append(inside)
-        for p in PHASES:
-            out[p].append(int(sums.get(p, 0)))
+            per.extend((s, e, step, False, sums)
+                       for step, s, e, sums in unpack(r["start_ns"], r["end_ns"], r["step"],
+                                                      r["args"]))
+    per.sort(key=lambda x: x[0])
+    out: dict[str, Any] = {"step": [x[2] for x in per], "start": [x[0] for x in per],
+                           "end": [x[1] for x in per], "inside": [x[3] for x in per]}
+    for p in PHASES:
+        out[p] = [int(x[4].get(p, 0)) for x in per]
     return out
-
-
-def run_sums(args: str | None) -> dict[str, int]:
-    """A run span's phase sums (ns) from its args: microseconds in PHASES' order."""
-    try:
-        v = json.loads(args or "[]")
-    except ValueError:
-        return {}
-    if isinstance(v, dict):
-        return {k: int(x) for k, x in v.items()}
-    return {p: int(x) * 1000 for p, x in zip(PHASES, v, strict=False)}
 
 
 def _summary(t: np.ndarray, steps: np.ndarray, inside: np.ndarray) -> dict[str, Any]:
