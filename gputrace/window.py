@@ -34,10 +34,17 @@ def parse_steps(text: str) -> tuple[int, int]:
 
 
 def make(steps: str | tuple[int, int] | None = None, delay_s: float | None = None,
-         duration_s: float | None = None, origin_ns: int | None = None) -> Window | None:
-    """The window asked for (None: record everything), every mistake a WindowError."""
+         duration_s: float | None = None, origin_ns: int | None = None,
+         on_demand: bool = False) -> Window | None:
+    """The window asked for (None: record everything), every mistake a WindowError.
+    `on_demand`: no window until `gputrace capture` opens one."""
     if steps is not None and (delay_s is not None or duration_s is not None):
         raise WindowError("--steps and --delay/--duration: choose one window")
+    if on_demand and (steps is not None or delay_s is not None or duration_s is not None):
+        raise WindowError("--on-demand opens windows when asked: leave out --steps, "
+                          "--delay and --duration")
+    if on_demand:
+        return Window(on_demand=True)
     if steps is not None:
         start, count = parse_steps(steps) if isinstance(steps, str) else steps
         if start < 0 or count < 1:
@@ -60,6 +67,8 @@ def from_env(env: dict[str, str] | None = None) -> Window | None:
     if not text:
         return None
     d = json.loads(text)
+    if d.get("on_demand"):
+        return Window(on_demand=True)
     if "steps" in d:
         return Window(steps=tuple(d["steps"]))
     return Window(delay_s=d["delay_s"], duration_s=d.get("duration_s") or float("inf"),
@@ -68,8 +77,10 @@ def from_env(env: dict[str, str] | None = None) -> Window | None:
 
 class Window:
     def __init__(self, steps: tuple[int, int] | None = None, delay_s: float = 0.0,
-                 duration_s: float = float("inf"), origin_ns: int | None = None) -> None:
-        self.steps = steps
+                 duration_s: float = float("inf"), origin_ns: int | None = None,
+                 on_demand: bool = False) -> None:
+        self.on_demand = on_demand
+        self.steps = (0, 0) if on_demand else steps
         self.delay_s, self.duration_s = delay_s, duration_s
         self.origin_ns = origin_ns
         self.lo: int | None = None       # trace time of the window's first iteration's start
@@ -81,10 +92,16 @@ class Window:
         # phase sums)
         self._folded: list[tuple[Any, ...]] = []
         self._lock = threading.Lock()
+        # windows `gputrace capture` opened: [first step, count, lo, hi]
+        self.captured: list[list[Any]] = []
+        self.capture: Any = None     # gputrace.capture.Answer, where it can reach this job
+        self.last_decided = -1
 
     def describe(self) -> dict[str, Any]:
         # a run span's args: its phase sums in microseconds, in this order
         d: dict[str, Any] = {"run_phases": list(PHASES), "run_unit": "us"}
+        if self.on_demand:
+            return {"on_demand": True, **d}
         if self.steps is not None:
             return {"steps": list(self.steps), **d}
         d.update(delay_s=self.delay_s, origin_ns=self.origin_ns)
@@ -94,8 +111,10 @@ class Window:
 
     def fresh(self) -> Window:
         """The same window with nothing pending (a forked child's)."""
-        w = Window(self.steps, self.delay_s, self.duration_s, self.origin_ns)
+        w = Window(self.steps, self.delay_s, self.duration_s, self.origin_ns, self.on_demand)
         w.lo, w.hi = self.lo, self.hi
+        w.captured = [list(c) for c in self.captured]
+        w.capture = self.capture.fresh() if self.capture is not None else None
         return w
 
     def env(self) -> str:
@@ -111,9 +130,14 @@ class Window:
                 self.hi = self.lo + int(self.duration_s * 1e9)
         rec.metadata["window"] = self.describe()
         rec.window = self
+        from gputrace import capture
+
+        self.capture = capture.Answer.of(rec)
 
     # -- the rule ---------------------------------------------------------------------------
     def _inside(self, step: int, start: int, end: int) -> bool:
+        if any(c[0] <= step < c[0] + c[1] for c in self.captured):
+            return True
         if self.steps is not None:
             s, c = self.steps
             return s <= step < s + c
@@ -123,6 +147,9 @@ class Window:
     def _in_time(self, t: int) -> bool:
         """A span of no iteration (a loader worker's fetch, a GPU record): inside when it
         starts within the window's time, as far as it is known."""
+        if any(c[2] is not None and c[2] <= t and (c[3] is None or t <= c[3])
+               for c in self.captured):
+            return True
         if self.lo is None or t < self.lo:
             return False
         return self.hi is None or t <= self.hi
@@ -131,7 +158,7 @@ class Window:
         """Spans of a step no iteration span ended: by their step (or time) alone."""
         spans = self.pending.pop(step, [])
         rows = self.pending_rows.pop(step, [])
-        if self.steps is not None:
+        if self.steps is not None or any(c[0] <= step < c[0] + c[1] for c in self.captured):
             return self._inside(step, 0, 0)
         t = min([s[2] for s in spans] + [r[3] for r in rows], default=0)
         return self._in_time(t)
@@ -142,7 +169,13 @@ class Window:
         bytes, args), rows the recorder's rows (kind, cat, name, start, end, ..., step at
         13). Iteration spans decide their step; the spans before them wait for it."""
         with self._lock:
+            if self.capture is not None:     # the iterations it held, once agreed
+                spans = self.capture.poll(self, closing, spans) + spans
             return self._apply(spans, rows, closing)
+
+    def open(self, start: int, count: int) -> None:
+        """A window of `count` iterations from step `start` (`gputrace capture`)."""
+        self.captured.append([start, count, None, None])
 
     def _apply(self, spans: list[tuple[Any, ...]], rows: list[tuple[Any, ...]],
                closing: bool) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
@@ -172,8 +205,12 @@ class Window:
                     out_rows.append(r)
             else:
                 self.pending_rows.setdefault(r[13], []).append(r)
+        held = self.capture.held if self.capture is not None else None
         for sp in sorted(iters, key=lambda s: s[2]):
-            self._iteration(sp, out, out_rows)
+            if held is not None and sp[5] is not None and sp[5] > held[0]:
+                held[1].append(sp)      # a capture is being agreed: decided once it is
+            else:
+                self._iteration(sp, out, out_rows)
         if closing:
             for step in sorted(set(self.pending) | set(self.pending_rows)):
                 keep_sp, keep_rows = self.pending.get(step, []), self.pending_rows.get(step, [])
@@ -196,11 +233,17 @@ class Window:
         mine_rows = self.pending_rows.pop(step, [])
         inside = self._inside(step, start, end)
         self.decided[step] = inside
+        self.last_decided = max(self.last_decided, step)
         if len(self.decided) > _KEEP_DECIDED:
             for k in sorted(self.decided)[:len(self.decided) - _KEEP_DECIDED]:
                 del self.decided[k]
         if inside:
-            if self.steps is not None:
+            for c in self.captured:
+                if c[0] <= step < c[0] + c[1]:
+                    c[2] = start if c[2] is None else min(c[2], start)
+                    if step == c[0] + c[1] - 1:
+                        c[3] = end
+            if self.steps is not None and self.steps[0] <= step < sum(self.steps):
                 self.lo = start if self.lo is None else min(self.lo, start)
                 if step == self.steps[0] + self.steps[1] - 1:
                     self.hi = end

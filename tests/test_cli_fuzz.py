@@ -491,3 +491,42 @@ def test_a_reader_that_goes_away_is_not_a_traceback(corpus):
                            " exit ${PIPESTATUS[0]}", shell=True, executable="/bin/bash",
                            capture_output=True, text=True, timeout=60)
         assert p.returncode in (0, 1) and not p.stderr, (cmd, p.stderr)
+
+
+def test_generated_window_and_capture_command_lines_never_give_a_traceback(corpus,
+                                                                          monkeypatch):
+    """The recording window's options and `capture`, on their own stream of cases: each
+    good combination runs its job, each bad value or clash is one line and exit 2."""
+    monkeypatch.setenv("GPUTRACE_RUN_DIR", str(corpus.root / "run"))   # no one else's job
+    gen = Gen(random.Random(29), corpus)
+    r = gen.rng
+    values = {"--steps": (["0:3", "1000:20"], ["abc", "5:0", "-1:3", "", "1:x"]),
+              "--delay": (["0", "2.5"], ["-2", "nan", "x"]),
+              "--duration": (["1", "0.5"], ["0", "-1", "nan"]),
+              "--capture-steps": (["5"], ["0", "-3", "x"]),
+              "--on-demand": ([], [])}
+    cases = [Case(["capture"], "error"), Case(["capture", "--all"], "error"),
+             Case(["capture", "999999999"], "error"), Case(["capture", "1", "--all"], "error"),
+             Case(["capture", "--all", "--steps", "0"], "error"), Case(["capture", "x"], "error"),
+             Case(["capture", "--help"], "help"), Case(["record", "--on-demand"], "error")]
+    for _ in range(20):
+        names = r.sample(sorted(values), r.choice([1, 1, 2, 3]))
+        opts, bad = [], False
+        for n in names:
+            if not values[n][0]:
+                opts.append(n)
+                continue
+            v, b = gen.pick(*values[n])
+            opts += [n, v] if r.random() < 0.8 else [f"{n}={v}"]
+            bad |= b
+        timed = "--delay" in names or "--duration" in names
+        bad |= ("--steps" in names and timed) or \
+            ("--on-demand" in names and ("--steps" in names or timed))
+        cases.append(Case(["record", "-q", "-o", corpus.fresh(".arrow"), *opts, "--", "true"],
+                          "error" if bad else "job:0"))
+    seen: Counter[str] = Counter()
+    for case in cases:
+        rc, out, err = _in_process(case.argv)
+        check(case, rc, out, err)
+        seen[str(rc)] += 1
+    assert seen["0"] and seen["2"], seen

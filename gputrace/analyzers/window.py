@@ -4,6 +4,7 @@ spans inside), with a finding when the iterations outside it differ from those i
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
@@ -106,7 +107,9 @@ def analyze_window(table: pa.Table, md: dict[str, Any], rank: int) -> dict[str, 
                               "first_step": int(steps[ins[0]]) if len(ins) else None,
                               "last_step": int(steps[ins[-1]]) if len(ins) else None,
                               "start_s": (s["start"][ins[0]] - t0) / 1e9 if len(ins) else None,
-                              "end_s": (s["end"][ins[-1]] - t0) / 1e9 if len(ins) else None}
+                              "end_s": (s["end"][ins[-1]] - t0) / 1e9 if len(ins) else None,
+                              "windows": _windows(s, ins, t0),
+                              "captured": _captured(table, rank)}
     sp = spikes(t)
     run: dict[str, Any] = {
         "rank": rank, "iterations": int(len(t)), "step": steps.tolist(),
@@ -118,6 +121,40 @@ def analyze_window(table: pa.Table, md: dict[str, Any], rank: int) -> dict[str, 
     }
     run["finding"] = _finding(t, steps, inside, sp)
     return {"window": window, "run": run}
+
+
+def _windows(s: dict[str, Any], ins: np.ndarray, t0: int) -> list[dict[str, Any]]:
+    """The runs of consecutive steps recorded in full (one per window opened)."""
+    out: list[dict[str, Any]] = []
+    for i in ins:
+        step = s["step"][i]
+        if out and step == out[-1]["last_step"] + 1:
+            w = out[-1]
+        else:
+            w = {"first_step": step, "iterations": 0, "start_s": (s["start"][i] - t0) / 1e9}
+            out.append(w)
+        w["last_step"], w["end_s"] = step, (s["end"][i] - t0) / 1e9
+        w["iterations"] += 1
+    return out
+
+
+def _captured(table: pa.Table, rank: int) -> list[dict[str, Any]]:
+    """The windows `gputrace capture` (or SIGUSR2) opened on `rank`: first step, length,
+    and when asked (Unix time, seconds)."""
+    m = pc.and_(pc.equal(table["kind"], "instant"), pc.equal(table["cat"], "window"))
+    m = pc.and_(m, pc.equal(table["rank"], rank))
+    out = []
+    for r in table.filter(m).select(["name", "step", "args"]).to_pylist():
+        if r["name"] != "capture":
+            continue
+        try:
+            a = json.loads(r["args"] or "{}")
+        except ValueError:
+            a = {}
+        asked = a.get("asked_ns")
+        out.append({"step": r["step"], "count": a.get("count"),
+                    "asked_unix_s": asked / 1e9 if isinstance(asked, int) else None})
+    return sorted(out, key=lambda c: c["step"])
 
 
 def _finding(t: np.ndarray, steps: np.ndarray, inside: np.ndarray, sp: np.ndarray

@@ -60,10 +60,21 @@ class Command(Protocol):
 
 
 def _commands() -> dict[str, Command]:
-    from gputrace.cli import analyze, diff, export, imports, info, probe, record, recover, report
+    from gputrace.cli import (
+        analyze,
+        capture,
+        diff,
+        export,
+        imports,
+        info,
+        probe,
+        record,
+        recover,
+        report,
+    )
 
-    return {"record": record, "analyze": analyze, "diff": diff,  # type: ignore[dict-item]
-            "info": info,
+    return {"record": record, "capture": capture,  # type: ignore[dict-item]
+            "analyze": analyze, "diff": diff, "info": info,
             "import": imports, "export": export, "probe": probe, "recover": recover,
             "report": report}
 

@@ -39,6 +39,14 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
                    "the others keep their time and phase sums only")
     p.add_argument("--duration", type=float, metavar="S",
                    help="with --delay (or from the start): the window's length in seconds")
+    p.add_argument("--on-demand", action="store_true",
+                   help="PyTorch: record every iteration's time and phase sums only, until "
+                   "`gputrace capture` (or SIGUSR2 to this process) opens a window of "
+                   "iterations in full detail")
+    p.add_argument("--capture-steps", type=int, default=20, metavar="N",
+                   help="the iterations a window opened by SIGUSR2 holds (20); with a window "
+                   "(--on-demand, --steps, --delay) SIGUSR2 opens one instead of reaching "
+                   "the job")
     p.add_argument("--redact-argv", action="store_true",
                    help="keep only program and flag names of argv in the trace")
     p.add_argument("--kill-after", type=float, default=10.0, metavar="S",
@@ -64,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
         force=args.force, redact_argv=args.redact_argv, gpu_timeline=args.gpu_timeline,
         kill_after_s=args.kill_after, per_host=True if args.per_host else None,
         tf_steps=args.tf_steps, layers=args.layers, layer_forward=args.layer_forward,
-        quiet=args.quiet, steps=args.steps, delay_s=args.delay, duration_s=args.duration)
+        quiet=args.quiet, steps=args.steps, delay_s=args.delay, duration_s=args.duration,
+        on_demand=args.on_demand, capture_steps=args.capture_steps)
     if args.report:
         from gputrace.cli.report import check_output
 

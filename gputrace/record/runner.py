@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from gputrace import capture
 from gputrace.clock import Clock, anchors_report
 from gputrace.collectors import (
     ALL_COLLECTORS,
@@ -60,6 +61,8 @@ class RecordOptions:
     steps: str | None = None       # START:COUNT: the iterations recorded in full
     delay_s: float | None = None   # or the seconds recorded in full: from delay_s after the
     duration_s: float | None = None  # job starts, for duration_s
+    on_demand: bool = False        # no window until `gputrace capture` (or SIGUSR2) opens one
+    capture_steps: int = 20        # the iterations a window opened by SIGUSR2 holds
 
 
 @dataclass
@@ -111,9 +114,11 @@ def _check(opts: RecordOptions) -> None:
     from gputrace.window import WindowError, make
 
     try:
-        make(opts.steps, opts.delay_s, opts.duration_s)
+        make(opts.steps, opts.delay_s, opts.duration_s, on_demand=opts.on_demand)
     except WindowError as e:
         raise RecordError(str(e)) from None
+    if not (0 < opts.capture_steps < 1e9):
+        raise RecordError("--capture-steps takes a number of iterations, 1 or more")
     if not (0 < opts.hz <= 10_000):
         raise RecordError("--hz must be between 0 and 10000")
     if not (0 < opts.kill_after_s < 1e6):
@@ -173,7 +178,8 @@ def _prepare(opts: RecordOptions, shard_dir: str, clock: Clock
         env["GPUTRACE_TF_STEPS"] = opts.tf_steps
     from gputrace.window import ENV, make
 
-    win = make(opts.steps, opts.delay_s, opts.duration_s, origin_ns=clock.now_ns())
+    win = make(opts.steps, opts.delay_s, opts.duration_s, origin_ns=clock.now_ns(),
+               on_demand=opts.on_demand)
     if win is not None:
         env[ENV] = win.env()
         md["window"] = win.describe()
@@ -245,7 +251,11 @@ def record(opts: RecordOptions) -> RecordResult:
         print(f"gputrace: system sampling did not start: {reason(e)}; {output} gets no "
               "host, disk or network samples", file=sys.stderr)
     cpu0, wall0 = time.process_time(), time.perf_counter()
-    exit_code = wait_job(proc, fwd)
+    listed = _listen(opts, rec, shard_dir, output)
+    try:
+        exit_code = wait_job(proc, fwd)
+    finally:
+        capture.unregister(listed)
     duration = time.monotonic() - t0
     lost = None
     try:
@@ -284,6 +294,21 @@ def record(opts: RecordOptions) -> RecordResult:
     if not opts.quiet:
         print_summary(output, duration, exit_code, summary)
     return RecordResult(exit_code, output, duration, summary)
+
+
+def _listen(opts: RecordOptions, rec: Recorder, shard_dir: str, output: str) -> str | None:
+    """List the recording for `gputrace capture`; with a window, SIGUSR2 opens one too."""
+    job = {"pid": os.getpid(), "shard_dir": shard_dir, "output": os.path.abspath(output),
+           "window": rec.metadata.get("window"), "argv": list(opts.command),
+           "started_ns": time.time_ns()}
+    try:
+        if job["window"]:
+            capture.on_signal(job, opts.capture_steps)
+        return capture.register(job)
+    except Exception as e:  # noqa: BLE001 - the job is recorded all the same
+        print(f"gputrace: `gputrace capture` cannot reach this recording: {reason(e)}",
+              file=sys.stderr)
+        return None
 
 
 def _finish(rec: Recorder, sampler: Sampler | None, collectors: list[SystemCollector],

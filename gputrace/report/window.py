@@ -15,7 +15,8 @@ def render_window(w: dict[str, Any], file: IO[str] | None = None) -> None:
     con = console(file, None)
     win, run = w["window"], w["run"]
     t = np.array(run["t_iter_s"], float)
-    what = (f"iterations {win['steps'][0]}..{win['steps'][0] + win['steps'][1] - 1}"
+    what = ("on demand" if win.get("on_demand") else
+            f"iterations {win['steps'][0]}..{win['steps'][0] + win['steps'][1] - 1}"
             if "steps" in win else
             f"{win.get('delay_s', 0):g} s after the start"
             + (f" for {win['duration_s']:g} s" if "duration_s" in win else ""))
@@ -25,6 +26,12 @@ def render_window(w: dict[str, Any], file: IO[str] | None = None) -> None:
     con.print()
     con.print(f"[bold]The whole run[/] (rank {run['rank']}): {run['iterations']} iterations; "
               f"window {escape(what)}: {inside}")
+    if win.get("captured"):
+        con.print("  opened on demand: " + ", ".join(
+            f"{c['count']} from step {c['step']}" for c in win["captured"]))
+    if len(win.get("windows") or []) > 1:
+        con.print("  in full detail: " + ", ".join(
+            f"{w['first_step']}..{w['last_step']}" for w in win["windows"]))
     s = run["summary"]
     if s:
         con.print(f"  iteration time: mean {s['mean_s'] * 1e3:.3g} ms, p50 "

@@ -7,13 +7,18 @@ and loss), `backward` and `update`.
     torchrun --nproc_per_node 2 window_loop.py OUT.json [--iterations N] [--spike-at K]
                                                [--start-at T]
 
-`--spike-at K`: iteration K sleeps 60 ms more (a stall that a window elsewhere misses)."""
+`--spike-at K`: iteration K sleeps 60 ms more (a stall that a window elsewhere misses).
+`--until FILE` / `--stop-at T`: the loop runs until FILE exists / until time.time() T (at
+most --iterations; the ranks agree on the iteration they stop at); rank 0 writes
+`OUT.ready` once the loop has begun. Each row also holds `wall`: time.time() at the
+iteration's first forward."""
 
 from __future__ import annotations
 
 import argparse
 import gc
 import json
+import os
 import time
 
 import torch
@@ -26,6 +31,8 @@ def main() -> None:
     p.add_argument("out")
     p.add_argument("--iterations", type=int, default=2000)
     p.add_argument("--spike-at", type=int, default=-1)
+    p.add_argument("--until", default="")
+    p.add_argument("--stop-at", type=float, default=0.0)
     p.add_argument("--start-at", type=float, default=0.0,
                    help="begin the loop at this time.time(), not before")
     a = p.parse_args()
@@ -43,7 +50,16 @@ def main() -> None:
     prev = None
     time.sleep(max(0.0, a.start_at - time.time()))
     dist.barrier()
+    if rank == 0:
+        open(a.out.replace(".json", ".ready"), "w").close()
     for i in range(a.iterations):
+        if a.until or a.stop_at:     # the ranks agree to stop at the same iteration
+            stop = torch.tensor([float((a.until and os.path.exists(a.until))
+                                       or (a.stop_at and time.time() >= a.stop_at))])
+            dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+            if stop.item():
+                break
+        wall = time.time()
         t0 = now()
         prev = t0 if prev is None else prev
         loss = nn.functional.mse_loss(ddp(x), y)
@@ -53,7 +69,7 @@ def main() -> None:
         opt.step()
         t3 = now()
         rows.append({"t_iter": t3 - prev, "forward": t1 - t0, "backward": t2 - t1,
-                     "update": t3 - t2})
+                     "update": t3 - t2, "wall": wall})
         prev = t3
         # the loop's bookkeeping, inside the next iteration (iterations tile the loop)
         opt.zero_grad()
