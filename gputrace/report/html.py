@@ -180,9 +180,14 @@ def render(a: Analysis, rank: int | None, script: str, source: str = "") -> str:
                 if k not in drawn]
     if missing:
         body.append(f'<h2>Not drawn</h2><ul class="missing">{"".join(missing)}</ul>')
-    specs: dict[str, Any] = {c.id: c.spec for c in drawn.values()}
-    data = json.dumps(specs, separators=(",", ":")).replace("</", "<\\/")
     title = f"gputrace report: {source}" if source else "gputrace report"
+    return page(title, body, {c.id: c.spec for c in drawn.values()}, script)
+
+
+def page(title: str, body: list[str], specs: dict[str, Any], script: str) -> str:
+    """A whole page: `body` (HTML, escaped where it was made), then each spec drawn into
+    the element `vis-<id>`, with the Vega bundle `script` inline."""
+    data = json.dumps(specs, separators=(",", ":")).replace("</", "<\\/")
     script = script.replace("</script", "<\\/script")
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>{_e(title)}</title><style>{CSS}</style>\n"
