@@ -199,10 +199,10 @@ def page(title: str, body: list[str], specs: dict[str, Any], script: str) -> str
 
 def write(a: Analysis, path: str, rank: int | None = None, source: str = "") -> int:
     """Write the page; returns its size in bytes."""
-    page = render(a, rank, vega_script(), source).encode("utf-8")
+    data = render(a, rank, vega_script(), source).encode("utf-8")
     with open(path, "wb") as f:
-        f.write(page)
-    return len(page)
+        f.write(data)
+    return len(data)
 
 
 # -- in a notebook: one chart, or the whole page, as an output cell's HTML ------------------
