@@ -7,7 +7,7 @@
             s.step()
 
     r = gputrace.analyze("run.arrow")       # what `gputrace analyze --json` says, as objects
-    d = gputrace.diff("a.arrow", "b.arrow") # what `gputrace diff --json` says
+    d = gputrace.diff("a.arrow", "b.arrow") # what `gputrace diff --json` says (a dict)
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ from gputrace.recorder import current
 from gputrace.session import Session, iterate, record_sample, record_span, step
 
 if TYPE_CHECKING:
-    from gputrace.api import AnalysisError, Result, analyze, diff
+    from gputrace.api import AnalysisError, DiffResult, Result, analyze, diff
     from gputrace.trace.reader import Trace
 
 __version__ = "0.1.0"
-__all__ = ["AnalysisError", "Result", "Session", "analyze", "current", "diff", "iterate", "load",
+__all__ = ["AnalysisError", "DiffResult", "Result", "Session", "analyze", "current", "diff", "iterate", "load",
            "phase", "record_sample", "record_span", "step", "__version__"]
 
-_API = ("analyze", "diff", "Result", "AnalysisError")
+_API = ("analyze", "diff", "Result", "DiffResult", "AnalysisError")
 
 
 def __getattr__(name: str) -> Any:

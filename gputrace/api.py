@@ -6,7 +6,8 @@
     r.to_pandas("iterations")          # a DataFrame per table (pandas; polars: to_polars)
     r.chart("breakdown")               # a chart, drawn inline in Jupyter (offline)
     r.report()                         # the whole HTML report, inline
-    gputrace.diff("before.arrow", "after.arrow")   # == `gputrace diff ... --json`
+    d = gputrace.diff("before.arrow", "after.arrow")   # == `gputrace diff ... --json`
+    d.to_pandas("layers")              # its tables as DataFrames; d.report(): its page
 
 The result holds the analyzers' own frozen results (`Analysis`, `RankAnalysis`, ...); its
 JSON document is made by the one serializer `analyze --json` uses, and its tables are built
@@ -29,9 +30,11 @@ from gputrace.analyzers.findings import Finding
 from gputrace.analyzers.model import ModelResult, Speedup, UnitStats
 from gputrace.analyzers.replay import Replay, Scenario
 from gputrace.report.tables import MissingExtra, Table
+from gputrace.report.tables_diff import TABLES as DIFF_TABLES
 
-__all__ = ["AnalysisError", "ChartView", "MissingExtra", "ReportView", "Result", "Scenario",
-           "Table", "analyze", "diff"]
+__all__ = ["AnalysisError", "ChartView", "DiffResult", "MissingExtra", "ReportView", "Result",
+           "Scenario", "Table", "analyze", "diff"]
+
 
 TABLES = ("breakdown", "iterations", "units", "ranks", "findings", "speedup", "what_if",
           "throughput",
@@ -106,21 +109,67 @@ def diff(before: str | os.PathLike[str], after: str | os.PathLike[str], *,
          gpus: Sequence[int] | str = (2, 4, 8, 16), link_bandwidth: float | str | None = None,
          what_if: Sequence[str | Scenario] | str = (), shared_io: bool = False,
          jobs: int | None = None, align: bool = True, progress: bool | None = None
-         ) -> dict[str, Any]:
+         ) -> DiffResult:
     """Compare two runs as `gputrace diff BEFORE AFTER --json` does, with analyze's options:
-    the same document, as a dict. Raises AnalysisError on bad input."""
+    the same document, as a dict (a DiffResult: also its tables, its page and the two
+    analyses). Raises AnalysisError on bad input."""
     from gputrace import progress as bars
     from gputrace.cli import CommandError
-    from gputrace.cli.diff import document
+    from gputrace.cli.diff import compared
 
     args = _options(before=os.fspath(before), after=os.fspath(after), rank=rank, skip=skip,
                     gpus=gpus, link_bandwidth=link_bandwidth, what_if=what_if,
                     shared_io=shared_io, jobs=jobs, align=align)
     try:
         with bars.shown(progress):
-            return document(args)
+            c = compared(args)
     except CommandError as e:
         raise AnalysisError(str(e)) from None
+    return DiffResult(c.doc, before=c.before, after=c.after)
+
+
+class DiffResult(dict):  # type: ignore[type-arg]
+    """The `diff --json` document, as a dict (`d["headline"]`, `json.dumps(d)`), with its
+    tables (`table(name)`, `to_pandas(name)`, `to_polars(name)`: TABLES), its HTML
+    page (`report()`) and the two analyses it was made of (`before`, `after`)."""
+
+    TABLES = DIFF_TABLES
+
+    def __init__(self, doc: dict[str, Any], before: Analysis, after: Analysis) -> None:
+        super().__init__(doc)
+        self.before = before
+        self.after = after
+
+    def to_dict(self) -> dict[str, Any]:
+        """The document as a plain dict (a fresh copy)."""
+        return json.loads(json.dumps(self))
+
+    def table(self, name: str) -> Table:
+        """One of TABLES: `breakdown` (every term: before, after, change, its
+        interval), `layers` (forward and backward, a `phase` column), `units`,
+        `collectives`, `kernels`, `ranks`: the top changes the document holds."""
+        from gputrace.report.tables_diff import table
+
+        return table(self, name)
+
+    def to_pandas(self, name: str = "breakdown") -> Any:
+        """A table as a pandas DataFrame (the `notebook` extra)."""
+        return self.table(name).to_pandas()
+
+    def to_polars(self, name: str = "breakdown") -> Any:
+        """A table as a polars DataFrame (polars installed)."""
+        return self.table(name).to_polars()
+
+    def report(self, height: int = 900) -> ReportView:
+        """The diff's HTML page (as `gputrace report BEFORE AFTER --diff`), inline in
+        Jupyter; `.save(path)`."""
+        from gputrace.report.diff_html import render
+        from gputrace.report.html import vega_script
+
+        return ReportView(render(self, self.before, self.after, vega_script()), height)
+
+    def __reduce__(self) -> Any:      # pickles as the dict it is, with its analyses
+        return DiffResult, (dict(self), self.before, self.after)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ all-reduces, the comm units no longer matching."""
 
 from __future__ import annotations
 
+import html.parser
 import json
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ torch = pytest.importorskip("torch")
 
 import gputrace  # noqa: E402
 from tests.conftest import run_gputrace  # noqa: E402
+from tests.test_report import browser  # noqa: E402, F401 - the Chromium fixture
 
 JOB = str(Path(__file__).resolve().parent / "jobs" / "slowed_phase.py")
 SAMPLE = str(Path(__file__).resolve().parent.parent / "samples" / "train_cnn.py")
@@ -108,14 +110,151 @@ def test_fail_if_slower_exits_1_only_for_the_slowed_run(runs):
     assert p.returncode == 0, p.stderr
 
 
-def test_json_is_the_api_document(runs, slowed):
-    p = run_gputrace("diff", str(runs["base"][0]), str(runs["slowed"][0]), "--json")
+@pytest.fixture(scope="module")
+def page(runs, tmp_path_factory):
+    """`gputrace diff BASE SLOWED --json --report PAGE`: (its JSON document, the page)."""
+    path = tmp_path_factory.mktemp("page") / "diff.html"
+    p = run_gputrace("diff", str(runs["base"][0]), str(runs["slowed"][0]), "--json",
+                     "--report", str(path))
     assert p.returncode == 0, p.stderr
-    doc = json.loads(p.stdout)
+    assert f"report: {path} (" in p.stderr          # stdout stays the JSON
+    return json.loads(p.stdout), path.read_text(encoding="utf-8")
+
+
+def test_json_is_the_api_document(page, slowed):
+    doc = page[0]
     assert doc["format"] == "gputrace-diff" and doc["version"] == 1
     assert doc["headline"] == slowed["headline"]      # a fixed seed: the same intervals
     assert doc["breakdown"].keys() == slowed["breakdown"].keys()
     assert {"before", "after"} <= doc["model"].keys()
+    assert isinstance(slowed, dict) and slowed == doc   # the API's result is the document
+    pd = pytest.importorskip("pandas")
+    bd = slowed.to_pandas("breakdown").set_index("term")
+    assert isinstance(bd, pd.DataFrame) and list(bd.index) == list(doc["breakdown"])
+    assert bd.loc["t_b", "change"] == doc["breakdown"]["t_b"]["change"]
+    layers = slowed.to_pandas("layers")
+    back = layers[layers["phase"] == "backward"]
+    assert list(back["name"]) == [r["name"] for r in doc["layers"]["backward"]["top"]]
+    assert list(back["low"]) == [r["low"] for r in doc["layers"]["backward"]["top"]]
+
+
+class _Page(html.parser.HTMLParser):
+    """A page's sections (id -> their text), its headline, and what it would fetch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.text: dict[str, str] = {}
+        self.external: list[str] = []
+        self.doc: dict | None = None
+        self._in: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if "src" in a or tag == "link" or not a.get("href", "#").startswith("#"):
+            self.external.append(tag)
+        key = a.get("id") or ("headline" if a.get("class") == "headline" else None)
+        self._in.append(key or "")
+        if key:
+            self.text[key] = ""
+
+    def handle_endtag(self, tag):
+        if self._in:
+            self._in.pop()
+
+    def handle_data(self, data):
+        for key in filter(None, self._in):
+            self.text[key] += data
+        if self._in and self._in[-1] == "gputrace-diff":
+            self.doc = json.loads(data)
+
+
+def test_diff_page_agrees_with_the_json_and_shows_the_slowed_layer(runs, page):
+    from gputrace.report.diff import headline
+    from gputrace.report.html import VEGA_LITE
+
+    doc, text = page
+    p = _Page()
+    p.feed(text)
+    assert p.external == []                 # self-contained: nothing to fetch
+    assert p.doc == doc                     # the page carries the document it shows
+    h = doc["headline"]
+    assert p.text["headline"] == headline(doc)
+    for figure in (h["before"], h["after"]):
+        assert f"{figure * 1e3:.1f} ms" in p.text["headline"]
+    assert f"+{h['change'] * 1e3:.1f} ms" in p.text["headline"]
+    specs = json.loads(text.split("const specs = ", 1)[1].split(";\n", 1)[0]
+                       .replace("<\\/", "</"))
+    assert {"breakdowns", "waterfall", "layers-backward", "timeline-before",
+            "timeline-after"} <= specs.keys() <= p.text.keys()
+    # the waterfall steps by each term's change, as the JSON has it
+    wf = specs["waterfall"]["data"]["values"][0]
+    t_b = wf["step"].index("t_b backward")
+    assert wf["change"][t_b] == pytest.approx(doc["breakdown"]["t_b"]["change"] * 1e3, abs=1e-3)
+    assert wf["end"][-1] == pytest.approx(h["after"] * 1e3, abs=1e-3)
+    # the slowed module is the middle of the job's three Linear layers (layer 2 from the
+    # input): first among the backward's changes, beyond noise, by about its own wait
+    n = doc["iterations"]["after"]
+    extra = float(np.mean([s["extra"] for s in runs["slowed"][1][-n:]]))
+    first = doc["layers"]["backward"]["top"][0]
+    assert first["name"] == "2 Linear" and first["beyond_noise"] and first["low"] > 0
+    assert first["change"] == pytest.approx(extra, rel=0.2)
+    rows = p.text["layers-backward"]
+    assert rows.index("2 Linear") < rows.index("1 Linear") and "beyond noise" in rows
+    # both runs' iterations, one above the other, on one time scale; the wait is inside
+    # layer 2's backward in the one after, as long as that step's own wait at least
+    lanes = {}
+    for run in ("before", "after"):
+        v = specs[f"timeline-{run}"]["data"]["values"][0]
+        lanes[run] = {(ln, w): e - s for ln, w, s, e in zip(v["lane"], v["what"], v["start"],
+                                                           v["end"], strict=True)}
+    assert specs["timeline-before"]["layer"][0]["encoding"]["x"]["scale"] == \
+        specs["timeline-after"]["layer"][0]["encoding"]["x"]["scale"]
+    step = int(p.text["timeline-after"].split("(step ")[1].split(")")[0])
+    own = runs["slowed"][1][step]["extra"] * 1e3
+    assert lanes["after"][("layer 2", "backward")] >= own * 0.99
+    assert lanes["before"][("layer 2", "backward")] < own / 4
+    assert p.text.keys() >= {"made"} and "--backward-extra-ms" in p.text["made"]
+    # every chart is valid Vega-Lite: the report extra's own renderer draws each
+    vl = pytest.importorskip("vl_convert")
+    svg = {k: vl.vegalite_to_svg(v, vl_version=VEGA_LITE) for k, v in specs.items()}
+    assert all(s.startswith("<svg") for s in svg.values())
+    assert "2 Linear" in svg["layers-backward"]
+
+
+def test_report_diff_writes_the_same_page_and_bad_input_is_exit_2(runs, page, tmp_path):
+    base, slow = str(runs["base"][0]), str(runs["slowed"][0])
+    out = tmp_path / "same.html"
+    p = run_gputrace("report", base, slow, "--diff", "-o", str(out))
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith(f"report: {out} (")
+    q = _Page()
+    q.feed(out.read_text(encoding="utf-8"))
+    assert q.doc == page[0]
+    not_a_trace = tmp_path / "notes.arrow"
+    not_a_trace.write_text("not a trace\n")
+    bad = tmp_path / "bad.html"
+    for args, says in ((["report", base, "--diff"], "not 1 input"),
+                       (["report", base, slow, base, "--diff"], "not 3 inputs"),
+                       (["report", base, str(not_a_trace), "--diff", "-o", str(bad)],
+                        "notes.arrow"),
+                       (["diff", base, slow, "--report", str(tmp_path / "no" / "x.html")],
+                        "does not exist")):
+        p = run_gputrace(*args)
+        assert p.returncode == 2, (args, p.stderr)
+        lines = p.stderr.strip().splitlines()
+        assert len(lines) == 1 and says in lines[0] and "Traceback" not in p.stderr, args
+    assert not bad.exists()
+
+
+def test_diff_page_in_chromium(browser, page, tmp_path):  # noqa: F811
+    from tests.test_report import open_in_browser
+
+    path = tmp_path / "diff.html"
+    path.write_text(page[1], encoding="utf-8")
+    state, _ = open_in_browser(browser, path, tmp_path / "shots")
+    assert {"breakdowns", "waterfall", "layers-backward", "timeline-before",
+            "timeline-after"} <= set(state)
+    assert "2 Linear" in state["layers-backward"]["y"]
 
 
 def test_different_models_are_not_comparable_and_matching_layers_still_compared(runs):
@@ -182,3 +321,9 @@ def test_ddp_bucket_cap_change_is_seen_in_units_and_all_reduces(ddp_buckets):
     assert ar["count_after"] == 1 < ar["count_before"]
     assert d["made"]["argv"][1][-1] == "100" and d["made"]["argv"][0][-1] == "1"
     assert sorted(d["ranks"]["top"][i]["name"] for i in range(2)) == ["0", "1"]
+    # a run against itself: every bucket matched, no change, each interval holding 0
+    same = gputrace.diff(ddp_buckets[0], ddp_buckets[0], progress=False)
+    units = same["units"]
+    assert units["matched"] == len(d["units"]["only_before"]) and units["top"]
+    for r in units["top"]:
+        assert r["change"] == 0 and r["low"] <= 0 <= r["high"] and not r["beyond_noise"]

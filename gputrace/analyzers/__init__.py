@@ -26,6 +26,7 @@ from gputrace.analyzers.detail import (
     iteration_series,
     iteration_timeline,
     representative,
+    unit_durations,
 )
 from gputrace.analyzers.findings import Finding, find
 from gputrace.analyzers.findings_comm import shd_findings
@@ -366,7 +367,8 @@ def combine(parts: list[FramePart], md: dict[str, Any], opts: Options, probe: An
         if opts.detail and p.series is not None:
             lo, hi = p.window
             rd = RankDetail(p.series, p.timeline,
-                            bandwidth_series(samples, lo, hi, probe) if samples else [], lo)
+                            bandwidth_series(samples, lo, hi, probe) if samples else [], lo,
+                            unit_durations(p.steps, p.sel))
         w = waits.get(r)
         more = {"findings": p.findings + _replay_findings(rp, world)
                 + shd_findings(p, missing)

@@ -212,3 +212,15 @@ class RankDetail:
     timeline: IterationTimeline | None
     bandwidth: list[LinkSeries] = field(default_factory=list)
     bandwidth_start_ns: int = 0     # where the bandwidth series' time axis starts
+    # per comm unit index, its duration (s) in each analyzed iteration that has it: the
+    # figures whose mean is the unit's duration_s (for `diff`'s intervals)
+    unit_durations: dict[int, np.ndarray] = field(default_factory=dict)
+
+
+def unit_durations(rs: RankSteps, sel: np.ndarray) -> dict[int, np.ndarray]:
+    """Each comm unit's duration in each of the iterations `sel` that has it, in seconds."""
+    u = rs.units
+    rows = u.rows(sel)
+    dur = (u.end[rows] - u.start[rows]) / 1e9
+    idx = u.index[rows]
+    return {int(k): dur[idx == k] for k in np.unique(idx)}

@@ -96,13 +96,26 @@ def _top(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows[:TOP]
 
 
+Series = dict[str, np.ndarray]
+
+
 def named(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]],
-          key: str = "time_s") -> dict[str, Any]:
-    """Rows matched by name: the top changes of `key`, and the names on one side only."""
+          key: str = "time_s", series_before: Series | None = None,
+          series_after: Series | None = None) -> dict[str, Any]:
+    """Rows matched by name: the top changes of `key`, and the names on one side only. With
+    each name's per-iteration figures (whose mean is `key`), a top row's change gets its
+    95 % interval (`low`, `high`, `beyond_noise`; null and false without them)."""
     both = [{"name": n, **{f"{f}_before": before[n][f] for f in before[n]},
              **{f"{f}_after": after[n][f] for f in after[n]},
              "change": after[n][key] - before[n][key]} for n in before if n in after]
-    return {"matched": len(both), "top": _top(both),
+    top = _top(both)
+    for r in top:
+        xb, xa = (None if s is None else s.get(r["name"])
+                  for s in (series_before, series_after))
+        ci = interval(xb, xa) if xb is not None and xa is not None else None
+        r.update({"low": ci[0] if ci else None, "high": ci[1] if ci else None,
+                  "beyond_noise": ci is not None and (ci[0] > 0 or ci[1] < 0)})
+    return {"matched": len(both), "top": top,
             "only_before": sorted(n for n in before if n not in after),
             "only_after": sorted(n for n in after if n not in before)}
 
@@ -110,18 +123,22 @@ def named(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]
 def units(b: RankAnalysis, a: RankAnalysis) -> dict[str, Any]:
     """Comm units (DDP buckets, FSDP units) matched by their unit names or their layers,
     by position only where neither is known."""
-    def keyed(ra: RankAnalysis) -> dict[str, dict[str, float]]:
-        if ra.sharded is not None:
+    def keyed(ra: RankAnalysis) -> tuple[dict[str, dict[str, float]], Series]:
+        if ra.sharded is not None:     # FSDP units' figures are their own: no series
             return {f"{u.name or u.unit} {u.kind}": {"time_s": u.duration_s, "exposed_s":
-                    u.exposed_s, "bytes": u.nbytes} for u in ra.sharded.units}
-        out = {}
+                    u.exposed_s, "bytes": u.nbytes} for u in ra.sharded.units}, {}
+        out, per = {}, {}
+        durations = ra.detail.unit_durations if ra.detail is not None else {}
         for u in ra.model.units:
             name = ("layers " + ",".join(map(str, u.layers))) if u.layers else f"unit {u.index}"
             out[name] = {"time_s": u.duration_s, "hidden": float(u.hidden),
                          "bytes": float(u.nbytes) if u.nbytes == u.nbytes else None}
-        return out
+            if u.index in durations:
+                per[name] = durations[u.index]
+        return out, per
 
-    return named(keyed(b), keyed(a))  # type: ignore[arg-type]
+    (kb, sb), (ka, sa) = keyed(b), keyed(a)
+    return named(kb, ka, series_before=sb, series_after=sa)  # type: ignore[arg-type]
 
 
 def collectives(b: RankAnalysis, a: RankAnalysis) -> dict[str, Any]:
@@ -185,7 +202,8 @@ def compare(b: Analysis, a: Analysis, rank_b: int, rank_a: int, pb: Parts, pa: P
     """The diff document of two analyses (the rank each shows) and their per-name parts."""
     rb, ra = b.ranks[rank_b], a.ranks[rank_a]
     terms = breakdown(rb, ra)
-    layers = {ph: named(getattr(pb, ph), getattr(pa, ph)) for ph in ("forward", "backward")}
+    layers = {ph: named(getattr(pb, ph), getattr(pa, ph), series_before=pb.series.get(ph),
+                        series_after=pa.series.get(ph)) for ph in ("forward", "backward")}
     unit = units(rb, ra)
     why = []
     for what, d in (("layers", layers["backward"]), ("comm units", unit)):
@@ -198,7 +216,8 @@ def compare(b: Analysis, a: Analysis, rank_b: int, rank_a: int, pb: Parts, pa: P
             "iterations": {"before": rb.iterations - rb.warmup_skipped,
                            "after": ra.iterations - ra.warmup_skipped},
             "layers": layers, "units": unit, "collectives": collectives(rb, ra),
-            "ranks": ranks(b, a), "kernels": named(pb.kernels, pa.kernels),
+            "ranks": ranks(b, a), "kernels": named(pb.kernels, pa.kernels, series_before=pb.series.get("kernels"),
+                             series_after=pa.series.get("kernels")),
             "model": {"before": model(rb), "after": model(ra)}, "made": made(b, a),
             "throughput": throughput(b, a)}
 

@@ -1,5 +1,6 @@
 """Per-name totals of one rank's analyzed iterations that the analysis does not keep: each
-layer's forward and backward, and each GPU kernel (time and count per iteration)."""
+layer's forward and backward, and each GPU kernel (time and count per iteration), and each
+name's time in every analyzed iteration (for the change's interval)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 Totals = dict[str, dict[str, float]]
+Series = dict[str, np.ndarray]      # name -> its time (s) in each analyzed iteration
 
 
 @dataclass(frozen=True)
@@ -17,22 +19,31 @@ class Parts:
     forward: Totals = field(default_factory=dict)
     backward: Totals = field(default_factory=dict)
     kernels: Totals = field(default_factory=dict)
+    # "forward", "backward", "kernels" -> each name's per-iteration time (its mean: time_s)
+    series: dict[str, Series] = field(default_factory=dict)
 
 
-def _totals(names: list[str], dur_s: np.ndarray, n: int) -> Totals:
+def _totals(names: list[str], dur_s: np.ndarray, it: np.ndarray, n: int
+            ) -> tuple[Totals, Series]:
     out: Totals = {}
-    for name, d in zip(names, dur_s.tolist(), strict=True):
+    per: Series = {}
+    for name, d, k in zip(names, dur_s.tolist(), it.tolist(), strict=True):
         t = out.setdefault(name, {"time_s": 0.0, "count": 0.0})
         t["time_s"] += d / n
         t["count"] += 1 / n
-    return out
+        per.setdefault(name, np.zeros(n))[k] += d
+    return out, per
 
 
-def parts(table: pa.Table, rank: int, start_ns: int, end_ns: int, n: int) -> Parts:
-    """Totals per iteration over the `n` iterations in [start_ns, end_ns] of `rank` (-1 and
-    the rank itself where a trace of one process has no rank)."""
+def parts(table: pa.Table, rank: int, starts_ns: np.ndarray, end_ns: int) -> Parts:
+    """Totals per iteration over the analyzed iterations of `rank` (-1 and the rank itself
+    where a trace of one process has no rank), which start at `starts_ns` (in order) and
+    end by `end_ns`; a span belongs to the iteration it starts in."""
+    starts_ns = np.asarray(starts_ns, dtype=np.int64)
+    n = starts_ns.size
     if n < 1 or table.num_rows == 0:
         return Parts()
+    start_ns = int(starts_ns[0])
     cols = ["cat", "name", "start_ns", "end_ns", "rank", "layer", "device"]
     t = table.select([c for c in cols if c in table.column_names])
     m = pc.and_(pc.greater_equal(t["start_ns"], start_ns), pc.less_equal(t["end_ns"], end_ns))
@@ -44,16 +55,19 @@ def parts(table: pa.Table, rank: int, start_ns: int, end_ns: int, n: int) -> Par
     name = t["name"].cast(pa.string()).to_pylist()
     layer = t["layer"].to_numpy(zero_copy_only=False)
     dev = t["device"].to_numpy(zero_copy_only=False)
-    dur = (t["end_ns"].to_numpy(zero_copy_only=False)
-           - t["start_ns"].to_numpy(zero_copy_only=False)) / 1e9
+    start = t["start_ns"].to_numpy(zero_copy_only=False)
+    dur = (t["end_ns"].to_numpy(zero_copy_only=False) - start) / 1e9
+    it = np.clip(np.searchsorted(starts_ns, start, side="right") - 1, 0, n - 1)
 
-    def pick(mask: np.ndarray, label) -> Totals:  # type: ignore[no-untyped-def]
+    def pick(mask: np.ndarray, label) -> tuple[Totals, Series]:  # type: ignore[no-untyped-def]
         idx = np.flatnonzero(mask)
-        return _totals([label(i) for i in idx], dur[idx], n)
+        return _totals([label(i) for i in idx], dur[idx], it[idx], n)
 
     def layer_name(i: int) -> str:
         return f"{int(layer[i])} {name[i]}"
 
-    return Parts(forward=pick((cat == "forward") & (layer >= 0), layer_name),
-                 backward=pick((cat == "backward") & (layer >= 0), layer_name),
-                 kernels=pick((cat == "kernel") & (dev >= 0), lambda i: name[i]))
+    made = {"forward": pick((cat == "forward") & (layer >= 0), layer_name),
+            "backward": pick((cat == "backward") & (layer >= 0), layer_name),
+            "kernels": pick((cat == "kernel") & (dev >= 0), lambda i: name[i])}
+    return Parts(**{k: v[0] for k, v in made.items()},
+                 series={k: v[1] for k, v in made.items()})

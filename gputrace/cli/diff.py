@@ -6,8 +6,10 @@ import argparse
 import json
 import math
 import sys
+from dataclasses import dataclass
 from typing import Any
 
+from gputrace.analyzers import Analysis
 from gputrace.cli import CommandError
 
 HELP = "compare two runs: what changed, where, and whether beyond the noise"
@@ -28,16 +30,23 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fail-if-slower", type=float, metavar="PCT",
                    help="exit 1 when the iteration got slower by more than PCT %% beyond "
                    "the noise (the interval's lower bound above PCT %%)")
+    p.add_argument("--report", metavar="PATH", help="also write the diff's HTML page there "
+                   "(as `gputrace report BEFORE AFTER --diff`)")
 
 
 def run(args: argparse.Namespace) -> int:
     pct = args.fail_if_slower
     if pct is not None and not (math.isfinite(pct) and pct >= 0):
         raise CommandError(f"--fail-if-slower takes a percentage, 0 or more, not {pct}")
+    if args.report:
+        from gputrace.cli.report import check_output
+
+        check_output(args.report)
     from gputrace import progress
 
     with progress.shown(not args.json):
-        doc = document(args)
+        c = compared(args)
+    doc = c.doc
     if args.json:
         json.dump(doc, sys.stdout, indent=1)
         sys.stdout.write("\n")
@@ -45,7 +54,32 @@ def run(args: argparse.Namespace) -> int:
         from gputrace.report.diff import render
 
         render(doc)
+    if args.report:
+        print(write_page(c, args.report), file=sys.stderr)
     return 1 if pct is not None and slower_beyond(doc, pct) else 0
+
+
+@dataclass(frozen=True)
+class Compared:
+    """The diff document and the two analyses it was made from (for the page's timelines)."""
+
+    doc: dict[str, Any]
+    before: Analysis
+    after: Analysis
+
+
+def write_page(c: Compared, path: str) -> str:
+    """Write the diff's HTML page; the line that says where it is."""
+    from gputrace.report.diff_html import write
+    from gputrace.report.html import ReportUnavailable
+
+    try:
+        n = write(c.doc, c.before, c.after, path)
+    except OSError as e:
+        raise CommandError(f"cannot write {path}: {e}") from None
+    except ReportUnavailable as e:
+        raise CommandError(str(e)) from None
+    return f"report: {path} ({n / 1e6:.2f} MB), open it in a browser"
 
 
 def slower_beyond(doc: dict[str, Any], pct: float) -> bool:
@@ -59,6 +93,11 @@ def slower_beyond(doc: dict[str, Any], pct: float) -> bool:
 def document(args: argparse.Namespace) -> dict[str, Any]:
     """The diff document (`diff --json`) of the command's two inputs under analyze's
     options, every user error a CommandError."""
+    return compared(args).doc
+
+
+def compared(args: argparse.Namespace) -> Compared:
+    """The diff document and both analyses (made with their detail)."""
     from gputrace.analyzers.diff import compare
 
     sides = [_side(args, path) for path in (args.before, args.after)]
@@ -68,7 +107,7 @@ def document(args: argparse.Namespace) -> dict[str, Any]:
     doc: dict[str, Any] = {"format": FORMAT, "version": VERSION,
                            "before": args.before, "after": args.after}
     doc.update(compare(ab, aa, rb, ra, pb, pa))
-    return doc
+    return Compared(doc, ab, aa)
 
 
 def _side(args: argparse.Namespace, path: str):  # type: ignore[no-untyped-def]
@@ -88,5 +127,4 @@ def _side(args: argparse.Namespace, path: str):  # type: ignore[no-untyped-def]
     table = getattr(trace, "table", None)
     if table is None:
         return a, Parts()
-    return a, parts(table, ra.rank, int(s.start_ns[s.warmup]), int(s.end_ns[-1]),
-                    ra.iterations - ra.warmup_skipped)
+    return a, parts(table, ra.rank, s.start_ns[s.warmup:], int(s.end_ns[-1]))

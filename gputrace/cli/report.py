@@ -13,10 +13,15 @@ HELP = "write an HTML page of charts (breakdown, timeline, ranks, bandwidth, spe
 
 def prepare_parser(p: argparse.ArgumentParser) -> None:
     add_options(p)
-    p.add_argument("-o", "--output", help="page to write (default: TRACE.html)")
+    p.add_argument("-o", "--output", help="page to write (default: TRACE.html; with --diff: "
+                   "AFTER-diff.html)")
+    p.add_argument("--diff", action="store_true", help="the page of `gputrace diff BEFORE "
+                   "AFTER`: give the two runs as the inputs")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.diff:
+        return run_diff(args)
     out = args.output or output_name(args.trace[0], ".html")
     check_output(out)
     from gputrace import progress
@@ -25,6 +30,26 @@ def run(args: argparse.Namespace) -> int:
         a = analysis(args, detail=True)
         progress.update("writing the report", 0, None)
         line = write(a, out, args.rank, args.trace)
+    print(line)
+    return 0
+
+
+def run_diff(args: argparse.Namespace) -> int:
+    """`report BEFORE AFTER --diff`: the diff's page."""
+    if len(args.trace) != 2:
+        raise CommandError(f"--diff compares two runs: give BEFORE and AFTER, not "
+                           f"{len(args.trace)} input{'s' if len(args.trace) != 1 else ''}")
+    out = args.output or output_name(args.trace[1], "-diff.html")
+    check_output(out)
+    from gputrace import progress
+    from gputrace.cli.diff import compared, write_page
+
+    diff_args = argparse.Namespace(**{**vars(args), "before": args.trace[0],
+                                      "after": args.trace[1]})
+    with progress.shown():
+        c = compared(diff_args)
+        progress.update("writing the report", 0, None)
+        line = write_page(c, out)
     print(line)
     return 0
 

@@ -82,15 +82,21 @@ def _named(con: Any, title: str, d: dict[str, Any], what: str, count: bool = Fal
         return
     t = Table(title=f"{title}: top changes", title_justify="left", box=None)
     cols = [what, "before", "after", "change"]
+    ci = any(r.get("low") is not None for r in d["top"])
+    if ci:
+        cols += ["95 % interval", ""]
     if count:
         cols += ["count before", "count after"]
     if nbytes:
         cols += ["bytes before", "bytes after"]
     for c in cols:
-        t.add_column(c, justify="left" if c == what else "right")
+        t.add_column(c, justify="left" if c in (what, "") else "right")
     for r in d["top"]:
         row = [escape(_short(r["name"])), _ms(r["time_s_before"]), _ms(r["time_s_after"]),
                _ms(r["change"], True)]
+        if ci:
+            row += [_ci(r), "" if r.get("low") is None else
+                    "beyond noise" if r["beyond_noise"] else "within noise"]
         if count:
             row += [f"{r['count_before']:g}", f"{r['count_after']:g}"]
         if nbytes:

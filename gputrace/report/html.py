@@ -180,9 +180,14 @@ def render(a: Analysis, rank: int | None, script: str, source: str = "") -> str:
                 if k not in drawn]
     if missing:
         body.append(f'<h2>Not drawn</h2><ul class="missing">{"".join(missing)}</ul>')
-    specs: dict[str, Any] = {c.id: c.spec for c in drawn.values()}
-    data = json.dumps(specs, separators=(",", ":")).replace("</", "<\\/")
     title = f"gputrace report: {source}" if source else "gputrace report"
+    return page(title, body, {c.id: c.spec for c in drawn.values()}, script)
+
+
+def page(title: str, body: list[str], specs: dict[str, Any], script: str) -> str:
+    """A whole page: `body` (HTML, escaped where it was made), then each spec drawn into
+    the element `vis-<id>`, with the Vega bundle `script` inline."""
+    data = json.dumps(specs, separators=(",", ":")).replace("</", "<\\/")
     script = script.replace("</script", "<\\/script")
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>{_e(title)}</title><style>{CSS}</style>\n"
@@ -194,10 +199,10 @@ def render(a: Analysis, rank: int | None, script: str, source: str = "") -> str:
 
 def write(a: Analysis, path: str, rank: int | None = None, source: str = "") -> int:
     """Write the page; returns its size in bytes."""
-    page = render(a, rank, vega_script(), source).encode("utf-8")
+    data = render(a, rank, vega_script(), source).encode("utf-8")
     with open(path, "wb") as f:
-        f.write(page)
-    return len(page)
+        f.write(data)
+    return len(data)
 
 
 # -- in a notebook: one chart, or the whole page, as an output cell's HTML ------------------

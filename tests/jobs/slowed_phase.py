@@ -3,8 +3,9 @@ itself with perf_counter: the ground truth of `gputrace diff`.
 
     python slowed_phase.py OUT.json [--backward-extra-ms X] [--steps N] [--model small|other]
 
-The extra time is a busy wait in a backward hook of the middle layer, so it lies inside the
-backward pass. The forward pass has a cost that varies from step to step as a data-dependent
+The extra time is a busy wait in the backward of the middle layer: its output passes through
+an identity autograd function whose backward waits, so the wait lies inside that layer's own
+backward (between the gradient of its output and that of its input). The forward pass has a cost that varies from step to step as a data-dependent
 one does (a sleep of 0-12 ms drawn with a fixed seed: the same in every run). The model is small
 so that the run's length depends little on what else the machine is doing. Per step it writes
 `forward`, `backward`, `update`, `iteration` (seconds) and `extra` (the wait the hook itself
@@ -43,15 +44,22 @@ def main() -> None:
     now = time.perf_counter
     extra: list[float] = []
 
-    def wait(_module, _gin, _gout):  # type: ignore[no-untyped-def]
-        t0 = now()
-        until = t0 + a.backward_extra_ms / 1e3
-        while now() < until:
-            pass
-        extra.append(now() - t0)
+    class Wait(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):  # type: ignore[no-untyped-def]
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, grad):  # type: ignore[no-untyped-def]
+            t0 = now()
+            until = t0 + a.backward_extra_ms / 1e3
+            while now() < until:
+                pass
+            extra.append(now() - t0)
+            return grad
 
     if a.backward_extra_ms > 0:
-        slowed.register_full_backward_hook(wait)
+        slowed.register_forward_hook(lambda _m, _i, out: Wait.apply(out))
     varies = torch.rand(a.steps, generator=torch.Generator().manual_seed(1)).tolist()
 
     def data_dependent(_module, _inputs):  # type: ignore[no-untyped-def]
