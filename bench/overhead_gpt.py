@@ -14,7 +14,8 @@ where it has a core the job does not use) or on the job's core too (same: every 
 gputrace's CPU is taken from the job's share, the strictest figure).
 
     python bench/overhead_gpt.py [--rounds 12] [--iterations 20] [--ranks 1,2]
-                                 [--modes gputrace,leaves,off,torch-only,hz20,forward] [--job-args ARGS]
+                                 [--modes gputrace,leaves,off,torch-only,hz20,forward,window]
+                                 [--job-args ARGS]
                                  [--together [--record-core other|same]] [--tiny]
 """
 
@@ -46,8 +47,10 @@ from common import (
 JOB = str(Path(__file__).parent / "train_gpt.py")
 # gputrace: the default (--layers blocks); leaves / off: the other granularities;
 # torch-only: the default without the host sampler (--collectors torch); hz20: the sampler
-# at 20 Hz; forward: the default with the blocks' forward spans (--layer-forward)
-MODES = ("plain", "gputrace", "leaves", "off", "torch-only", "hz20", "forward")
+# at 20 Hz; forward: the default with the blocks' forward spans (--layer-forward); window:
+# the default with a window that never opens (--on-demand: every iteration outside it, its
+# time and phase sums only)
+MODES = ("plain", "gputrace", "leaves", "off", "torch-only", "hz20", "forward", "window")
 
 
 def command(mode: str, ranks: int, out: Path, trace: Path, job_args: list[str],
@@ -61,7 +64,7 @@ def command(mode: str, ranks: int, out: Path, trace: Path, job_args: list[str],
         return job
     layers = {"gputrace": [], "torch-only": ["--collectors", "torch"],
               "forward": ["--layer-forward"],
-              "hz20": ["--hz", "20"]}.get(mode, ["--layers", mode])
+              "hz20": ["--hz", "20"], "window": ["--on-demand"]}.get(mode, ["--layers", mode])
     return [PY, "-m", "gputrace", "record", "-q", *layers, "-o", str(trace), "--", *job]
 
 
