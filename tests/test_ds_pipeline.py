@@ -96,7 +96,7 @@ def test_headline_and_the_engines_runtime_order(recorded, name):
     m = run.truth[0]["stage"]["microbatches"]
     head = run.text.splitlines()[0]
     assert f"pipeline, 2 stages x {m} microbatches (TrainSchedule, 1F1B order)" in head, head
-    assert "PP 2, 2 ranks" in head and "single process" not in run.text
+    assert "PP 2, 2 ranks" in head and "DP 1" not in head and "single process" not in run.text
     pl = run.doc["parallelism"]["pipeline"]
     assert (pl["schedule"], pl["recorded_schedule"], pl["microbatches"], pl["num_stages"]) \
         == ("Schedule1F1B", "TrainSchedule", m, 2)

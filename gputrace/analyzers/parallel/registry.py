@@ -185,7 +185,9 @@ def describe(deg: dict[str, int], world: int) -> str:
     TP 2, 4 ranks"), "" for none of them."""
     if not set(deg) - {"dp", "fsdp"}:
         return ""
-    parts = [f"{_SHORT[d]} {deg[d]}" if deg[d] > 0 else _SHORT[d] for d in ORDER if d in deg]
+    # one data-parallel replica is no dimension of its own ("PP 2", not "DP 1 x PP 2")
+    parts = [f"{_SHORT[d]} {deg[d]}" if deg[d] > 0 else _SHORT[d] for d in ORDER if d in deg
+             and not (d in ("dp", "fsdp") and deg[d] == 1)]
     return f"{' x '.join(parts)}, {world} rank{'s' if world != 1 else ''}"
 
 
