@@ -132,3 +132,20 @@ def test_nothing_to_capture_is_one_line_and_exit_2(tmp_path, how):
     env = {**os.environ, "GPUTRACE_RUN_DIR": str(tmp_path / "run")}
     p = run_gputrace("capture", *how, env=env)
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_a_full_recording_has_no_window_to_open(tmp_path):
+    env = {**os.environ, "GPUTRACE_RUN_DIR": str(tmp_path / "run")}
+    rec = subprocess.Popen([*GPUTRACE, "record", "-q", "-o", str(tmp_path / "t.arrow"), "--",
+                            sys.executable, "-c", "import time; time.sleep(60)"],
+                           env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait(lambda: any((tmp_path / "run").glob("*.json")), "the recording's listing", 60)
+        for how in ((str(rec.pid),), ("--all",)):
+            p = run_gputrace("capture", *how, env=env)
+            assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+        assert "in full already" in run_gputrace("capture", str(rec.pid), env=env).stderr
+    finally:
+        rec.send_signal(signal.SIGINT)
+        rec.communicate(timeout=60)
+    assert not any((tmp_path / "run").glob("*.json"))   # unlisted when it ends
