@@ -2,22 +2,25 @@
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
 CHROMIUM := /usr/bin/chromium
 APT := DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 -q
 
-.PHONY: demo test lint clean browser
+.PHONY: demo test lint docs clean browser screenshot
 
-$(STAMP): pyproject.toml
+# The extras by their ranges, the releases from constraints.txt (the same on every run).
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[torch,tf,dev,notebook,trainers]'
+	# TensorFlow as tensorflow-cpu (the `tf` extra names `tensorflow`, which users with a GPU want)
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[torch,dev,notebook,trainers,docs]' \
+		tensorflow-cpu keras
 	# tf_keras (Keras 2, TF_USE_LEGACY_KERAS) for its tests: it asks for `tensorflow`, whose
 	# module tensorflow-cpu already is (both installed, removing either breaks the other)
-	$(BIN)/python -m pip install -q --no-deps tf-keras==2.21.0
+	$(BIN)/python -m pip install -q -c constraints.txt --no-deps tf-keras
 	# DeepSpeed for its tests, on the CPU (DS_ACCELERATOR=cpu): its sdist builds against the
 	# torch installed above (no isolated build: it would fetch another torch); no ops compiled
-	DS_BUILD_OPS=0 $(BIN)/python -m pip install -q --no-build-isolation deepspeed==0.19.8
+	DS_BUILD_OPS=0 $(BIN)/python -m pip install -q -c constraints.txt --no-build-isolation deepspeed
 	rm -f $(VENV)/.installed-*; touch $@
 
 demo: $(STAMP)
@@ -26,7 +29,15 @@ demo: $(STAMP)
 	$(BIN)/gputrace analyze demo.arrow --report demo-report.html
 
 lint: $(STAMP)
-	$(BIN)/ruff check gputrace tests samples bench
+	$(BIN)/ruff check gputrace tests samples bench docs
+
+# The manual: a broken link, a missing anchor or a page left out of the navigation fails it.
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict --quiet --site-dir build/site
+
+# docs/report.png, the front page's picture: `make demo`'s report in Chromium
+screenshot: demo browser
+	$(BIN)/python docs/screenshot.py demo-report.html docs/report.png
 
 # The HTML report's tests open it in Debian's Chromium, installed here when run as root.
 browser:
@@ -38,7 +49,7 @@ browser:
 			>/dev/null; } || echo "chromium could not be installed: browser tests will skip"; \
 	else echo "no $(CHROMIUM) and not root to install it: browser tests will skip"; fi
 
-test: lint browser
+test: lint docs browser
 	$(BIN)/python -m pytest -q --durations=20
 
 clean:

@@ -28,7 +28,7 @@ class Session:
     and merges both into `path` on exit. Under `gputrace record`, it joins that recording
     instead (the record's own trace gets everything) and `path` is not written.
     `steps=(START, COUNT)` (or "START:COUNT"), or `delay`/`duration` in seconds: a recording
-    window, as `record --steps`/`--delay`/`--duration` (README, "Long jobs").
+    window, as `record --steps`/`--delay`/`--duration` (docs/recording.md, "Long jobs").
     """
 
     def __init__(self, path: str = "trace.arrow", *, hz: float = 50.0,

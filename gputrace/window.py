@@ -1,6 +1,7 @@
 """A recording window: full detail for some iterations (`--steps START:COUNT`) or some
 seconds (`--delay S --duration S`), and for every other iteration only its boundaries and
-phase sums, packed as one `run` span per flush (see README, "The trace file").
+phase sums, packed as one `run` span per flush (see docs/format.md, "A windowed
+recording").
 
 Applied by the recorder's flusher, off the training loop's path: the hooks record as they
 always do, and what falls outside the window is folded before it is written."""

@@ -79,19 +79,28 @@ def _commands() -> dict[str, Command]:
             "report": report}
 
 
+# each command's page of the manual (docs/ in the repository), named at the end of its --help
+MANUAL = {"record": "recording.md", "capture": "recording.md", "analyze": "analysis.md",
+          "diff": "diff.md", "info": "format.md", "import": "other-tools.md",
+          "export": "other-tools.md", "probe": "probe.md", "recover": "format.md",
+          "report": "report.md"}
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         raise CommandError(f"{self.prog}: {message}")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="gputrace", description="Where each training iteration's time goes.")
+    p = _Parser(prog="gputrace", description="Where each training iteration's time goes.",
+                epilog="manual: docs/index.md (each command's --help names its page)")
     from gputrace import __version__
 
     p.add_argument("--version", action="version", version=f"gputrace {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name, cmd in _commands().items():
-        sp = sub.add_parser(name, help=cmd.HELP, description=cmd.HELP)
+        sp = sub.add_parser(name, help=cmd.HELP, description=cmd.HELP,
+                            epilog=f"manual: docs/{MANUAL[name]}")
         cmd.prepare_parser(sp)
         sp.set_defaults(_run=cmd.run)
     return p

@@ -3,7 +3,7 @@
 Every figure is a dict with `status` ("ok" or "unavailable: why"). Measured bandwidths have
 `bytes_per_s` (the median over repeats), `min_bytes_per_s`, `max_bytes_per_s`, `repeats`,
 `bytes` (bytes per repeat) and `method`; latencies have `seconds` instead of `bytes_per_s`.
-Analyses read `results[key]["bytes_per_s"]` for the keys named in the README.
+Analyses read `results[key]["bytes_per_s"]` for the keys named in docs/probe.md.
 """
 
 from __future__ import annotations
