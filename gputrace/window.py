@@ -97,6 +97,8 @@ class Window:
         self.captured: list[list[Any]] = []
         self.capture: Any = None     # gputrace.capture.Answer, where it can reach this job
         self.last_decided = -1
+        # the span describing the input, when it fell outside the window (False: carried)
+        self._batch: Any = None
 
     def describe(self) -> dict[str, Any]:
         # a run span's args: its phase sums in microseconds, in this order
@@ -239,6 +241,7 @@ class Window:
             for k in sorted(self.decided)[:len(self.decided) - _KEEP_DECIDED]:
                 del self.decided[k]
         if inside:
+            self._carry_batch(mine)
             for c in self.captured:
                 if c[0] <= step < c[0] + c[1]:
                     c[2] = start if c[2] is None else min(c[2], start)
@@ -252,7 +255,28 @@ class Window:
             out.append(sp)
             out_rows.extend(mine_rows)
             return
+        if self._batch is None:
+            self._batch = next((s for s in mine if s[0] == "forward" and s[8]
+                                and '"batch"' in s[8]), None)
         self._folded.append((start, end, sp[1], sp[4], step, phase_sums(mine)))
+
+    def _carry_batch(self, mine: list[tuple[Any, ...]]) -> None:
+        """The input's description (collectors.torch.batch) is written once, on the first
+        outermost forward: made outside the window, it moves to the first such forward of
+        the same model inside it, where the analysis finds it."""
+        b = self._batch
+        if b is None or b is False:
+            return
+        for i, s in enumerate(mine):
+            if s[0] == "forward" and s[1] == b[1] and (s[6] is None or s[6] < 1):
+                try:
+                    args = json.loads(s[8]) if s[8] else {}
+                    args["batch"] = json.loads(b[8])["batch"]
+                except (ValueError, TypeError, KeyError):
+                    return
+                mine[i] = (*s[:8], json.dumps(args, separators=(",", ":")), *s[9:])
+                self._batch = False      # carried once
+                return
 
 
 def pack(folded: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:

@@ -108,3 +108,19 @@ def test_ddp_job_throughput_is_the_sum_over_its_replicas(ddp):
     assert rows[None]["samples_per_s"] == pytest.approx(job["samples_per_s"])
     assert rows[0]["samples_per_s"] == pytest.approx(doc["ranks"]["0"]["throughput"][
         "samples_per_s"])
+
+
+def test_window_that_starts_later_keeps_the_batch_and_the_whole_run(tmp_path):
+    """One process recorded with `--steps 3:4`: the input was described at the first
+    forward, outside the window, and the throughput still holds the job's own batch; the
+    whole run's iterations are the job's count (a single process records rank -1, which
+    the analysis calls 0)."""
+    prefix, arrow = tmp_path / "win", str(tmp_path / "win.arrow")
+    run_gputrace("record", "-q", "-o", arrow, "--steps", "3:4", "--", sys.executable,
+                 str(JOB), str(prefix), "--iterations", "8", check=True, timeout=300)
+    t = json.loads(Path(f"{prefix}.rank0.json").read_text())
+    d = json.loads(run_gputrace("analyze", arrow, "--json", "--skip", "0",
+                                check=True).stdout)
+    assert d["window"]["iterations"] == 4 and d["window"]["first_step"] == 3
+    assert d["run"]["iterations"] == len(t["iterations"])
+    assert d["throughput"]["samples_per_iteration"] == t["samples"], d["throughput"]
