@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import os
 import subprocess
@@ -80,6 +81,10 @@ class Session:
         rec.set_collector("ranges", "ok")
         if self.window is not None:
             self.window.attach(rec)
+        with contextlib.suppress(Exception):   # recorded all the same
+            from gputrace.collectors import memory
+
+            memory.install(rec)
         self.recorder = rec.start()
         self._owned = True
         _recorder.set_current(rec)

@@ -41,7 +41,8 @@ def ddp(tmp_path_factory):
     prefix, arrow = d / "ddp", str(d / "ddp.arrow")
     run_gputrace("record", "-q", "-o", arrow, "--", sys.executable, "-m",
                  "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(JOB),
-                 str(prefix), "--acc", "1", check=True, timeout=300)
+                 str(prefix), "--acc", "1", "--hold-mb", "300", "--hold-rank", "1", check=True,
+                 timeout=300)
     return prefix, arrow
 
 
@@ -124,3 +125,21 @@ def test_window_that_starts_later_keeps_the_batch_and_the_whole_run(tmp_path):
     assert d["window"]["iterations"] == 4 and d["window"]["first_step"] == 3
     assert d["run"]["iterations"] == len(t["iterations"])
     assert d["throughput"]["samples_per_iteration"] == t["samples"], d["throughput"]
+
+
+def test_memory_per_rank_as_each_rank_measures_its_own(ddp):
+    """Rank 1 holds 300 MiB more than rank 0: each rank's peak resident set within 10 % of
+    the one it measured itself at its end (a peak only rises), rank 1 named the largest,
+    and the terminal says both."""
+    prefix, arrow = ddp
+    m = analyze(arrow)["memory"]
+    assert m["unavailable"] is None
+    own = {r: json.loads(Path(f"{prefix}.rank{r}.json").read_text())["rss_peak_bytes"]
+           for r in (0, 1)}
+    for r in (0, 1):
+        got = m["ranks"][str(r)]["rss_peak_bytes"]
+        assert own[r] * 0.99 <= got <= own[r] * 1.10, (r, got, own[r])
+    assert own[1] - own[0] > 250 * 2**20     # the job's own difference: the held tensor
+    assert m["largest_rank"] == 1
+    text = run_gputrace("analyze", arrow, "--rank", "0", check=True).stdout
+    assert "Memory (rank 0): peak RSS" in text and "largest on rank 1" in text, text[-600:]

@@ -103,11 +103,12 @@ def run(args: argparse.Namespace) -> int:
 
     with progress.shown(not args.json):
         a = analysis(args, detail=bool(args.report))
-        w = _window(args, a)
+        w, mem = _extras(args, a)
     if args.json:
         from gputrace.report.json import to_dict
 
         doc = to_dict(a, args.rank)
+        doc["memory"] = mem
         if w is not None:
             doc.update(w)
             if w["run"]["finding"]:
@@ -119,6 +120,11 @@ def run(args: argparse.Namespace) -> int:
         from gputrace.report.terminal import render
 
         render(a, args.rank)
+        from gputrace.analyzers.memory import memory_line
+
+        line = memory_line(mem, _rank(args, a))
+        if line:
+            print(line)
         if w is not None:
             from gputrace.report.window import render_window
 
@@ -131,16 +137,21 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _window(args: argparse.Namespace, a):  # type: ignore[no-untyped-def]
-    """A windowed recording's `window` and `run` (None for another trace)."""
-    from gputrace.analyzers.window import analyze_window, window_of
+def _rank(args: argparse.Namespace, a) -> int:  # type: ignore[no-untyped-def]
+    return args.rank if args.rank is not None else a.main.rank
 
-    if window_of(a.metadata) is None:
-        return None
+
+def _extras(args: argparse.Namespace, a):  # type: ignore[no-untyped-def]
+    """A windowed recording's `window` and `run` (None for another trace), and `memory`."""
+    from gputrace.analyzers.memory import analyze_memory
+    from gputrace.analyzers.window import analyze_window, window_of
     from gputrace.cli import load_trace
 
-    rank = args.rank if args.rank is not None else a.main.rank
-    return analyze_window(load_trace(args.trace).table, a.metadata, rank)
+    table = load_trace(args.trace).table
+    w = None
+    if window_of(a.metadata) is not None:
+        w = analyze_window(table, a.metadata, _rank(args, a))
+    return w, analyze_memory(table, _rank(args, a))
 
 
 def analysis(args: argparse.Namespace, detail: bool = False,  # type: ignore[no-untyped-def]

@@ -49,6 +49,10 @@ def boot(shard_dir: str) -> _recorder.Recorder:
     md = base_metadata("process")
     rec = _recorder.Recorder(shard_path(shard_dir), md)
     _window(rec)
+    with contextlib.suppress(Exception):   # the process is recorded all the same
+        from gputrace.collectors import memory
+
+        memory.install(rec)
     rec.start()
     _recorder.set_current(rec)
     atexit.register(_close_current)

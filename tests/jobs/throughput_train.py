@@ -7,7 +7,9 @@ samples, then the optimizer step) timed with perf_counter, the samples it fed co
 --tokens: a token model (embedding, linear head) called as `model(input_ids=ids)` with a
 2-D integer batch of B x SEQ token ids, as Hugging Face models are called; otherwise an MLP
 called as `model(x)`. Writes OUT.rank<R>.json: {"iterations": [seconds...], "samples":
-samples per iteration, "tokens_per_sample": SEQ or null}.
+samples per iteration, "tokens_per_sample": SEQ or null, "rss_peak_bytes": its own peak
+resident set size (getrusage) at the end}. --hold-mb M --hold-rank R: rank R holds M MiB more
+(written to, so resident) throughout.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import time
 
 import torch
@@ -42,6 +45,8 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=30)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--acc", type=int, default=2)
+    ap.add_argument("--hold-mb", type=int, default=0)
+    ap.add_argument("--hold-rank", type=int, default=0)
     a = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -53,6 +58,7 @@ def main() -> None:
         rank = dist.get_rank()
         model = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    held = torch.ones(a.hold_mb << 18) if a.hold_mb and rank == a.hold_rank else None
     its = []
     for _ in range(a.iterations):
         t0 = time.perf_counter()
@@ -70,7 +76,9 @@ def main() -> None:
         its.append(time.perf_counter() - t0)
     with open(f"{a.out}.rank{rank}.json", "w") as f:
         json.dump({"iterations": its, "samples": a.batch * a.acc,
-                   "tokens_per_sample": SEQ if a.tokens else None}, f)
+                   "tokens_per_sample": SEQ if a.tokens else None,
+                   "rss_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                   "held": held is not None}, f)
     if dist.is_initialized():
         dist.destroy_process_group()
 
