@@ -16,7 +16,6 @@ from that document, so the three say the same thing.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import secrets
@@ -25,6 +24,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
+from gputrace.analysis import AnalysisError, AnalysisOptions
 from gputrace.analyzers import Analysis, RankAnalysis
 from gputrace.analyzers.findings import Finding
 from gputrace.analyzers.model import ModelResult, Speedup, UnitStats
@@ -32,7 +32,7 @@ from gputrace.analyzers.replay import Replay, Scenario
 from gputrace.report.tables import MissingExtra, Table
 from gputrace.report.tables_diff import TABLES as DIFF_TABLES
 
-__all__ = ["AnalysisError", "ChartView", "DiffResult", "MissingExtra", "ReportView", "Result",
+__all__ = ["AnalysisError", "AnalysisOptions", "ChartView", "DiffResult", "MissingExtra", "ReportView", "Result",
            "Scenario", "Table", "analyze", "diff"]
 
 
@@ -40,11 +40,6 @@ TABLES = ("breakdown", "iterations", "units", "ranks", "findings", "speedup", "w
           "throughput",
           # tensor, pipeline and expert parallelism (report.tables_parallel)
           "tp_layers", "tp_what_if", "pipeline_stages", "pipeline_what_if", "expert_parallel")
-
-
-class AnalysisError(ValueError):
-    """Bad input (a missing or foreign file, a wrong option): the one line the command
-    line would print."""
 
 
 def analyze(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *,
@@ -70,38 +65,21 @@ def analyze(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *,
     `tokens_per_sample`: the throughput's batch where the trace does not tell.
     Raises AnalysisError with the command line's one-line message on bad input."""
     from gputrace import progress as bars
-    from gputrace.cli import CommandError
-    from gputrace.cli.analyze import analysis
+    from gputrace.analysis import run_analysis
 
     single = isinstance(paths, (str, os.PathLike))
     names = [os.fspath(p) for p in ([paths] if single else paths)]  # type: ignore[list-item]
     if not names:
         raise AnalysisError("no trace given")
-    args = _options(trace=names, rank=rank, skip=skip, gpus=gpus,
-                    link_bandwidth=link_bandwidth, what_if=what_if, shared_io=shared_io,
-                    jobs=jobs, align=align,
-                    calibrate=os.fspath(calibrate) if calibrate is not None else None,
-                    batch_size=batch_size, tokens_per_sample=tokens_per_sample)
-    try:
-        with bars.shown(progress):
-            a = analysis(args, detail=True, use=executor)
-    except CommandError as e:
-        raise AnalysisError(str(e)) from None
-    return Result(a, rank if rank is not None else a.slowest_rank, " ".join(names))
-
-
-def _options(*, gpus: Sequence[int] | str, link_bandwidth: float | str | None,
-             what_if: Sequence[str | Scenario] | str, align: bool, **given: Any
-             ) -> argparse.Namespace:
-    """The command line's options from the API's arguments."""
-    if isinstance(what_if, str):
-        what_if = [what_if]
-    if link_bandwidth is not None and not isinstance(link_bandwidth, str):
-        link_bandwidth = f"{float(link_bandwidth):.17g}".replace("e+", "e")
-    return argparse.Namespace(
-        gpus=gpus if isinstance(gpus, str) else ",".join(str(int(g)) for g in gpus),
-        link_bandwidth=link_bandwidth, what_if=list(what_if), dask=None, ray=None,
-        no_align=not align, **given)
+    opts = AnalysisOptions.of(
+        inputs=names, rank=rank, skip=skip, gpus=gpus, link_bandwidth=link_bandwidth,
+        what_if=what_if, shared_io=shared_io, jobs=jobs, align=align,
+        calibrate=os.fspath(calibrate) if calibrate is not None else None,
+        batch_size=batch_size, tokens_per_sample=tokens_per_sample)
+    with bars.shown(progress):
+        a = run_analysis(opts, detail=True, use=executor)
+    return Result(a, rank if rank is not None else a.slowest_rank, " ".join(names),
+                  _inputs=tuple(names))
 
 
 def diff(before: str | os.PathLike[str], after: str | os.PathLike[str], *,
@@ -114,17 +92,13 @@ def diff(before: str | os.PathLike[str], after: str | os.PathLike[str], *,
     the same document, as a dict (a DiffResult: also its tables, its page and the two
     analyses). Raises AnalysisError on bad input."""
     from gputrace import progress as bars
-    from gputrace.cli import CommandError
-    from gputrace.cli.diff import compared
+    from gputrace.analysis import run_diff
 
-    args = _options(before=os.fspath(before), after=os.fspath(after), rank=rank, skip=skip,
-                    gpus=gpus, link_bandwidth=link_bandwidth, what_if=what_if,
-                    shared_io=shared_io, jobs=jobs, align=align)
-    try:
-        with bars.shown(progress):
-            c = compared(args)
-    except CommandError as e:
-        raise AnalysisError(str(e)) from None
+    opts = AnalysisOptions.of(rank=rank, skip=skip, gpus=gpus,
+                              link_bandwidth=link_bandwidth, what_if=what_if,
+                              shared_io=shared_io, jobs=jobs, align=align)
+    with bars.shown(progress):
+        c = run_diff(opts, os.fspath(before), os.fspath(after))
     return DiffResult(c.doc, before=c.before, after=c.after)
 
 
@@ -180,6 +154,7 @@ class Result:
     rank: int
     source: str = ""
     _doc: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    _inputs: tuple[str, ...] = field(default=(), repr=False, compare=False)
 
     # -- the analyzers' results for the shown rank ---------------------------------------
 
@@ -230,9 +205,11 @@ class Result:
     def to_dict(self) -> dict[str, Any]:
         """The `analyze --json` document (a fresh copy)."""
         if not self._doc:
+            from gputrace.document import document
             from gputrace.report.json import to_dict
 
-            self._doc.update(to_dict(self.analysis, self.rank))
+            self._doc.update(document(self.analysis, self.rank, self._inputs)
+                             if self._inputs else to_dict(self.analysis, self.rank))
         return json.loads(json.dumps(self._doc))
 
     def to_json(self, indent: int | None = 1) -> str:

@@ -81,15 +81,11 @@ WHERE dur_s > 1.2 * median_s ORDER BY over_median DESC, rank, step""",
 def table(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> Any:
     """The trace's rows as one Arrow table (imports of Kineto JSON / nsys SQLite made on the
     fly); bad input raises api.AnalysisError with the command line's one line."""
-    from gputrace.api import AnalysisError
-    from gputrace.cli import CommandError, load_trace
+    from gputrace.inputs import load_inputs
 
     single = isinstance(paths, (str, os.PathLike))
     names = [os.fspath(p) for p in ([paths] if single else paths)]  # type: ignore[list-item]
-    try:
-        return load_trace(names).table
-    except CommandError as e:
-        raise AnalysisError(str(e)) from None
+    return load_inputs(names).table
 
 
 def connect(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],

@@ -2,7 +2,10 @@
 is and once with a busy wait in its backward; each run times itself with perf_counter, and
 the change the diff reports is compared with the change the loops measured themselves. And
 the sample CNN under 2-rank gloo DDP with two bucket sizes: the same gradient bytes in fewer
-all-reduces, the comm units no longer matching."""
+all-reduces, the comm units no longer matching. A loop whose samples are slow to load
+(tests/jobs/timed_loop.py) with 0 and 2 loader workers: the wait for data it measured itself
+goes, and the diff puts the change in the I/O term; that recording beside an imported Kineto
+trace of another job: the terms only one of them has."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from tests.conftest import run_gputrace  # noqa: E402
 from tests.test_report import browser  # noqa: E402, F401 - the Chromium fixture
 
 JOB = str(Path(__file__).resolve().parent / "jobs" / "slowed_phase.py")
+LOOP = str(Path(__file__).resolve().parent / "jobs" / "timed_loop.py")
 SAMPLE = str(Path(__file__).resolve().parent.parent / "samples" / "train_cnn.py")
 EXTRA_MS = "8"
 pytestmark = pytest.mark.slow
@@ -327,3 +331,66 @@ def test_ddp_bucket_cap_change_is_seen_in_units_and_all_reduces(ddp_buckets):
     assert units["matched"] == len(d["units"]["only_before"]) and units["top"]
     for r in units["top"]:
         assert r["change"] == 0 and r["low"] <= 0 <= r["high"] and not r["beyond_noise"]
+
+
+@pytest.fixture(scope="module")
+def loaders(tmp_path_factory):
+    """workers -> (trace, the loop's own per-step times): a loop whose every sample sleeps
+    0.3 ms to load (a batch of 64: ~20 ms of I/O), with 0 and 2 loader workers."""
+    d = tmp_path_factory.mktemp("loaders")
+    out = {}
+    for workers in (0, 2):
+        trace, truth = d / f"w{workers}.arrow", d / f"w{workers}.json"
+        p = run_gputrace("record", "-q", "-o", str(trace), "--", sys.executable, LOOP,
+                         str(truth), "--loader", "--steps", "16", "--workers", str(workers),
+                         "--item-sleep-ms", "0.3", timeout=300)
+        assert p.returncode == 0, p.stderr
+        out[workers] = (trace, json.loads(truth.read_text()))
+    return out
+
+
+def test_loader_workers_change_is_put_in_the_io_term_with_the_loops_own_magnitude(loaders):
+    d = gputrace.diff(loaders[0][0], loaders[2][0], progress=False)
+    n = d["iterations"]["before"]
+    assert n == d["iterations"]["after"] >= 10
+
+    def own(workers: int, key: str) -> float:
+        steps = loaders[workers][1][-n:]
+        return float(np.mean([(s["end"] - s["start"]) / 1e9 if key == "iteration" else s[key]
+                              for s in steps]))
+
+    want_io = own(2, "io") - own(0, "io")
+    assert own(0, "io") > 0.01 and want_io < -0.005       # the loading was slow, and went
+    h = d["headline"]
+    assert h["verdict"] == "faster" and h["explained_by"][0]["term"] == "t_io"
+    t_io = d["breakdown"]["t_io"]
+    assert t_io["beyond_noise"] and t_io["change"] == pytest.approx(want_io, rel=0.15)
+    assert t_io["before"] == pytest.approx(own(0, "io"), rel=0.15)
+    assert h["change"] == pytest.approx(own(2, "iteration") - own(0, "iteration"), rel=0.15)
+    assert "--workers" in " ".join(d["made"]["argv"][1])
+
+
+def test_imported_kineto_trace_against_a_recording_says_the_terms_only_one_has(
+        loaders, shared_data):
+    import gzip
+
+    kineto = shared_data / "kineto" / "control.json.gz"
+    # what the other tool's file holds, read here: NCCL kernels and copies to the device;
+    # the recorded loop is one CPU process: no collective, no device
+    events = json.load(gzip.open(kineto))["traceEvents"]
+    assert any("nccl" in e.get("name", "").lower() for e in events if e.get("cat") == "kernel")
+    assert any("HtoD" in e.get("name", "") for e in events if e.get("cat") == "gpu_memcpy")
+    recorded = str(loaders[0][0])
+    p = run_gputrace("diff", str(kineto), recorded)
+    assert p.returncode == 0, p.stderr
+    assert "Traceback" not in p.stderr
+    said = [ln for ln in p.stdout.splitlines() if ln.startswith("Terms only one run has")]
+    assert len(said) == 1 and "before: " in said[0] and "comm (all of it)" in said[0]
+    d = json.loads(run_gputrace("diff", str(kineto), recorded, "--json", check=True).stdout)
+    only = d["terms_only"]
+    assert {"t_comm", "t_h2d"} <= set(only["before"])
+    assert not {"t_comm", "t_h2d"} & set(only["after"])
+    for k in only["before"]:
+        assert d["breakdown"][k]["before"] > 0 and d["breakdown"][k]["after"] == 0
+    assert d["made"]["imported"] == [[f"kineto {kineto}"], None]
+    assert d["made"]["world_size"][1] == 1

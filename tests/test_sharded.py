@@ -325,3 +325,43 @@ def test_fsdp_replay_keeps_the_measured_wait_for_the_last_rank(fsdp):
         got = float(line.split("arrive (")[1].split(" ms")[0]) / 1e3
         assert got == pytest.approx(own, rel=0.05, abs=3e-4), (line, own)
         assert own > 0   # two ranks on shared cores never arrive at once
+
+
+def _own_all_gathers(prefix: str, rank: int, n: int) -> tuple[float, float, float]:
+    """The job's own all-gathers per iteration over its last `n` iterations: all of them,
+    those its backward issued; and its mean iteration (its own clock, seconds)."""
+    t = json.load(open(f"{prefix}.rank{rank}.json"))
+    its = t["iterations"][-n:]
+    sel = {i["it"] for i in its}
+    ag = [c for c in t["calls"] if c["it"] in sel and c["kind"] == "all_gather"]
+    return (len(ag) / n, sum(c["phase"] == "backward" for c in ag) / n,
+            float(np.mean([(i["end"] - i["start"]) / 1e9 for i in its])))
+
+
+@pytest.mark.slow
+def test_diff_of_reshard_after_forward_on_and_off_finds_the_backward_regathers_gone(fsdp):
+    """FSDP with reshard_after_forward True, then False: the jobs' own count says the
+    backward's all-gathers are gone; the diff says which units' re-gathers went, matched
+    by unit name, and the all-gathers per iteration as the jobs counted them."""
+    (on, on_prefix), (off, off_prefix) = fsdp("fsdp2"), fsdp("fsdp2-keep")
+    d = json.loads(run_gputrace("diff", str(on), str(off), "--json", check=True).stdout)
+    n_on, n_off = d["iterations"]["before"], d["iterations"]["after"]
+    all_on, back_on, it_on = _own_all_gathers(on_prefix, d["rank_before"], n_on)
+    all_off, back_off, it_off = _own_all_gathers(off_prefix, d["rank_after"], n_off)
+    assert back_on >= 1 and back_off == 0               # what the change did, by the job
+    ag = next(r for r in d["collectives"]["top"] if r["name"] == "all_gather")
+    assert ag["count_before"] == pytest.approx(all_on, abs=0.01)
+    assert ag["count_after"] == pytest.approx(all_off, abs=0.01)
+    u = d["units"]
+    gone = u["only_before"]
+    # one re-gather per unit and iteration, each named by its unit; nothing new after
+    assert len(gone) == round(back_on) and all(g.endswith(" reshard_gather") for g in gone)
+    assert not u["only_after"]
+    kept = {r["name"].rsplit(" ", 1)[0] for r in u["top"]}
+    assert {g.rsplit(" ", 1)[0] for g in gone} <= kept
+    assert all(r["count_before"] == r["count_after"] for r in u["top"])
+    # the same units on both sides: the runs stay comparable
+    assert u["units_match"] and d["comparable"] and d["not_comparable"] is None
+    assert d["headline"]["change"] == pytest.approx(it_off - it_on, abs=0.05 * it_on)
+    assert f"only before: {', '.join(gone)}" in \
+        run_gputrace("diff", str(on), str(off), check=True).stdout

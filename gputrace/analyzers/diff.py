@@ -23,7 +23,8 @@ TERMS = (("t_iter", "iteration"), ("t_io", "waiting for data (I/O)"),
          ("t_cp", "context-parallel comm"), ("t_framework", "framework"),
          ("t_other", "in no phase"))
 # what a run's metadata says of how it was made (the rest differs from run to run anyway)
-MADE = ("world_size", "hosts", "cpus", "argv", "software", "env", "sample_hz", "collectors")
+MADE = ("world_size", "hosts", "cpus", "argv", "software", "env", "sample_hz", "collectors",
+        "imported")
 
 
 def series(ra: RankAnalysis) -> dict[str, np.ndarray]:
@@ -69,8 +70,10 @@ def breakdown(b: RankAnalysis, a: RankAnalysis) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for k, label in TERMS:
         mb_, ma = _mean(b, k), _mean(a, k)
-        if mb_ is None or ma is None:
+        if mb_ is None and ma is None:
             continue
+        if mb_ is None or ma is None:   # a term one run's analysis has no row for: 0 there
+            mb_, ma = mb_ or 0.0, ma or 0.0
         if k != "t_iter" and mb_ == 0 and ma == 0:
             continue
         # FSDP's exposed comm is its units' own, not the per-iteration series
@@ -78,6 +81,14 @@ def breakdown(b: RankAnalysis, a: RankAnalysis) -> dict[str, dict[str, Any]]:
         ci = interval(sb[k], sa[k]) if k in sb and k in sa and not own else None
         out[k] = {"label": label, **change(mb_, ma, ci)}
     return out
+
+
+def terms_only(terms: dict[str, dict[str, Any]]) -> dict[str, list[str]]:
+    """The terms one run has time in and the other none (`before`, `after`): what one
+    side measured and the other did not (an import without phases of some kind, a job
+    without comm), or a part the change removed or added."""
+    return {side: [k for k, v in terms.items() if k != "t_iter" and v[side] and not v[other]]
+            for side, other in (("before", "after"), ("after", "before"))}
 
 
 def headline(terms: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -122,11 +133,15 @@ def named(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]
 
 def units(b: RankAnalysis, a: RankAnalysis) -> dict[str, Any]:
     """Comm units (DDP buckets, FSDP units) matched by their unit names or their layers,
-    by position only where neither is known."""
+    by position only where neither is known. An FSDP unit has a row per role of its
+    collectives ("blocks.0 reshard_gather": the backward's re-gather), with their count per
+    iteration: a role that one run has and the other not (reshard_after_forward off) is a
+    row on one side only, its unit still matched (`units_match`)."""
     def keyed(ra: RankAnalysis) -> tuple[dict[str, dict[str, float]], Series]:
         if ra.sharded is not None:     # FSDP units' figures are their own: no series
-            return {f"{u.name or u.unit} {u.kind}": {"time_s": u.duration_s, "exposed_s":
-                    u.exposed_s, "bytes": u.nbytes} for u in ra.sharded.units}, {}
+            return {f"{u.name or u.unit} {u.role}": {
+                "time_s": u.duration_s, "exposed_s": u.exposed_s, "bytes": u.nbytes,
+                "count": u.count} for u in ra.sharded.units}, {}
         out, per = {}, {}
         durations = ra.detail.unit_durations if ra.detail is not None else {}
         for u in ra.model.units:
@@ -138,7 +153,13 @@ def units(b: RankAnalysis, a: RankAnalysis) -> dict[str, Any]:
         return out, per
 
     (kb, sb), (ka, sa) = keyed(b), keyed(a)
-    return named(kb, ka, series_before=sb, series_after=sa)  # type: ignore[arg-type]
+    out = named(kb, ka, series_before=sb, series_after=sa)  # type: ignore[arg-type]
+    if b.sharded is not None and a.sharded is not None:
+        names = [{u.name or str(u.unit) for u in x.sharded.units} for x in (b, a)]
+        out["units_match"] = names[0] == names[1]
+    else:
+        out["units_match"] = not out["only_before"] and not out["only_after"]
+    return out
 
 
 def collectives(b: RankAnalysis, a: RankAnalysis) -> dict[str, Any]:
@@ -187,6 +208,10 @@ def made(b: Analysis, a: Analysis) -> dict[str, Any]:
         if k == "collectors":   # what each collector did (its pids differ in every run)
             vb, va = ({n: c.get("status") if isinstance(c, dict) else c
                        for n, c in (v or {}).items()} for v in (vb, va))
+        if k == "imported":     # the tool and file each import was made from
+            vb, va = ([f"{s.get('tool', '?')} {s.get('path', '?')}" for s in v
+                       if isinstance(s, dict)] if isinstance(v, list) else v
+                      for v in (vb, va))
         if vb == va:
             continue
         if isinstance(vb, dict) and isinstance(va, dict):
@@ -207,10 +232,10 @@ def compare(b: Analysis, a: Analysis, rank_b: int, rank_a: int, pb: Parts, pa: P
     unit = units(rb, ra)
     why = []
     for what, d in (("layers", layers["backward"]), ("comm units", unit)):
-        if d["only_before"] or d["only_after"]:
+        if (d["only_before"] or d["only_after"]) and d.get("units_match") is not True:
             why.append(f"{what} do not match ({len(d['only_before'])} only before, "
                        f"{len(d['only_after'])} only after, {d['matched']} in both)")
-    return {"headline": headline(terms), "breakdown": terms,
+    return {"headline": headline(terms), "breakdown": terms, "terms_only": terms_only(terms),
             "comparable": not why, "not_comparable": "; ".join(why) or None,
             "rank_before": rank_b, "rank_after": rank_a,
             "iterations": {"before": rb.iterations - rb.warmup_skipped,

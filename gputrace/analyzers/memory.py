@@ -16,7 +16,8 @@ UNAVAILABLE = ("no memory samples in this trace (recorded before gputrace sample
 
 def analyze_memory(table: pa.Table, rank: int) -> dict[str, Any]:
     """`memory` of analyze --json: `rank`'s peaks, and every rank's peak RSS."""
-    m = pc.and_(pc.equal(table["kind"], "sample"), pc.equal(table["cat"], CAT))
+    m = pc.and_(pc.equal(table["kind"].cast(pa.string()), "sample"),
+                pc.equal(table["cat"].cast(pa.string()), CAT))
     rows = table.filter(m).select(["name", "rank", "pid", "device", "value"]).to_pylist()
     if not rows:
         return {"rss_peak_bytes": None, "cuda": [], "ranks": {}, "unavailable": UNAVAILABLE}

@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         quiet=args.quiet, steps=args.steps, delay_s=args.delay, duration_s=args.duration,
         on_demand=args.on_demand, capture_steps=args.capture_steps)
     if args.report:
-        from gputrace.cli.report import check_output
+        from gputrace.cli.pages import check_output
 
         check_output(args.report)
     try:
@@ -85,10 +85,11 @@ def run(args: argparse.Namespace) -> int:
     if args.report and res.output:
         import sys
 
-        from gputrace.cli.report import report_of
+        from gputrace.analysis import AnalysisError
+        from gputrace.cli.pages import report_of
 
         try:   # the job's exit code stands whatever becomes of the report
             print(report_of(res.output, args.report), file=sys.stderr)
-        except CommandError as e:
+        except (CommandError, AnalysisError) as e:
             print(f"gputrace: no report: {e}", file=sys.stderr)
     return res.exit_code

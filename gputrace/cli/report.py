@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import os
 
 from gputrace.cli import CommandError, output_name
-from gputrace.cli.analyze import add_options, analysis
+from gputrace.cli.options import add_options, options_of
+from gputrace.cli.pages import check_output, write, write_diff
 
 HELP = "write an HTML page of charts (breakdown, timeline, ranks, bandwidth, speedup, what-if)"
 
@@ -25,9 +25,11 @@ def run(args: argparse.Namespace) -> int:
     out = args.output or output_name(args.trace[0], ".html")
     check_output(out)
     from gputrace import progress
+    from gputrace.analysis import run_analysis
 
+    opts = options_of(args)
     with progress.shown():
-        a = analysis(args, detail=True)
+        a = run_analysis(opts, detail=True)
         progress.update("writing the report", 0, None)
         line = write(a, out, args.rank, args.trace)
     print(line)
@@ -42,50 +44,12 @@ def run_diff(args: argparse.Namespace) -> int:
     out = args.output or output_name(args.trace[1], "-diff.html")
     check_output(out)
     from gputrace import progress
-    from gputrace.cli.diff import compared, write_page
+    from gputrace.analysis import run_diff as diff_of
 
-    diff_args = argparse.Namespace(**{**vars(args), "before": args.trace[0],
-                                      "after": args.trace[1]})
+    opts = options_of(args)
     with progress.shown():
-        c = compared(diff_args)
+        c = diff_of(opts, args.trace[0], args.trace[1])
         progress.update("writing the report", 0, None)
-        line = write_page(c, out)
+        line = write_diff(c, out)
     print(line)
     return 0
-
-
-def check_output(path: str) -> None:
-    """Before any work: the plotting extra is there and the page can be written."""
-    from gputrace.report.html import ReportUnavailable, available
-
-    try:
-        available()
-    except ReportUnavailable as e:
-        raise CommandError(str(e)) from None
-    if os.path.isdir(path):
-        raise CommandError(f"{path} is a directory; give the report a file name")
-    d = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(d):
-        raise CommandError(f"cannot write {path}: directory {d} does not exist")
-
-
-def write(a, path: str, rank: int | None, traces: list[str]) -> str:  # type: ignore[no-untyped-def]
-    """Write the page; the line that says where it is."""
-    from gputrace.report.html import ReportUnavailable
-    from gputrace.report.html import write as write_html
-
-    try:
-        n = write_html(a, path, rank, " ".join(traces))
-    except OSError as e:
-        raise CommandError(f"cannot write {path}: {e}") from None
-    except ReportUnavailable as e:
-        raise CommandError(str(e)) from None
-    return f"report: {path} ({n / 1e6:.2f} MB), open it in a browser"
-
-
-def report_of(trace: str, path: str) -> str:
-    """The report of a trace with the default options (`record --report`)."""
-    p = argparse.ArgumentParser()
-    add_options(p)
-    args = p.parse_args([trace])
-    return write(analysis(args, detail=True), path, None, [trace])

@@ -45,6 +45,15 @@ def headline(doc: dict[str, Any]) -> str:
     return text
 
 
+def only_line(doc: dict[str, Any]) -> str:
+    """'Terms only one run has: before: comm (all of it); after: waiting for data (I/O)'
+    ('' when both have the same)."""
+    only = doc.get("terms_only") or {}
+    parts = [f"{side}: {', '.join(doc['breakdown'][k]['label'] for k in only[side])}"
+             for side in ("before", "after") if only.get(side)]
+    return f"Terms only one run has time in: {'; '.join(parts)}" if parts else ""
+
+
 def render(doc: dict[str, Any], file: IO[str] | None = None) -> None:
     con = console(file)
     con.print(escape(headline(doc)))
@@ -63,6 +72,9 @@ def render(doc: dict[str, Any], file: IO[str] | None = None) -> None:
                   _ci(r), "" if r["low"] is None else
                   "beyond noise" if r["beyond_noise"] else "within noise")
     con.print(t)
+    only = only_line(doc)
+    if only:
+        con.print(escape(only))
     for k, v in (doc.get("throughput") or {}).items():
         con.print(f"the job's {k.replace('_per_s', '')}/s: {v['before']:,.1f} -> "
                   f"{v['after']:,.1f}" + (f" ({v['ratio']:.3g}x)" if v["ratio"] else ""))

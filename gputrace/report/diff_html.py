@@ -10,7 +10,7 @@ from typing import Any
 
 from gputrace.analyzers import Analysis
 from gputrace.report.charts_diff import _ci, _ms, _noise, charts
-from gputrace.report.diff import headline
+from gputrace.report.diff import headline, only_line
 from gputrace.report.html import _e, page, vega_script
 
 NOT_DRAWN = {    # chart id: (what it would show, why it is not drawn)
@@ -49,6 +49,8 @@ def _summary(doc: dict[str, Any]) -> list[str]:
     out.append('<table class="breakdown"><tr><th>term</th><th></th><th>before</th>'
                "<th>after</th><th>change</th><th>95 % interval</th><th></th></tr>"
                f"{rows}</table>")
+    if only_line(doc):
+        out.append(f'<p class="terms-only">{_e(only_line(doc))}</p>')
     for k, v in (doc.get("throughput") or {}).items():
         ratio = f" ({v['ratio']:.3g}x)" if v["ratio"] else ""
         out.append(f"<p>The job's {_e(k.replace('_per_s', ''))}/s: {v['before']:,.1f} -> "

@@ -3,13 +3,17 @@ iteration and phase tests compare gputrace's analysis with.
 
     python timed_loop.py OUT.json [--loader] [--accumulate K] [--eval-every N]
                          [--no-optimizer] [--steps N] [--profile TRACE.json]
+                         [--workers N] [--item-sleep-ms MS]
 
 Per optimizer step it writes the loop's own times (seconds, time.time_ns for boundaries):
 `io` (waiting for the batch), `h2d` (the copy of the batch), `forward` (model and loss),
 `backward`, `update` (optimizer.step), `other` (zero_grad, a logging `.item()` and a sleep
 standing in for the loop's bookkeeping), and `start`/`end`: iterations tile the loop, the
 next one begins where this one ended. `--profile` runs it under torch.profiler (CPU
-activity, a schedule, steps marked with `prof.step()`) and exports the trace.
+activity, a schedule, steps marked with `prof.step()`) and exports the trace. `--workers`:
+the loader's worker processes (0: batches made in the loop's own process); `--item-sleep-ms`:
+each sample takes that long to load, sleeping (I/O, not CPU) instead of the default short
+busy wait.
 """
 
 from __future__ import annotations
@@ -25,8 +29,8 @@ from torch.utils.data import DataLoader, Dataset
 class Slow(Dataset):
     """Batches that take a while to make (the loop's wait for data is real)."""
 
-    def __init__(self, n: int, cost_s: float) -> None:
-        self.n, self.cost_s = n, cost_s
+    def __init__(self, n: int, cost_s: float, sleep_s: float = 0.0) -> None:
+        self.n, self.cost_s, self.sleep_s = n, cost_s, sleep_s
         g = torch.Generator().manual_seed(0)
         self.x = torch.randn(n, 512, generator=g)
         self.y = torch.randint(0, 10, (n,), generator=g)
@@ -35,6 +39,9 @@ class Slow(Dataset):
         return self.n
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.sleep_s:
+            time.sleep(self.sleep_s)
+            return self.x[i], self.y[i]
         t = time.perf_counter() + self.cost_s
         while time.perf_counter() < t:
             pass
@@ -51,6 +58,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--profile")
+    p.add_argument("--workers", type=int, default=0)
+    p.add_argument("--item-sleep-ms", type=float, default=0.0)
     a = p.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -59,8 +68,8 @@ def main() -> None:
                                 torch.nn.Linear(1024, 10))
     loss_fn = torch.nn.CrossEntropyLoss()
     opt = None if a.no_optimizer else torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    ds = Slow(a.steps * a.accumulate * a.batch + 64 * a.batch, 0.00002)
-    loader = DataLoader(ds, batch_size=a.batch, num_workers=0)
+    ds = Slow(a.steps * a.accumulate * a.batch + 64 * a.batch, 0.00002, a.item_sleep_ms / 1e3)
+    loader = DataLoader(ds, batch_size=a.batch, num_workers=a.workers)
     fixed = [(ds.x[:a.batch].clone(), ds.y[:a.batch].clone())]
     batches = iter(loader) if a.loader else None
     prof = None
