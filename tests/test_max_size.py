@@ -173,25 +173,40 @@ def test_every_iteration_keeps_its_time(killed, killed_json):
     assert sum(run["inside_window"]) == w["iterations"] < len(run["step"])
 
 
+# one process, 24 layers, ITERS iterations; it says how many it ran
+LOOP = """
+import sys, torch
+from torch import nn
+torch.set_num_threads(1)
+m = nn.Sequential(*[nn.Linear(16, 16) for _ in range(24)])
+o = torch.optim.SGD(m.parameters(), lr=0.01)
+x = torch.randn(8, 16)
+n = int(sys.argv[1])
+for i in range(n):
+    m(x).sum().backward(); o.step(); o.zero_grad()
+print(n)
+"""
+
+
 def test_clean_run_says_what_was_dropped(tmp_path):
+    job = tmp_path / "loop.py"
+    job.write_text(LOOP)
     out = tmp_path / "c.arrow"
     p = run_gputrace("record", "-q", "-o", str(out), "--max-size", "100KB", *DETAIL, "--",
-                     sys.executable, "-m", "torch.distributed.run", "--standalone",
-                     "--nproc_per_node", "2", JOB, str(tmp_path / "c.json"), "--iterations",
-                     "150", timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    line = [x for x in p.stderr.splitlines() if "--max-size 100KB" in x]
-    assert len(line) == 1, p.stderr[-2000:]
+                     sys.executable, str(job), "400", timeout=300)
+    assert p.returncode == 0 and p.stdout.strip() == "400", p.stderr[-3000:]
     t = load(out).table
-    kept = {r: sorted(x["step"] for x in t.filter(_cats(t, ("iteration",))).to_pylist()
-                      if x["rank"] == r) for r in (0, 1)}
-    assert all(kept[r][-1] == 149 and kept[r][0] > 0 for r in (0, 1)), kept
-    k0 = kept[0]
-    if kept[0] == kept[1]:
-        assert f"kept the detail of iterations {k0[0]}..149 of ranks 0, 1; {k0[0]} earlier " \
-            "ones keep their times only" in line[0], line[0]
-    else:
-        assert f"iterations {k0[0]}..149 of rank 0; {k0[0]} earlier" in line[0], line[0]
+    kept = sorted(x["step"] for x in t.filter(_cats(t, ("iteration",))).to_pylist())
+    # the last iteration ends where the job does (no step after it): 399 are whole
+    assert kept and kept[-1] >= 398 and kept[0] > 0, kept
+    assert kept == list(range(kept[0], kept[-1] + 1))
+    line = [x for x in p.stderr.splitlines() if x.startswith("gputrace: --max-size")]
+    assert line == [f"gputrace: --max-size 100KB kept the detail of iterations "
+                    f"{kept[0]}..{kept[-1]} of the job; {kept[0]} earlier ones keep their "
+                    "times only"], p.stderr[-2000:]
+    run = json.loads(run_gputrace("analyze", str(out), "--json", "--skip", "0",
+                                  check=True).stdout)["run"]
+    assert run["step"] == list(range(kept[-1] + 1))
 
 
 @pytest.mark.parametrize("bad", ["abc", "0", "10KB", "-5MB", "1e400"])

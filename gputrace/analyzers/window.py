@@ -97,7 +97,9 @@ def analyze_window(table: pa.Table, md: dict[str, Any], rank: int) -> dict[str, 
     win = window_of(md)
     if win is None:
         return None
-    s = series(table, rank)
+    # one process that never learned a rank records -1, which the analysis calls rank 0
+    of = rank if rank in pc.unique(table["rank"]).to_pylist() else -1
+    s = series(table, of)
     steps = np.array(s["step"], np.int64)
     t = (np.array(s["end"], np.int64) - np.array(s["start"], np.int64)) / 1e9
     inside = np.array(s["inside"], bool)
@@ -111,7 +113,7 @@ def analyze_window(table: pa.Table, md: dict[str, Any], rank: int) -> dict[str, 
                               "start_s": (s["start"][ins[0]] - t0) / 1e9 if len(ins) else None,
                               "end_s": (s["end"][ins[-1]] - t0) / 1e9 if len(ins) else None,
                               "windows": _windows(s, ins, t0),
-                              "captured": _captured(table, rank)}
+                              "captured": _captured(table, of)}
     sp = spikes(t)
     run: dict[str, Any] = {
         "rank": rank, "iterations": int(len(t)), "step": steps.tolist(),
