@@ -24,7 +24,7 @@ from gputrace.trace.frames import SUFFIX, FrameWriter
 from gputrace.window import PHASES, pack, phase_sums
 
 ENV = "GPUTRACE_MAX_SIZE"
-MIN_SIZE = 64 * 1024    # a segment holds a copy of the metadata (a few KB) and some detail
+MIN_SIZE = 64_000        # a segment holds a copy of the metadata (a few KB) and some detail
 _SEGMENTS = 4           # a new segment when the newest holds more than SIZE / _SEGMENTS
 
 
