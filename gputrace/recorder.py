@@ -8,18 +8,17 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from gputrace.clock import Clock
 from gputrace.fmt import reason
+from gputrace.loop import Iterations
 from gputrace.metadata import hostname
 
 if TYPE_CHECKING:
+    from gputrace.ring import RingWriter
     from gputrace.trace.frames import FrameWriter
     from gputrace.trace.writer import Row
-
-T = TypeVar("T")
 
 _native_tid = threading.get_native_id
 # pthread_self(): GPU tools name threads by it. CUPTI's runtime records carry its low 32 bits
@@ -34,7 +33,7 @@ FLUSH_INTERVAL_S = 0.8
 _PHASE_CATS = frozenset(("io", "h2d", "forward", "backward", "update", "comm"))
 
 
-class Recorder:
+class Recorder(Iterations):
     """Collects rows for one shard file and writes them in batches from a flusher thread.
 
     Hot path (`span`, `phase`): two clock reads and a list append. The file (a shard in
@@ -69,7 +68,7 @@ class Recorder:
         self._rows: deque[Row] = deque()
         self._swap = threading.Lock()
         self._write = threading.Lock()
-        self._writer: FrameWriter | _DeadWriter | None = None
+        self._writer: FrameWriter | RingWriter | _DeadWriter | None = None
         self._closed = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -86,6 +85,8 @@ class Recorder:
         self.rank_source: Any = None
         # a recording window (gputrace.window): what falls outside it is folded at flush
         self.window: Any = None
+        # bytes of iterations' detail kept on disk, a ring of the latest (gputrace.ring)
+        self.max_size: int | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> Recorder:
@@ -182,10 +183,14 @@ class Recorder:
         except Exception as e:  # noqa: BLE001 - e.g. a value that cannot be written
             self.left_out(n, reason(e))
 
-    def _open(self) -> FrameWriter | _DeadWriter:
+    def _open(self) -> FrameWriter | RingWriter | _DeadWriter:
         from gputrace.trace.frames import FrameWriter
 
         try:
+            if self.max_size:
+                from gputrace.ring import RingWriter
+
+                return RingWriter(self.path, self.metadata, self.max_size, quiet=self.quiet)
             return FrameWriter(self.path, self.metadata, quiet=self.quiet)
         except Exception as e:  # noqa: BLE001 - a recorder never breaks its process
             dead = _DeadWriter(reason(e))
@@ -314,50 +319,6 @@ class Recorder:
     def instant(self, cat: str, name: str, args: dict[str, Any] | None = None) -> None:
         self.row("instant", cat, name, self.now_ns(), tid=_native_tid(), step=self.step,
                  args=json.dumps(args, default=str) if args else None)
-
-    # -- iterations -------------------------------------------------------------------------
-    def open_iteration(self, t_ns: int) -> None:
-        if self._iter_start is None:
-            self._iter_start = t_ns
-            self._iter_live = False
-
-    def close_iteration(self, t_ns: int, name: str = "iteration", reopen: bool = False) -> None:
-        """End the open iteration at t_ns (`name`: `iteration`, or `inference` for a batch
-        that trained nothing). `reopen`: the next one begins here (iterations tile the loop;
-        one that sees no span before the recording ends is dropped)."""
-        start, self._iter_start = self._iter_start, None
-        if start is not None:
-            self.span("iteration", name, start, t_ns, step=self.step)
-            self.step += 1
-        if reopen:
-            self.open_iteration(t_ns)
-
-    def drop_iteration(self) -> None:
-        self._iter_start = None
-
-    def iterate(self, iterable: Iterable[T], name: str = "next") -> Iterator[T]:
-        """Yield items; time spent waiting for each is an `io` span inside its iteration."""
-        it = iter(iterable)
-        now = self.clock.now_ns
-        while True:
-            t0 = now()
-            if self._iter_start is not None and self._iter_live:
-                # the loop did not call step(): asking for the next item ends the iteration
-                self.close_iteration(t0)
-            # it begins when the loop asks for its batch (also after a step(): nothing
-            # happened since, the loop only came back for the next item)
-            self._iter_start = None
-            self.open_iteration(t0)
-            try:
-                item = next(it)
-            except StopIteration:
-                self._iter_start = None
-                return
-            self.span("io", name, t0, now())
-            yield item
-
-    def step_done(self) -> None:
-        self.close_iteration(self.clock.now_ns(), reopen=True)
 
 
 def _copy(d: deque[Any]) -> list[Any]:

@@ -29,18 +29,22 @@ class Session:
     and merges both into `path` on exit. Under `gputrace record`, it joins that recording
     instead (the record's own trace gets everything) and `path` is not written.
     `steps=(START, COUNT)` (or "START:COUNT"), or `delay`/`duration` in seconds: a recording
-    window, as `record --steps`/`--delay`/`--duration` (docs/recording.md, "Long jobs").
+    window, as `record --steps`/`--delay`/`--duration`; `max_size` ("5MB" or bytes): at
+    most that much of the latest iterations' detail on disk, as `record --max-size`
+    (docs/recording.md, "Long jobs").
     """
 
     def __init__(self, path: str = "trace.arrow", *, hz: float = 50.0,
                  collectors: Iterable[str] = SYSTEM_COLLECTORS, sampler: bool = True,
                  flush_interval_s: float = _recorder.FLUSH_INTERVAL_S,
                  steps: str | tuple[int, int] | None = None, delay: float | None = None,
-                 duration: float | None = None) -> None:
+                 duration: float | None = None, max_size: str | int | None = None) -> None:
+        from gputrace.ring import parse_size
         from gputrace.window import make
 
-        # as record's --steps/--delay/--duration (a ValueError when it cannot be)
+        # as record's --steps/--delay/--duration/--max-size (a ValueError when it cannot be)
         self.window = make(steps, delay, duration)
+        self.max_size = None if max_size is None else parse_size(max_size)
         self.path = os.fspath(path)
         self.hz = hz
         self.collectors = list(collectors)
@@ -81,6 +85,10 @@ class Session:
         rec.set_collector("ranges", "ok")
         if self.window is not None:
             self.window.attach(rec)
+        if self.max_size is not None:
+            from gputrace import ring
+
+            ring.attach(rec, self.max_size)
         with contextlib.suppress(Exception):   # recorded all the same
             from gputrace.collectors import memory
 
@@ -159,6 +167,12 @@ class Session:
             from gputrace.record.merge import merge_shards
 
             self.result = merge_shards(self._dir, self.path, top=dict(rec.metadata))
+            if self.max_size is not None:
+                from gputrace.ring import dropped_line
+
+                line = dropped_line(self.result.path)
+                if line:
+                    print(line, file=sys.stderr)
         except Exception as e:  # noqa: BLE001 - a profiler never takes down the job
             print(f"gputrace: could not write {self.path}: {lost or reason(e)}; what was "
                   f"recorded until then is kept in {self._dir} (`gputrace recover {self.path}` "

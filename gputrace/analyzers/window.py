@@ -49,8 +49,10 @@ def series(table: pa.Table, rank: int) -> dict[str, Any]:
             by_step.setdefault(r["step"], []).append(
                 (r["cat"], r["name"], r["start_ns"], r["end_ns"] or r["start_ns"], 0,
                  r["step"], r["layer"] if r["layer"] is not None else -1))
-    # (start, end, step, inside, phase sums in ns) per iteration
+    # (start, end, step, inside, phase sums in ns) per iteration; an iteration in full
+    # detail is counted once, where --max-size also kept its `run` entry
     per: list[tuple[int, int, int, bool, dict[str, int]]] = []
+    full = {r["step"] for r in its if r["cat"] == "iteration"}
     for r in its:
         if r["cat"] == "iteration":
             per.append((r["start_ns"], r["end_ns"], r["step"], True,
@@ -58,7 +60,7 @@ def series(table: pa.Table, rank: int) -> dict[str, Any]:
         else:
             per.extend((s, e, step, False, sums)
                        for step, s, e, sums in unpack(r["start_ns"], r["end_ns"], r["step"],
-                                                      r["args"]))
+                                                      r["args"]) if step not in full)
     per.sort(key=lambda x: x[0])
     out: dict[str, Any] = {"step": [x[2] for x in per], "start": [x[0] for x in per],
                            "end": [x[1] for x in per], "inside": [x[3] for x in per]}

@@ -47,6 +47,9 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
                    help="the iterations a window opened by SIGUSR2 holds (20); with a window "
                    "(--on-demand, --steps, --delay) SIGUSR2 opens one instead of reaching "
                    "the job")
+    p.add_argument("--max-size", metavar="SIZE",
+                   help="PyTorch: keep at most SIZE (e.g. 5MB) of detail on disk per process, "
+                   "the most recent iterations; every iteration keeps its time and phase sums")
     p.add_argument("--redact-argv", action="store_true",
                    help="keep only program and flag names of argv in the trace")
     p.add_argument("--kill-after", type=float, default=10.0, metavar="S",
@@ -73,7 +76,8 @@ def run(args: argparse.Namespace) -> int:
         kill_after_s=args.kill_after, per_host=True if args.per_host else None,
         tf_steps=args.tf_steps, layers=args.layers, layer_forward=args.layer_forward,
         quiet=args.quiet, steps=args.steps, delay_s=args.delay, duration_s=args.duration,
-        on_demand=args.on_demand, capture_steps=args.capture_steps)
+        on_demand=args.on_demand, capture_steps=args.capture_steps,
+        max_size=args.max_size)
     if args.report:
         from gputrace.cli.pages import check_output
 

@@ -42,6 +42,17 @@ def _window(rec: _recorder.Recorder) -> None:
               "iteration in full", file=sys.stderr)
 
 
+def _max_size(rec: _recorder.Recorder) -> None:
+    """The ring of detail `record --max-size` asked for, if any."""
+    try:
+        from gputrace import ring
+
+        ring.from_env(rec)
+    except Exception as e:  # noqa: BLE001 - recorded without a bound instead
+        print(f"gputrace: no --max-size ({type(e).__name__}: {e}); keeping every "
+              "iteration's detail", file=sys.stderr)
+
+
 def boot(shard_dir: str) -> _recorder.Recorder:
     """Start this process's recorder writing a shard into shard_dir."""
     global _shard_dir
@@ -49,6 +60,7 @@ def boot(shard_dir: str) -> _recorder.Recorder:
     md = base_metadata("process")
     rec = _recorder.Recorder(shard_path(shard_dir), md)
     _window(rec)
+    _max_size(rec)
     with contextlib.suppress(Exception):   # the process is recorded all the same
         from gputrace.collectors import memory
 

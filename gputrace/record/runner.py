@@ -63,6 +63,7 @@ class RecordOptions:
     duration_s: float | None = None  # job starts, for duration_s
     on_demand: bool = False        # no window until `gputrace capture` (or SIGUSR2) opens one
     capture_steps: int = 20        # the iterations a window opened by SIGUSR2 holds
+    max_size: str | None = None    # e.g. 5MB: detail kept on disk per process (a ring)
 
 
 @dataclass
@@ -117,6 +118,13 @@ def _check(opts: RecordOptions) -> None:
         make(opts.steps, opts.delay_s, opts.duration_s, on_demand=opts.on_demand)
     except WindowError as e:
         raise RecordError(str(e)) from None
+    if opts.max_size is not None:
+        from gputrace.ring import MaxSizeError, parse_size
+
+        try:
+            parse_size(opts.max_size)
+        except MaxSizeError as e:
+            raise RecordError(str(e)) from None
     if not (0 < opts.capture_steps < 1e9):
         raise RecordError("--capture-steps takes a number of iterations, 1 or more")
     if not (0 < opts.hz <= 10_000):
@@ -183,6 +191,12 @@ def _prepare(opts: RecordOptions, shard_dir: str, clock: Clock
     if win is not None:
         env[ENV] = win.env()
         md["window"] = win.describe()
+    if opts.max_size is not None:
+        from gputrace import ring
+
+        size = ring.parse_size(opts.max_size)
+        env[ring.ENV] = str(size)
+        ring.mark(md, size)   # record's own shard holds no iterations: not a ring
     if opts.layers is not None:
         env["GPUTRACE_LAYERS"] = opts.layers
     if opts.layer_forward:
@@ -293,13 +307,19 @@ def record(opts: RecordOptions) -> RecordResult:
                "run": run if output != run else None}
     if not opts.quiet:
         print_summary(output, duration, exit_code, summary)
+    if opts.max_size is not None:   # said even with -q: what is not in the trace
+        from gputrace.ring import dropped_line
+
+        line = dropped_line(output)
+        if line:
+            print(line, file=sys.stderr)
     return RecordResult(exit_code, output, duration, summary)
 
 
 def _listen(opts: RecordOptions, rec: Recorder, shard_dir: str, output: str) -> str | None:
     """List the recording for `gputrace capture`; with a window, SIGUSR2 opens one too."""
     job = {"pid": os.getpid(), "shard_dir": shard_dir, "output": os.path.abspath(output),
-           "window": rec.metadata.get("window"), "argv": list(opts.command),
+           "window": _opened(rec.metadata.get("window")), "argv": list(opts.command),
            "started_ns": time.time_ns()}
     try:
         if job["window"]:
@@ -309,6 +329,13 @@ def _listen(opts: RecordOptions, rec: Recorder, shard_dir: str, output: str) -> 
         print(f"gputrace: `gputrace capture` cannot reach this recording: {reason(e)}",
               file=sys.stderr)
         return None
+
+
+def _opened(win: Any) -> Any:
+    """A window `capture` can open more of: not the one --max-size alone describes."""
+    if isinstance(win, dict) and not set(win) - {"max_size", "run_phases", "run_unit"}:
+        return None
+    return win
 
 
 def _finish(rec: Recorder, sampler: Sampler | None, collectors: list[SystemCollector],

@@ -16,6 +16,8 @@ def render_window(w: dict[str, Any], file: IO[str] | None = None) -> None:
     win, run = w["window"], w["run"]
     t = np.array(run["t_iter_s"], float)
     what = ("on demand" if win.get("on_demand") else
+            f"of the last {win['max_size'] / 1e6:.3g} MB (--max-size)"
+            if "max_size" in win and not {"steps", "delay_s"} & set(win) else
             f"iterations {win['steps'][0]}..{win['steps'][0] + win['steps'][1] - 1}"
             if "steps" in win else
             f"{win.get('delay_s', 0):g} s after the start"

@@ -94,6 +94,7 @@ class FrameWriter:
         self.error: str | None = None
         self.errno = 0
         self.rows_written = 0
+        self.written = 0         # bytes written to the file
         self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC
                                        | os.O_CLOEXEC, 0o644)
         self._put(MAGIC + _frame(b"M", _metadata(metadata)))
@@ -104,7 +105,9 @@ class FrameWriter:
         view = memoryview(data)
         try:
             while view and self._fd is not None:
-                view = view[os.write(self._fd, view):]
+                n = os.write(self._fd, view)
+                self.written += n
+                view = view[n:]
         except OSError as e:
             self._fail(e)
 
@@ -118,6 +121,14 @@ class FrameWriter:
         """Events, in frames of at most _FRAME_EVENTS each (a disk that fills up loses the
         frame it cut short, not the whole flush). ValueError where a value cannot be
         written (not a number or a string): nothing of that frame is."""
+        for frame, n in self.encode(host, rank, pid, perf_offset, spans, perf_spans, rows):
+            self.put(frame, n)
+
+    def encode(self, host: str, rank: int, pid: int, perf_offset: int,
+               spans: list[tuple[Any, ...]], perf_spans: list[tuple[Any, ...]],
+               rows: list[tuple[Any, ...]]) -> Iterator[tuple[bytes, int]]:
+        """The frames `write` writes, each with its number of events (made as they are
+        taken: none once the writer is off)."""
         n = len(spans) + len(perf_spans) + len(rows)
         for lo in range(0, n, _FRAME_EVENTS):
             if self._fd is None:
@@ -131,9 +142,13 @@ class FrameWriter:
             sp = sp if _is_plain(sp) else _plain(sp)
             rw = rw if _is_plain(rw) else _plain(rw)
             body = marshal.dumps((host, rank, pid, perf_offset, sp, perf, rw), _MARSHAL)
-            self._put(_frame(b"E", body))
-            if self._fd is not None:
-                self.rows_written += sum(map(len, part))
+            yield _frame(b"E", body), sum(map(len, part))
+
+    def put(self, frame: bytes, events: int) -> None:
+        """One frame of `encode`'s."""
+        self._put(frame)
+        if self._fd is not None:
+            self.rows_written += events
 
     def put_metadata(self, metadata: dict[str, Any]) -> None:
         """The metadata as it is now (a rank learned during the run): the last one wins."""

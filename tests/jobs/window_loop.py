@@ -11,7 +11,9 @@ and loss), `backward` and `update`.
 `--until FILE` / `--stop-at T`: the loop runs until FILE exists / until time.time() T (at
 most --iterations; the ranks agree on the iteration they stop at); rank 0 writes
 `OUT.ready` once the loop has begun. Each row also holds `wall`: time.time() at the
-iteration's first forward."""
+iteration's first forward. `--progress FILE`: each rank appends to FILE with its rank in the
+name (`FILE.rank0`), as each iteration ends, a line `step wall t_iter` (flushed: it survives
+a kill -9)."""
 
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ def main() -> None:
     p.add_argument("--stop-at", type=float, default=0.0)
     p.add_argument("--start-at", type=float, default=0.0,
                    help="begin the loop at this time.time(), not before")
+    p.add_argument("--progress", default="")
     a = p.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -48,6 +51,7 @@ def main() -> None:
     now = time.perf_counter
     rows = []
     prev = None
+    log = open(f"{a.progress}.rank{rank}", "a", buffering=1) if a.progress else None
     time.sleep(max(0.0, a.start_at - time.time()))
     dist.barrier()
     if rank == 0:
@@ -71,6 +75,8 @@ def main() -> None:
         rows.append({"t_iter": t3 - prev, "forward": t1 - t0, "backward": t2 - t1,
                      "update": t3 - t2, "wall": wall})
         prev = t3
+        if log is not None:
+            log.write(f"{i} {wall!r} {rows[-1]['t_iter']!r}\n")
         # the loop's bookkeeping, inside the next iteration (iterations tile the loop)
         opt.zero_grad()
         time.sleep(0.06 if i == a.spike_at else 0.001)
