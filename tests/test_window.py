@@ -234,3 +234,18 @@ def test_packed_run_span_keeps_every_iteration_to_the_microsecond():
     for (step, s, e, sums), f in zip(got, folded, strict=True):
         assert abs(s - f[0]) <= 500 and abs(e - f[1]) <= 500, step
         assert all(abs(sums[p] - f[5][p]) <= 500 for p in PHASES), step
+
+
+def test_report_draws_the_whole_run_with_its_spike(runs, tmp_path):
+    pytest.importorskip("vl_convert")
+    page = tmp_path / "page.html"
+    run_gputrace("report", str(runs["steps"][0]), "-o", str(page), check=True)
+    text = page.read_text()
+    specs = json.loads(text.split("const specs = ", 1)[1].split(";\n", 1)[0]
+                       .replace("<\\/", "</"))
+    points, spikes = (layer["data"]["values"][0] for layer in specs["run"]["layer"])
+    # every iteration of the run, the window's apart, the stall the job made marked
+    assert len(points["step"]) == ITERATIONS
+    assert points["where"].count("in full detail") == COUNT
+    assert SPIKE + 1 in spikes["step"]
+    assert 'id="run"' in text and "The whole run" in text

@@ -158,11 +158,13 @@ def _parallel_not_drawn(ra: RankAnalysis) -> list[tuple[str, str, str]]:
     return out
 
 
-def render(a: Analysis, rank: int | None, script: str, source: str = "") -> str:
+def render(a: Analysis, rank: int | None, script: str, source: str = "",
+           more: tuple[Chart, ...] = ()) -> str:
     """The page for one rank (default: the slowest) of an analysis made with detail=True;
-    `script` is vega_script()'s."""
+    `script` is vega_script()'s; `more`: charts of what the analysis does not hold (a
+    windowed run's whole series)."""
     ra = a.ranks[rank] if rank is not None else a.main
-    drawn = {c.id: c for c in charts(a, ra)}
+    drawn = {c.id: c for c in (*charts(a, ra), *more)}
     body = ["<h1>gputrace report</h1>", *_summary(a, ra, source),
             "<nav>" + "".join(f'<a href="#{c.id}">{_e(c.title.split(":")[0])}</a>'
                               for c in drawn.values()) + "</nav>",
@@ -197,9 +199,10 @@ def page(title: str, body: list[str], specs: dict[str, Any], script: str) -> str
             "</body></html>\n")
 
 
-def write(a: Analysis, path: str, rank: int | None = None, source: str = "") -> int:
+def write(a: Analysis, path: str, rank: int | None = None, source: str = "",
+          more: tuple[Chart, ...] = ()) -> int:
     """Write the page; returns its size in bytes."""
-    data = render(a, rank, vega_script(), source).encode("utf-8")
+    data = render(a, rank, vega_script(), source, more).encode("utf-8")
     with open(path, "wb") as f:
         f.write(data)
     return len(data)
