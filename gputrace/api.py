@@ -264,9 +264,12 @@ class Result:
 
     def report(self, height: int = 900) -> ReportView:
         """The whole HTML report (as `gputrace report`), inline in Jupyter; `.save(path)`."""
+        from gputrace.document import charts
         from gputrace.report.html import render, vega_script
 
-        return ReportView(render(self.analysis, self.rank, vega_script(), self.source), height)
+        more = charts(self.analysis, self.rank, self._inputs) if self._inputs else ()
+        return ReportView(render(self.analysis, self.rank, vega_script(), self.source, more),
+                          height)
 
     def _repr_html_(self) -> str:
         import html

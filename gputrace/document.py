@@ -68,3 +68,16 @@ def document(a: Any, rank: int | None, inputs: Sequence[str],
         doc["findings"].append({"id": "window_missed", "severity": "moderate",
                                 "message": more["run"]["finding"]})
     return doc
+
+
+def charts(a: Any, rank: int | None, inputs: Sequence[str]) -> tuple[Any, ...]:
+    """The report's charts of what the analysis does not hold: a windowed recording's
+    whole run (none for another trace)."""
+    from gputrace.analyzers.window import window_of
+
+    if window_of(a.metadata) is None:
+        return ()
+    from gputrace.report.charts_run import run_chart
+
+    c = run_chart(extras(a, rank, inputs))
+    return (c,) if c is not None else ()

@@ -29,23 +29,11 @@ def check_output(path: str) -> None:
 
 def write(a: Analysis, path: str, rank: int | None, traces: list[str]) -> str:
     """Write the analysis' page; the line that says where it is."""
+    from gputrace.document import charts
     from gputrace.report.html import write as write_html
 
     return _written(path, lambda: write_html(a, path, rank, " ".join(traces),
-                                             _more(a, rank, traces)))
-
-
-def _more(a: Analysis, rank: int | None, traces: list[str]) -> tuple:  # type: ignore[type-arg]
-    """The whole run's chart of a windowed recording (none for another trace)."""
-    from gputrace.analyzers.window import window_of
-
-    if window_of(a.metadata) is None:
-        return ()
-    from gputrace.document import extras
-    from gputrace.report.charts_run import run_chart
-
-    c = run_chart(extras(a, rank, traces))
-    return (c,) if c is not None else ()
+                                             charts(a, rank, traces)))
 
 
 def write_diff(c: Compared, path: str) -> str:
