@@ -81,11 +81,13 @@ class Window:
                  duration_s: float = float("inf"), origin_ns: int | None = None,
                  on_demand: bool = False) -> None:
         self.on_demand = on_demand
-        self.steps = (0, 0) if on_demand else steps
+        self.steps = None if on_demand else steps
+        # a window of time (--delay/--duration), else of steps (--steps, --on-demand)
+        self.timed = steps is None and not on_demand
         self.delay_s, self.duration_s = delay_s, duration_s
         self.origin_ns = origin_ns
-        self.lo: int | None = None       # trace time of the window's first iteration's start
-        self.hi: int | None = None       # ... and its last one's end
+        self.lo: int | None = None       # a window of time: where it begins, in trace time
+        self.hi: int | None = None       # ... and ends
         self.pending: dict[int, list[tuple[Any, ...]]] = {}   # step -> spans not yet decided
         self.pending_rows: dict[int, list[tuple[Any, ...]]] = {}
         self.decided: dict[int, bool] = {}   # step -> inside the window
@@ -93,8 +95,9 @@ class Window:
         # phase sums)
         self._folded: list[tuple[Any, ...]] = []
         self._lock = threading.Lock()
-        # windows `gputrace capture` opened: [first step, count, lo, hi]
-        self.captured: list[list[Any]] = []
+        # windows of steps (--steps, then those `gputrace capture` opened): [first step,
+        # count, its first iteration's start, its last one's end]
+        self.ranges: list[list[Any]] = [[*self.steps, None, None]] if self.steps else []
         self.capture: Any = None     # gputrace.capture.Answer, where it can reach this job
         self.last_decided = -1
         # the span describing the input, when it fell outside the window (False: carried)
@@ -116,7 +119,7 @@ class Window:
         """The same window with nothing pending (a forked child's)."""
         w = Window(self.steps, self.delay_s, self.duration_s, self.origin_ns, self.on_demand)
         w.lo, w.hi = self.lo, self.hi
-        w.captured = [list(c) for c in self.captured]
+        w.ranges = [list(c) for c in self.ranges]
         w.capture = self.capture.fresh() if self.capture is not None else None
         return w
 
@@ -125,9 +128,9 @@ class Window:
 
     def attach(self, rec: Any) -> None:
         """Make `rec` write through this window (from its next flush)."""
-        if self.steps is None and self.origin_ns is None:
+        if self.timed and self.origin_ns is None:
             self.origin_ns = rec.clock.now_ns()
-        if self.steps is None:
+        if self.timed:
             self.lo = self.origin_ns + int(self.delay_s * 1e9)
             if self.duration_s != float("inf"):
                 self.hi = self.lo + int(self.duration_s * 1e9)
@@ -138,12 +141,14 @@ class Window:
         self.capture = capture.Answer.of(rec)
 
     # -- the rule ---------------------------------------------------------------------------
+    def _in_steps(self, step: int) -> bool:
+        return any(c[0] <= step < c[0] + c[1] for c in self.ranges)
+
     def _inside(self, step: int, start: int, end: int) -> bool:
-        if any(c[0] <= step < c[0] + c[1] for c in self.captured):
+        if self._in_steps(step):
             return True
-        if self.steps is not None:
-            s, c = self.steps
-            return s <= step < s + c
+        if not self.timed:
+            return False
         assert self.lo is not None
         return start >= self.lo and (self.hi is None or end <= self.hi)
 
@@ -151,9 +156,9 @@ class Window:
         """A span of no iteration (a loader worker's fetch, a GPU record): inside when it
         starts within the window's time, as far as it is known."""
         if any(c[2] is not None and c[2] <= t and (c[3] is None or t <= c[3])
-               for c in self.captured):
+               for c in self.ranges):
             return True
-        if self.lo is None or t < self.lo:
+        if not self.timed or self.lo is None or t < self.lo:
             return False
         return self.hi is None or t <= self.hi
 
@@ -161,7 +166,7 @@ class Window:
         """Spans of a step no iteration span ended: by their step (or time) alone."""
         spans = self.pending.pop(step, [])
         rows = self.pending_rows.pop(step, [])
-        if self.steps is not None or any(c[0] <= step < c[0] + c[1] for c in self.captured):
+        if not self.timed or self._in_steps(step):
             return self._inside(step, 0, 0)
         t = min([s[2] for s in spans] + [r[3] for r in rows], default=0)
         return self._in_time(t)
@@ -178,7 +183,7 @@ class Window:
 
     def open(self, start: int, count: int) -> None:
         """A window of `count` iterations from step `start` (`gputrace capture`)."""
-        self.captured.append([start, count, None, None])
+        self.ranges.append([start, count, None, None])
 
     def _apply(self, spans: list[tuple[Any, ...]], rows: list[tuple[Any, ...]],
                closing: bool) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
@@ -242,15 +247,11 @@ class Window:
                 del self.decided[k]
         if inside:
             self._carry_batch(mine)
-            for c in self.captured:
+            for c in self.ranges:
                 if c[0] <= step < c[0] + c[1]:
                     c[2] = start if c[2] is None else min(c[2], start)
                     if step == c[0] + c[1] - 1:
                         c[3] = end
-            if self.steps is not None and self.steps[0] <= step < sum(self.steps):
-                self.lo = start if self.lo is None else min(self.lo, start)
-                if step == self.steps[0] + self.steps[1] - 1:
-                    self.hi = end
             out.extend(mine)
             out.append(sp)
             out_rows.extend(mine_rows)

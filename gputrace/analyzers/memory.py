@@ -8,6 +8,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from gputrace.analyzers.window import stored_rank
 from gputrace.collectors.memory import CAT
 
 UNAVAILABLE = ("no memory samples in this trace (recorded before gputrace sampled memory, "
@@ -21,11 +22,9 @@ def analyze_memory(table: pa.Table, rank: int) -> dict[str, Any]:
     rows = table.filter(m).select(["name", "rank", "pid", "device", "value"]).to_pylist()
     if not rows:
         return {"rss_peak_bytes": None, "cuda": [], "ranks": {}, "unavailable": UNAVAILABLE}
-    # a job of one process that never said its rank records -1: the analysis's rank 0
-    ranks = {r["rank"] for r in rows}
-    if ranks == {-1}:
+    if stored_rank(table, 0) == -1:    # one process that never said its rank
         for r in rows:
-            r["rank"] = 0
+            r["rank"] = 0 if r["rank"] == -1 else r["rank"]
     rss: dict[int, float] = {}
     cuda: dict[tuple[int, int], dict[str, float]] = {}
     for r in rows:

@@ -97,7 +97,7 @@ def analyze_window(table: pa.Table, md: dict[str, Any], rank: int) -> dict[str, 
     win = window_of(md)
     if win is None:
         return None
-    s = series(table, _stored(table, rank))
+    s = series(table, stored_rank(table, rank))
     steps = np.array(s["step"], np.int64)
     t = (np.array(s["end"], np.int64) - np.array(s["start"], np.int64)) / 1e9
     inside = np.array(s["inside"], bool)
@@ -111,7 +111,7 @@ def analyze_window(table: pa.Table, md: dict[str, Any], rank: int) -> dict[str, 
                               "start_s": (s["start"][ins[0]] - t0) / 1e9 if len(ins) else None,
                               "end_s": (s["end"][ins[-1]] - t0) / 1e9 if len(ins) else None,
                               "windows": _windows(s, ins, t0),
-                              "captured": _captured(table, _stored(table, rank))}
+                              "captured": _captured(table, stored_rank(table, rank))}
     sp = spikes(t)
     run: dict[str, Any] = {
         "rank": rank, "iterations": int(len(t)), "step": steps.tolist(),
@@ -125,7 +125,7 @@ def analyze_window(table: pa.Table, md: dict[str, Any], rank: int) -> dict[str, 
     return {"window": window, "run": run}
 
 
-def _stored(table: pa.Table, rank: int) -> int:
+def stored_rank(table: pa.Table, rank: int) -> int:
     """The rank `rank`'s rows carry: a job of one process that never said its rank records
     -1, which the analysis calls rank 0."""
     present = set(pc.unique(table["rank"]).to_pylist())
