@@ -105,7 +105,9 @@ def _agree(got: np.ndarray, truth: np.ndarray) -> None:
     assert len(got) == len(truth)
     rel = np.abs(got / truth - 1)
     bad = np.flatnonzero(rel > 0.05)
-    assert len(bad) <= len(got) // 100, bad
+    # one boundary moved makes the two iterations beside it off: one event
+    moves = int(np.sum(np.diff(bad) != 1)) + 1 if len(bad) else 0
+    assert moves <= max(1, len(got) // 100), bad
     for i in bad:
         pairs = [abs((got[i] + got[j]) / (truth[i] + truth[j]) - 1)
                  for j in (i - 1, i + 1) if 0 <= j < len(got)]
