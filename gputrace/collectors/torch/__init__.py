@@ -83,6 +83,12 @@ class _State:
         self.root_ran = False                     # a root's forward since the last backward
         self.pipeline_steps = 0                   # > 0 inside a pipeline schedule's step
 
+    def mem(self, phase: str, end: int, t: int) -> None:
+        """The memory at a phase's start (end=0) or end (collectors.memory)."""
+        m = self.rec.memory
+        if m is not None:
+            m.mark(phase, end, t)
+
     def note(self, text: str) -> None:
         """Something the analysis should say of this process's recording (in the shard's
         metadata, `torch.notes`), once."""
@@ -130,6 +136,7 @@ class _State:
         """A model root's forward begins (nested roots only count depth)."""
         t = self.now()
         if self.depth == 0:
+            self.mem("forward", 0, t)
             self.root_ran = True
             self.its.forward(t, torch.is_grad_enabled())
             self.root_t0 = t
@@ -156,12 +163,14 @@ class _State:
             else:
                 self.rec.span("forward", self.root_name, self.root_t0, t)
             self.last_fwd_end = self.loss_from = t
+            self.mem("forward", 1, t)
 
     # -- backward ------------------------------------------------------------------------
     @_guarded
     def backward_enter(self) -> None:
         if self.bwd_depth == 0:
             self.bwd_t0 = t = self.now()
+            self.mem("backward", 0, t)
             if self.probing:
                 _begin(self.probing)
             self.last_mark = t - self.off         # layer marks are on perf_counter_ns
@@ -198,6 +207,7 @@ class _State:
                           layer=layer, nbytes=self.layer_grad_bytes.get(layer))
             start = end
         self.rec.span("backward", "backward", self.bwd_t0, t)
+        self.mem("backward", 1, t)
         self.last_bwd_end = self.its.last_bwd = t
         self.last_mark = 0
 
@@ -205,7 +215,8 @@ class _State:
     @_guarded
     def step_pre(self, opt: Any, args: Any, kwargs: Any) -> None:
         if not self.engine_steps:   # inside an engine's step (DeepSpeed's), that one is it
-            self.update_t0 = self.now()
+            self.update_t0 = t = self.now()
+            self.mem("update", 0, t)
 
     @_guarded
     def step_post(self, opt: Any, args: Any, kwargs: Any) -> None:
@@ -219,7 +230,8 @@ class _State:
         if begin:
             self.engine_steps += 1
             if self.engine_steps == 1:
-                self.update_t0 = self.now()
+                self.update_t0 = t = self.now()
+                self.mem("update", 0, t)
         else:
             self.engine_steps = max(self.engine_steps - 1, 0)
             if not self.engine_steps:
@@ -230,6 +242,7 @@ class _State:
         # With a closure, forward and backward run inside step(): update starts after them.
         start = max(self.update_t0, self.last_bwd_end if self.last_bwd_end <= t else 0)
         self.rec.span("update", name, start, t)
+        self.mem("update", 1, t)
         self.loss_from = 0
         self.its.stepped(t)
 
@@ -277,6 +290,12 @@ def _patch_dataloader(state: _State) -> None:
     @_guarded
     def batch(t: int) -> None:
         state.its.batch(t)
+        state.mem("io", 0, t)
+
+    @_guarded
+    def fetched(t0: int, t: int) -> None:
+        state.rec.span("io", "DataLoader.__next__", t0, t)
+        state.mem("io", 1, t)
 
     @_guarded
     def exhausted() -> None:
@@ -290,7 +309,7 @@ def _patch_dataloader(state: _State) -> None:
         except StopIteration:
             exhausted()
             raise
-        state.rec.span("io", "DataLoader.__next__", t0, now())
+        fetched(t0, now())
         return out
 
     dl._BaseDataLoaderIter.__next__ = __next__
