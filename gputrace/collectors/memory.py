@@ -21,18 +21,20 @@ import json
 import os
 import resource
 import sys
+import weakref
 from typing import Any
 
 CAT = "memory"
 # ru_maxrss is in KiB on Linux (bytes on macOS)
 _RSS_UNIT = 1 if sys.platform == "darwin" else 1024
 PHASES = ("io", "h2d", "forward", "backward", "update")
+_pread, _getrusage, _SELF = os.pread, resource.getrusage, resource.RUSAGE_SELF
 
 
 def install(rec: Any) -> None:
     """Sample `rec`'s process at each of its flushes, and at its phases' boundaries."""
-    rec.flush_hooks.append(_Memory(rec).on_flush)
     rec.memory = PhaseMemory(rec)
+    rec.flush_hooks.append(_Memory(rec, rec.memory).on_flush)
 
 
 def _row(rec: Any, name: str, value: float, device: int, t_ns: int, step: int = -1,
@@ -52,8 +54,9 @@ def _cuda() -> Any:
 
 
 class _Memory:
-    def __init__(self, rec: Any) -> None:
+    def __init__(self, rec: Any, marks: PhaseMemory) -> None:
         self.rec = rec
+        self.marks = marks
         self.last: dict[tuple[str, int], float] = {}
 
     def on_flush(self, spans: list[tuple[Any, ...]], final: bool) -> list[tuple[Any, ...]]:
@@ -70,6 +73,8 @@ class _Memory:
             except (OSError, ValueError):
                 once["host_total", -1] = 0
         cuda = _cuda()
+        if cuda is not None and self.marks.cuda is None and not self.marks.cuda_off:
+            self.marks.cuda = cuda    # the phases' marks read it from now on
         try:
             if cuda is not None:
                 for dev in range(cuda.device_count()):
@@ -92,14 +97,14 @@ class _Memory:
 
 class PhaseMemory:
     """The memory at a phase's start and end, read on the training loop's thread: a pread
-    of /proc/self/statm and a getrusage (~2 us together), and on CUDA one read of the
-    allocator's statistics. Rows go straight onto the recorder's queue."""
+    of /proc/self/statm and a getrusage (~2 us together), and on CUDA (from the first flush
+    after the job initialized it) one read of the allocator's statistics. Rows go straight
+    onto the recorder's queue."""
 
     def __init__(self, rec: Any) -> None:
         self.rec = rec
         self.page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-        self.fd = -1
-        self.fd_pid = 0
+        self.fd = -1           # /proc/self/statm of this process (a forked child reopens it)
         self.hwm = 0.0
         self.cuda_peak: dict[int, float] = {}
         self.cuda: Any = None
@@ -109,22 +114,18 @@ class PhaseMemory:
                                         separators=(",", ":"))
                      for p in PHASES for e in (0, 1)}
 
-    def _rss(self) -> float:
-        pid = os.getpid()        # a forked child has its own: /proc/self is the opener's
-        if self.fd_pid != pid:
-            if self.fd >= 0:
-                os.close(self.fd)
-            self.fd = os.open("/proc/self/statm", os.O_RDONLY)
-            self.fd_pid = pid
-        return float(int(os.pread(self.fd, 128, 0).split()[1]) * self.page)
+        me = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: _forked(me()))
 
     def mark(self, phase: str, end: int, t_ns: int) -> None:
         """`phase` (one of PHASES) starts (end=0) or ends (end=1) at t_ns."""
         if self.failed:
             return
         try:
-            rss = self._rss()
-            hwm = float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * _RSS_UNIT)
+            if self.fd < 0:
+                self.fd = os.open("/proc/self/statm", os.O_RDONLY)
+            rss = float(int(_pread(self.fd, 128, 0).split()[1]) * self.page)
+            hwm = float(_getrusage(_SELF).ru_maxrss * _RSS_UNIT)
         except (OSError, ValueError, IndexError):
             self.failed = True    # no /proc (macOS): the flush's peaks alone
             return
@@ -132,17 +133,15 @@ class PhaseMemory:
         args = self.args[phase, end]
         push = rec._rows.append
         step = rec.step
-        push(_row(rec, "rss", rss, -1, t_ns, step, args))
+        push(("sample", CAT, "rss", t_ns, None, rss, "B", rec.host, rec.rank, rec.pid, -1, -1,
+              -1, step, -1, None, None, None, None, args))
         if hwm != self.hwm:
             self.hwm = hwm
-            push(_row(rec, "rss_peak", hwm, -1, t_ns, step, args))
+            push(("sample", CAT, "rss_peak", t_ns, None, hwm, "B", rec.host, rec.rank, rec.pid,
+                  -1, -1, -1, step, -1, None, None, None, None, args))
         cuda = self.cuda
         if cuda is None:
-            if self.cuda_off:
-                return
-            cuda = self.cuda = _cuda()
-            if cuda is None:
-                return
+            return
         try:
             dev = cuda.current_device()
             stats = _allocated(cuda, dev)
@@ -153,6 +152,13 @@ class PhaseMemory:
         if stats[1] != self.cuda_peak.get(dev):
             self.cuda_peak[dev] = stats[1]
             push(_row(rec, "cuda_allocated_peak", stats[1], dev, t_ns, step, args))
+
+
+def _forked(m: PhaseMemory | None) -> None:
+    """In a forked child: its own /proc/self/statm (the inherited one is the parent's)."""
+    if m is not None and m.fd >= 0:
+        os.close(m.fd)
+        m.fd = -1
 
 
 def _allocated(cuda: Any, dev: int) -> tuple[float, float]:
