@@ -31,6 +31,16 @@ PHASES = ("io", "h2d", "forward", "backward", "update")
 _pread, _getrusage, _SELF = os.pread, resource.getrusage, resource.RUSAGE_SELF
 
 
+def of_iteration(row: tuple[Any, ...]) -> bool:
+    """A recorder row that goes with its iteration (`step`) as spans do: the memory read at
+    a phase boundary (a recording window or ring keeps it only with its iteration's detail;
+    the peaks, written only when they grow, are kept as every other sample)."""
+    return row[1] == CAT and row[2] in _PER_ITERATION
+
+
+_PER_ITERATION = frozenset(("rss", "cuda_allocated"))
+
+
 def install(rec: Any) -> None:
     """Sample `rec`'s process at each of its flushes, and at its phases' boundaries."""
     rec.memory = PhaseMemory(rec)
