@@ -60,11 +60,11 @@ class phase:  # noqa: N801 - used like a function: `with phase("forward"):`
         if a is not None:
             _DOMAIN.push_range(a)
         if rec is not None:
+            if rec.memory is not None and self.cat in _MEMORY_PHASES:
+                rec.memory.mark(self.cat, 0, rec.clock.now_ns())   # before the phase's time
             self._t0 = t = rec.clock.now_ns()
             if rec._iter_start is None and self.cat != "user":
                 rec.open_iteration(t)   # the loop's first phase begins its first iteration
-            if rec.memory is not None and self.cat in _MEMORY_PHASES:
-                rec.memory.mark(self.cat, 0, t)
         return self
 
     def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,

@@ -84,7 +84,8 @@ class _State:
         self.pipeline_steps = 0                   # > 0 inside a pipeline schedule's step
 
     def mem(self, phase: str, end: int, t: int) -> None:
-        """The memory at a phase's start (end=0) or end (collectors.memory)."""
+        """The memory at a phase's start (end=0) or end (collectors.memory): read before
+        the phase's start is taken and after its end, so the phase's time holds none of it."""
         m = self.rec.memory
         if m is not None:
             m.mark(phase, end, t)
@@ -134,9 +135,10 @@ class _State:
     @_guarded
     def root_pre(self, module: torch.nn.Module, args: Any) -> None:
         """A model root's forward begins (nested roots only count depth)."""
+        if self.depth == 0:
+            self.mem("forward", 0, self.now())
         t = self.now()
         if self.depth == 0:
-            self.mem("forward", 0, t)
             self.root_ran = True
             self.its.forward(t, torch.is_grad_enabled())
             self.root_t0 = t
@@ -169,8 +171,8 @@ class _State:
     @_guarded
     def backward_enter(self) -> None:
         if self.bwd_depth == 0:
+            self.mem("backward", 0, self.now())
             self.bwd_t0 = t = self.now()
-            self.mem("backward", 0, t)
             if self.probing:
                 _begin(self.probing)
             self.last_mark = t - self.off         # layer marks are on perf_counter_ns
@@ -215,8 +217,8 @@ class _State:
     @_guarded
     def step_pre(self, opt: Any, args: Any, kwargs: Any) -> None:
         if not self.engine_steps:   # inside an engine's step (DeepSpeed's), that one is it
-            self.update_t0 = t = self.now()
-            self.mem("update", 0, t)
+            self.mem("update", 0, self.now())
+            self.update_t0 = self.now()
 
     @_guarded
     def step_post(self, opt: Any, args: Any, kwargs: Any) -> None:
@@ -230,8 +232,8 @@ class _State:
         if begin:
             self.engine_steps += 1
             if self.engine_steps == 1:
-                self.update_t0 = t = self.now()
-                self.mem("update", 0, t)
+                self.mem("update", 0, self.now())
+                self.update_t0 = self.now()
         else:
             self.engine_steps = max(self.engine_steps - 1, 0)
             if not self.engine_steps:
@@ -288,9 +290,11 @@ def _patch_dataloader(state: _State) -> None:
     orig_next = dl._BaseDataLoaderIter.__next__
 
     @_guarded
-    def batch(t: int) -> None:
+    def batch() -> int:
+        state.mem("io", 0, now())
+        t = now()
         state.its.batch(t)
-        state.mem("io", 0, t)
+        return t
 
     @_guarded
     def fetched(t0: int, t: int) -> None:
@@ -302,8 +306,7 @@ def _patch_dataloader(state: _State) -> None:
         state.its.exhausted()
 
     def __next__(self: Any) -> Any:
-        t0 = now()
-        batch(t0)
+        t0 = batch() or now()
         try:
             out = orig_next(self)
         except StopIteration:
