@@ -107,7 +107,7 @@ class _Memory:
 
 class PhaseMemory:
     """The memory at a phase's start and end, read on the training loop's thread: a pread
-    of /proc/self/statm and a getrusage (~2 us together), and on CUDA (from the first flush
+    of /proc/self/statm and a getrusage (a few us together), and on CUDA (from the first flush
     after the job initialized it) one read of the allocator's statistics. Rows go straight
     onto the recorder's queue."""
 
