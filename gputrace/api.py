@@ -37,7 +37,7 @@ __all__ = ["AnalysisError", "AnalysisOptions", "ChartView", "DiffResult", "Missi
 
 
 TABLES = ("breakdown", "iterations", "units", "ranks", "findings", "speedup", "what_if",
-          "throughput",
+          "throughput", "memory",
           # tensor, pipeline and expert parallelism (report.tables_parallel)
           "tp_layers", "tp_what_if", "pipeline_stages", "pipeline_what_if", "expert_parallel")
 
@@ -221,7 +221,8 @@ class Result:
         (every iteration of every rank), `units` (comm units of every rank), `ranks` (one
         row per rank), `findings`, `speedup` (points of the speedup model), `what_if`
         (replayed scenarios), `throughput` (samples and tokens per second per rank, and the
-        job's over its data-parallel replicas: rank None); the parallelisms': `tp_layers` (every rank's tensor-parallel
+        job's over its data-parallel replicas: rank None), `memory` (per rank its peaks over the
+        run, phase None, and in each phase, with the phase each peak happened in); the parallelisms': `tp_layers` (every rank's tensor-parallel
         collectives per layer and phase), `tp_what_if` (the TP-degree what-if),
         `pipeline_stages`, `pipeline_what_if`, `expert_parallel` (per rank, with its bytes
         to each peer): with their columns and no rows for a run without them."""
@@ -248,15 +249,18 @@ class Result:
     @property
     def chart_ids(self) -> list[str]:
         """The report's charts this analysis has data for, in the page's order."""
+        return [c.id for c in self._charts()]
+
+    def _charts(self) -> list[Any]:
+        from gputrace.document import page_parts
         from gputrace.report.charts import charts
 
-        return [c.id for c in charts(self.analysis, self.shown)]
+        more = page_parts(self.analysis, self.rank, self._inputs)[0] if self._inputs else ()
+        return [*charts(self.analysis, self.shown), *more]
 
     def chart(self, chart_id: str = "breakdown") -> ChartView:
         """One of the report's charts (its Vega-Lite spec), drawn inline in Jupyter."""
-        from gputrace.report.charts import charts
-
-        made = {c.id: c for c in charts(self.analysis, self.shown)}
+        made = {c.id: c for c in self._charts()}
         if chart_id not in made:
             raise KeyError(f"no chart {chart_id!r} for this trace; it has "
                            f"{', '.join(made) or 'none'}")
@@ -264,12 +268,13 @@ class Result:
 
     def report(self, height: int = 900) -> ReportView:
         """The whole HTML report (as `gputrace report`), inline in Jupyter; `.save(path)`."""
-        from gputrace.document import charts
+        from gputrace.document import page_parts
         from gputrace.report.html import render, vega_script
 
-        more = charts(self.analysis, self.rank, self._inputs) if self._inputs else ()
-        return ReportView(render(self.analysis, self.rank, vega_script(), self.source, more),
-                          height)
+        more, found = page_parts(self.analysis, self.rank, self._inputs) if self._inputs \
+            else ((), [])
+        return ReportView(render(self.analysis, self.rank, vega_script(), self.source, more,
+                                 found), height)
 
     def _repr_html_(self) -> str:
         import html

@@ -1,7 +1,8 @@
 """The `analyze --json` document of one analysis, as the command line prints it and the
 Python API returns it: the analyzers' results (report.json.to_dict), and what is read from
 the trace's rows beside them: a windowed recording's `window` and `run` (with its
-`window_missed` finding), and `memory`."""
+`window_missed` finding), and `memory` (with its findings, and the report's chart of memory
+over one iteration)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ from typing import Any
 
 import pyarrow as pa
 
-from gputrace.analyzers.memory import UNAVAILABLE
+from gputrace.analyzers.memory import COLUMNS as _MEMORY_COLUMNS
 
 
-def extras(a: Any, rank: int | None, inputs: Sequence[str]) -> dict[str, Any]:
-    """`window` and `run` (a windowed recording only) and `memory` of the trace `inputs`."""
-    from gputrace.analyzers.memory import analyze_memory
+def extras(a: Any, rank: int | None, inputs: Sequence[str],
+           rows: list[Any] | None = None) -> dict[str, Any]:
+    """`window` and `run` (a windowed recording only) and `memory` of the trace `inputs`;
+    `rows`: a list that gets the memory samples read (for the chart)."""
+    from gputrace.analyzers.memory import analyze_memory, empty, memory_rows
     from gputrace.analyzers.window import analyze_window, window_of
     from gputrace.inputs import load_inputs
 
@@ -28,12 +31,22 @@ def extras(a: Any, rank: int | None, inputs: Sequence[str]) -> dict[str, Any]:
         out.update(analyze_window(table, a.metadata, shown))
     if table is None:
         table = _columns(inputs)
-    out["memory"] = analyze_memory(table, shown) if table is not None else \
-        {"rss_peak_bytes": None, "cuda": [], "ranks": {}, "unavailable": UNAVAILABLE}
+    out["memory"] = analyze_memory(table, shown, a.metadata) if table is not None \
+        else empty()
+    if rows is not None and table is not None:
+        rows.extend(memory_rows(table))
     return out
 
 
-_MEMORY_COLUMNS = ("kind", "cat", "name", "rank", "pid", "device", "value")
+def more_findings(more: dict[str, Any]) -> list[Any]:
+    """The findings of what extras() read (analyzers.Finding): the window's and memory's."""
+    from gputrace.analyzers.findings import Finding
+    from gputrace.analyzers.findings_memory import memory_findings
+
+    out = []
+    if "run" in more and more["run"]["finding"]:
+        out.append(Finding("window_missed", "moderate", more["run"]["finding"]))
+    return out + memory_findings(more["memory"])
 
 
 def _columns(inputs: Sequence[str]) -> pa.Table | None:
@@ -64,20 +77,21 @@ def document(a: Any, rank: int | None, inputs: Sequence[str],
     doc = to_dict(a, rank)
     more = extras(a, rank, inputs) if more is None else more
     doc.update(more)
-    if "run" in more and more["run"]["finding"]:
-        doc["findings"].append({"id": "window_missed", "severity": "moderate",
-                                "message": more["run"]["finding"]})
+    doc["findings"] += [{"id": f.id, "severity": f.severity, "message": f.message}
+                        for f in more_findings(more)]
     return doc
 
 
-def charts(a: Any, rank: int | None, inputs: Sequence[str]) -> tuple[Any, ...]:
-    """The report's charts of what the analysis does not hold: a windowed recording's
-    whole run (none for another trace)."""
-    from gputrace.analyzers.window import window_of
-
-    if window_of(a.metadata) is None:
-        return ()
+def page_parts(a: Any, rank: int | None, inputs: Sequence[str]
+               ) -> tuple[tuple[Any, ...], list[Any]]:
+    """The report's charts of what the analysis does not hold (a windowed recording's
+    whole run, memory over one iteration) and the findings of it."""
+    from gputrace.report.charts_memory import memory_chart
     from gputrace.report.charts_run import run_chart
 
-    c = run_chart(extras(a, rank, inputs))
-    return (c,) if c is not None else ()
+    rows: list[Any] = []
+    more = extras(a, rank, inputs, rows)
+    ra = a.ranks[rank] if rank is not None else a.main
+    made = [run_chart(more) if "run" in more else None,
+            memory_chart(ra, rows, more["memory"], rank if rank is not None else ra.rank)]
+    return tuple(c for c in made if c is not None), more_findings(more)

@@ -87,6 +87,8 @@ class Recorder(Iterations):
         self.window: Any = None
         # bytes of iterations' detail kept on disk, a ring of the latest (gputrace.ring)
         self.max_size: int | None = None
+        # collectors.memory.PhaseMemory: the memory at each phase's start and end (`mark`)
+        self.memory: Any = None
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> Recorder:

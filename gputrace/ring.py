@@ -19,6 +19,7 @@ import os
 import sys
 from typing import Any
 
+from gputrace.collectors.memory import of_iteration
 from gputrace.fmt import count, reason
 from gputrace.trace.frames import SUFFIX, FrameWriter
 from gputrace.window import PHASES, pack, phase_sums
@@ -123,7 +124,8 @@ class RingWriter:
                 its.append(sp)
             groups.setdefault(step, ([], []))[0].append(sp)
         for r in rows:
-            step = _step(r[13]) if r[0] == "span" and len(r) > 13 else -1
+            step = _step(r[13]) if (r[0] == "span" or of_iteration(r)) and len(r) > 13 \
+                else -1
             if step < 0:
                 base_rows.append(r)
             else:

@@ -14,6 +14,8 @@ import re
 import threading
 from typing import Any
 
+from gputrace.collectors.memory import of_iteration
+
 ENV = "GPUTRACE_WINDOW"
 _STEPS = re.compile(r"^(\d+):([1-9]\d*)$")
 # the phase sums an iteration outside the window keeps (ns); forward and backward count
@@ -203,7 +205,7 @@ class Window:
             else:
                 self.pending.setdefault(step, []).append(sp)
         for r in rows:
-            if r[0] != "span":
+            if r[0] != "span" and not of_iteration(r):
                 out_rows.append(r)          # instants and samples: cheap, always kept
             elif r[13] is None or r[13] < 0:
                 if self._in_time(r[3]):

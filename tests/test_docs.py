@@ -26,7 +26,7 @@ CASE2_UNITS = [([4], 40, 62), ([3], 62, 72), ([2], 72, 84), ([1], 85, 92)]
 # mappings whose keys are names from the run (a host, a collective kind, a parallelism):
 # their children are documented as `*`
 NAME_MAPS = {"hosts", "clock.hosts", "collectives.kinds", "collectives.kinds.*.parallelism",
-             "memory.ranks"}
+             "memory.ranks", "memory.phases", "memory.ranks.*.phases"}
 # mappings of fixed names (the breakdown's terms): each child is documented by name, and
 # what every child holds as `breakdown.*.mean`
 TERM_MAPS = {"breakdown"}
@@ -94,7 +94,8 @@ def test_every_json_key_is_on_the_format_page(built, recorded):
     keys = json_paths(built) | json_paths(recorded[1])
     # the documents hold what the page promises at least: a real run's throughput and window
     assert {"units[].ready_s", "what_if.scenarios[].t_iter", "collectives.kinds.*.count",
-            "throughput.batch.shape", "window.steps", "run.phases_s.backward"} <= keys
+            "throughput.batch.shape", "window.steps", "run.phases_s.backward",
+            "memory.ranks.*.phases.*.rss_peak_bytes", "memory.rss_peak_phase"} <= keys
     missing = sorted(keys - documented(FORMAT.read_text()))
     assert missing == [], f"analyze --json keys not in docs/format.md: {missing}"
 

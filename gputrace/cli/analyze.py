@@ -35,6 +35,7 @@ def run(args: argparse.Namespace) -> int:
         json.dump(document(a, args.rank, args.trace, more), sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
+        from gputrace.analyzers.findings_memory import memory_findings
         from gputrace.analyzers.memory import memory_line
         from gputrace.report.terminal import render
 
@@ -43,6 +44,8 @@ def run(args: argparse.Namespace) -> int:
                            else a.main.rank)
         if line:
             print(line)
+        for f in memory_findings(more["memory"]):
+            print(f"  {f.severity:>8}  {f.message}")
         if "window" in more:
             from gputrace.report.window import render_window
 

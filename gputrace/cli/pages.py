@@ -29,11 +29,11 @@ def check_output(path: str) -> None:
 
 def write(a: Analysis, path: str, rank: int | None, traces: list[str]) -> str:
     """Write the analysis' page; the line that says where it is."""
-    from gputrace.document import charts
+    from gputrace.document import page_parts
     from gputrace.report.html import write as write_html
 
     return _written(path, lambda: write_html(a, path, rank, " ".join(traces),
-                                             charts(a, rank, traces)))
+                                             *page_parts(a, rank, traces)))
 
 
 def write_diff(c: Compared, path: str) -> str:

@@ -329,7 +329,8 @@ EVIDENCE = {"input_bound": "breakdown", "unattributed": "breakdown", "update_hea
             "model_mismatch": "breakdown", "comm_exposed": "timeline", "comm_tail": "timeline",
             "comm_not_overlapped": "timeline", "comm_hidden": "timeline",
             "h2d_pageable": "timeline", "low_bandwidth_": "bandwidth",
-            "what_if_buckets": "what-if", "framework_overhead": "breakdown"}
+            "what_if_buckets": "what-if", "framework_overhead": "breakdown",
+            "memory_": "memory"}
 
 
 def evidence(finding_id: str) -> str | None:

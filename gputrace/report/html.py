@@ -11,9 +11,11 @@ import html
 import json
 import os
 import tempfile
+from collections.abc import Sequence
 from typing import Any
 
 from gputrace.analyzers import Analysis, RankAnalysis
+from gputrace.analyzers.findings import Finding
 from gputrace.report.charts import Chart, charts, evidence
 from gputrace.report.charts_comm import kinds_table
 from gputrace.report.terminal import STRATEGY, headline, phase_rows
@@ -132,9 +134,10 @@ def _summary(a: Analysis, ra: RankAnalysis, source: str) -> list[str]:
     return out
 
 
-def _findings(ra: RankAnalysis, drawn: dict[str, Chart]) -> list[str]:
+def _findings(ra: RankAnalysis, drawn: dict[str, Chart], more: Sequence[Finding] = ()
+              ) -> list[str]:
     items = []
-    for f in ra.findings:
+    for f in (*ra.findings, *more):
         target = evidence(f.id)
         link = (f' &mdash; evidence: <a href="#{target}">{_e(drawn[target].title)}</a>'
                 if target in drawn else "")
@@ -159,16 +162,17 @@ def _parallel_not_drawn(ra: RankAnalysis) -> list[tuple[str, str, str]]:
 
 
 def render(a: Analysis, rank: int | None, script: str, source: str = "",
-           more: tuple[Chart, ...] = ()) -> str:
+           more: tuple[Chart, ...] = (), findings: Sequence[Finding] = ()) -> str:
     """The page for one rank (default: the slowest) of an analysis made with detail=True;
     `script` is vega_script()'s; `more`: charts of what the analysis does not hold (a
-    windowed run's whole series)."""
+    windowed run's whole series, memory over one iteration), `findings` the findings of it
+    (document.page_parts)."""
     ra = a.ranks[rank] if rank is not None else a.main
     drawn = {c.id: c for c in (*charts(a, ra), *more)}
     body = ["<h1>gputrace report</h1>", *_summary(a, ra, source),
             "<nav>" + "".join(f'<a href="#{c.id}">{_e(c.title.split(":")[0])}</a>'
                               for c in drawn.values()) + "</nav>",
-            *_findings(ra, drawn), *kinds_table(ra)]
+            *_findings(ra, drawn, findings), *kinds_table(ra)]
     for c in drawn.values():
         body.append(f'<section id="{c.id}" class="chart"><h2>{_e(c.title)}</h2>'
                     f'<p class="caption">{_e(c.caption)}</p>'
@@ -200,9 +204,9 @@ def page(title: str, body: list[str], specs: dict[str, Any], script: str) -> str
 
 
 def write(a: Analysis, path: str, rank: int | None = None, source: str = "",
-          more: tuple[Chart, ...] = ()) -> int:
+          more: tuple[Chart, ...] = (), findings: Sequence[Finding] = ()) -> int:
     """Write the page; returns its size in bytes."""
-    data = render(a, rank, vega_script(), source, more).encode("utf-8")
+    data = render(a, rank, vega_script(), source, more, findings).encode("utf-8")
     with open(path, "wb") as f:
         f.write(data)
     return len(data)

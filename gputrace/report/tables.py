@@ -170,6 +170,26 @@ def throughput(doc: dict[str, Any]) -> Table:
     return _table("throughput", out, cols)
 
 
+MEMORY_COLUMNS = ("rank", "host", "phase", "rss_peak_bytes", "cuda_allocated_peak_bytes",
+                  "rss_peak_here", "cuda_allocated_peak_here")
+
+
+def memory(doc: dict[str, Any]) -> Table:
+    """Per rank its peaks over the whole run (phase None) and in each phase (the JSON's
+    `memory.ranks`), `*_peak_here` true in the phase its peak happened in."""
+    out = []
+    for r, v in ((doc.get("memory") or {}).get("ranks") or {}).items():
+        out.append({"rank": int(r), "host": v.get("host"), "phase": None,
+                    "rss_peak_bytes": v.get("rss_peak_bytes"),
+                    "cuda_allocated_peak_bytes": v.get("cuda_allocated_peak_bytes")})
+        for ph, got in (v.get("phases") or {}).items():
+            out.append({"rank": int(r), "host": v.get("host"), "phase": ph, **got,
+                        "rss_peak_here": ph == v.get("rss_peak_phase"),
+                        "cuda_allocated_peak_here": ph == v.get("cuda_allocated_peak_phase")
+                        if v.get("cuda_allocated_peak_phase") else None})
+    return _table("memory", out, MEMORY_COLUMNS)
+
+
 def iterations(a: Analysis) -> Table:
     """Every iteration of every rank (an analysis made with detail=True): its step, whether
     it is warm-up (left out of the means), its start (seconds from the earliest iteration of

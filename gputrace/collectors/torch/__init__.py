@@ -83,6 +83,13 @@ class _State:
         self.root_ran = False                     # a root's forward since the last backward
         self.pipeline_steps = 0                   # > 0 inside a pipeline schedule's step
 
+    def mem(self, phase: str, end: int, t: int) -> None:
+        """The memory at a phase's start (end=0) or end (collectors.memory): read before
+        the phase's start is taken and after its end, so the phase's time holds none of it."""
+        m = self.rec.memory
+        if m is not None:
+            m.mark(phase, end, t)
+
     def note(self, text: str) -> None:
         """Something the analysis should say of this process's recording (in the shard's
         metadata, `torch.notes`), once."""
@@ -128,6 +135,8 @@ class _State:
     @_guarded
     def root_pre(self, module: torch.nn.Module, args: Any) -> None:
         """A model root's forward begins (nested roots only count depth)."""
+        if self.depth == 0:
+            self.mem("forward", 0, self.now())
         t = self.now()
         if self.depth == 0:
             self.root_ran = True
@@ -156,11 +165,13 @@ class _State:
             else:
                 self.rec.span("forward", self.root_name, self.root_t0, t)
             self.last_fwd_end = self.loss_from = t
+            self.mem("forward", 1, t)
 
     # -- backward ------------------------------------------------------------------------
     @_guarded
     def backward_enter(self) -> None:
         if self.bwd_depth == 0:
+            self.mem("backward", 0, self.now())
             self.bwd_t0 = t = self.now()
             if self.probing:
                 _begin(self.probing)
@@ -198,6 +209,7 @@ class _State:
                           layer=layer, nbytes=self.layer_grad_bytes.get(layer))
             start = end
         self.rec.span("backward", "backward", self.bwd_t0, t)
+        self.mem("backward", 1, t)
         self.last_bwd_end = self.its.last_bwd = t
         self.last_mark = 0
 
@@ -205,6 +217,7 @@ class _State:
     @_guarded
     def step_pre(self, opt: Any, args: Any, kwargs: Any) -> None:
         if not self.engine_steps:   # inside an engine's step (DeepSpeed's), that one is it
+            self.mem("update", 0, self.now())
             self.update_t0 = self.now()
 
     @_guarded
@@ -219,6 +232,7 @@ class _State:
         if begin:
             self.engine_steps += 1
             if self.engine_steps == 1:
+                self.mem("update", 0, self.now())
                 self.update_t0 = self.now()
         else:
             self.engine_steps = max(self.engine_steps - 1, 0)
@@ -230,6 +244,7 @@ class _State:
         # With a closure, forward and backward run inside step(): update starts after them.
         start = max(self.update_t0, self.last_bwd_end if self.last_bwd_end <= t else 0)
         self.rec.span("update", name, start, t)
+        self.mem("update", 1, t)
         self.loss_from = 0
         self.its.stepped(t)
 
@@ -275,22 +290,29 @@ def _patch_dataloader(state: _State) -> None:
     orig_next = dl._BaseDataLoaderIter.__next__
 
     @_guarded
-    def batch(t: int) -> None:
+    def batch() -> int:
+        state.mem("io", 0, now())
+        t = now()
         state.its.batch(t)
+        return t
+
+    @_guarded
+    def fetched(t0: int, t: int) -> None:
+        state.rec.span("io", "DataLoader.__next__", t0, t)
+        state.mem("io", 1, t)
 
     @_guarded
     def exhausted() -> None:
         state.its.exhausted()
 
     def __next__(self: Any) -> Any:
-        t0 = now()
-        batch(t0)
+        t0 = batch() or now()
         try:
             out = orig_next(self)
         except StopIteration:
             exhausted()
             raise
-        state.rec.span("io", "DataLoader.__next__", t0, now())
+        fetched(t0, now())
         return out
 
     dl._BaseDataLoaderIter.__next__ = __next__
