@@ -333,15 +333,24 @@ def _zero_what_ifs(tls: list[sim.Timeline], facts: dict, si: Inputs,
     g_rows = facts["rows"][step]
     g_cost = zw.fit(facts["svc"][step], cr.nbytes[g_rows], *_small(si, arrive, sel, "all_gather"))
     n_it = max(len(tls), 1)
-    for label, knobs, delta, why in zw.gathers(engine, g_rows.size / n_it,
+    for label, knobs, delta, why in (zw.gathers(engine, g_rows.size / n_it,
                                                float(np.nansum(cr.nbytes[g_rows])) / n_it,
-                                               world, g_cost) + zw.prefetch(engine):
+                                               world, g_cost, _grad_bytes(tls))
+                                     + zw.prefetch(engine)):
         if why is not None or delta is None:
             out.append(WhatIf(label, *[math.nan] * 5, knobs, why))   # type: ignore[arg-type]
             continue
         m, lo, hi = _mean_ci(np.array([tl.t_iter + delta for tl in tls]))
-        out.append(WhatIf(label, m, lo, hi, math.nan, math.nan, knobs))
+        r = [sim.simulate(tl, base) for tl in tls]   # the step's gathers block: exposed
+        out.append(WhatIf(label, m, lo, hi, float(np.mean([x.exposed_forward_s +
+                                                           x.exposed_backward_s for x in r]))
+                          + delta, float(np.mean([x.comm_s for x in r])) + delta, knobs))
     return out
+
+
+def _grad_bytes(tls: list[sim.Timeline]) -> float:
+    """The gradients' bytes per iteration (the recorded backward layers'), 0 unknown."""
+    return float(np.mean([sum(b for _, b in tl.layers) for tl in tls])) if tls else 0.0
 
 
 def _small(si: Inputs, arrive: np.ndarray | None, sel: np.ndarray, kind: str

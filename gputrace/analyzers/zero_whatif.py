@@ -193,10 +193,11 @@ def scenarios(tls: list[sim.Timeline], cost: Cost, red_bytes: np.ndarray,
     return out
 
 
-def gathers(engine: dict, calls: float, nbytes: float, world: int, cost: Cost | None
-            ) -> list[tuple[str, dict, float | None, str | None]]:
+def gathers(engine: dict, calls: float, nbytes: float, world: int, cost: Cost | None,
+            grad_bytes: float = 0.0) -> list[tuple[str, dict, float | None, str | None]]:
     """allgather_bucket_size (stages 1-2: the step's all-gathers of the updated
-    partitions, `calls` of `nbytes` per iteration, this rank's input): (label, settings, the
+    partitions, `calls` of `nbytes` per iteration, this rank's input; tried at the sizes
+    the gradients' bytes give reduce_bucket_size, else the gathered): (label, settings, the
     change of the iteration in s or None, why withheld or None). With deepspeed.comm's
     all_gather_into_tensor (recorded: `all_gather_into_tensor`) DeepSpeed gathers each
     parameter group in one call whatever the size; without it, in max(1, partition x N //
@@ -208,7 +209,7 @@ def gathers(engine: dict, calls: float, nbytes: float, world: int, cost: Cost | 
     now = int(now) if isinstance(now, (int, float)) and now > 0 else None
     into = engine.get("all_gather_into_tensor")
     out: list[tuple[str, dict, float | None, str | None]] = []
-    for c in sizes(now, nbytes / elem * world):
+    for c in sizes(now, (grad_bytes or nbytes * world) / elem):
         if into is True:
             n, why = round(calls), None
         elif into is False and cost is not None:
