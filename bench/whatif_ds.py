@@ -3,15 +3,16 @@
 Real 2-rank DeepSpeed jobs over gloo on the CPU (tests/jobs/ds_train.py under torchrun:
 an MLP of 5 layers, Adam), one configuration after the other in each round:
 - `reduce_bucket_size` 5e8 (DeepSpeed's default: one bucket holds every gradient) and a
-  quarter of the gradients' elements (the what-if the first run offers), and
-- `overlap_comm` on and off,
+  quarter of the gradients' elements (the what-if the first run offers),
+- `overlap_comm` on and off, and
+- `allgather_bucket_size` 5e8 and a quarter of the gradients' elements,
 at ZeRO stage 2 (and `--stages 1,2` for stage 1 too). Each run predicts every other run of
-its stage whose settings it offers a what-if for (`analyze --json`'s `sharded.what_if`,
-matched by the setting's value), and the prediction is printed beside the measured t_iter
-with the jobs' own per-iteration clock (the job times `engine(x)`, `engine.backward`,
+its stage that differs in one setting it offers a what-if for (`analyze --json`'s
+`sharded.what_if`, matched by the setting's value), and the prediction is printed beside
+the measured t_iter with the jobs' own per-iteration clock (the job times `engine(x)`, `engine.backward`,
 `engine.step` itself).
 
-    python bench/whatif_ds.py [--stages 2] [--rounds 2] [--iterations 14] [--width 512]
+    python bench/whatif_ds.py [--stages 2] [--rounds 2] [--iterations 30] [--width 512]
         [--keep DIR | --reuse DIR] [--tiny]
 """
 
@@ -37,23 +38,35 @@ def grad_elements(width: int) -> int:
     return 4 * (width * width + width) + width * 10 + 10
 
 
-def configs(stages: list[int], width: int) -> list[tuple[int, int, bool]]:
-    """(stage, reduce_bucket_size, overlap_comm) per configuration."""
+Config = tuple[int, int, bool, int]   # stage, reduce_bucket_size, overlap_comm, allgather
+
+
+def configs(stages: list[int], width: int) -> list[Config]:
+    """(stage, reduce_bucket_size, overlap_comm, allgather_bucket_size) per configuration:
+    one bucket, a quarter of the gradients, overlap_comm on, and allgather_bucket_size (the
+    step's all-gathers) at a quarter of the gradients."""
     quarter = grad_elements(width) // 4
-    return [c for s in stages for c in ((s, ONE_BUCKET, False), (s, quarter, False),
-                                        (s, ONE_BUCKET, True))]
+    return [c for s in stages for c in ((s, ONE_BUCKET, False, ONE_BUCKET),
+                                        (s, quarter, False, ONE_BUCKET),
+                                        (s, ONE_BUCKET, True, ONE_BUCKET),
+                                        (s, ONE_BUCKET, False, quarter))]
 
 
-def name(c: tuple[int, int, bool]) -> str:
-    return f"zero{c[0]}-b{c[1]}-{'overlap' if c[2] else 'sync'}"
+SETTINGS = ("stage", "reduce_bucket_size", "overlap_comm", "allgather_bucket_size")
 
 
-def record(out: Path, c: tuple[int, int, bool], a: argparse.Namespace) -> Path:
+def name(c: Config) -> str:
+    return (f"zero{c[0]}-b{c[1]}-{'overlap' if c[2] else 'sync'}" +
+            (f"-ag{c[3]}" if c[3] != ONE_BUCKET else ""))
+
+
+def record(out: Path, c: Config, a: argparse.Namespace) -> Path:
     trace = out / f"{name(c)}.arrow"
     cmd = [PY, "-m", "gputrace", "record", "-q", "-f", "-o", str(trace), "--", PY, "-m",
            "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(JOB),
            str(out / name(c)), "--stage", str(c[0]), "--bucket", str(c[1]),
-           "--iterations", str(a.iterations), "--width", str(a.width)] + (
+           "--iterations", str(a.iterations), "--width", str(a.width),
+           "--allgather-bucket", str(c[3])] + (
         ["--overlap-comm"] if c[2] else [])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]), DS_ACCELERATOR="cpu")
@@ -68,19 +81,19 @@ def analyzed(trace: Path) -> dict:
     return json.loads(p.stdout)
 
 
-def own_t_iter(out: Path, c: tuple[int, int, bool], skip: int = 3) -> float:
+def own_t_iter(out: Path, c: Config, skip: int = 3) -> float:
     """The job's own mean iteration (rank 0's clock: forward + backward + step + the
     rest), warm-up left out."""
     steps = json.loads((out / f"{name(c)}.rank0.json").read_text())["iterations"][skip:]
     return statistics.fmean((s["end"] - s["start"]) / 1e9 for s in steps)
 
 
-def offers(d: dict, src: tuple[int, int, bool], dst: tuple[int, int, bool]) -> dict | None:
+def offers(d: dict, src: Config, dst: Config) -> dict | None:
     """The what-if of `src`'s analysis that predicts `dst` (one setting changed)."""
-    if src[0] != dst[0] or (src[1] != dst[1]) == (src[2] != dst[2]):
+    diff = [k for k, x, y in zip(SETTINGS, src, dst, strict=True) if x != y]
+    if len(diff) != 1 or diff[0] == "stage":
         return None
-    want = ({"reduce_bucket_size": dst[1]} if src[1] != dst[1]
-            else {"overlap_comm": dst[2]})
+    want = {diff[0]: dst[SETTINGS.index(diff[0])]}
     for w in (d.get("sharded") or {}).get("what_if", []):
         if all(w.get(k) == v for k, v in want.items()):
             return w
@@ -91,15 +104,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--stages", default="2")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--iterations", type=int, default=14)
+    ap.add_argument("--iterations", type=int, default=30)
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--keep", type=Path, help="keep the traces in DIR")
     ap.add_argument("--reuse", type=Path, help="analyze the traces kept in DIR again")
     ap.add_argument("--tiny", action="store_true", help="stage 2, one bucket and a quarter "
-                    "of the gradients, one round, 6 iterations, width 64")
+                    "of the gradients, one round, 6 iterations")
     a = ap.parse_args()
     if a.tiny:
-        a.stages, a.rounds, a.iterations, a.width = "2", 1, 6, 64
+        # width 512 still: a cost per byte is fitted only on reductions of 1 MB or more
+        a.stages, a.rounds, a.iterations, a.width = "2", 1, 6, 512
     cfgs = configs([int(s) for s in a.stages.split(",")], a.width)
     if a.tiny:
         cfgs = cfgs[:2]
@@ -140,7 +154,8 @@ def main() -> None:
           f"stage(s) {a.stages}; t_iter: rank 0's mean over the analyzed iterations")
     print(table("DeepSpeed what-if against the run it predicts",
                 ["round", "from", "what-if", "from t_iter ms", "predicted ms", "measured ms",
-                 "job's own ms", "error", "forward ratio"], rows))
+                 "job's own ms", "error", "forward ratio"], rows) if rows else
+          "no run offered a what-if for another")
     for what, errs in (("at one machine speed", errors), ("the others", moved)):
         if errs:
             print(f"predictions {what}: {len(errs)}, |error| at most "

@@ -20,6 +20,7 @@ pytest.importorskip("deepspeed")
 
 from gputrace import load  # noqa: E402
 from gputrace.analyzers import analyze  # noqa: E402
+from gputrace.analyzers.zero_whatif import settings  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "tests" / "jobs" / "ds_train.py"
@@ -163,3 +164,69 @@ def test_overlap_comm_changes_nothing_where_collectives_are_synchronous(recorded
         assert w.t_iter == pytest.approx(a.main.breakdown["t_iter"].mean, rel=1e-3), w
         assert any("overlap_comm" in x and "synchronous" in x
                    for x in a.main.sharded.assumptions)
+
+
+def _own_step_gathers(truth) -> list[tuple[float, float]]:
+    """(all-gathers, their bytes) per iteration in the job's own engine.step, as it counted
+    them at the ProcessGroup."""
+    per: dict[int, list[int]] = {}
+    for c in truth[0]["calls"]:
+        if c["it"] >= SKIP and c["phase"] == "update" and c["kind"] == "all_gather":
+            per.setdefault(c["it"], []).append(c["bytes"])
+    return sorted({(len(v), sum(v)) for v in per.values()})
+
+
+def test_allgather_bucket_size_what_if_is_the_gathers_deepspeed_makes(recorded):
+    """The one-bucket run's allgather_bucket_size what-if at a quarter of the gradients and
+    the run made with that allgather_bucket_size (zero2-buckets: its reduce_bucket_size,
+    which no step gather depends on, changed too): DeepSpeed gathers the updated partition in
+    one all_gather_into_tensor whatever the size (recorded with the engine's settings), so
+    the what-if predicts the all-gathers the job counted in that run, and no change of the
+    iteration."""
+    one_trace, _, one = recorded("zero2")
+    _, truth_q, _ = recorded("zero2-buckets")
+    assert settings(one_trace.metadata)["all_gather_into_tensor"] is True
+    (w,) = _what_if(one, allgather_bucket_size=QUARTER)
+    ((calls, nbytes),) = _own_step_gathers(truth_q)
+    assert w.withheld is None and w.knobs["gathers"] == calls, (w, calls)
+    units = [u for u in one.main.sharded.units if u.role == "step_gather"]
+    assert sum(u.count for u in units) == calls
+    assert sum(u.nbytes for u in units) == nbytes
+    assert w.t_iter == pytest.approx(one.main.breakdown["t_iter"].mean, rel=1e-6)
+
+
+def test_zero3_prefetch_what_ifs_are_withheld_with_the_reason(recorded):
+    """ZeRO-3's stage3_prefetch_bucket_size and stage3_max_live_parameters, read from the
+    engine (a quarter of the job's defaults), are offered withheld: which of its all-gathers
+    were prefetches is not recorded, so no figure is given, only why."""
+    trace, _, a = recorded("zero3")
+    ds = settings(trace.metadata)
+    assert ds["stage3_prefetch_bucket_size"] == 50_000_000, ds
+    assert ds["stage3_max_live_parameters"] == 1_000_000_000, ds
+    for key, v in (("stage3_prefetch_bucket_size", 12_500_000),
+                   ("stage3_max_live_parameters", 250_000_000)):
+        (w,) = _what_if(a, **{key: v})
+        assert w.withheld and "prefetch" in w.withheld and np.isnan(w.t_iter), w
+
+
+def test_reduce_bucket_size_what_if_costs_each_call_as_the_job_timed_one(recorded):
+    """More buckets are more calls, each costing what a call costs: the one-bucket run's
+    what-if at a quarter of the gradients (4 calls more, as the other run made) predicts a
+    longer iteration, and the run with that size a shorter one at one bucket, by at least
+    half of what those calls took when the job itself timed an all-reduce of 4 bytes after
+    its loop (inside the loop, with both ranks computing, a call took longer on this CPU) and
+    by less than the job's own whole backward; the assumptions say what a call costs.
+    (Against the measured iterations of the two runs, over
+    rounds: bench/whatif_ds.py.)"""
+    _, truth1, one = recorded("zero2")
+    _, truth4, four = recorded("zero2-buckets")
+    extra = four.main.sharded.per_iteration["reduce_grad"] - \
+        one.main.sharded.per_iteration["reduce_grad"]
+    assert extra >= 3, extra
+    for a, truth, size, sign in ((one, truth1, QUARTER, 1), (four, truth4, 500_000_000, -1)):
+        (w,) = _what_if(a, reduce_bucket_size=size)
+        change = sign * (w.t_iter - a.main.breakdown["t_iter"].mean)
+        call = float(np.mean([truth[r]["probe"]["small_s"] for r in (0, 1)]))
+        backward = _mean(truth[0], "backward")
+        assert extra * call / 2 <= change < backward, (w, change, call, backward)
+        assert any("ms per call" in x for x in a.main.sharded.assumptions)

@@ -23,7 +23,7 @@ from gputrace.analyzers.model import (
     checked,
     mean_terms,
 )
-from gputrace.analyzers.sanity import far_off
+from gputrace.analyzers.sanity import far_off, fit_too_small
 from gputrace.analyzers.shardinputs import Inputs, summarize_rank  # noqa: F401 (here too)
 from gputrace.analyzers.shardtimeline import timelines
 from gputrace.analyzers.steps import RankSteps
@@ -252,8 +252,8 @@ def analyze_sharded(si: Inputs, rs: RankSteps, sel: np.ndarray, world: int,
             scen.append((f"backward prefetch {d}", replace(base, prefetch_backward=d)))
     for x in (2.0, 0.5):
         scen.append((f"link x{x:g}", replace(base, bandwidth_x=x)))
-    what = [] if fsdp else _zero_what_ifs(tls, facts, cr, inside, engine or {}, base,
-                                           measured, assumptions)
+    what = [] if fsdp else _zero_what_ifs(tls, facts, si, arrive, sel, engine or {}, base,
+                                           measured, assumptions, world)
     for label, k in scen:
         v = preds(k)
         m, lo, hi = _mean_ci(v)
@@ -292,16 +292,27 @@ def analyze_sharded(si: Inputs, rs: RankSteps, sel: np.ndarray, world: int,
                    resharded, model, ovl, sp_, what, baseline, err, assumptions)
 
 
-def _zero_what_ifs(tls: list[sim.Timeline], facts: dict, cr: col.Rows, inside: np.ndarray,
-                   engine: dict, base: sim.Knobs, measured: float,
-                   assumptions: list[str]) -> list[WhatIf]:
-    """DeepSpeed's reduce_bucket_size and overlap_comm (analyzers.zero_whatif)."""
-    red = inside & (np.array(facts["role"]) == "reduce_grad")
+def _zero_what_ifs(tls: list[sim.Timeline], facts: dict, si: Inputs,
+                   arrive: np.ndarray | None, sel: np.ndarray, engine: dict, base: sim.Knobs,
+                   measured: float, assumptions: list[str], world: int) -> list[WhatIf]:
+    """DeepSpeed's reduce_bucket_size, overlap_comm, allgather_bucket_size and ZeRO-3's
+    prefetch settings (analyzers.zero_whatif), each collective's cost fitted on the run's."""
+    cr = si.cr
+    inside = np.isin(facts["it"], sel)
+    roles = np.array(facts["role"])
+    red = inside & (roles == "reduce_grad")
     rows = facts["rows"][red]
     sync = bool(np.mean(~cr.is_async[rows]) >= 0.5) if rows.size else True
+    cost = zw.fit(facts["svc"][red], cr.nbytes[rows],
+                  *_small(si, arrive, sel, cr.kind[rows[0]] if rows.size else ""))
     out = []
-    for label, knobs, new, ref in zw.scenarios(tls, facts["svc"][red], cr.nbytes[rows],
-                                               engine, sync):
+    if cost is None and rows.size:
+        why = fit_too_small(float(np.nansum(cr.nbytes[rows])) / max(len(tls), 1)) or \
+            "no cost per byte fitted on the gradient reductions"
+        out.append(WhatIf("reduce_bucket_size", *[math.nan] * 5,   # type: ignore[arg-type]
+                          {"reduce_bucket_size": None}, why))
+    for label, knobs, new, ref in zw.scenarios(tls, cost, cr.nbytes[rows], engine, sync) \
+            if cost is not None else []:
         v = np.array([tl.t_iter + _total(sim.simulate(a, base)) - _total(sim.simulate(b, base))
                       for tl, a, b in zip(tls, new, ref, strict=True)])
         m, lo, hi = _mean_ci(v)
@@ -315,7 +326,44 @@ def _zero_what_ifs(tls: list[sim.Timeline], facts: dict, cr: col.Rows, inside: n
                           float(np.mean([x.comm_s for x in r])), knobs))
     if out:
         assumptions.extend(zw.ASSUMPTIONS)
+    if cost is not None:
+        assumptions.append(f"a gradient reduction costs {cost.alpha_s * 1e3:.2f} ms per call "
+                           f"+ {cost.beta_s * 1e9:.2f} ms per MB ({cost.how})")
+    step = inside & (roles == "step_gather")
+    g_rows = facts["rows"][step]
+    g_cost = zw.fit(facts["svc"][step], cr.nbytes[g_rows], *_small(si, arrive, sel, "all_gather"))
+    n_it = max(len(tls), 1)
+    for label, knobs, delta, why in (zw.gathers(engine, g_rows.size / n_it,
+                                               float(np.nansum(cr.nbytes[g_rows])) / n_it,
+                                               world, g_cost, _grad_bytes(tls))
+                                     + zw.prefetch(engine)):
+        if why is not None or delta is None:
+            out.append(WhatIf(label, *[math.nan] * 5, knobs, why))   # type: ignore[arg-type]
+            continue
+        m, lo, hi = _mean_ci(np.array([tl.t_iter + delta for tl in tls]))
+        r = [sim.simulate(tl, base) for tl in tls]   # the step's gathers block: exposed
+        out.append(WhatIf(label, m, lo, hi, float(np.mean([x.exposed_forward_s +
+                                                           x.exposed_backward_s for x in r]))
+                          + delta, float(np.mean([x.comm_s for x in r])) + delta, knobs))
     return out
+
+
+def _grad_bytes(tls: list[sim.Timeline]) -> float:
+    """The gradients' bytes per iteration (the recorded backward layers'), 0 unknown."""
+    return float(np.mean([sum(b for _, b in tl.layers) for tl in tls])) if tls else 0.0
+
+
+def _small(si: Inputs, arrive: np.ndarray | None, sel: np.ndarray, kind: str
+           ) -> tuple[np.ndarray, np.ndarray]:
+    """Service times (s) and bytes of the run's synchronous collectives of a few bytes in the
+    analyzed iterations, of `kind` where it has any: the cost of a call."""
+    cr = si.cr
+    arr = si.start if arrive is None else arrive
+    m = (np.array([not f for f in cr.fsdp], bool) & np.isin(si.it_of, sel) & ~cr.is_async
+         & (cr.wait_s < 0) & (cr.nbytes > 0) & (cr.nbytes < col.SMALL_BYTES))
+    same = m & (np.array(cr.kind) == kind)
+    m = same if same.any() else m
+    return (si.end[m] - np.maximum(si.start[m], arr[m])) / 1e9, cr.nbytes[m]
 
 
 def _total(r: sim.Result) -> float:

@@ -90,3 +90,28 @@ def arrivals_of(si: Inputs, unit_start: np.ndarray, unit_arrival: np.ndarray) ->
     hit = us[k] == si.start
     out[hit] = unit_arrival[order][k[hit]]
     return np.minimum(np.maximum(out, si.start), np.maximum(si.end, si.start))
+
+
+def small_arrivals(ins: dict[int, Inputs], steps: dict[int, RankSteps],
+                   arr: dict[int, np.ndarray]) -> None:
+    """Into each rank's arrivals (`arr`, per comm row), when the last rank arrived at its
+    collectives of a few bytes (no comm unit, so not in the units' arrivals): the same
+    iteration's n-th collective of that kind and size on every rank, the latest start (the
+    ranks' clocks taken as one: a rank's own start and end bound it)."""
+    rows: dict[tuple, list[tuple[int, int]]] = {}
+    for r, si in ins.items():
+        its = steps[r].iterations.step
+        small = np.flatnonzero((si.it_of >= 0) & (si.cr.nbytes > 0) &
+                               (si.cr.nbytes < col.SMALL_BYTES) &
+                               np.array([not f for f in si.cr.fsdp], bool))
+        seen: dict[tuple, int] = {}
+        for j in small[np.argsort(si.start[small], kind="stable")].tolist():
+            k = (int(its[si.it_of[j]]), si.cr.kind[j], float(si.cr.nbytes[j]))
+            n = seen[k] = seen.get(k, -1) + 1
+            rows.setdefault((*k, n), []).append((r, j))
+    for members in rows.values():
+        if len(members) < 2:
+            continue
+        last = max(int(ins[r].start[j]) for r, j in members)
+        for r, j in members:
+            arr[r][j] = min(max(last, int(ins[r].start[j])), int(ins[r].end[j]))

@@ -6,31 +6,72 @@ Re-bucketing follows DeepSpeed's gradient buckets at the granularity of the reco
 backward layers: in the order gradients become ready, a layer whose gradients would take
 the bucket past `reduce_bucket_size` elements reduces the bucket first (issued when that
 layer's gradients are ready), the last bucket is reduced when the backward ends; where the
-run reduced every bucket after its backward (ZeRO-1), the new buckets are too. A bucket's
-service time is its bytes at the run's own reductions' time per byte."""
+run reduced every bucket after its backward (ZeRO-1), the new buckets are too. A
+collective's service time is alpha + beta x bytes (Cost: the cost of a call and of a byte,
+fitted on the run's own collectives)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from gputrace.analyzers import shardsim as sim
+from gputrace.analyzers.sanity import MIN_FIT_BYTES
 
 DEFAULT_BUCKET = 500_000_000   # DeepSpeed's reduce_bucket_size
 ASSUMPTIONS = (
     "reduce_bucket_size: gradients fill buckets at the recorded layers' granularity, in the "
-    "order they became ready; a bucket's service time is its bytes at the run's own "
-    "reductions' time per byte; not modeled: the cost of one more call, and the rendezvous "
-    "of the ranks each synchronous reduction inside the backward adds (ZeRO-2 over gloo: 5 "
-    "buckets measured 13-16 % slower than 1; ZeRO-1, which reduces after its backward, the "
-    "same)",
+    "order they became ready; a bucket's service time is alpha + beta x its bytes (alpha the "
+    "cost of one call, beta of one byte, fitted on the run's own collectives: see cost); "
+    "a bucket issued right behind another (ZeRO-1's, after the backward) costs beta only",
     "overlap_comm: with it, a gradient reduction runs on its own stream beside the backward; "
     "without it, the backward waits for each; synchronous collectives (gloo's on the CPU) "
-    "block the backward either way, so there the replay gives no change; DeepSpeed's other "
-    "code path with it (its buffers) is not modeled (ZeRO-2 over gloo measured 13 % faster "
-    "with it)",
+    "block the backward either way, and DeepSpeed's reductions are the same calls with it "
+    "or without, so there the replay gives no change",
 )
+
+
+@dataclass(frozen=True)
+class Cost:
+    """A collective's service time, alpha_s + beta_s x bytes, and how it was had."""
+
+    alpha_s: float
+    beta_s: float
+    how: str
+
+    def of(self, nbytes: float) -> float:
+        return self.alpha_s + self.beta_s * nbytes
+
+
+def fit(svc: np.ndarray, nbytes: np.ndarray, small_svc: np.ndarray,
+        small_bytes: np.ndarray) -> Cost | None:
+    """alpha and beta from the run's collectives of one kind (`svc`, `nbytes`: its gradient
+    reductions; `small_*`: its collectives of a few bytes, the cost of a call): a least-squares
+    line where the sizes differ and reach MIN_FIT_BYTES, else alpha the small collectives'
+    mean and beta the rest per byte; None when the reductions never reach MIN_FIT_BYTES (a
+    cost per byte fitted on latency alone: sanity.fit_too_small)."""
+    ok = (nbytes > 0) & np.isfinite(svc) & (svc >= 0)
+    sok = np.isfinite(small_svc) & (small_svc >= 0) & (small_bytes >= 0)
+    x = np.concatenate([nbytes[ok], small_bytes[sok]])
+    y = np.concatenate([svc[ok], small_svc[sok]])
+    if not ok.any() or float(nbytes[ok].max()) < MIN_FIT_BYTES:
+        return None
+    n, total = int(ok.sum()), float(nbytes[ok].sum())
+    sizes = np.unique(np.round(x, -3))
+    if sizes.size >= 2:
+        beta, alpha = np.polyfit(x, y, 1)
+        if alpha >= 0 and beta > 0:
+            return Cost(float(alpha), float(beta),
+                        f"fitted on {x.size} collectives of {sizes.size} sizes, "
+                        f"{x.min():,.0f} to {x.max():,.0f} bytes")
+    alpha = float(np.mean(small_svc[sok])) if sok.any() else 0.0
+    alpha = min(alpha, float(svc[ok].sum()) / n)
+    beta = (float(svc[ok].sum()) - n * alpha) / total
+    how = (f"alpha the mean of {int(sok.sum())} collectives of a few bytes, beta the rest "
+           "per byte" if sok.any() else "no collective of another size: alpha not known, "
+           "taken as 0")
+    return Cost(alpha, beta, how)
 
 
 def settings(md: dict) -> dict:
@@ -41,14 +82,6 @@ def settings(md: dict) -> dict:
         if isinstance(d, dict):
             return {k: v for k, v in d.items() if isinstance(v, (bool, int, float, str))}
     return {}
-
-
-def per_byte(svc: np.ndarray, nbytes: np.ndarray) -> float:
-    """Seconds per byte of the run's gradient reductions (their service over their bytes;
-    the cost of a call is not modeled: see ASSUMPTIONS)."""
-    ok = (nbytes > 0) & np.isfinite(svc) & (svc >= 0)
-    total = float(nbytes[ok].sum())
-    return float(svc[ok].sum()) / total if total > 0 else 0.0
 
 
 def buckets(layers: tuple[tuple[float, float], ...], cap_bytes: float, after: bool,
@@ -67,10 +100,12 @@ def buckets(layers: tuple[tuple[float, float], ...], cap_bytes: float, after: bo
     return out
 
 
-def rebucket(tl: sim.Timeline, new: list[tuple[float, float]], byte_s: float,
+def rebucket(tl: sim.Timeline, new: list[tuple[float, float]], cost: Cost,
              blocking: bool) -> sim.Timeline:
     """The timeline with its backward's reductions replaced by `new` (issue offset, bytes
-    on the wire), each of service byte_s x bytes."""
+    of the call), each of service cost.of(bytes); one issued at the same moment as the one
+    before it (ZeRO-1's, after the backward) follows it with the ranks still together and
+    costs its bytes only (ZeRO-1 over gloo: 5 such buckets measured as fast as 1)."""
     side = tl.backward
     total = float(sum(side.compute_s))
     gathers: list[tuple[float, float, int]] = []   # (offset, service, unit)
@@ -80,7 +115,8 @@ def rebucket(tl: sim.Timeline, new: list[tuple[float, float]], byte_s: float,
             gathers.append((off, side.gather_s[j], side.units[j] if side.units else -1))
         off += c
     events = sorted([(o, 1, g, u) for o, g, u in gathers] +
-                    [(min(o, total), 0, byte_s * b, -1) for o, b in new],
+                    [(min(o, total), 0, cost.beta_s * b if i and o == new[i - 1][0]
+                      else cost.of(b), -1) for i, (o, b) in enumerate(new)],
                     key=lambda e: (e[0], e[1]))
     comp, gs, rs, us, blk = [], [], [], [], []
     cur_g: float | None = side.gather_s[0] if side.gather_s else None
@@ -107,16 +143,24 @@ def rebucket(tl: sim.Timeline, new: list[tuple[float, float]], byte_s: float,
     return replace(tl, backward=sim.Side(side.pre_s, comp, gs, rs, us, blk))
 
 
-def scenarios(tls: list[sim.Timeline], red_svc: np.ndarray, red_bytes: np.ndarray,
+def sizes(now: int | None, elems: float) -> list[int]:
+    """The sizes a bucket setting is tried at: a quarter and four times the engine's (and
+    DeepSpeed's default when four times still splits); a quarter and a sixteenth of the
+    elements when the engine's held them all in one bucket."""
+    return sorted({int(x) for x in (
+        [now // 4, now * 4] + ([DEFAULT_BUCKET] if now * 4 < elems else [])
+        if now and now < elems else [elems / 4, elems / 16]) if x >= 1 and x != now})
+
+
+def scenarios(tls: list[sim.Timeline], cost: Cost, red_bytes: np.ndarray,
               engine: dict, sync: bool
               ) -> list[tuple[str, dict, list[sim.Timeline], list[sim.Timeline]]]:
     """(label, settings, the timelines under them, the timelines they are compared with)
     for the reduce_bucket_size and overlap_comm what-ifs; none when the run recorded no
     backward layers or reductions. A bucket size is compared with the measured size
     re-bucketed the same way (the model's own error cancels), when that size is known."""
-    if not tls or not red_svc.size or not all(tl.layers for tl in tls):
+    if not tls or not red_bytes.size or not all(tl.layers for tl in tls):
         return []
-    byte_s = per_byte(red_svc, red_bytes)
     elem = int(engine.get("element_size") or 4)
     cap = engine.get("reduce_bucket_size")
     grad = float(np.mean([sum(b for _, b in tl.layers) for tl in tls]))
@@ -128,19 +172,12 @@ def scenarios(tls: list[sim.Timeline], red_svc: np.ndarray, red_bytes: np.ndarra
     # ZeRO-1 reduces after the backward: every measured reduction after the last layer
     after = all(_reduce_offsets(tl) and min(_reduce_offsets(tl)) >= tl.layers[-1][0] - 1e-9
                 for tl in tls) and int(engine.get("stage", 2)) == 1
-    elems = grad / elem
     now = int(cap) if isinstance(cap, (int, float)) and cap > 0 else None
-    # a quarter and four times the measured size (and DeepSpeed's default, one bucket
-    # here, when that is still several); a quarter and a sixteenth of the gradients when
-    # one bucket held them all
-    caps = sorted({int(x) for x in (
-        [now // 4, now * 4] + ([DEFAULT_BUCKET] if now * 4 < elems else [])
-        if now and now < elems else [elems / 4, elems / 16]) if x >= 1 and x != now})
 
     def at(c: float) -> list[sim.Timeline]:
         return [rebucket(tl, [(o, b * wire) for o, b in buckets(
             tl.layers, c * elem, after, float(sum(tl.backward.compute_s)))],
-            byte_s, blocking) for tl in tls]
+            cost, blocking) for tl in tls]
 
     def count(c: float) -> int:   # buckets per iteration
         return round(float(np.mean([len(buckets(tl.layers, c * elem, after, 0.0))
@@ -148,7 +185,7 @@ def scenarios(tls: list[sim.Timeline], red_svc: np.ndarray, red_bytes: np.ndarra
 
     ref = at(now) if now else tls
     out = []
-    for c in caps:
+    for c in sizes(now, grad / elem):
         n = count(c)
         out.append((f"reduce_bucket_size={c:.3g} ({n} bucket{'' if n == 1 else 's'})",
                     {"reduce_bucket_size": c, "buckets": n}, at(c), ref))
@@ -157,6 +194,63 @@ def scenarios(tls: list[sim.Timeline], red_svc: np.ndarray, red_bytes: np.ndarra
                 [replace(tl, backward=replace(tl.backward, blocking=[
                     (True if sync else not flip) if r is not None else False
                     for r in tl.backward.reduce_s])) for tl in tls], tls))
+    return out
+
+
+def gathers(engine: dict, calls: float, nbytes: float, world: int, cost: Cost | None,
+            grad_bytes: float = 0.0) -> list[tuple[str, dict, float | None, str | None]]:
+    """allgather_bucket_size (stages 1-2: the step's all-gathers of the updated
+    partitions, `calls` of `nbytes` per iteration, this rank's input; tried at the sizes
+    the gradients' bytes give reduce_bucket_size, else the gathered): (label, settings, the
+    change of the iteration in s or None, why withheld or None). With deepspeed.comm's
+    all_gather_into_tensor (recorded: `all_gather_into_tensor`) DeepSpeed gathers each
+    parameter group in one call whatever the size; without it, in max(1, partition x N //
+    size) calls of the same bytes in all, each costing one more alpha."""
+    if int(engine.get("stage", 0)) not in (1, 2) or calls <= 0 or nbytes <= 0:
+        return []
+    elem = int(engine.get("element_size") or 4)
+    now = engine.get("allgather_bucket_size")
+    now = int(now) if isinstance(now, (int, float)) and now > 0 else None
+    into = engine.get("all_gather_into_tensor")
+    out: list[tuple[str, dict, float | None, str | None]] = []
+    for c in sizes(now, (grad_bytes or nbytes * world) / elem):
+        if into is True:
+            n, why = round(calls), None
+        elif into is False and cost is not None:
+            n, why = max(1, int(nbytes / elem * world // c)), None
+        else:
+            n = 0
+            why = ("the recording does not say whether deepspeed.comm has "
+                   "all_gather_into_tensor (with it the step gathers each parameter group in "
+                   "one call whatever allgather_bucket_size; without it, in buckets of that "
+                   "size)" if into is None else
+                   "no cost per call and per byte fitted for the step's all-gathers")
+        delta = None if why else (n - calls) * (cost.alpha_s if cost else 0.0)
+        out.append((f"allgather_bucket_size={c:.3g} ({n} all-gather{'' if n == 1 else 's'})"
+                    if not why else f"allgather_bucket_size={c:.3g}",
+                    {"allgather_bucket_size": c, "gathers": n}, delta, why))
+    return out
+
+
+PREFETCH_WHY = (
+    "ZeRO-3's prefetched all-gathers are issued inside the fetch of the submodule that runs "
+    "before them and are recorded under it, not marked as prefetches: which gathers were "
+    "prefetched, and how far ahead, is not measured, so how much of them more or less "
+    "prefetch would hide under compute is not predicted")
+
+
+def prefetch(engine: dict) -> list[tuple[str, dict, float | None, str | None]]:
+    """stage3_prefetch_bucket_size and stage3_max_live_parameters at a quarter of the
+    engine's: withheld (PREFETCH_WHY)."""
+    if int(engine.get("stage", 0)) != 3:
+        return []
+    out: list[tuple[str, dict, float | None, str | None]] = []
+    for k in ("stage3_prefetch_bucket_size", "stage3_max_live_parameters"):
+        v = engine.get(k)
+        if isinstance(v, (int, float)) and v >= 4:
+            out.append((f"{k}={int(v) // 4:.3g}", {k: int(v) // 4}, None, PREFETCH_WHY))
+        else:   # not recorded (an older recording)
+            out.append((k, {k: None}, None, PREFETCH_WHY))
     return out
 
 

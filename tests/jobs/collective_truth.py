@@ -55,6 +55,7 @@ class Truth:
         self.iterations: list[dict[str, Any]] = []
         self.waits: list[dict[str, Any]] = []
         self.functional: list[dict[str, Any]] = []
+        self.probe: dict[str, Any] = {}     # a job's own timing of its collectives
         for name, kind in KIND.items():
             orig = getattr(ProcessGroup, name, None)
             if orig is None:
@@ -100,4 +101,5 @@ class Truth:
     def dump(self, path: str) -> None:
         with open(path, "w") as f:
             json.dump({"calls": self.calls, "iterations": self.iterations,
-                       "waits": self.waits, "functional": self.functional}, f)
+                       "waits": self.waits, "functional": self.functional,
+                       "probe": self.probe}, f)

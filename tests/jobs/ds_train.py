@@ -4,9 +4,12 @@
 
     torchrun --nproc_per_node 2 ds_train.py OUT --stage 1|2|3 [--overlap-comm]
                                                 [--iterations N] [--width D]
+                                                [--bucket N] [--allgather-bucket N]
 
 It counts its own collectives at the ProcessGroup (collective_truth), times its forward,
-backward and step with perf_counter, and writes OUT.rank<R>.json."""
+backward and step with perf_counter, after the loop times all-reduces of 4 bytes and of
+its gradients' size itself (`probe`: the cost of a call and of a byte on this machine), and
+writes OUT.rank<R>.json."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import argparse
 import gc
 import os
 import sys
+import time
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -35,6 +39,8 @@ def main() -> None:
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--bucket", type=int, default=500_000_000)
+    p.add_argument("--allgather-bucket", type=int, help="allgather_bucket_size (the "
+                   "reduce_bucket_size, --bucket, when not given)")
     a = p.parse_args()
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
@@ -46,7 +52,7 @@ def main() -> None:
     cfg = {"train_micro_batch_size_per_gpu": a.batch, "gradient_accumulation_steps": 1,
            "zero_optimization": {"stage": a.stage, "overlap_comm": a.overlap_comm,
                                  "reduce_bucket_size": a.bucket,
-                                 "allgather_bucket_size": a.bucket},
+                                 "allgather_bucket_size": a.allgather_bucket or a.bucket},
            "zero_allow_untested_optimizer": True, "steps_per_print": 10**9,
            "wall_clock_breakdown": False}
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -62,11 +68,27 @@ def main() -> None:
         truth.timed("backward", engine.backward, loss)
         truth.timed("update", engine.step)
         truth.end()
+    truth.probe = probe(sum(q.numel() for q in model.parameters()))
     truth.dump(f"{a.out}.rank{rank}.json")
     engine = model = opt = loss = None
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def probe(elements: int, n: int = 6) -> dict:
+    """Mean seconds of one synchronous all-reduce of 4 bytes and of `elements` floats,
+    each call begun together by the ranks (a barrier before it)."""
+    out = {"elements": elements}
+    for key, x in (("small_s", torch.zeros(1)), ("large_s", torch.zeros(elements))):
+        took = 0.0
+        for _ in range(n):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(x)
+            took += time.perf_counter() - t0
+        out[key] = took / n
+    return out
 
 
 if __name__ == "__main__":

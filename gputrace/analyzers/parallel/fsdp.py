@@ -14,7 +14,7 @@ import numpy as np
 
 from gputrace.analyzers import collectives as col
 from gputrace.analyzers import sharded as shd
-from gputrace.analyzers.shardinputs import Inputs, arrivals_of, inputs
+from gputrace.analyzers.shardinputs import Inputs, arrivals_of, inputs, small_arrivals
 
 
 @dataclass(frozen=True)
@@ -38,11 +38,14 @@ def run(parts: dict[int, Part], v: Any) -> dict[int, shd.Sharded] | None:
     """Each rank's sharded analysis again, knowing when the last rank arrived at each of its
     collectives (v: registry.RunView), for the ranks whose arrivals are known."""
     out = {}
+    arrs = {r: arrivals_of(p.inputs, v.steps[r].units.start, v.arrivals[r])
+            for r, p in parts.items() if r in v.arrivals}
+    small_arrivals({r: parts[r].inputs for r in arrs}, v.steps, arrs)
     for r, p in parts.items():
         if r not in v.arrivals:
             continue
         steps = v.steps[r]
-        arr = arrivals_of(p.inputs, steps.units.start, v.arrivals[r])
+        arr = arrs[r]
         sh = shd.analyze_sharded(p.inputs, steps, v.sels[r], v.world, v.link_bytes_per_s,
                                  arrive=arr, engine=p.engine)
         if sh is not None:

@@ -87,14 +87,26 @@ def _describe(engine: Any, s: _Engine) -> None:
     z = getattr(cfg, "zero_config", None)
     d: dict[str, Any] = {"stage": s.stage}
     for k in SETTINGS[1:]:
-        v = getattr(z, k, None)
+        # the config's fields drop the stage3_ of the names its JSON is written with
+        v = getattr(z, k, getattr(z, k.removeprefix("stage3_"), None))
         if isinstance(v, (bool, int, float)):
             d[k] = v
     d["gradient_accumulation_steps"] = int(engine.gradient_accumulation_steps())
+    # stages 1-2 split the step's all-gathers by allgather_bucket_size only without it
+    d["all_gather_into_tensor"] = _has_gather_into_tensor()
     p = next(iter(engine.module.parameters()), None)
     if p is not None:   # reduce_bucket_size counts elements: the bytes of one
         d["element_size"] = int(p.element_size())
     st.rec.metadata.setdefault("deepspeed", d)
+
+
+def _has_gather_into_tensor() -> bool | None:
+    try:
+        from deepspeed import comm as ds_comm
+
+        return bool(ds_comm.has_all_gather_into_tensor())
+    except Exception:  # noqa: BLE001 - not known: the what-if says so
+        return None
 
 
 def _within(ctx: Any, fn: Any, *a: Any, **k: Any) -> Any:
