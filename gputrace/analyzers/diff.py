@@ -16,6 +16,7 @@ from gputrace.analyzers.diff_noise import (  # noqa: F401 (interval: here too)
     Noise,
     interval,
     iteration_excursions,
+    net_of_wait,
 )
 from gputrace.analyzers.diff_parts import Parts
 
@@ -65,7 +66,10 @@ def _mean(ra: RankAnalysis, k: str) -> float | None:
     return None if s is None else float(s.mean)
 
 
-def breakdown(b: RankAnalysis, a: RankAnalysis) -> dict[str, dict[str, Any]]:
+def breakdown(b: RankAnalysis, a: RankAnalysis, wait_b: float | None = None,
+              wait_a: float | None = None) -> dict[str, dict[str, Any]]:
+    """Each term's change; `wait_b`, `wait_a`: each run's run-queue wait per iteration
+    (None where not recorded), that `t_iter`'s interval holds the change net of too."""
     sb, sa = series(b), series(a)
     ex = [iteration_excursions(s, LEAVES) if "t_iter" in s else None for s in (sb, sa)]
     out: dict[str, dict[str, Any]] = {}
@@ -79,8 +83,8 @@ def breakdown(b: RankAnalysis, a: RankAnalysis) -> dict[str, dict[str, Any]]:
             continue
         ci = None
         if k in sb and k in sa:
-            ci = interval(sb[k], sa[k], ex_x=ex[0], ex_y=ex[1]) if k == "t_iter" \
-                else interval(sb[k], sa[k])
+            ci = net_of_wait(interval(sb[k], sa[k], ex_x=ex[0], ex_y=ex[1]), wait_b,
+                             wait_a) if k == "t_iter" else interval(sb[k], sa[k])
         out[k] = {"label": label, **change(mb_, ma, ci)}
     return out
 
@@ -225,20 +229,23 @@ def made(b: Analysis, a: Analysis) -> dict[str, Any]:
     return out
 
 
-def noise(b: RankAnalysis, a: RankAnalysis) -> dict[str, Any]:
-    """How the intervals are made, and each run's excursions per iteration (the time of its
-    iterations above their upper fence: the between-run term of `t_iter`'s interval)."""
+def noise(b: RankAnalysis, a: RankAnalysis, pb: Parts, pa: Parts) -> dict[str, Any]:
+    """How the intervals are made, each run's excursions per iteration (the time of its
+    iterations above their fence: the between-run term of `t_iter`'s interval) and its
+    run-queue wait per iteration."""
     ex = {side: float(np.mean(iteration_excursions(s, LEAVES))) if s.get("t_iter") is not None
           and s["t_iter"].size else None for side, s in (("before", series(b)),
                                                          ("after", series(a)))}
-    return {"method": METHOD, "resamples": RESAMPLES, "confidence": 0.95, "excursions_s": ex}
+    waited = pb.run_wait_s is not None and pa.run_wait_s is not None
+    return {"method": METHOD + ("+run_wait" if waited else ""), "resamples": RESAMPLES, "confidence": 0.95, "excursions_s": ex,
+            "run_wait_s": {"before": pb.run_wait_s, "after": pa.run_wait_s}}
 
 
 def compare(b: Analysis, a: Analysis, rank_b: int, rank_a: int, pb: Parts, pa: Parts
             ) -> dict[str, Any]:
     """The diff document of two analyses (the rank each shows) and their per-name parts."""
     rb, ra = b.ranks[rank_b], a.ranks[rank_a]
-    terms = breakdown(rb, ra)
+    terms = breakdown(rb, ra, pb.run_wait_s, pa.run_wait_s)
     layers = {ph: named(getattr(pb, ph), getattr(pa, ph), series_before=pb.series.get(ph),
                         series_after=pa.series.get(ph)) for ph in ("forward", "backward")}
     unit = units(rb, ra)
@@ -248,7 +255,7 @@ def compare(b: Analysis, a: Analysis, rank_b: int, rank_a: int, pb: Parts, pa: P
             why.append(f"{what} do not match ({len(d['only_before'])} only before, "
                        f"{len(d['only_after'])} only after, {d['matched']} in both)")
     return {"headline": headline(terms), "breakdown": terms, "terms_only": terms_only(terms),
-            "noise": noise(rb, ra),
+            "noise": noise(rb, ra, pb, pa),
             "comparable": not why, "not_comparable": "; ".join(why) or None,
             "rank_before": rank_b, "rank_after": rank_a,
             "iterations": {"before": rb.iterations - rb.warmup_skipped,

@@ -10,7 +10,12 @@ none. Resampling one run's iterations keeps its stall count; the term lets each 
 excursion time be anywhere from none to twice what it was (a normal of that standard
 deviation, the two runs' added in quadrature). A change made in every iteration is beside
 the excursions and keeps its interval; one made in a few iterations only is counted as
-possibly the machine's (docs/diff.md)."""
+possibly the machine's (docs/diff.md).
+
+Where both recordings measured the time the job was runnable and waiting for a CPU (the
+host collector's `proc.run_wait_s`), the iteration's interval also holds the change net of
+that wait: a run slowed throughout by a loaded machine (every sleep's wake-up late) is not
+a stall, and the wait says so."""
 
 from __future__ import annotations
 
@@ -77,3 +82,14 @@ def iteration_excursions(terms: dict[str, np.ndarray], leaves: tuple[str, ...]
     it = terms["t_iter"]
     parts = [excursions(terms[k]) for k in leaves if k in terms and terms[k].size == it.size]
     return np.maximum(excursions(it), np.sum(parts, axis=0) if parts else 0.0)
+
+
+def net_of_wait(ci: Noise | None, wait_x: float | None, wait_y: float | None
+                ) -> Noise | None:
+    """The interval stretched to hold also the change net of the machine's measured
+    run-queue wait (each run's per iteration): beyond noise only where the change is, with
+    and without the time the machine's other work kept the job waiting for a CPU."""
+    if ci is None or wait_x is None or wait_y is None:
+        return ci
+    d = wait_y - wait_x
+    return Noise(min(ci.low, ci.low - d), max(ci.high, ci.high - d), ci.between_s)
