@@ -97,6 +97,14 @@ def test_the_same_job_recorded_twice_is_within_noise(runs):
         np.mean([s["iteration"] for s in runs["base"][1][-n:]])
     assert abs(h["change"] - own) < h["high"] - h["low"]
     assert d["comparable"]
+    # how: each run's stalls and its measured run-queue wait, neither more per iteration
+    # than the iteration the loop timed itself
+    nz = d["noise"]
+    assert nz["method"] == "bootstrap+excursions+run_wait" and h["between_s"] is not None
+    for side, name in (("before", "base"), ("after", "again")):
+        mean_own = np.mean([s["iteration"] for s in runs[name][1][-n:]])
+        assert 0 <= nz["run_wait_s"][side] < mean_own
+        assert 0 <= nz["excursions_s"][side] < mean_own
 
 
 def test_fail_if_slower_exits_1_only_for_the_slowed_run(runs):

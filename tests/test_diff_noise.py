@@ -8,7 +8,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gputrace.analyzers.diff_noise import excursions, interval, iteration_excursions
+from gputrace.analyzers.diff_noise import (
+    excursions,
+    interval,
+    iteration_excursions,
+    net_of_wait,
+)
 
 N = 17          # the analyzed iterations of a 20-step recording
 
@@ -78,3 +83,17 @@ def test_the_same_run_on_both_sides_holds_zero_and_is_reproducible():
     ci = interval(r["t_iter"], r["t_iter"])
     assert ci.low < 0 < ci.high and ci == interval(r["t_iter"], r["t_iter"])
     assert interval(r["t_b"][:1], r["t_b"]) is None        # one iteration: no interval
+
+
+def test_a_run_slowed_throughout_by_the_machine_is_within_noise_by_its_measured_wait():
+    """A run 5 ms slower in every iteration: beyond noise as a change the job made (the
+    same run-queue wait in both), within noise where the recording measured 5 ms more wait
+    per iteration (the machine kept the job from a CPU)."""
+    before = run(7)
+    after = {k: v + 5e-3 for k, v in run(7).items() if k != "hit"}
+    ci = interval(before["t_b"], after["t_b"])
+    assert ci.low > 0
+    assert net_of_wait(ci, 1e-3, 1e-3) == ci
+    waited = net_of_wait(ci, 1e-3, 6e-3)
+    assert waited.low < 0 < waited.high and waited.high == ci.high
+    assert net_of_wait(ci, None, 6e-3) == ci        # not recorded on a side: as it was
