@@ -46,13 +46,16 @@ def headline(doc: dict[str, Any]) -> str:
 
 
 def stalls(doc: dict[str, Any]) -> str:
-    """', and their stalls (3.1 ms per iteration before, 0.0 ms after) as noise between
-    runs' where a run has any ('' otherwise)."""
-    ex = (doc.get("noise") or {}).get("excursions_s") or {}
-    if not any(ex.get(k) for k in ("before", "after")):
-        return ""
-    return (f", and their stalls ({_ms(ex.get('before'))} per iteration before, "
-            f"{_ms(ex.get('after'))} after) as noise between runs")
+    """', and their stalls (3.1 ms per iteration before, 0.0 ms after) and wait for a CPU
+    (...) as noise between runs' where a run has any ('' otherwise)."""
+    nz = doc.get("noise") or {}
+    said = []
+    for key, what in (("excursions_s", "stalls"), ("run_wait_s", "wait for a CPU")):
+        v = nz.get(key) or {}
+        if any(v.get(k) for k in ("before", "after")):
+            said.append(f"{what} ({_ms(v.get('before'))} per iteration before, "
+                        f"{_ms(v.get('after'))} after)")
+    return f", and their {' and '.join(said)} as noise between runs" if said else ""
 
 
 def only_line(doc: dict[str, Any]) -> str:
