@@ -88,12 +88,19 @@ def test_the_same_run_on_both_sides_holds_zero_and_is_reproducible():
 def test_a_run_slowed_throughout_by_the_machine_is_within_noise_by_its_measured_wait():
     """A run 5 ms slower in every iteration: beyond noise as a change the job made (the
     same run-queue wait in both), within noise where the recording measured 5 ms more wait
-    per iteration (the machine kept the job from a CPU)."""
+    per iteration (the machine kept the job from a CPU); and a change made by the job on a
+    machine loaded alike in both runs (the same share of each iteration waiting) stays
+    beyond noise."""
     before = run(7)
     after = {k: v + 5e-3 for k, v in run(7).items() if k != "hit"}
-    ci = interval(before["t_b"], after["t_b"])
+    tx, ty = float(np.mean(before["t_iter"])), float(np.mean(after["t_iter"]))
+    ci = interval(before["t_iter"], after["t_iter"])
     assert ci.low > 0
-    assert net_of_wait(ci, 1e-3, 1e-3) == ci
-    waited = net_of_wait(ci, 1e-3, 6e-3)
+    same = net_of_wait(ci, tx, ty, 1e-3, 1e-3)
+    assert same.low == ci.low > 0
+    waited = net_of_wait(ci, tx, ty, 1e-3, 6e-3)
     assert waited.low < 0 < waited.high and waited.high == ci.high
-    assert net_of_wait(ci, None, 6e-3) == ci        # not recorded on a side: as it was
+    assert net_of_wait(ci, tx, ty, None, 6e-3) == ci        # not recorded on a side
+    # both runs waited half of each iteration: the job's own change, at the same load
+    loaded = net_of_wait(ci, tx, ty, tx / 2, ty / 2)
+    assert loaded == ci and loaded.low > 0

@@ -83,8 +83,12 @@ def breakdown(b: RankAnalysis, a: RankAnalysis, wait_b: float | None = None,
             continue
         ci = None
         if k in sb and k in sa:
-            ci = net_of_wait(interval(sb[k], sa[k], ex_x=ex[0], ex_y=ex[1]), wait_b,
-                             wait_a) if k == "t_iter" else interval(sb[k], sa[k])
+            ci = interval(sb[k], sa[k])
+            if k == "t_iter" and wait_b is not None and wait_a is not None:  # the load, measured
+                ci = net_of_wait(interval(sb[k], sa[k], ex_x=np.zeros(0), ex_y=np.zeros(0)),
+                                 mb_, ma, wait_b, wait_a)
+            elif k == "t_iter":
+                ci = interval(sb[k], sa[k], ex_x=ex[0], ex_y=ex[1])
         out[k] = {"label": label, **change(mb_, ma, ci)}
     return out
 

@@ -13,9 +13,10 @@ the excursions and keeps its interval; one made in a few iterations only is coun
 possibly the machine's (docs/diff.md).
 
 Where both recordings measured the time the job was runnable and waiting for a CPU (the
-host collector's `proc.run_wait_s`), the iteration's interval also holds the change net of
-that wait: a run slowed throughout by a loaded machine (every sleep's wake-up late) is not
-a stall, and the wait says so."""
+host collector's `proc.run_wait_s`), that wait measures the machine's load on the job
+itself (a stall is such a wait, and so is every sleep's late wake-up on a loaded machine,
+which is no excursion): the iteration's interval then holds its change at the same load as
+well as the change measured, and its excursions are left out."""
 
 from __future__ import annotations
 
@@ -84,12 +85,17 @@ def iteration_excursions(terms: dict[str, np.ndarray], leaves: tuple[str, ...]
     return np.maximum(excursions(it), np.sum(parts, axis=0) if parts else 0.0)
 
 
-def net_of_wait(ci: Noise | None, wait_x: float | None, wait_y: float | None
-                ) -> Noise | None:
-    """The interval stretched to hold also the change net of the machine's measured
-    run-queue wait (each run's per iteration): beyond noise only where the change is, with
-    and without the time the machine's other work kept the job waiting for a CPU."""
+def net_of_wait(ci: Noise | None, t_x: float, t_y: float, wait_x: float | None,
+                wait_y: float | None) -> Noise | None:
+    """The iteration's interval stretched to hold also its change at the same load: each
+    run's iteration less its wait for a CPU (`wait_x`, `wait_y` per iteration) is what it
+    took with the machine to itself; the run after, stretched by the load the run before
+    had (t_x over its time without the wait), less t_x. Beyond noise only where the change
+    is, with and without the load's difference. None of the wait: as it was."""
     if ci is None or wait_x is None or wait_y is None:
         return ci
-    d = wait_y - wait_x
-    return Noise(min(ci.low, ci.low - d), max(ci.high, ci.high - d), ci.between_s)
+    own_x, own_y = t_x - wait_x, t_y - wait_y
+    if own_x <= 0 or own_y <= 0:
+        return ci
+    d = (t_x * own_y / own_x - t_x) - (t_y - t_x)   # same-load change less the measured
+    return Noise(min(ci.low, ci.low + d), max(ci.high, ci.high + d), ci.between_s)
