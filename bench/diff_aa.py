@@ -6,7 +6,8 @@ forward has a cost that varies from step to step. Each pair is recorded one run 
 other; `--hog` runs a busy process beside every recording (a CPU hog on the machine). The
 target: within noise in at least 19 of 20 pairs. Per pair it prints the headline's change,
 its interval and the verdict; at the end the count, and the loops' own change (their
-perf_counter) beside the diff's.
+perf_counter) beside the diff's, the change of the job's wait for a CPU per iteration and
+each run's stalls per iteration (the between-run noise the interval holds).
 
     python bench/diff_aa.py [--pairs 20] [--steps 20] [--hog] [--keep DIR] [--tiny]
 """
@@ -37,11 +38,14 @@ def record(out: Path, name: str, steps: int) -> tuple[Path, list[dict[str, float
 def pair(out: Path, i: int, steps: int) -> dict[str, float | str | bool]:
     (ta, sa), (tb, sb) = record(out, f"a{i}", steps), record(out, f"b{i}", steps)
     _, p = run([PY, "-m", "gputrace", "diff", str(ta), str(tb), "--json"], timeout=600)
-    h = json.loads(p.stdout)["headline"]
-    n = json.loads(p.stdout)["iterations"]["after"]
+    doc = json.loads(p.stdout)
+    h, n = doc["headline"], doc["iterations"]["after"]
     own = (sum(s["iteration"] for s in sb[-n:]) - sum(s["iteration"] for s in sa[-n:])) / n
+    w = doc["noise"]["run_wait_s"]
+    wait = w["after"] - w["before"] if None not in (w["before"], w["after"]) else None
     return {"before": h["before"], "change": h["change"], "low": h["low"], "high": h["high"],
-            "verdict": h["verdict"], "own": own, "within": not h["beyond_noise"]}
+            "verdict": h["verdict"], "own": own, "within": not h["beyond_noise"],
+            "wait": wait, "stalls": doc["noise"]["excursions_s"]}
 
 
 def main() -> None:
@@ -64,7 +68,10 @@ def main() -> None:
             within += bool(r["within"])
             rows.append([str(i), f"{r['before'] * 1e3:.1f}", f"{r['change'] * 1e3:+.2f}",
                          f"[{r['low'] * 1e3:+.2f}, {r['high'] * 1e3:+.2f}]", str(r["verdict"]),
-                         f"{r['own'] * 1e3:+.2f}"])
+                         f"{r['own'] * 1e3:+.2f}",
+                         "-" if r["wait"] is None else f"{r['wait'] * 1e3:+.2f}",
+                         "/".join(f"{(r['stalls'][k] or 0) * 1e3:.1f}"  # type: ignore[index]
+                                  for k in ("before", "after"))])
             print(" ".join(rows[-1]), file=sys.stderr)
     finally:
         if hog is not None:
@@ -75,7 +82,8 @@ def main() -> None:
     print(f"machine: {machine()}")
     print(table(f"A/A pairs of tests/jobs/slowed_phase.py, {a.steps} steps each"
                 f"{', beside a CPU hog' if a.hog else ''} (ms)",
-                ["pair", "t_iter", "change", "95 % interval", "verdict", "job's own change"],
+                ["pair", "t_iter", "change", "95 % interval", "verdict", "job's own change",
+                 "wait for a CPU, change", "stalls before/after"],
                 rows))
     print(f"within noise: {within} of {a.pairs} pairs (target: 19 of 20)")
 

@@ -181,6 +181,41 @@ def test_held_proc_files_read_what_psutil_reads_and_fail_once_the_process_is_gon
     files.close()
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/schedstat")
+                    or not hasattr(os, "sched_setaffinity"), reason="Linux schedstat only")
+def test_run_queue_wait_is_the_time_a_busy_loop_was_kept_from_its_cpu():
+    """A busy loop sharing one CPU with another: the time its wall clock ran and its CPU
+    time did not (its own perf_counter and process_time) is the wait the held files read."""
+    from gputrace.collectors.host import _ProcFiles
+
+    pin = "import os, sys, time; os.sched_setaffinity(0, {0}); "
+    hog = subprocess.Popen([sys.executable, "-c", pin + "print('ready', flush=True)\n"
+                            "while True: pass"], stdout=subprocess.PIPE)
+    loop = subprocess.Popen([sys.executable, "-c", pin + """print('ready', flush=True)
+sys.stdin.readline()
+w, c = time.perf_counter(), time.process_time()
+while time.perf_counter() - w < 1.0:
+    pass
+print(time.perf_counter() - w - (time.process_time() - c), flush=True)
+sys.stdin.readline()"""], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert hog.stdout.readline() == b"ready\n" and loop.stdout.readline() == b"ready\n"
+        files = _ProcFiles(loop.pid)
+        w0 = files.read()[5]
+        loop.stdin.write(b"go\n")
+        loop.stdin.flush()
+        own = float(loop.stdout.readline())
+        waited = files.read()[5] - w0
+        files.close()
+        assert own > 0.2                       # the hog took the CPU from it, by its clock
+        assert waited == pytest.approx(own, rel=0.15, abs=0.03)
+    finally:
+        hog.kill()
+        hog.wait()
+        loop.kill()
+        loop.wait()
+
+
 @pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children"),
                     reason="needs /proc/<pid>/task/<tid>/children")
 def test_the_tree_walk_finds_what_psutil_finds_children_of_any_thread_and_their_children():

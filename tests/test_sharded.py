@@ -363,5 +363,10 @@ def test_diff_of_reshard_after_forward_on_and_off_finds_the_backward_regathers_g
     # the same units on both sides: the runs stay comparable
     assert u["units_match"] and d["comparable"] and d["not_comparable"] is None
     assert d["headline"]["change"] == pytest.approx(it_off - it_on, abs=0.05 * it_on)
+    # the backward's exposed re-gathers gone: exposed comm drops beyond noise (its units'
+    # exposure in each iteration resampled) and the headline names it first
+    ce = d["breakdown"]["comm_exposed"]
+    assert ce["low"] <= ce["change"] <= ce["high"] < 0 and ce["beyond_noise"]
+    assert d["headline"]["explained_by"][0]["term"] == "comm_exposed"
     assert f"only before: {', '.join(gone)}" in \
         run_gputrace("diff", str(on), str(off), check=True).stdout

@@ -9,10 +9,17 @@ from typing import Any
 import numpy as np
 
 from gputrace.analyzers import Analysis, RankAnalysis
+from gputrace.analyzers.diff_noise import (  # noqa: F401 (interval: here too)
+    METHOD,
+    RESAMPLES,
+    SEED,
+    Noise,
+    interval,
+    iteration_excursions,
+    net_of_wait,
+)
 from gputrace.analyzers.diff_parts import Parts
 
-RESAMPLES = 2000
-SEED = 0
 TOP = 10
 # the breakdown's terms as the terminal report shows them, exposed comm beside all comm
 TERMS = (("t_iter", "iteration"), ("t_io", "waiting for data (I/O)"),
@@ -22,6 +29,9 @@ TERMS = (("t_iter", "iteration"), ("t_io", "waiting for data (I/O)"),
          ("t_pp", "pipeline bubble"), ("t_ep", "expert-parallel all-to-all"),
          ("t_cp", "context-parallel comm"), ("t_framework", "framework"),
          ("t_other", "in no phase"))
+# the terms an iteration is made of, whose stalls its own spread can hide
+LEAVES = ("t_io", "t_h2d", "t_f", "t_b", "t_u", "comm_exposed", "t_other", "t_framework",
+          "t_tp", "t_pp", "t_ep", "t_cp")
 # what a run's metadata says of how it was made (the rest differs from run to run anyway)
 MADE = ("world_size", "hosts", "cpus", "argv", "software", "env", "sample_hz", "collectors",
         "imported")
@@ -35,27 +45,18 @@ def series(ra: RankAnalysis) -> dict[str, np.ndarray]:
     s = d.series
     out = {k: np.asarray(v[s.warmup:], float) for k, v in s.terms.items()}
     out["comm_exposed"] = np.asarray(s.comm_exposed_s[s.warmup:], float)
+    if ra.sharded is not None:     # FSDP's exposed comm is its units' own, per iteration
+        out["comm_exposed"] = np.asarray(ra.sharded.exposed_series, float)
     return out
 
 
-def interval(x: np.ndarray, y: np.ndarray, seed: int = SEED) -> tuple[float, float] | None:
-    """95 % interval of mean(y) - mean(x), each run's iterations resampled on its own."""
-    if x.size < 2 or y.size < 2:
-        return None
-    rng = np.random.default_rng(seed)
-    mx = x[rng.integers(0, x.size, (RESAMPLES, x.size))].mean(axis=1)
-    my = y[rng.integers(0, y.size, (RESAMPLES, y.size))].mean(axis=1)
-    lo, hi = np.percentile(my - mx, [2.5, 97.5])
-    return float(lo), float(hi)
-
-
-def change(before: float, after: float, ci: tuple[float, float] | None) -> dict[str, Any]:
+def change(before: float, after: float, ci: Noise | None) -> dict[str, Any]:
     d = after - before
-    beyond = ci is not None and (ci[0] > 0 or ci[1] < 0)
+    beyond = ci is not None and (ci.low > 0 or ci.high < 0)
     return {"before": before, "after": after, "change": d,
             "change_pct": d / before * 100 if before else None,
-            "low": ci[0] if ci else None, "high": ci[1] if ci else None,
-            "beyond_noise": bool(beyond)}
+            "low": ci.low if ci else None, "high": ci.high if ci else None,
+            "beyond_noise": bool(beyond), "between_s": ci.between_s if ci else None}
 
 
 def _mean(ra: RankAnalysis, k: str) -> float | None:
@@ -65,8 +66,12 @@ def _mean(ra: RankAnalysis, k: str) -> float | None:
     return None if s is None else float(s.mean)
 
 
-def breakdown(b: RankAnalysis, a: RankAnalysis) -> dict[str, dict[str, Any]]:
+def breakdown(b: RankAnalysis, a: RankAnalysis, wait_b: float | None = None,
+              wait_a: float | None = None) -> dict[str, dict[str, Any]]:
+    """Each term's change; `wait_b`, `wait_a`: each run's run-queue wait per iteration
+    (None where not recorded), that `t_iter`'s interval holds the change net of too."""
     sb, sa = series(b), series(a)
+    ex = [iteration_excursions(s, LEAVES) if "t_iter" in s else None for s in (sb, sa)]
     out: dict[str, dict[str, Any]] = {}
     for k, label in TERMS:
         mb_, ma = _mean(b, k), _mean(a, k)
@@ -76,9 +81,14 @@ def breakdown(b: RankAnalysis, a: RankAnalysis) -> dict[str, dict[str, Any]]:
             mb_, ma = mb_ or 0.0, ma or 0.0
         if k != "t_iter" and mb_ == 0 and ma == 0:
             continue
-        # FSDP's exposed comm is its units' own, not the per-iteration series
-        own = k == "comm_exposed" and (b.sharded is not None or a.sharded is not None)
-        ci = interval(sb[k], sa[k]) if k in sb and k in sa and not own else None
+        ci = None
+        if k in sb and k in sa:
+            ci = interval(sb[k], sa[k])
+            if k == "t_iter" and wait_b is not None and wait_a is not None:  # the load, measured
+                ci = net_of_wait(interval(sb[k], sa[k], ex_x=np.zeros(0), ex_y=np.zeros(0)),
+                                 mb_, ma, wait_b, wait_a)
+            elif k == "t_iter":
+                ci = interval(sb[k], sa[k], ex_x=ex[0], ex_y=ex[1])
         out[k] = {"label": label, **change(mb_, ma, ci)}
     return out
 
@@ -124,8 +134,9 @@ def named(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]
         xb, xa = (None if s is None else s.get(r["name"])
                   for s in (series_before, series_after))
         ci = interval(xb, xa) if xb is not None and xa is not None else None
-        r.update({"low": ci[0] if ci else None, "high": ci[1] if ci else None,
-                  "beyond_noise": ci is not None and (ci[0] > 0 or ci[1] < 0)})
+        r.update({"low": ci.low if ci else None, "high": ci.high if ci else None,
+                  "beyond_noise": ci is not None and (ci.low > 0 or ci.high < 0),
+                  "between_s": ci.between_s if ci else None})
     return {"matched": len(both), "top": top,
             "only_before": sorted(n for n in before if n not in after),
             "only_after": sorted(n for n in after if n not in before)}
@@ -222,11 +233,23 @@ def made(b: Analysis, a: Analysis) -> dict[str, Any]:
     return out
 
 
+def noise(b: RankAnalysis, a: RankAnalysis, pb: Parts, pa: Parts) -> dict[str, Any]:
+    """How the intervals are made, each run's excursions per iteration (the time of its
+    iterations above their fence: the between-run term of `t_iter`'s interval) and its
+    run-queue wait per iteration."""
+    ex = {side: float(np.mean(iteration_excursions(s, LEAVES))) if s.get("t_iter") is not None
+          and s["t_iter"].size else None for side, s in (("before", series(b)),
+                                                         ("after", series(a)))}
+    waited = pb.run_wait_s is not None and pa.run_wait_s is not None
+    return {"method": METHOD + ("+run_wait" if waited else ""), "resamples": RESAMPLES, "confidence": 0.95, "excursions_s": ex,
+            "run_wait_s": {"before": pb.run_wait_s, "after": pa.run_wait_s}}
+
+
 def compare(b: Analysis, a: Analysis, rank_b: int, rank_a: int, pb: Parts, pa: Parts
             ) -> dict[str, Any]:
     """The diff document of two analyses (the rank each shows) and their per-name parts."""
     rb, ra = b.ranks[rank_b], a.ranks[rank_a]
-    terms = breakdown(rb, ra)
+    terms = breakdown(rb, ra, pb.run_wait_s, pa.run_wait_s)
     layers = {ph: named(getattr(pb, ph), getattr(pa, ph), series_before=pb.series.get(ph),
                         series_after=pa.series.get(ph)) for ph in ("forward", "backward")}
     unit = units(rb, ra)
@@ -236,6 +259,7 @@ def compare(b: Analysis, a: Analysis, rank_b: int, rank_a: int, pb: Parts, pa: P
             why.append(f"{what} do not match ({len(d['only_before'])} only before, "
                        f"{len(d['only_after'])} only after, {d['matched']} in both)")
     return {"headline": headline(terms), "breakdown": terms, "terms_only": terms_only(terms),
+            "noise": noise(rb, ra, pb, pa),
             "comparable": not why, "not_comparable": "; ".join(why) or None,
             "rank_before": rank_b, "rank_after": rank_a,
             "iterations": {"before": rb.iterations - rb.warmup_skipped,

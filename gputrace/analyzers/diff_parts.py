@@ -21,6 +21,9 @@ class Parts:
     kernels: Totals = field(default_factory=dict)
     # "forward", "backward", "kernels" -> each name's per-iteration time (its mean: time_s)
     series: dict[str, Series] = field(default_factory=dict)
+    # the traced tree's time runnable and waiting for a CPU, per analyzed iteration (None:
+    # not recorded)
+    run_wait_s: float | None = None
 
 
 def _totals(names: list[str], dur_s: np.ndarray, it: np.ndarray, n: int
@@ -44,6 +47,7 @@ def parts(table: pa.Table, rank: int, starts_ns: np.ndarray, end_ns: int) -> Par
     if n < 1 or table.num_rows == 0:
         return Parts()
     start_ns = int(starts_ns[0])
+    wait = run_wait(table, start_ns, end_ns, n)
     cols = ["cat", "name", "start_ns", "end_ns", "rank", "layer", "device"]
     t = table.select([c for c in cols if c in table.column_names])
     m = pc.and_(pc.greater_equal(t["start_ns"], start_ns), pc.less_equal(t["end_ns"], end_ns))
@@ -70,4 +74,21 @@ def parts(table: pa.Table, rank: int, starts_ns: np.ndarray, end_ns: int) -> Par
             "backward": pick((cat == "backward") & (layer >= 0), layer_name),
             "kernels": pick((cat == "kernel") & (dev >= 0), lambda i: name[i])}
     return Parts(**{k: v[0] for k, v in made.items()},
-                 series={k: v[1] for k, v in made.items()})
+                 series={k: v[1] for k, v in made.items()}, run_wait_s=wait)
+
+
+def run_wait(table: pa.Table, start_ns: int, end_ns: int, n: int) -> float | None:
+    """The traced tree's run-queue wait (`proc.run_wait_s`, cumulative) from `start_ns` to
+    `end_ns`, interpolated between its samples, per iteration of `n` (None without at least
+    two samples of it, or one host's)."""
+    if "name" not in table.column_names or "value" not in table.column_names:
+        return None
+    t = table.filter(pc.equal(table["name"], "proc.run_wait_s"))
+    if t.num_rows < 2 or len(pc.unique(t["host"])) > 1:
+        return None
+    at = t["start_ns"].to_numpy(zero_copy_only=False)
+    v = t["value"].to_numpy(zero_copy_only=False).astype(float)
+    order = np.argsort(at, kind="stable")
+    at, v = at[order], v[order]
+    lo, hi = np.interp([start_ns, end_ns], at, v)
+    return float(max(hi - lo, 0.0)) / n

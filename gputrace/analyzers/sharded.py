@@ -80,6 +80,8 @@ class Sharded:
     baseline_t_iter: float
     baseline_error: float
     assumptions: list[str] = field(default_factory=list)
+    # exposed s in each analyzed iteration (their mean: exposed["total_s"])
+    exposed_series: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     @property
     def label(self) -> str:
@@ -181,6 +183,8 @@ def analyze_sharded(si: Inputs, rs: RankSteps, sel: np.ndarray, world: int,
     exp_b = sum(u.exposed_s for u in units if u.role not in ("unshard", "step_gather"))
     exposed = {"forward_s": exp_f, "backward_s": exp_b, "update_s": exp_u,
                "total_s": exp_f + exp_b + exp_u}
+    per_it = np.bincount(np.searchsorted(sel, facts["it"][inside]), minlength=sel.size,
+                         weights=facts["exposed"][inside] / 1e9)[:sel.size]
     ex_units = {
         "forward": sorted({u.unit for u in units if u.role == "unshard"
                            and u.exposed_s > HIDDEN * u.duration_s * u.count}),
@@ -289,7 +293,7 @@ def analyze_sharded(si: Inputs, rs: RankSteps, sel: np.ndarray, world: int,
     ovl["hidden_fraction"] = ovl["hidden_s"] / t_comm if t_comm > 0 else 0.0
     return Sharded(strategy, world, units, per_role, kinds, exposed, cases, ex_units,
                    {"forward": base.prefetch_forward, "backward": base.prefetch_backward},
-                   resharded, model, ovl, sp_, what, baseline, err, assumptions)
+                   resharded, model, ovl, sp_, what, baseline, err, assumptions, per_it)
 
 
 def _zero_what_ifs(tls: list[sim.Timeline], facts: dict, si: Inputs,

@@ -49,15 +49,22 @@ class _ProcFiles(_HeldFiles):
 
     def __init__(self, pid: int) -> None:
         super().__init__(f"/proc/{pid}/io", f"/proc/{pid}/stat")
+        try:    # its main thread's time runnable and waiting for a CPU (CONFIG_SCHED_INFO)
+            self.fds.append(os.open(f"/proc/{pid}/schedstat", os.O_RDONLY))
+        except OSError:
+            pass
 
     def read(self) -> tuple[float, ...]:
-        """(read_bytes, write_bytes, read_chars, write_chars, cpu seconds); OSError once
-        the process is gone."""
+        """(read_bytes, write_bytes, read_chars, write_chars, cpu seconds, run-queue wait
+        seconds or 0); OSError once the process is gone."""
         io = dict(line.split(b": ") for line in os.pread(self.fds[0], 512, 0).splitlines())
         stat = os.pread(self.fds[1], 1024, 0)
         f = stat[stat.rindex(b")") + 2:].split()   # fields from the 3rd (state) on
+        wait = int(os.pread(self.fds[2], 128, 0).split()[1]) / 1e9 if len(self.fds) > 2 \
+            else 0.0
         return (float(io[b"read_bytes"]), float(io[b"write_bytes"]), float(io[b"rchar"]),
-                float(io[b"wchar"]), (int(f[11]) + int(f[12])) / _TICK)  # utime + stime
+                float(io[b"wchar"]), (int(f[11]) + int(f[12])) / _TICK,  # utime + stime
+                wait)
 
 
 def _pread_all(fd: int, size: int) -> bytes:
@@ -188,7 +195,9 @@ class HostCollector:
         self._procs: dict[tuple[int, float], psutil.Process] = {}
         self._files: dict[tuple[int, float], _ProcFiles | None] = {}   # None: use psutil
         self._last: dict[tuple[int, float], tuple[float, ...]] = {}
-        self._dead = [0.0] * 5  # read_bytes, write_bytes, read_chars, write_chars, cpu_s
+        # read_bytes, write_bytes, read_chars, write_chars, cpu_s, run-queue wait s
+        self._dead = [0.0] * 6
+        self.has_wait = os.path.exists(f"/proc/{root_pid}/schedstat")
         self._tree_t = -1.0
         # Linux with CONFIG_PROC_CHILDREN (the usual kernels): the tree is walked from its root
         self._proc_children = os.path.exists(f"/proc/{root_pid}/task/{root_pid}/children")
@@ -262,7 +271,8 @@ class HostCollector:
                     vals = (float(io.read_bytes), float(io.write_bytes),
                             float(getattr(io, "read_chars", io.read_bytes)),
                             float(getattr(io, "write_chars", io.write_bytes)),
-                            ct.user + ct.system)  # children_* would count exited ones twice
+                            ct.user + ct.system,  # children_* would count exited ones twice
+                            0.0)
             except (OSError, ValueError, KeyError, IndexError,
                     psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
                 self._retire(key)
@@ -288,6 +298,8 @@ class HostCollector:
             pct = 100.0 * (totals[4] - self._cpu_prev[1]) / (wall - self._cpu_prev[0])
             add("cpu", "proc.cpu_percent", max(pct, 0.0), "%")
         self._cpu_prev = (wall, totals[4])
+        if self.has_wait:   # cumulative: the tree's time runnable and not running
+            add("cpu", "proc.run_wait_s", totals[5], "s")
         add("cpu", "cpu.percent", self.system.cpu_percent(), "%")
         if self.has_disks:
             for dev, read, written in self.system.disks():

@@ -45,6 +45,19 @@ def headline(doc: dict[str, Any]) -> str:
     return text
 
 
+def stalls(doc: dict[str, Any]) -> str:
+    """', and their stalls (3.1 ms per iteration before, 0.0 ms after) and wait for a CPU
+    (...) as noise between runs' where a run has any ('' otherwise)."""
+    nz = doc.get("noise") or {}
+    said = []
+    for key, what in (("excursions_s", "stalls"), ("run_wait_s", "wait for a CPU")):
+        v = nz.get(key) or {}
+        if any(v.get(k) for k in ("before", "after")):
+            said.append(f"{what} ({_ms(v.get('before'))} per iteration before, "
+                        f"{_ms(v.get('after'))} after)")
+    return f", and their {' and '.join(said)} as noise between runs" if said else ""
+
+
 def only_line(doc: dict[str, Any]) -> str:
     """'Terms only one run has: before: comm (all of it); after: waiting for data (I/O)'
     ('' when both have the same)."""
@@ -59,7 +72,7 @@ def render(doc: dict[str, Any], file: IO[str] | None = None) -> None:
     con.print(escape(headline(doc)))
     it = doc["iterations"]
     con.print(f"{count(it['before'], 'iteration')} analyzed before, {it['after']} after; "
-              "95 % intervals by bootstrap resampling of each run's iterations")
+              "95 % intervals by bootstrap resampling of each run's iterations" + stalls(doc))
     if doc["not_comparable"]:
         con.print(escape(f"Not comparable: {doc['not_comparable']}; what matches is "
                          "compared below"))

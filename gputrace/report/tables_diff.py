@@ -10,14 +10,14 @@ from typing import Any
 from gputrace.report.tables import Table
 
 TABLES = ("breakdown", "layers", "units", "collectives", "kernels", "ranks")
-CHANGE = ("change", "low", "high", "beyond_noise")
+CHANGE = ("change", "low", "high", "beyond_noise", "between_s")
 MATCHED = ("name", "time_s_before", "time_s_after", *CHANGE)
 
 
 def breakdown(doc: dict[str, Any]) -> Table:
     cols = ("term", "label", "before", "after", "change", "change_pct", "low", "high",
-            "beyond_noise")
-    rows = tuple((k, *(r[c] for c in cols[1:])) for k, r in doc["breakdown"].items())
+            "beyond_noise", "between_s")
+    rows = tuple((k, *(r.get(c) for c in cols[1:])) for k, r in doc["breakdown"].items())
     return Table("breakdown", cols, rows)
 
 
