@@ -30,6 +30,9 @@ def extras(a: Any, rank: int | None, inputs: Sequence[str]) -> dict[str, Any]:
         table = _columns(inputs)
     out["memory"] = analyze_memory(table, shown) if table is not None else \
         {"rss_peak_bytes": None, "cuda": [], "ranks": {}, "unavailable": UNAVAILABLE}
+    from gputrace.document_flops import flops_doc
+
+    out["flops"] = flops_doc(a, shown, inputs)
     return out
 
 
@@ -64,6 +67,9 @@ def document(a: Any, rank: int | None, inputs: Sequence[str],
     doc = to_dict(a, rank)
     more = extras(a, rank, inputs) if more is None else more
     doc.update(more)
+    if more.get("flops", {}).get("finding"):
+        doc["findings"].append({"id": "layers_below_peak", "severity": "moderate",
+                                "message": more["flops"]["finding"]})
     if "run" in more and more["run"]["finding"]:
         doc["findings"].append({"id": "window_missed", "severity": "moderate",
                                 "message": more["run"]["finding"]})

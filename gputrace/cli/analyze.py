@@ -43,6 +43,9 @@ def run(args: argparse.Namespace) -> int:
                            else a.main.rank)
         if line:
             print(line)
+        from gputrace.analyzers.flops import line as flops_line
+
+        print(flops_line(more["flops"]))
         if "window" in more:
             from gputrace.report.window import render_window
 
