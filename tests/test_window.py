@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -47,15 +48,19 @@ def _record(out: Path, *window: str, iterations: int = ITERATIONS,
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("window")
-    return {"full": (d / "full.arrow", _record(d / "full.arrow")),
-            "steps": (d / "steps.arrow", _record(d / "steps.arrow", "--steps",
-                                                 f"{START}:{COUNT}")),
-            # the loop runs from its start-up until 3.5 s past the window, which begins
-            # DELAY s after the recording does (after now)
-            "time": (d / "time.arrow", _record(d / "time.arrow", "--delay", str(DELAY),
-                                               "--duration", "2", iterations=100_000,
-                                               job=("--stop-at", str(time.time() + DELAY
-                                                                     + 5.5))))}
+    # the timed window's job sleeps after its start-up until 3 s before the window, which
+    # begins DELAY s after the recording does (after now), and loops until 5.5 s past it:
+    # the two step-counted recordings run meanwhile
+    now = time.time()
+    with ThreadPoolExecutor(1) as pool:
+        timed = pool.submit(_record, d / "time.arrow", "--delay", str(DELAY), "--duration",
+                            "2", iterations=100_000,
+                            job=("--start-at", str(now + DELAY - 3),
+                                 "--stop-at", str(now + DELAY + 5.5)))
+        full = _record(d / "full.arrow")
+        steps = _record(d / "steps.arrow", "--steps", f"{START}:{COUNT}")
+        return {"full": (d / "full.arrow", full), "steps": (d / "steps.arrow", steps),
+                "time": (d / "time.arrow", timed.result())}
 
 
 def _outside(rows: list[dict], rank: int | None = None) -> list[dict]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from collections.abc import Sequence
@@ -74,7 +75,9 @@ class _Parser(argparse.ArgumentParser):
         raise CommandError(f"{self.prog}: {message}")
 
 
+@functools.cache
 def build_parser() -> argparse.ArgumentParser:
+    """Built once per process (parsing leaves it as it was; `append` copies its default)."""
     p = _Parser(prog="gputrace", description="Where each training iteration's time goes.",
                 epilog="manual: docs/index.md (each command's --help names its page)")
     from gputrace import __version__
