@@ -78,12 +78,18 @@ def document(a: Any, rank: int | None, inputs: Sequence[str],
 
 def charts(a: Any, rank: int | None, inputs: Sequence[str]) -> tuple[Any, ...]:
     """The report's charts of what the analysis does not hold: a windowed recording's
-    whole run (none for another trace)."""
+    whole run, and each layer's efficiency where the trace has a FLOP count."""
     from gputrace.analyzers.window import window_of
+    from gputrace.report.charts_flops import flops_chart
 
     if window_of(a.metadata) is None:
-        return ()
-    from gputrace.report.charts_run import run_chart
+        from gputrace.document_flops import flops_doc
 
-    c = run_chart(extras(a, rank, inputs))
-    return (c,) if c is not None else ()
+        more = {"flops": flops_doc(a, rank if rank is not None else a.main.rank, inputs)}
+        made = [flops_chart(more["flops"])]
+    else:
+        from gputrace.report.charts_run import run_chart
+
+        more = extras(a, rank, inputs)
+        made = [run_chart(more), flops_chart(more["flops"])]
+    return tuple(c for c in made if c is not None)

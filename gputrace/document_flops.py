@@ -20,6 +20,9 @@ NONE = ("the trace holds no FLOP count (a trace recorded before gputrace counted
         "imported from another tool, or of a job that is not PyTorch)")
 
 
+TENSORFLOW = "TensorFlow jobs are not counted yet"
+
+
 def _statuses(md: Any) -> list[str]:
     """Every process's `collectors.flops` status in the (merged) metadata."""
     out: list[str] = []
@@ -30,6 +33,15 @@ def _statuses(md: Any) -> list[str]:
         for s in md.get("shards") or []:
             out += _statuses(s)
     return out
+
+
+def _tensorflow(md: Any) -> bool:
+    """Whether a process of the (merged) trace ran TensorFlow or Keras."""
+    if not isinstance(md, dict):
+        return False
+    sw = md.get("software") or {}
+    return (isinstance(sw, dict) and ("tensorflow" in sw or "keras" in sw)) or \
+        any(_tensorflow(s) for s in md.get("shards") or [])
 
 
 def _table(inputs: Sequence[str]) -> pa.Table | None:
@@ -56,12 +68,15 @@ def flops_doc(a: Any, shown: int, inputs: Sequence[str]) -> dict[str, Any]:
         why = next((s.removeprefix("unavailable: ") for s in statuses if s != "ok"), None)
         if why == "off":
             why = "recorded with --flops off"
+        if why is None and _tensorflow(a.metadata):
+            why = TENSORFLOW
         return fl.not_counted(why or NONE)
     table = _table(inputs)
     if table is None:
         return fl.not_counted("the trace could not be read for them")
     cat = table["cat"].cast(pa.string())
-    rows = table.filter(pc.equal(cat, "flops")).select(["rank", "args"]).to_pylist()
+    rows = table.filter(pc.equal(cat, "flops")).select(
+        ["rank", "args", "start_ns", "end_ns"]).to_pylist()
     if not rows:
         return fl.not_counted(NONE)
     ranks = sorted(a.ranks)
@@ -83,7 +98,8 @@ def flops_doc(a: Any, shown: int, inputs: Sequence[str]) -> dict[str, Any]:
             out.update({k: args.get(k) for k in ("method", "dtype", "device", "device_name")})
             out["peaks"] = pk
             out["peak_used"] = peak["source"] if peak else None
-            out["layers"] = fl.layers(args, _layer_times(table, ra), t_iter,
+            left = (row["start_ns"], row["end_ns"]) if ra.flops_left_out is not None else None
+            out["layers"] = fl.layers(args, _layer_times(table, ra, left), t_iter,
                                       peak["flops_per_s"] if peak else None)
             out["finding"] = fl.finding(out["layers"], peak["source"] if peak else None)
     if "peaks" not in out:
@@ -91,8 +107,30 @@ def flops_doc(a: Any, shown: int, inputs: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-def _layer_times(table: pa.Table, ra: Any) -> dict[int, tuple[float | None, float | None]]:
-    """Each layer's forward and backward time per analyzed iteration of rank `ra`."""
+def _without_recomputed(table: pa.Table, rank: int) -> pa.Table:
+    """The table less the forward spans that ran inside a backward pass: a checkpointed
+    layer's forward recomputed there is the backward's work (its FLOPs are the
+    recomputation's), not the layer's forward. `rank`: the rank whose backward passes."""
+    cat = table["cat"].cast(pa.string())
+    outer = table.filter(pc.and_(pc.and_(pc.equal(cat, "backward"), pc.less(table["layer"], 0)),
+                                 pc.equal(table["rank"], rank)))
+    if not outer.num_rows:
+        return table
+    from gputrace.analyzers import overlap as ov
+
+    lo, hi = ov.union(outer["start_ns"].to_numpy(zero_copy_only=False),
+                      outer["end_ns"].to_numpy(zero_copy_only=False))
+    start = table["start_ns"].to_numpy(zero_copy_only=False)
+    j = np.searchsorted(lo, start, side="right") - 1
+    inside = (j >= 0) & (start < hi[np.clip(j, 0, None)])
+    fwd = pc.equal(cat, "forward").to_numpy(zero_copy_only=False)
+    return table.filter(pa.array(~(fwd & inside)))
+
+
+def _layer_times(table: pa.Table, ra: Any, left: tuple[int, int] | None = None
+                 ) -> dict[int, tuple[float | None, float | None]]:
+    """Each layer's forward and backward time per analyzed iteration of rank `ra`; `left`:
+    the counted iteration's [start, end), left out as the timings leave it out."""
     from gputrace.analyzers.diff_parts import parts
     from gputrace.analyzers.window import stored_rank
 
@@ -101,10 +139,14 @@ def _layer_times(table: pa.Table, ra: Any) -> dict[int, tuple[float | None, floa
                 pc.equal(table["name"].cast(pa.string()), "iteration"))
     its = table.filter(pc.and_(m, pc.equal(table["rank"], rank)))
     start = np.sort(its["start_ns"].to_numpy(zero_copy_only=False))[ra.warmup_skipped:]
+    if left is not None:
+        start = start[(start < left[0]) | (start >= left[1])]
+        t = table["start_ns"]
+        table = table.filter(pc.or_(pc.less(t, left[0]), pc.greater_equal(t, left[1])))
     if not start.size:
         return {}
     end = int(pc.max(its["end_ns"]).as_py())
-    p = parts(table, rank, start, end)
+    p = parts(_without_recomputed(table, rank), rank, start, end)
     out: dict[int, tuple[float | None, float | None]] = {}
     for ph, i in (("forward", 0), ("backward", 1)):
         for key, v in getattr(p, ph).items():

@@ -87,9 +87,6 @@ class Recorder(Iterations):
         self.window: Any = None
         # bytes of iterations' detail kept on disk, a ring of the latest (gputrace.ring)
         self.max_size: int | None = None
-        # [start_ns, end_ns or None while open): spans that begin in one are not written
-        # (an iteration whose FLOPs were counted: slowed by the count, left out of timings)
-        self.left_out_windows: list[list[Any]] = []
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> Recorder:
@@ -155,9 +152,6 @@ class Recorder(Iterations):
         offset = self.clock.from_perf(0)
         if perf and self.flush_hooks:   # the hooks see every span on the trace clock
             spans += _on_clock(perf, offset)
-            perf = []
-        if self.left_out_windows:
-            spans = _outside(spans + _on_clock(perf, offset), self.left_out_windows)
             perf = []
         for hook in list(self.flush_hooks):
             try:
@@ -252,7 +246,6 @@ class Recorder(Iterations):
         self._perf_spans.clear()
         self._rows.clear()
         self.flush_hooks = []   # the parent's GPU subscriptions do not carry over a fork
-        self.left_out_windows = []
         self.iteration_watch = None
         self.close_hooks = []
         self.threads = {}
@@ -341,16 +334,6 @@ def _copy(d: deque[Any]) -> list[Any]:
 def _on_clock(spans: list[tuple[Any, ...]], offset: int) -> list[tuple[Any, ...]]:
     """Spans timed with perf_counter_ns, on the trace clock."""
     return [(c, n, s + offset, e + offset, *rest) for c, n, s, e, *rest in spans]
-
-
-def _outside(spans: list[tuple[Any, ...]], windows: list[list[Any]]
-             ) -> list[tuple[Any, ...]]:
-    """The spans that begin in none of `windows` ([start, end) on the trace clock; an end of
-    None: still open)."""
-    out = spans
-    for lo, hi in list(windows):
-        out = [s for s in out if s[2] < lo or (hi is not None and s[2] >= hi)]
-    return out
 
 
 def _drain(d: deque[Any]) -> list[Any]:

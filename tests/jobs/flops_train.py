@@ -6,12 +6,16 @@ mlp: four Linear layers (an nn.Sequential); block: two transformer-like blocks (
 nn.ModuleList: q/k/v and output projections, attention as explicit batched matmuls, a
 4x MLP). Every product is counted here as 2*m*n*k FLOPs; a backward computes the
 gradients of both operands of each product (twice the forward) except for the input of the
-first layer, which needs none. --checkpoint recomputes each block's forward in the backward
-(torch.utils.checkpoint): hardware FLOPs = model FLOPs + the blocks' forward.
+first layer, which needs none. --checkpoint recomputes the last block's forward in the
+backward (torch.utils.checkpoint): hardware FLOPs = model FLOPs + that block's forward; the
+first block is not checkpointed, so its own counts stay exact.
 
 Each layer's forward is timed with perf_counter in a forward pre-hook and hook. Writes OUT
 as JSON: {"layers": [{"name", "flops_f", "flops_b", "forward_s": [per step]}], "flops_f",
-"flops_b", "recompute", "iterations": [seconds per step]}.
+"flops_b", "recompute", "iterations": [seconds per step], "losses": [per step],
+"param_sums": [the parameters' sum after each step], "step_ends": [perf_counter after each
+optimizer step: the iterations tile the loop, so iteration k > 0 is step_ends[k] -
+step_ends[k - 1]]}.
 """
 
 from __future__ import annotations
@@ -24,8 +28,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-BATCH, WIDTH = 256, 1024                 # mlp
-SEQ, DIM, HEADS, SEQS = 128, 256, 4, 8   # block: SEQS sequences of SEQ tokens
+BATCH, WIDTH = 64, 512                   # mlp
+SEQ, DIM, HEADS, SEQS = 64, 128, 4, 2    # block: SEQS sequences of SEQ tokens
 
 
 def mm(m: int, n: int, k: int) -> int:
@@ -69,8 +73,9 @@ class Blocks(nn.Module):
         self.ckpt = ckpt
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for blk in self.blocks:
-            if self.ckpt:   # the whole forward again (early stop would leave its end out)
+        for i, blk in enumerate(self.blocks):
+            if self.ckpt and i == len(self.blocks) - 1:
+                # the whole forward again (early stop would leave its end out)
                 with set_checkpoint_early_stop(False):
                     x = checkpoint(blk, x, use_reentrant=False)
             else:
@@ -129,7 +134,7 @@ def main() -> None:
         m.register_forward_pre_hook(pre(i))
         m.register_forward_hook(post(i))
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    its = []
+    its, losses, sums, ends = [], [], [], []
     for s in range(a.steps):
         step[0] = s
         t0 = time.perf_counter()
@@ -137,14 +142,19 @@ def main() -> None:
         loss = model(x).pow(2).mean()
         loss.backward()
         opt.step()
-        its.append(time.perf_counter() - t0)
-    recompute = sum(t["flops_f"] for t in truth) if a.checkpoint else 0
+        ends.append(time.perf_counter())
+        its.append(ends[-1] - t0)
+        losses.append(loss.item())
+        with torch.no_grad():
+            sums.append(sum(float(p.double().sum()) for p in model.parameters()))
+    recompute = truth[-1]["flops_f"] if a.checkpoint else 0
     for t, times in zip(truth, per_layer, strict=True):
         t["forward_s"] = times
     with open(a.out, "w") as f:
         json.dump({"layers": truth, "flops_f": sum(t["flops_f"] for t in truth),
                    "flops_b": sum(t["flops_b"] for t in truth), "recompute": recompute,
-                   "iterations": its, "threads": torch.get_num_threads()}, f)
+                   "iterations": its, "threads": torch.get_num_threads(),
+                   "losses": losses, "param_sums": sums, "step_ends": ends}, f)
 
 
 if __name__ == "__main__":

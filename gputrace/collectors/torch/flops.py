@@ -5,9 +5,11 @@ One iteration after the first optimizer steps (COUNTED_STEP, 0-based) runs under
 attention) adds its FLOPs to the modules it runs in (its ModuleTracker's per-module
 breakdown), split here into forward, backward and recomputation (a module's forward run
 again inside the backward: activation checkpointing). The mode sends every operation through
-Python, so that iteration is slow: its spans are not written (Recorder.left_out_windows) and
-the analysis times the others; what marks it is one `span` row of cat `flops` over its
-time with the counts in `args` (docs/format.md). The modes it cannot be entered under
+Python, so that iteration is slow. Its spans are written as any other's (the trace keeps
+every iteration the job ran, as the job's own clock does); one `span` row of cat `flops`
+over its time, with the counts in `args` (docs/format.md), marks it, and the analysis leaves
+it out of the timing statistics where it falls among the analyzed iterations (the default
+warm-up skip holds it once a job has 6 iterations). The modes it cannot be entered under
 safely (compiled graphs, sharded or DTensor parameters, DeepSpeed's engine) are skipped
 with one line, and the shard's metadata says why (`collectors.flops`).
 `GPUTRACE_FLOPS=off` (`record --flops off`) leaves the job as without it."""
@@ -147,7 +149,6 @@ class FlopWatch:
         count.__enter__()
         self.count, self.thread = count, threading.get_ident()
         self.window = [t_ns, None]
-        self.rec.left_out_windows.append(self.window)
 
     def _end(self, t_ns: int, failed: str | None = None) -> None:
         count, self.count = self.count, None
