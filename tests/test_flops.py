@@ -5,6 +5,7 @@ probe's fp32 matmul peak against torch.matmul timed here. Three recordings, shar
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -15,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import GPUTRACE, run_gputrace
+from tests.conftest import GPUTRACE
 
 JOB = Path(__file__).resolve().parent / "jobs" / "flops_train.py"
 STEPS = 7           # the default warm-up skip (3 of 7) holds the counted iteration (step 2)
@@ -43,20 +44,30 @@ def own_matmul(n: int, threads: int, repeats: int) -> float:
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
-    """A probe cache of this module's own (only the matmul measured), so that the traces
-    recorded here carry it and no other test's does; and torch.matmul timed here before
-    and after it, so that both see the same machine."""
-    d = tmp_path_factory.mktemp("flops-probe")
-    env = {**os.environ, "GPUTRACE_CACHE_DIR": str(d)}
+    """A probe cache of this module's own with the matmul measured (by the function `gputrace
+    probe --only matmul` runs), so that the traces recorded here carry it and no other
+    test's does; and torch.matmul timed here before and after it, so that both see the same
+    machine."""
     import torch
 
-    threads = torch.get_num_threads()
-    before = own_matmul(1024, threads, 8)
-    p = run_gputrace("probe", "--only", "matmul", "--json", env=env, check=True)
-    probe = json.loads(p.stdout)
-    got = probe["results"]["matmul_cpu_fp32"]
+    from gputrace import probe
+
+    d = tmp_path_factory.mktemp("flops-probe")
+    env = {**os.environ, "GPUTRACE_CACHE_DIR": str(d)}
+    before = own_matmul(1024, torch.get_num_threads(), 8)
+    old = os.environ.get("GPUTRACE_CACHE_DIR")
+    os.environ["GPUTRACE_CACHE_DIR"] = str(d)
+    try:
+        result = probe.run(probe.plan("quick"), str(d), only=("matmul",))
+        probe.save(result)
+    finally:
+        if old is None:
+            os.environ.pop("GPUTRACE_CACHE_DIR", None)
+        else:
+            os.environ["GPUTRACE_CACHE_DIR"] = old
+    got = result["results"]["matmul_cpu_fp32"]
     after = own_matmul(got["n"], got["threads"], got["repeats"])
-    return env, probe, max(before, after)
+    return env, result, max(before, after)
 
 
 RECORDINGS = {   # name: (job arguments, record's flags)
@@ -193,7 +204,11 @@ def test_counted_iteration_stays_in_the_trace_and_out_of_the_timings(runs, cache
     kept = [k for k in range(STEPS) if k != COUNTED]
     assert d["breakdown"]["t_iter"]["mean"] == pytest.approx(float(np.mean(own[kept])),
                                                              rel=0.05)
-    text = run_gputrace("analyze", str(path), "--skip", "0", env=cache[0], check=True).stdout
+    from gputrace.report.terminal import render
+
+    buf = io.StringIO()      # the terminal report `analyze --skip 0` prints
+    render(skip0(path).analysis, file=buf, width=200)
+    text = buf.getvalue()
     assert f"{STEPS - 1} iterations analyzed" in text
     assert sum("iteration 2 left out of the timings" in ln for ln in text.splitlines()) == 1
 
