@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-BATCH, WIDTH = 64, 512                   # mlp
+BATCH, WIDTH = 128, 512                  # mlp
 SEQ, DIM, HEADS, SEQS = 64, 128, 4, 2    # block: SEQS sequences of SEQ tokens
 
 
