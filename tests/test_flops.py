@@ -67,7 +67,7 @@ def cache(tmp_path_factory):
             os.environ["GPUTRACE_CACHE_DIR"] = old
     got = result["results"]["matmul_cpu_fp32"]
     after = own_matmul(got["n"], got["threads"], got["repeats"])
-    return env, result, max(before, after)
+    return env, result, (before, after)
 
 
 RECORDINGS = {   # name: (job arguments, record's flags)
@@ -166,9 +166,10 @@ def test_layer_flops_per_s_is_the_jobs_own(runs, model):
     for got, want in zip(doc["flops"]["layers"], truth["layers"], strict=True):
         own = want["flops_f"] / float(np.mean([want["forward_s"][s] for s in steps]))
         assert got["achieved_flops_per_s_f"] == pytest.approx(own, rel=0.15), got["layer"]
-    # and the iteration's: its FLOPs over the job's own mean iteration time
-    own_it = (truth["flops_f"] + truth["flops_b"]) / float(
-        np.mean([truth["iterations"][s] for s in steps]))
+    # and the iteration's: its FLOPs over the job's own mean iteration time (the iterations
+    # tile the loop: from one optimizer step's end to the next's)
+    own_t = np.diff(truth["step_ends"])
+    own_it = (truth["flops_f"] + truth["flops_b"]) / float(np.mean([own_t[s - 1] for s in steps]))
     assert doc["flops"]["ranks"]["0"]["achieved_flops_per_s"] == pytest.approx(own_it, rel=0.15)
 
 
@@ -234,7 +235,9 @@ def test_flops_off_records_every_iteration_and_the_count_changes_no_result(runs,
 
 def test_probed_cpu_matmul_peak_is_torch_matmuls(cache):
     _, probe, own = cache
-    assert probe["results"]["matmul_cpu_fp32"]["flops_per_s"] == pytest.approx(own, rel=0.15)
+    # between what torch.matmul did just before and just after it (a busy machine moves)
+    got = probe["results"]["matmul_cpu_fp32"]["flops_per_s"]
+    assert 0.85 * min(own) <= got <= 1.15 * max(own), (got, own)
 
 
 def test_python_api_tables_are_the_json(runs):
