@@ -65,7 +65,10 @@ def _table(inputs: Sequence[str]) -> pa.Table | None:
 def flops_doc(a: Any, shown: int, inputs: Sequence[str]) -> dict[str, Any]:
     statuses = _statuses(a.metadata)
     if not any(s == "ok" for s in statuses):
-        why = next((s.removeprefix("unavailable: ") for s in statuses if s != "ok"), None)
+        # a training process's reason before a launcher's (torchrun's own process trains
+        # nothing: "fewer than 3 training iterations")
+        why = next((s.removeprefix("unavailable: ") for s in sorted(
+            (s for s in statuses if s != "ok"), key=lambda s: "fewer than" in s)), None)
         if why == "off":
             why = "recorded with --flops off"
         if why is None and _tensorflow(a.metadata):
