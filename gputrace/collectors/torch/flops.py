@@ -11,7 +11,7 @@ over its time, with the counts in `args` (docs/format.md), marks it, and the ana
 it out of the timing statistics where it falls among the analyzed iterations (the default
 warm-up skip holds it once a job has 6 iterations). The modes it cannot be entered under
 safely (compiled graphs, sharded or DTensor parameters, DeepSpeed's engine) are skipped
-with one line, and the shard's metadata says why (`collectors.flops`).
+and the shard's metadata says why (`collectors.flops`; `analyze` says it in one line).
 `GPUTRACE_FLOPS=off` (`record --flops off`) leaves the job as without it."""
 
 from __future__ import annotations
@@ -118,10 +118,14 @@ class FlopWatch:
         self.rec.set_collector(CAT, f"unavailable: the job ran fewer than {step + 1} "
                                "training iterations", step=step)
 
-    def _say(self, why: str) -> None:
+    def _say(self, why: str, failed: bool = False) -> None:
+        """No count, and why (the metadata; `analyze` says it): a mode it is not entered
+        under is said there only, so the job's own output stays its own; a failure of ours
+        also in one line on stderr."""
         self.done = True
         self.rec.set_collector(CAT, f"unavailable: {why}", step=self.step)
-        print(f"gputrace: FLOPs not counted: {why}", file=sys.stderr)
+        if failed:
+            print(f"gputrace: FLOPs not counted: {why}", file=sys.stderr)
 
     def on_iteration(self, event: str, step: int, t_ns: int) -> None:
         try:
@@ -135,7 +139,7 @@ class FlopWatch:
             elif not self.done and event == "open" and step == self.step:
                 self._begin(t_ns)
         except Exception as e:  # noqa: BLE001 - a profiler never takes down the job
-            self._say(f"counting failed: {reason(e)}")
+            self._say(f"counting failed: {reason(e)}", failed=True)
 
     def _begin(self, t_ns: int) -> None:
         if not self.st.its.seen_step:
@@ -156,7 +160,7 @@ class FlopWatch:
         self.window[1] = t_ns
         count.__exit__(None, None, None)
         if failed:
-            self._say(failed)
+            self._say(failed, failed=True)
             return
         self.done = True
         args = summary(count, self.st)
@@ -166,7 +170,7 @@ class FlopWatch:
 
     def finish(self, t_ns: int) -> None:
         if self.count is not None and threading.get_ident() == self.thread:
-            self._end(t_ns, "the job ended inside the counted iteration")
+            self._end(t_ns)   # the job's last iteration, ended by the job's end
 
 
 def summary(count: _Count, st: Any) -> dict[str, Any]:
