@@ -14,7 +14,8 @@ where it has a core the job does not use) or on the job's core too (same: every 
 gputrace's CPU is taken from the job's share, the strictest figure).
 
     python bench/overhead_gpt.py [--rounds 12] [--iterations 20] [--ranks 1,2]
-                                 [--modes gputrace,leaves,off,torch-only,hz20,forward,window]
+                                 [--modes gputrace,leaves,off,torch-only,hz20,forward,window,
+                                          flops-off]
                                  [--job-args ARGS]
                                  [--together [--record-core other|same]] [--tiny]
 """
@@ -49,8 +50,11 @@ JOB = str(Path(__file__).parent / "train_gpt.py")
 # torch-only: the default without the host sampler (--collectors torch); hz20: the sampler
 # at 20 Hz; forward: the default with the blocks' forward spans (--layer-forward); window:
 # the default with a window that never opens (--on-demand: every iteration outside it, its
-# time and phase sums only)
-MODES = ("plain", "gputrace", "leaves", "off", "torch-only", "hz20", "forward", "window")
+# time and phase sums only); flops-off: the default without the FLOP count of iteration 2
+# (--flops off; the median leaves the first 3 iterations out, so beside `gputrace` it shows
+# what the count costs the other iterations)
+MODES = ("plain", "gputrace", "leaves", "off", "torch-only", "hz20", "forward", "window",
+         "flops-off")
 
 
 def command(mode: str, ranks: int, out: Path, trace: Path, job_args: list[str],
@@ -64,7 +68,8 @@ def command(mode: str, ranks: int, out: Path, trace: Path, job_args: list[str],
         return job
     layers = {"gputrace": [], "torch-only": ["--collectors", "torch"],
               "forward": ["--layer-forward"],
-              "hz20": ["--hz", "20"], "window": ["--on-demand"]}.get(mode, ["--layers", mode])
+              "hz20": ["--hz", "20"], "window": ["--on-demand"],
+              "flops-off": ["--flops", "off"]}.get(mode, ["--layers", mode])
     return [PY, "-m", "gputrace", "record", "-q", *layers, "-o", str(trace), "--", *job]
 
 

@@ -1,8 +1,9 @@
 """The `analyze --json` document of one analysis, as the command line prints it and the
 Python API returns it: the analyzers' results (report.json.to_dict), and what is read from
 the trace's rows beside them: a windowed recording's `window` and `run` (with its
-`window_missed` finding), and `memory` (with its findings, and the report's chart of memory
-over one iteration)."""
+`window_missed` finding), `memory` (with its findings, and the report's chart of memory
+over one iteration) and `flops` (with its finding, and the report's per-layer efficiency
+chart)."""
 
 from __future__ import annotations
 
@@ -35,17 +36,23 @@ def extras(a: Any, rank: int | None, inputs: Sequence[str],
         else empty()
     if rows is not None and table is not None:
         rows.extend(memory_rows(table))
+    from gputrace.document_flops import flops_doc
+
+    out["flops"] = flops_doc(a, shown, inputs)
     return out
 
 
 def more_findings(more: dict[str, Any]) -> list[Any]:
-    """The findings of what extras() read (analyzers.Finding): the window's and memory's."""
+    """The findings of what extras() read (analyzers.Finding): the window's, memory's and
+    the FLOP count's."""
     from gputrace.analyzers.findings import Finding
     from gputrace.analyzers.findings_memory import memory_findings
 
     out = []
     if "run" in more and more["run"]["finding"]:
         out.append(Finding("window_missed", "moderate", more["run"]["finding"]))
+    if (more.get("flops") or {}).get("finding"):
+        out.append(Finding("layers_below_peak", "moderate", more["flops"]["finding"]))
     return out + memory_findings(more["memory"])
 
 
@@ -85,7 +92,9 @@ def document(a: Any, rank: int | None, inputs: Sequence[str],
 def page_parts(a: Any, rank: int | None, inputs: Sequence[str]
                ) -> tuple[tuple[Any, ...], list[Any]]:
     """The report's charts of what the analysis does not hold (a windowed recording's
-    whole run, memory over one iteration) and the findings of it."""
+    whole run, memory over one iteration, each layer's efficiency where the trace has a FLOP
+    count) and the findings of it."""
+    from gputrace.report.charts_flops import flops_chart
     from gputrace.report.charts_memory import memory_chart
     from gputrace.report.charts_run import run_chart
 
@@ -93,5 +102,6 @@ def page_parts(a: Any, rank: int | None, inputs: Sequence[str]
     more = extras(a, rank, inputs, rows)
     ra = a.ranks[rank] if rank is not None else a.main
     made = [run_chart(more) if "run" in more else None,
-            memory_chart(ra, rows, more["memory"], rank if rank is not None else ra.rank)]
+            memory_chart(ra, rows, more["memory"], rank if rank is not None else ra.rank),
+            flops_chart(more["flops"])]
     return tuple(c for c in made if c is not None), more_findings(more)

@@ -17,6 +17,9 @@ class Iterations:
     step: int
     _iter_start: int | None
     _iter_live: bool
+    # called with ("open" | "close", step, t_ns) as iterations begin and end (the FLOP
+    # count of one iteration: collectors.torch.flops)
+    iteration_watch: Any = None
 
     if TYPE_CHECKING:
         def span(self, cat: str, name: str, start_ns: int, end_ns: int, **kw: Any) -> None: ...
@@ -25,6 +28,8 @@ class Iterations:
         if self._iter_start is None:
             self._iter_start = t_ns
             self._iter_live = False
+            if self.iteration_watch is not None:
+                self.iteration_watch("open", self.step, t_ns)
 
     def close_iteration(self, t_ns: int, name: str = "iteration", reopen: bool = False) -> None:
         """End the open iteration at t_ns (`name`: `iteration`, or `inference` for a batch
@@ -33,6 +38,8 @@ class Iterations:
         start, self._iter_start = self._iter_start, None
         if start is not None:
             self.span("iteration", name, start, t_ns, step=self.step)
+            if self.iteration_watch is not None:
+                self.iteration_watch("close", self.step, t_ns)
             self.step += 1
         if reopen:
             self.open_iteration(t_ns)

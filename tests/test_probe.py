@@ -45,6 +45,9 @@ def test_probe_measures_this_machine_then_traces_carry_it(tmp_path, probe_cache)
     assert 1e6 < ar["bytes_per_s"] < 1e12
     # no GPU here: each GPU figure says why it is missing
     assert all(r[k]["status"].startswith("unavailable: ") for k in gpu.KEYS)
+    mm = r["matmul_cpu_fp32"]    # (tests/test_flops.py compares it with torch.matmul's)
+    assert mm["status"] == "ok" and mm["min_flops_per_s"] <= mm["flops_per_s"]
+    assert r["matmul_gpu_fp32"]["status"] == "unavailable: no CUDA GPU"
     assert list(work.iterdir()) == [], "the disk test file must be removed"
     saved = json.loads((probe_cache / os.path.basename(probe.cache_path())).read_text())
     assert saved == res
@@ -73,6 +76,7 @@ def test_probe_measures_this_machine_then_traces_carry_it(tmp_path, probe_cache)
     (["--dir", "/nonexistent/dir"], "no such directory"),
     (["--procs", "0"], "at least 1"),
     (["--quick", "--full"], "not allowed with argument"),
+    (["--only", "matmul,gemm"], "not a step: gemm"),
 ])
 def test_bad_arguments_give_one_line_and_exit_2(args, says):
     p = run_gputrace("probe", *args)

@@ -228,6 +228,7 @@ def test_steps_per_execution_and_the_default_window(tmp_path):
     res = analysis(out)
     assert res["iterations"]["count"] == 10
     assert res["breakdown"]["t_b"]["mean"] > 0
+    assert res["flops"]["unavailable"] == "FLOPs not counted: TensorFlow jobs are not counted yet"
 
 
 @needs_tf

@@ -47,7 +47,14 @@ from gputrace.analyzers.replay import Replay, Scenario, replay, why_no_replay
 from gputrace.analyzers.results import Analysis, NothingToAnalyze, RankAnalysis, Stat, _stat
 from gputrace.analyzers.shardinputs import Inputs as ShardInputs
 from gputrace.analyzers.shardinputs import iteration_of
-from gputrace.analyzers.steps import PARALLEL_TERMS, TERMS, RankSteps, analyze_rank, warmup_skip
+from gputrace.analyzers.steps import (
+    PARALLEL_TERMS,
+    TERMS,
+    RankSteps,
+    analyze_rank,
+    counted_iteration,
+    warmup_skip,
+)
 from gputrace.analyzers.timeline_comm import with_collectives
 from gputrace.trace.ranked import RankedTrace, RankSource, read_rank
 
@@ -136,10 +143,12 @@ class RankPart:
     dims: dict[str, Any] = field(default_factory=dict)     # parallel.registry's rank parts
     degrees: dict[str, int] = field(default_factory=dict)  # dimension -> its group's size
     groups: dict[str, dict[str, Any]] = field(default_factory=dict)  # registry.groups
+    left_out: int | None = None   # the analyzed iteration whose FLOPs were counted (its index)
 
     @property
     def sel(self) -> np.ndarray:
-        return np.arange(self.warmup_skipped, self.iterations)
+        sel = np.arange(self.warmup_skipped, self.iterations)
+        return sel if self.left_out is None else sel[sel != self.left_out]
 
 
 @dataclass(frozen=True)
@@ -159,6 +168,9 @@ def analyze_spans(sp: fr.Spans, o: Options) -> RankPart:
     n = rs.iterations.start.size
     skipped = warmup_skip(n, o.skip)
     sel = np.arange(skipped, n)
+    left = counted_iteration(sp, rs.iterations, sel)
+    if left is not None:
+        sel = sel[sel != left]
     colls = shd.summarize_rank(sp, cr, rs, sel)
     dims = registry.rank_parts(registry.RankView(sp, cr, rs, sel, o.world,
                                                  o.link_bytes_per_s, dict(o.engine)))
@@ -188,14 +200,14 @@ def analyze_spans(sp: fr.Spans, o: Options) -> RankPart:
         model=model, findings=extra, steps=rs,
         devices=tuple(int(d) for d in np.unique(sp.device[sp.on_gpu()])),
         all_units=UnitTimes(its.step[u.it], u.index, u.start, u.end),
-        analyzed=(int(its.start[sel[0]]), int(its.end[sel[-1]]), int(sel.size))
-        if sel.size else None,
+        analyzed=(int(its.start[sel[0]]), int(its.end[sel[-1]]),
+                  int(sel.size) + (left is not None)) if sel.size else None,
         window=(int(its.start[0]), int(its.end[-1])) if n else (0, 0),
         series=iteration_series(rs, skipped) if o.detail else None, timeline=timeline,
         collectives=colls, sharded=sharded, shard_inputs=fs.inputs if fs is not None else None,
         dims=dims, degrees=registry.degrees(cr, inside), groups=registry.groups(cr, inside),
         throughput=tput.rank(sp, its.start, its.end, sel, float(rs.terms["t_iter"][sel].mean())
-                             if sel.size else 0.0, *o.batch))
+                             if sel.size else 0.0, *o.batch), left_out=left)
 
 
 def _fsdp_part(p: RankPart, o: Options) -> Any:
@@ -382,7 +394,8 @@ def combine(parts: list[FramePart], md: dict[str, Any], opts: Options, probe: An
             replay=rp, detail=rd, replay_unavailable=why, host=p.host,
             collectives=p.collectives, comm_missing=missing, sharded=p.sharded,
             dims=p.dims, degrees=degrees, parallel=parallel, groups=groups,
-            dimensions=registry.describe(degrees, world), throughput=p.throughput)
+            dimensions=registry.describe(degrees, world), throughput=p.throughput,
+            flops_left_out=None if p.left_out is None else int(p.steps.iterations.step[p.left_out]))
     slowest = max(out, key=lambda r: out[r].breakdown["t_iter"].mean)
     main = out[slowest]
     if main.replay is not None:

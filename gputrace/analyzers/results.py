@@ -58,6 +58,21 @@ class RankAnalysis:
     groups: dict[str, dict[str, Any]] = field(default_factory=dict)  # dimension -> groups
     dimensions: str = ""   # the run's dimensions beyond data parallelism ("FSDP 2 x TP 2, 4 ranks")
     throughput: Any = None   # throughput.Throughput: samples (tokens) per second, this rank's
+    # the step of the analyzed iteration whose FLOPs were counted, left out of the timings
+    flops_left_out: int | None = None
+
+    @property
+    def analyzed(self) -> int:
+        """The iterations the timing statistics hold."""
+        return self.iterations - self.warmup_skipped - (self.flops_left_out is not None)
+
+    @property
+    def left_out_line(self) -> str | None:
+        """The one line that says an analyzed iteration was left out of the timings."""
+        if self.flops_left_out is None:
+            return None
+        return (f"iteration {self.flops_left_out} left out of the timings: its FLOPs were "
+                "counted, which slowed it (record --flops off records without the count)")
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,20 @@ def warmup_skip(n: int, skip: int | None = None) -> int:
     return min(max(math.ceil(0.1 * n), 3), n // 2)
 
 
+def counted_iteration(sp: Spans, its: Iterations, sel: np.ndarray) -> int | None:
+    """The analyzed iteration (an index of `sel`'s) whose FLOPs were counted (the `flops`
+    span over it, collectors.torch.flops): slowed by the count, it is left out of the
+    timing statistics. None where no such iteration is analyzed, or it is the only one."""
+    m = np.flatnonzero(sp.of("flops"))
+    if not m.size or sel.size < 2 or its.synthetic:
+        return None
+    at = sp.start[m]
+    i = np.searchsorted(its.start, at, side="right") - 1
+    ok = (i >= 0) & (at < its.end[np.clip(i, 0, its.end.size - 1)])
+    hit = [int(k) for k in i[ok] if int(k) in set(sel.tolist())]
+    return hit[0] if hit else None
+
+
 def find_iterations(sp: Spans) -> Iterations:
     m = sp.of("iteration")
     if "inference" in sp.names:

@@ -46,6 +46,9 @@ def run(args: argparse.Namespace) -> int:
             print(line)
         for f in memory_findings(more["memory"]):
             print(f"  {f.severity:>8}  {f.message}")
+        from gputrace.analyzers.flops import line as flops_line
+
+        print(flops_line(more["flops"]))
         if "window" in more:
             from gputrace.report.window import render_window
 

@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 from gputrace.cli import CommandError, parse_bytes
+from gputrace.probe import STEP_NAMES
 
 HELP = "measure this machine's disk, cache, memory, PCIe, P2P and all-reduce bandwidths"
 MIN_SIZE = 1 << 20
@@ -27,6 +28,8 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--size", help="bytes per test, e.g. 64MiB (default: 256MiB quick, 1GiB full)")
     p.add_argument("--procs", type=int, help="processes for the all-reduce "
                    "(default: one per GPU, or 2 on the CPU)")
+    p.add_argument("--only", metavar="STEPS", help="measure only these, comma-separated: "
+                   + ", ".join(STEP_NAMES))
     p.add_argument("--no-save", action="store_true",
                    help="do not save the result for this host (later traces will not carry it)")
 
@@ -43,9 +46,14 @@ def run(args: argparse.Namespace) -> int:
         raise CommandError(f"--dir {args.dir}: not writable")
     if args.procs is not None and args.procs < 1:
         raise CommandError("--procs must be at least 1")
+    only = tuple(x.strip() for x in (args.only or "").split(",") if x.strip())
+    bad = [x for x in only if x not in STEP_NAMES]
+    if bad:
+        raise CommandError(f"--only {args.only}: not a step: {', '.join(bad)} (steps: "
+                           f"{', '.join(STEP_NAMES)})")
     plan = probe.plan(args.mode, size)
     try:
-        result = _run_with_progress(probe, plan, args.dir, args.procs)
+        result = _run_with_progress(probe, plan, args.dir, args.procs, only)
     except OSError as e:  # a full disk, an I/O error
         raise CommandError(f"probe failed: {e}") from None
     saved = None
@@ -62,23 +70,23 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_with_progress(probe: Any, plan: Any, directory: str, procs: int | None
-                       ) -> dict[str, Any]:
+def _run_with_progress(probe: Any, plan: Any, directory: str, procs: int | None,
+                       only: tuple[str, ...] = ()) -> dict[str, Any]:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     con = Console(stderr=True)
     if not con.is_terminal:
         return dict(probe.run(plan, directory, procs, lambda label, i, n: print(
-            f"gputrace probe: {label} ({i + 1}/{n})", file=sys.stderr, flush=True)))
+            f"gputrace probe: {label} ({i + 1}/{n})", file=sys.stderr, flush=True), only))
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
                   "{task.total}"), TimeElapsedColumn(), console=con, transient=True) as bar:
-        task = bar.add_task("probe", total=len(probe.steps(plan, directory, procs)))
+        task = bar.add_task("probe", total=len(probe.steps(plan, directory, procs, only)))
 
         def step(label: str, i: int, n: int) -> None:
             bar.update(task, description=f"measuring {label}", completed=i)
 
-        out = dict(probe.run(plan, directory, procs, step))
+        out = dict(probe.run(plan, directory, procs, step, only))
         bar.update(task, completed=bar.tasks[0].total)
     return out
 
@@ -90,7 +98,9 @@ _LABELS = {"disk_read": "disk read (page cache dropped)", "disk_write": "disk wr
            "d2d": "device to device", "p2p": "GPU to GPU (P2P)",
            "h2d_latency": "H2D latency, 8 B", "d2h_latency": "D2H latency, 8 B",
            "allreduce_bus": "all-reduce bus bandwidth", "ib": "InfiniBand (nominal)",
-           "nic": "network interface (nominal)"}
+           "nic": "network interface (nominal)", "matmul_cpu_fp32": "CPU matmul fp32",
+           "matmul_gpu_fp32": "GPU matmul fp32", "matmul_gpu_tf32": "GPU matmul tf32",
+           "matmul_gpu_bf16": "GPU matmul bf16", "matmul_gpu_fp16": "GPU matmul fp16"}
 
 
 def _size(n: int) -> str:
@@ -116,6 +126,10 @@ def render(result: dict[str, Any], saved: str | None) -> None:
         label = _LABELS.get(key, key)
         if r.get("status") != "ok":
             missing.setdefault(str(r.get("status", "")), []).append(label)
+        elif "flops_per_s" in r:
+            t.add_row(label, f"{r['flops_per_s'] / 1e12:.4g} TFLOP/s (best)",
+                      f"{r['min_flops_per_s'] / 1e12:.4g} - {r['flops_per_s'] / 1e12:.4g}",
+                      f"{r['n']}x{r['n']}")
         elif "seconds" in r:
             t.add_row(label, f"{r['seconds'] * 1e6:.1f} µs",
                       f"{r['min_s'] * 1e6:.1f} - {r['max_s'] * 1e6:.1f} µs", _size(r["bytes"]))

@@ -30,6 +30,10 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
                    help="PyTorch: time each of those layers' forward too (a span per call; "
                    "about 1%% on a 12-block transformer); by default a layer's backward is "
                    "timed, what the analysis uses")
+    p.add_argument("--flops", choices=("on", "off"), default="on",
+                   help="PyTorch: count one iteration's FLOPs per layer with torch's "
+                   "FlopCounterMode (on, the default; that iteration is left out of the "
+                   "timings), or off")
     p.add_argument("--steps", metavar="START:COUNT",
                    help="PyTorch: record COUNT iterations from iteration START (0-based) in "
                    "full detail; every other iteration keeps its time and phase sums only")
@@ -74,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         collectors=[c.strip() for c in args.collectors.split(",") if c.strip()],
         force=args.force, redact_argv=args.redact_argv, gpu_timeline=args.gpu_timeline,
         kill_after_s=args.kill_after, per_host=True if args.per_host else None,
-        tf_steps=args.tf_steps, layers=args.layers, layer_forward=args.layer_forward,
+        tf_steps=args.tf_steps, layers=args.layers, layer_forward=args.layer_forward, flops=args.flops,
         quiet=args.quiet, steps=args.steps, delay_s=args.delay, duration_s=args.duration,
         on_demand=args.on_demand, capture_steps=args.capture_steps,
         max_size=args.max_size)

@@ -132,24 +132,32 @@ def load_cached(host: str | None = None) -> dict[str, Any] | None:
 Step = tuple[str, Callable[[], dict[str, dict[str, Any]]]]
 
 
-def steps(p: Plan, directory: str, procs: int | None = None) -> list[Step]:
-    from gputrace.probe import allreduce, gpu, host, net
+# what `--only` names each step
+STEP_NAMES = ("disk", "memcpy", "gpu", "allreduce", "net", "matmul")
 
-    return [("disk and page cache read", lambda: host.disk_and_cache(p, directory)),
+
+def steps(p: Plan, directory: str, procs: int | None = None,
+          only: tuple[str, ...] = ()) -> list[Step]:
+    from gputrace.probe import allreduce, gpu, host, matmul, net
+
+    todo = [("disk and page cache read", lambda: host.disk_and_cache(p, directory)),
             ("host memory copy", lambda: host.memcpy(p)),
             ("GPU copies", lambda: gpu.measure(p)),
             ("all-reduce", lambda: allreduce.measure(p, procs)),
-            ("network links", net.measure)]
+            ("network links", net.measure),
+            ("matmul FLOP/s", lambda: matmul.measure(p.mode))]
+    return [s for s, name in zip(todo, STEP_NAMES, strict=True) if not only or name in only]
 
 
 def run(p: Plan, directory: str, procs: int | None = None,
-        on_step: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
+        on_step: Callable[[str, int, int], None] | None = None,
+        only: tuple[str, ...] = ()) -> dict[str, Any]:
     """Measure everything this machine has; figures it lacks say why they are unavailable."""
     from gputrace import __version__
 
     t0 = time.time()
     results: dict[str, dict[str, Any]] = {}
-    todo = steps(p, directory, procs)
+    todo = steps(p, directory, procs, only)
     for i, (label, fn) in enumerate(todo):
         if on_step:
             on_step(label, i, len(todo))

@@ -58,6 +58,7 @@ class RecordOptions:
     tf_steps: str | None = None    # START:COUNT | all | off (TensorFlow's profiler window)
     layers: str | None = None      # blocks | leaves | off (PyTorch modules timed)
     layer_forward: bool = False    # their forward spans too
+    flops: str = "on"              # on | off: one iteration's FLOPs counted (PyTorch)
     steps: str | None = None       # START:COUNT: the iterations recorded in full
     delay_s: float | None = None   # or the seconds recorded in full: from delay_s after the
     duration_s: float | None = None  # job starts, for duration_s
@@ -201,6 +202,8 @@ def _prepare(opts: RecordOptions, shard_dir: str, clock: Clock
         env["GPUTRACE_LAYERS"] = opts.layers
     if opts.layer_forward:
         env["GPUTRACE_LAYER_FORWARD"] = "1"
+    if opts.flops == "off":
+        env["GPUTRACE_FLOPS"] = "off"
     for name in IN_PROCESS_COLLECTORS:
         if name not in opts.collectors:
             env[f"GPUTRACE_NO_{name.upper()}"] = "1"

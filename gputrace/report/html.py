@@ -118,8 +118,10 @@ def _summary(a: Analysis, ra: RankAnalysis, source: str) -> list[str]:
     slowest = " (slowest)" if len(a.ranks) > 1 and ra.rank == a.slowest_rank else ""
     out = [f'<p class="headline">{_e(headline(ra))}</p>',
            f'<p class="meta">{_e(source)} &middot; rank {ra.rank} of {a.world_size}{slowest}'
-           f" &middot; {ra.iterations - ra.warmup_skipped} iterations analyzed, first "
+           f" &middot; {ra.analyzed} iterations analyzed, first "
            f"{ra.warmup_skipped} skipped as warm-up &middot; gputrace {_e(__version__)}</p>"]
+    if ra.left_out_line:
+        out.append(f'<p class="meta">{_e(ra.left_out_line)}</p>')
     strategy = STRATEGY.get(m.strategy, m.strategy) if ra.comm["total_s"] > 0 else \
         "single process, no gradient comm"
     case = f", Case {m.case}" + (f" (C = {m.C})" if m.C is not None else "") if m.case else ""

@@ -26,7 +26,7 @@ def rank_dict(ra: RankAnalysis) -> dict[str, Any]:
     bw = ra.bandwidth
     return {
         "iterations": {"count": ra.iterations, "warmup_skipped": ra.warmup_skipped,
-                       "analyzed": ra.iterations - ra.warmup_skipped,
+                       "analyzed": ra.analyzed, "flops_left_out": ra.flops_left_out,
                        "synthetic": ra.synthetic_iterations},
         "breakdown": {k: {"mean": s.mean, "std": s.std} for k, s in ra.breakdown.items()},
         "overlap": {"comm": dict(ra.comm), "io": dict(ra.io)},

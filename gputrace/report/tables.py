@@ -190,10 +190,37 @@ def memory(doc: dict[str, Any]) -> Table:
     return _table("memory", out, MEMORY_COLUMNS)
 
 
+LAYER_COLUMNS = ("layer", "name", "module", "flops_f", "flops_b", "flops_recompute", "t_f_s",
+                 "t_b_s", "achieved_flops_per_s_f", "achieved_flops_per_s_b",
+                 "achieved_flops_per_s", "share_of_peak", "share_of_iteration")
+
+
+def layers(doc: dict[str, Any]) -> Table:
+    """One row per layer whose FLOPs were counted (the shown rank's, `flops.layers`): its
+    forward and backward FLOPs, measured times and achieved FLOP/s; no rows where the trace
+    holds no FLOP count."""
+    return _table("layers", (doc.get("flops") or {}).get("layers") or [], LAYER_COLUMNS)
+
+
+def flops(doc: dict[str, Any]) -> Table:
+    """One row per rank that counted an iteration's FLOPs: the counts, achieved FLOP/s, MFU
+    (and HFU) against the vendor's and the probed peak."""
+    out = []
+    for r, d in ((doc.get("flops") or {}).get("ranks") or {}).items():
+        row = {"rank": int(r), **{k: v for k, v in d.items() if k not in ("mfu", "hfu")}}
+        for k in ("mfu", "hfu"):
+            row.update({f"{k}_{p}": (d.get(k) or {}).get(p) for p in ("vendor", "probed")})
+        out.append(row)
+    return _table("flops", out, ("rank", "model_flops_per_iteration",
+                                 "hardware_flops_per_iteration", "achieved_flops_per_s",
+                                 "mfu_vendor", "mfu_probed", "hfu_vendor", "hfu_probed"))
+
+
 def iterations(a: Analysis) -> Table:
     """Every iteration of every rank (an analysis made with detail=True): its step, whether
-    it is warm-up (left out of the means), its start (seconds from the earliest iteration of
-    the run) and its terms (seconds), with the comm it left exposed."""
+    it is warm-up (left out of the means), whether it is the analyzed iteration whose FLOPs
+    were counted (left out of the means too), its start (seconds from the earliest iteration of the
+    run) and its terms (seconds), with the comm it left exposed."""
     starts = [int(ra.detail.series.start_ns[0]) for ra in a.ranks.values()
               if ra.detail is not None and ra.detail.series.step.size]
     t0 = min(starts) if starts else 0
@@ -203,7 +230,9 @@ def iterations(a: Analysis) -> Table:
             continue
         s = ra.detail.series
         for i in range(s.step.size):
-            rows.append((r, int(s.step[i]), i < s.warmup, (int(s.start_ns[i]) - t0) / 1e9,
+            rows.append((r, int(s.step[i]), i < s.warmup,
+                         int(s.step[i]) == ra.flops_left_out,
+                         (int(s.start_ns[i]) - t0) / 1e9,
                          *(float(s.terms[k][i]) for k in TERMS), float(s.comm_exposed_s[i])))
-    return Table("iterations", ("rank", "step", "warmup", "start_s", *TERMS,
+    return Table("iterations", ("rank", "step", "warmup", "flops_left_out", "start_s", *TERMS,
                                 "comm_exposed_s"), tuple(rows))

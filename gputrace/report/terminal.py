@@ -192,10 +192,12 @@ def render(a: Analysis, rank: int | None = None, file: IO[str] | None = None,
     con.print(f"[bold]{escape(headline(ra))}[/]")
     ranks_note = f"rank {ra.rank} of {a.world_size}" + \
         (" (slowest)" if len(a.ranks) > 1 and ra.rank == a.slowest_rank else "")
-    con.print(f"{ranks_note}; {ra.iterations - ra.warmup_skipped} iterations analyzed, "
+    con.print(f"{ranks_note}; {ra.analyzed} iterations analyzed, "
               f"first {ra.warmup_skipped} skipped as warm-up"
               + ("; no iteration marks: the whole trace is one window" if ra.synthetic_iterations
                  else ""))
+    if ra.left_out_line:
+        con.print(escape(ra.left_out_line))
     con.print()
 
     t_iter = ra.breakdown["t_iter"].mean

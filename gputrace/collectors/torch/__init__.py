@@ -29,6 +29,7 @@ module call on torch's hooked path:
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 from typing import Any
 
@@ -352,6 +353,16 @@ def _patch_backward(state: _State) -> None:
     torch.autograd.backward = backward
 
 
+def _flops(state: _State) -> None:
+    try:
+        from gputrace.collectors.torch import flops
+
+        flops.install(state)
+    except Exception as e:  # noqa: BLE001 - a torch without FlopCounterMode: no count
+        state.rec.set_collector("flops", f"unavailable: {type(e).__name__}: {e}")
+        print(f"gputrace: FLOPs not counted: {type(e).__name__}: {e}", file=sys.stderr)
+
+
 def auto_instrument(rec: Recorder) -> str:
     """Install the hooks once per process; returns the collector status line."""
     global _installed
@@ -362,6 +373,7 @@ def auto_instrument(rec: Recorder) -> str:
             _installed.push = rec.push_perf
             _installed.off = rec.clock.from_perf(0)
             _installed.its = _Iterations(rec)
+            _flops(_installed)
             torch_guard.set_recorder(rec)
             learn_rank_from_torch(rec)
         return "ok"
@@ -380,6 +392,7 @@ def auto_instrument(rec: Recorder) -> str:
     patch_ddp(lambda: _installed)
     torch_comm.install(lambda: _installed)
     learn_rank_from_torch(rec)
+    _flops(state)
     rec.metadata.setdefault("software", {})["torch"] = torch.__version__
     rec.metadata["torch"] = {"cuda": bool(torch.cuda.is_available()), "layers": layers,
                              "layer_forward": forward}

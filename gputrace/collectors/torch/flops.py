@@ -1,0 +1,210 @@
+"""The FLOPs of one training iteration, counted by PyTorch itself.
+
+One iteration after the first optimizer steps (COUNTED_STEP, 0-based) runs under
+`torch.utils.flop_counter.FlopCounterMode`: every operation it knows (matmuls, convolutions,
+attention) adds its FLOPs to the modules it runs in (its ModuleTracker's per-module
+breakdown), split here into forward, backward and recomputation (a module's forward run
+again inside the backward: activation checkpointing). The mode sends every operation through
+Python, so that iteration is slow. Its spans are written as any other's (the trace keeps
+every iteration the job ran, as the job's own clock does); one `span` row of cat `flops`
+over its time, with the counts in `args` (docs/format.md), marks it, and the analysis leaves
+it out of the timing statistics where it falls among the analyzed iterations (the default
+warm-up skip holds it once a job has 6 iterations). The modes it cannot be entered under
+safely (compiled graphs, sharded or DTensor parameters, DeepSpeed's engine) are skipped
+and the shard's metadata says why (`collectors.flops`; `analyze` says it in one line).
+`GPUTRACE_FLOPS=off` (`record --flops off`) leaves the job as without it."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from gputrace.fmt import reason
+
+COUNTED_STEP = 2          # the third iteration: after the first optimizer steps
+CAT = "flops"
+METHOD = "torch.utils.flop_counter.FlopCounterMode"
+_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
+           torch.float64: "fp64"}
+
+
+def env_on(value: str | None) -> bool:
+    """GPUTRACE_FLOPS: on (default) or off."""
+    return (value or "on").strip().lower() not in ("0", "off", "false", "no")
+
+
+class _Count(FlopCounterMode):
+    """FlopCounterMode with each module's FLOPs split into forward, backward and recompute,
+    and the FLOPs per input dtype and device."""
+
+    def __init__(self) -> None:
+        super().__init__(display=False)
+        self.split: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
+        self.by_dtype: dict[str, int] = defaultdict(int)
+        self.devices: dict[str, int] = defaultdict(int)
+
+    def _count_flops(self, func_packet: Any, out: Any, args: Any, kwargs: Any) -> Any:
+        fn = self.flop_registry.get(func_packet)
+        if fn is None:
+            return out
+        n = int(fn(*args, **kwargs, out_val=out))
+        bw = self.mod_tracker.is_bw
+        # a backward's own operations run without grad (unless it makes a graph itself:
+        # create_graph); a forward recomputed inside it (checkpointing) runs with grad
+        again = bw and torch.is_grad_enabled()
+        for par in set(self.mod_tracker.parents):
+            self.flop_counts[par][func_packet] += n
+            c = self.split[par]
+            c[1 if bw else 0] += n
+            if again:
+                c[2] += n
+        t = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if t is not None:
+            self.by_dtype[_DTYPES.get(t.dtype, str(t.dtype))] += n
+            self.devices[t.device.type] += n
+        return out
+
+
+def why_not(st: Any) -> str | None:
+    """Why FlopCounterMode cannot be entered safely around this job's iteration (None: it
+    can)."""
+    from gputrace.collectors.torch.modules import _compiled
+
+    roots = list(st.modules.seen)
+    if any(_compiled(r) for r in roots) or _dynamo_compiled():
+        return "the model runs torch.compile's graphs (FlopCounterMode would recompile them)"
+    dt = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    for r in roots:
+        for m in r.modules():
+            name = type(m).__name__
+            if name.startswith(("FSDP", "FullyShardedDataParallel")):
+                return "FSDP shards the parameters"
+            if name == "DeepSpeedEngine":
+                return "DeepSpeed's engine partitions and hooks the parameters"
+            if dt is not None and any(isinstance(p, dt) for p in m._parameters.values()):
+                return "DTensor parameters (FSDP2, tensor parallelism)"
+    return None
+
+
+def _dynamo_compiled() -> bool:
+    if "torch._dynamo" not in sys.modules:
+        return False
+    try:
+        from torch._dynamo.utils import counters
+
+        return bool(counters["stats"].get("unique_graphs"))
+    except Exception:  # noqa: BLE001 - no such counters: nothing compiled that we know
+        return False
+
+
+class FlopWatch:
+    """Counts the FLOPs of iteration `step` of a recorder's loop (rec.iteration_watch)."""
+
+    def __init__(self, st: Any, step: int = COUNTED_STEP) -> None:
+        self.st, self.rec, self.step = st, st.rec, step
+        self.count: _Count | None = None
+        self.thread = 0
+        self.window: list[Any] | None = None
+        self.done = False
+        self.rec.iteration_watch = self.on_iteration
+        self.rec.close_hooks.append(self.finish)
+        self.rec.set_collector(CAT, f"unavailable: the job ran fewer than {step + 1} "
+                               "training iterations", step=step)
+
+    def _say(self, why: str, failed: bool = False) -> None:
+        """No count, and why (the metadata; `analyze` says it): a mode it is not entered
+        under is said there only, so the job's own output stays its own; a failure of ours
+        also in one line on stderr."""
+        self.done = True
+        self.rec.set_collector(CAT, f"unavailable: {why}", step=self.step)
+        if failed:
+            print(f"gputrace: FLOPs not counted: {why}", file=sys.stderr)
+
+    def on_iteration(self, event: str, step: int, t_ns: int) -> None:
+        try:
+            if self.count is not None:
+                if threading.get_ident() != self.thread:
+                    return        # the mode is the entering thread's: left there to leave
+                if event == "close" and step == self.step:
+                    self._end(t_ns)
+                elif step > self.step:
+                    self._end(t_ns, "the counted iteration did not end where it began")
+            elif not self.done and event == "open" and step == self.step:
+                self._begin(t_ns)
+        except Exception as e:  # noqa: BLE001 - a profiler never takes down the job
+            self._say(f"counting failed: {reason(e)}", failed=True)
+
+    def _begin(self, t_ns: int) -> None:
+        if not self.st.its.seen_step:
+            self._say("no optimizer step marked the iterations while the job ran")
+            return
+        why = why_not(self.st)
+        if why:
+            self._say(why)
+            return
+        count = _Count()
+        count.__enter__()
+        self.count, self.thread = count, threading.get_ident()
+        self.window = [t_ns, None]
+
+    def _end(self, t_ns: int, failed: str | None = None) -> None:
+        count, self.count = self.count, None
+        assert count is not None and self.window is not None
+        self.window[1] = t_ns
+        count.__exit__(None, None, None)
+        if failed:
+            self._say(failed, failed=True)
+            return
+        self.done = True
+        args = summary(count, self.st)
+        self.rec.row("span", CAT, "iteration", self.window[0], t_ns, step=self.step,
+                     args=json.dumps(args, separators=(",", ":")))
+        self.rec.set_collector(CAT, "ok", step=self.step, method=METHOD)
+
+    def finish(self, t_ns: int) -> None:
+        if self.count is not None and threading.get_ident() == self.thread:
+            self._end(t_ns)   # the job's last iteration, ended by the job's end
+
+
+def summary(count: _Count, st: Any) -> dict[str, Any]:
+    """What the `flops` row's args hold: totals, per layer, the dtype and device."""
+    split = count.split
+    f, b, r = split["Global"] if "Global" in split else (0, 0, 0)
+    names = {name: st.layer_of.get(id(m)) for m, name in count.mod_tracker._known_modules.items()}
+    layers = []
+    for name, layer in sorted(((n, ly) for n, ly in names.items() if ly),
+                              key=lambda x: x[1]):
+        lf, lb, lr = split.get(name, (0, 0, 0))
+        layers.append({"layer": layer, "name": st.layer_names.get(layer, name), "module": name,
+                       "flops_f": lf, "flops_b": lb, "flops_recompute": lr})
+    dtype = max(count.by_dtype, key=lambda k: count.by_dtype[k]) if count.by_dtype else None
+    device = max(count.devices, key=lambda k: count.devices[k]) if count.devices else "cpu"
+    out: dict[str, Any] = {
+        "method": METHOD, "flops_f": f, "flops_b": b, "flops_recompute": r,
+        "model_flops": f + b - r, "hardware_flops": f + b, "dtype": dtype, "device": device,
+        "by_dtype": dict(count.by_dtype), "layers": layers,
+        "ops": {str(k): v for k, v in count.flop_counts.get("Global", {}).items()}}
+    if device == "cuda":
+        try:
+            out["device_name"] = torch.cuda.get_device_name()
+            out["tf32"] = bool(torch.backends.cuda.matmul.allow_tf32)
+            if dtype == "fp32" and out["tf32"]:
+                out["dtype"] = "tf32"
+        except Exception:  # noqa: BLE001 - the name is a nicety
+            pass
+    return out
+
+
+def install(st: Any) -> FlopWatch | None:
+    """Count one iteration's FLOPs unless GPUTRACE_FLOPS is off."""
+    if not env_on(os.environ.get("GPUTRACE_FLOPS")):
+        st.rec.set_collector(CAT, "off")
+        return None
+    return FlopWatch(st)

@@ -1,0 +1,283 @@
+"""FLOPs per iteration and per layer, achieved FLOP/s and MFU, against a job that counts its
+own matmul FLOPs (2*m*n*k per product), times its own layers' forward and its iterations
+with perf_counter and writes its losses and parameters (tests/jobs/flops_train.py); the
+probe's fp32 matmul peak against torch.matmul timed here. Three recordings, shared."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import GPUTRACE
+
+JOB = Path(__file__).resolve().parent / "jobs" / "flops_train.py"
+STEPS = 7           # the default warm-up skip (3 of 7) holds the counted iteration (step 2)
+COUNTED = 2
+
+
+def own_matmul(n: int, threads: int, repeats: int) -> float:
+    """The best of `repeats` torch.matmul of two n x n fp32 matrices, as FLOP/s."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        torch.matmul(a, b)
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            torch.matmul(a, b)
+            best = min(best, time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(old)
+    return 2 * n ** 3 / best
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """A probe cache of this module's own with the matmul measured (by the function `gputrace
+    probe --only matmul` runs), so that the traces recorded here carry it and no other
+    test's does; and torch.matmul timed here before and after it, so that both see the same
+    machine."""
+    import torch
+
+    from gputrace import probe
+
+    d = tmp_path_factory.mktemp("flops-probe")
+    env = {**os.environ, "GPUTRACE_CACHE_DIR": str(d)}
+    before = own_matmul(1024, torch.get_num_threads(), 8)
+    old = os.environ.get("GPUTRACE_CACHE_DIR")
+    os.environ["GPUTRACE_CACHE_DIR"] = str(d)
+    try:
+        result = probe.run(probe.plan("quick"), str(d), only=("matmul",))
+        probe.save(result)
+    finally:
+        if old is None:
+            os.environ.pop("GPUTRACE_CACHE_DIR", None)
+        else:
+            os.environ["GPUTRACE_CACHE_DIR"] = old
+    got = result["results"]["matmul_cpu_fp32"]
+    after = own_matmul(got["n"], got["threads"], got["repeats"])
+    return env, result, (before, after)
+
+
+RECORDINGS = {   # name: (job arguments, record's flags)
+    # four Linear layers
+    "mlp": (("--model", "mlp", "--steps", str(STEPS)), ("--layer-forward",)),
+    # two transformer-like blocks, the second one's forward recomputed in the backward
+    "block": (("--model", "block", "--checkpoint", "--steps", "6"), ("--layer-forward",)),
+    # the mlp without the count
+    "off": (("--model", "mlp", "--steps", "4"), ("--flops", "off")),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, cache):
+    """The recordings, made side by side (each job's own clock is the truth its trace is
+    compared with, so they need not run alone), each with its analyze --json document (the
+    Python API's: the one serializer)."""
+    import gputrace
+
+    tmp = tmp_path_factory.mktemp("flops")
+    env = cache[0]
+    procs = {}
+    for name, (job_args, flags) in RECORDINGS.items():
+        cmd = [*GPUTRACE, "record", "-q", "-o", str(tmp / f"{name}.arrow"), *flags, "--",
+               sys.executable, str(JOB), str(tmp / f"{name}.json"), *job_args]
+        procs[name] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True)
+    out = {}
+    for name, p in procs.items():
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+        path = tmp / f"{name}.arrow"
+        result = gputrace.analyze(str(path))
+        results[str(path)] = result
+        out[name] = (path, json.loads((tmp / f"{name}.json").read_text()), result.to_dict())
+    return out
+
+
+_skip0: dict[str, object] = {}
+results: dict[str, object] = {}    # each recording's analysis (the Python API's), by path
+
+
+def skip0(path):
+    """The Python API's analysis of `path` with --skip 0 (made once)."""
+    import gputrace
+
+    if str(path) not in _skip0:
+        _skip0[str(path)] = gputrace.analyze(str(path), skip=0)
+    return _skip0[str(path)]
+
+
+def rows(path, cat):
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from gputrace import load
+
+    t = load(str(path)).table
+    t = t.filter(pc.equal(t["cat"].cast(pa.string()), cat))
+    return sorted(t.to_pylist(), key=lambda r: r["start_ns"])
+
+
+@pytest.mark.parametrize("model", ["mlp", "block"])
+def test_flops_per_iteration_and_layer_are_the_jobs_count(runs, model):
+    _, truth, doc = runs[model]
+    f = doc["flops"]
+    assert f["counted"] and f["method"].endswith("FlopCounterMode")
+    r = f["ranks"]["0"]
+    assert r["flops_f"] == pytest.approx(truth["flops_f"], rel=0.01)
+    model_flops = truth["flops_f"] + truth["flops_b"]
+    assert r["model_flops_per_iteration"] == pytest.approx(model_flops, rel=0.01)
+    # a recomputed forward (the checkpointed block's) is hardware FLOPs, not model FLOPs
+    assert r["hardware_flops_per_iteration"] == pytest.approx(model_flops + truth["recompute"],
+                                                              rel=0.01)
+    assert (truth["recompute"] > 0) == (model == "block")
+    if truth["recompute"]:
+        assert r["hfu"]["probed"] == pytest.approx(
+            r["mfu"]["probed"] * r["hardware_flops_per_iteration"] / model_flops)
+    else:
+        assert r["hfu"] is None
+    assert [ly["layer"] for ly in f["layers"]] == list(range(1, len(truth["layers"]) + 1))
+    for got, want in zip(f["layers"], truth["layers"], strict=True):
+        assert got["name"] == want["name"]
+        assert got["flops_f"] == pytest.approx(want["flops_f"], rel=0.01)
+    # a checkpointed layer's own backward is undercounted (docs/format.md): the others exact
+    exact = f["layers"][:-1] if model == "block" else f["layers"]
+    for got, want in zip(exact, truth["layers"], strict=False):
+        assert got["flops_b"] == pytest.approx(want["flops_b"], rel=0.01)
+
+
+@pytest.mark.parametrize("model", ["mlp", "block"])
+def test_layer_flops_per_s_is_the_jobs_own(runs, model):
+    path, truth, doc = runs[model]
+    # the job's own forward time per layer over the iterations the analysis kept
+    steps = [r["step"] for r in rows(path, "iteration")][doc["iterations"]["warmup_skipped"]:]
+    for got, want in zip(doc["flops"]["layers"], truth["layers"], strict=True):
+        own = want["flops_f"] / float(np.mean([want["forward_s"][s] for s in steps]))
+        assert got["achieved_flops_per_s_f"] == pytest.approx(own, rel=0.15), got["layer"]
+    # and the iteration's: its FLOPs over the job's own mean iteration time (the iterations
+    # tile the loop: from one optimizer step's end to the next's)
+    own_t = np.diff(truth["step_ends"])
+    own_it = (truth["flops_f"] + truth["flops_b"]) / float(np.mean([own_t[s - 1] for s in steps]))
+    assert doc["flops"]["ranks"]["0"]["achieved_flops_per_s"] == pytest.approx(own_it, rel=0.15)
+
+
+def test_mfu_is_against_the_probed_peak_on_the_cpu(runs, cache):
+    _, _, doc = runs["mlp"]
+    f = doc["flops"]
+    peak = cache[1]["results"]["matmul_cpu_fp32"]["flops_per_s"]
+    assert f["peaks"]["vendor"] is None and f["peaks"]["probed"]["flops_per_s"] == peak
+    r = f["ranks"]["0"]
+    assert r["mfu"]["probed"] == pytest.approx(r["achieved_flops_per_s"] / peak)
+    assert all(ly["share_of_peak"] == pytest.approx(ly["achieved_flops_per_s"] / peak)
+               for ly in f["layers"])
+
+
+def test_counted_iteration_stays_in_the_trace_and_out_of_the_timings(runs, cache):
+    path, truth, doc = runs["mlp"]
+    its = rows(path, "iteration")
+    # every iteration the job ran, the counted one marked over its own span
+    assert [r["step"] for r in its] == list(range(len(truth["iterations"]))) == \
+        list(range(STEPS))
+    (mark,) = rows(path, "flops")
+    assert mark["kind"] == "span" and mark["step"] == COUNTED
+    assert (mark["start_ns"], mark["end_ns"]) == (its[COUNTED]["start_ns"],
+                                                  its[COUNTED]["end_ns"])
+    # by default the warm-up skip holds it: nothing left out, nothing said
+    assert doc["iterations"]["warmup_skipped"] > COUNTED
+    assert doc["iterations"]["flops_left_out"] is None
+    assert doc["iterations"]["analyzed"] == STEPS - doc["iterations"]["warmup_skipped"]
+    # with --skip 0 it is among the analyzed ones: left out of the timings, and said
+    d = skip0(path).to_dict()
+    assert d["iterations"]["flops_left_out"] == COUNTED
+    assert d["iterations"]["analyzed"] == STEPS - 1
+    # each iteration's time is the job's own (the counted one's slowdown is in both); the
+    # iterations tile the loop, as the job's step ends do
+    dur = np.array([(r["end_ns"] - r["start_ns"]) / 1e9 for r in its])
+    ends = np.array(truth["step_ends"])
+    own = np.concatenate([[truth["iterations"][0]], np.diff(ends)])
+    assert np.all(np.abs(dur - own) <= 0.05 * own + 0.003), (dur, own)
+    kept = [k for k in range(STEPS) if k != COUNTED]
+    assert d["breakdown"]["t_iter"]["mean"] == pytest.approx(float(np.mean(own[kept])),
+                                                             rel=0.05)
+    from gputrace.report.terminal import render
+
+    buf = io.StringIO()      # the terminal report `analyze --skip 0` prints
+    render(skip0(path).analysis, file=buf, width=200)
+    text = buf.getvalue()
+    assert f"{STEPS - 1} iterations analyzed" in text
+    assert sum("iteration 2 left out of the timings" in ln for ln in text.splitlines()) == 1
+
+
+def test_flops_off_records_every_iteration_and_the_count_changes_no_result(runs, cache):
+    off, truth_off, doc_off = runs["off"]
+    assert [r["step"] for r in rows(off, "iteration")] == list(range(4))
+    assert not rows(off, "flops")
+    assert doc_off["iterations"]["count"] == 4 and doc_off["iterations"]["flops_left_out"] is None
+    assert doc_off["flops"]["unavailable"] == "FLOPs not counted: recorded with --flops off"
+    # the same job with its third iteration counted: the same losses and parameters, step
+    # by step (the step after the counted one trains on the gradients it computed)
+    _, truth, _ = runs["mlp"]
+    assert truth["losses"][:4] == truth_off["losses"]
+    assert truth["param_sums"][:4] == truth_off["param_sums"]
+
+
+def test_probed_cpu_matmul_peak_is_torch_matmuls(cache):
+    _, probe, own = cache
+    # between what torch.matmul did just before and just after it (a busy machine moves)
+    got = probe["results"]["matmul_cpu_fp32"]["flops_per_s"]
+    assert 0.85 * min(own) <= got <= 1.15 * max(own), (got, own)
+
+
+def test_python_api_tables_are_the_json(runs):
+    path, _, doc = runs["mlp"]
+    r = results[str(path)]
+    layers = r.table("layers").records()
+    assert [ly["layer"] for ly in layers] == [ly["layer"] for ly in doc["flops"]["layers"]]
+    for got, want in zip(layers, doc["flops"]["layers"], strict=True):
+        for k in ("flops_f", "flops_b", "achieved_flops_per_s", "achieved_flops_per_s_f"):
+            assert got[k] == want[k], k
+    (fl,) = r.table("flops").records()
+    rank = doc["flops"]["ranks"]["0"]
+    assert fl["rank"] == 0 and fl["achieved_flops_per_s"] == rank["achieved_flops_per_s"]
+    assert fl["mfu_probed"] == rank["mfu"]["probed"]
+    # with the counted iteration analyzed, the iterations table marks it and its other
+    # analyzed rows average to the breakdown
+    r0 = skip0(path)
+    it = r0.table("iterations").records()
+    assert [row["step"] for row in it if row["flops_left_out"]] == [COUNTED]
+    kept = [row["t_iter"] for row in it if not row["warmup"] and not row["flops_left_out"]]
+    assert float(np.mean(kept)) == pytest.approx(r0.to_dict()["breakdown"]["t_iter"]["mean"])
+
+
+def test_report_draws_each_layers_share_of_the_peak(runs):
+    from gputrace.document import charts
+
+    path, _, doc = runs["mlp"]
+    # the charts the report draws beside the analysis' own (document.charts: `gputrace
+    # report` and the Python API's report() both take them from there)
+    made = {c.id: c for c in charts(results[str(path)].analysis, None, [str(path)])}
+    bars, shares = (part["data"]["values"][0] for part in made["flops"].spec["vconcat"])
+    f = doc["flops"]
+    peak = f["peaks"]["probed"]["flops_per_s"]
+    want = [(ly["layer"], ph, ly[f"achieved_flops_per_s_{ph[0]}"] / peak)
+            for ly in f["layers"] for ph in ("forward", "backward")]
+    got = list(zip(bars["layer"], bars["phase"], bars["value"], strict=True))
+    assert [g[:2] for g in got] == [w[:2] for w in want]
+    assert [g[2] for g in got] == pytest.approx([w[2] for w in want])
+    assert shares["share"] == [ly["share_of_iteration"] for ly in f["layers"]]
+    assert f["peak_used"] in made["flops"].caption
+    # a trace without a count has no such chart
+    off = runs["off"][0]
+    assert "flops" not in {c.id for c in charts(results[str(off)].analysis, None, [str(off)])}
