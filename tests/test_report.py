@@ -284,7 +284,7 @@ def test_recorded_run_report_in_chromium(browser, tmp_path):
     assert f"report: {tmp_path / 'again.html'} (" in again.stderr
     state, page = open_in_browser(browser, page_path, tmp_path / "shots")
     assert sorted(state) == sorted(["breakdown", "timeline", "ranks", "comm-wait", "bandwidth",
-                                    "speedup", "what-if", "memory"])
+                                    "speedup", "what-if", "memory", "flops"])
     n = doc["iterations"]["count"]
     bd = state["breakdown"]
     assert bd["colour"] == STACK and bd["items"] == {"layer_0_marks": 7 * n, "layer_1_marks": n}

@@ -14,6 +14,9 @@ from gputrace.probe import unavailable
 CPU_N = {"quick": 1024, "full": 2048}
 GPU_N = {"quick": 8192, "full": 16384}
 REPEATS = {"quick": 8, "full": 20}
+# the CPU's products repeat for at least these seconds too: a shared machine's best of a few
+# tens of ms moves by a fifth from one probe to the next
+CPU_MIN_S = {"quick": 1.0, "full": 3.0}
 
 
 def _figure(seconds: list[float], n: int, method: str, **extra: Any) -> dict[str, Any]:
@@ -35,12 +38,13 @@ def cpu(mode: str = "quick", n: int | None = None, repeats: int | None = None
     repeats = repeats or REPEATS.get(mode, 8)
     a, b = torch.randn(n, n), torch.randn(n, n)
     torch.matmul(a, b)   # warm-up: threads started, pages touched
-    secs = []
-    for _ in range(repeats):
+    secs: list[float] = []
+    least = CPU_MIN_S.get(mode, 1.0)
+    while len(secs) < repeats or (sum(secs) < least and len(secs) < 1000):
         t0 = time.perf_counter()
         torch.matmul(a, b)
         secs.append(time.perf_counter() - t0)
-    return _figure(secs, n, f"torch.matmul {n}x{n} fp32, best of {repeats}",
+    return _figure(secs, n, f"torch.matmul {n}x{n} fp32, best of {len(secs)}",
                    threads=torch.get_num_threads(), device="cpu", dtype="fp32")
 
 
