@@ -105,9 +105,11 @@ def finding(rows: list[dict[str, Any]], peak_source: str | None) -> str | None:
 
 
 def line(d: dict[str, Any]) -> str:
-    """The terminal's line: FLOPs per iteration, FLOP/s, MFU of each peak."""
+    """The terminal's line: FLOPs per iteration, FLOP/s, MFU of each peak; where there is
+    no count, why (none for a trace that could not hold one: an older or imported one)."""
     if not d.get("counted"):
-        return str(d.get("unavailable") or "FLOPs not counted")
+        why = str(d.get("unavailable") or "")
+        return "" if not why or "holds no FLOP count" in why else why
     r = d["ranks"].get(str(d["rank"])) or {}
     out = (f"FLOPs: {r['model_flops_per_iteration'] / 1e9:,.4g} GFLOP/iter, "
            f"{(r['achieved_flops_per_s'] or 0) / 1e12:.3g} TFLOP/s")

@@ -48,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"  {f.severity:>8}  {f.message}")
         from gputrace.analyzers.flops import line as flops_line
 
-        print(flops_line(more["flops"]))
+        if flops_line(more["flops"]):
+            print(flops_line(more["flops"]))
         if "window" in more:
             from gputrace.report.window import render_window
 

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import resource
@@ -28,7 +29,30 @@ CAT = "memory"
 # ru_maxrss is in KiB on Linux (bytes on macOS)
 _RSS_UNIT = 1 if sys.platform == "darwin" else 1024
 PHASES = ("io", "h2d", "forward", "backward", "update")
-_pread, _getrusage, _SELF = os.pread, resource.getrusage, resource.RUSAGE_SELF
+_getrusage, _SELF = resource.getrusage, resource.RUSAGE_SELF
+
+
+def _held_pread() -> Any:
+    """pread(2) called with the GIL held (ctypes.PyDLL): os.pread lets it go, and on a
+    phase boundary of the training thread the writer thread would take it and the job
+    would wait for it back (up to the 5 ms switch interval). None where libc has none."""
+    try:
+        fn = ctypes.PyDLL(None).pread
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_long)
+    fn.restype = ctypes.c_ssize_t
+    buf = ctypes.create_string_buffer(128)
+
+    def pread(fd: int, n: int, offset: int) -> bytes:
+        got = fn(fd, buf, min(n, 128), offset)
+        if got < 0:
+            raise OSError(ctypes.get_errno(), "pread")
+        return buf.raw[:got]
+    return pread
+
+
+_pread = _held_pread() or os.pread
 
 
 def of_iteration(row: tuple[Any, ...]) -> bool:

@@ -60,9 +60,9 @@ class phase:  # noqa: N801 - used like a function: `with phase("forward"):`
         if a is not None:
             _DOMAIN.push_range(a)
         if rec is not None:
-            if rec.memory is not None and self.cat in _MEMORY_PHASES:
-                rec.memory.mark(self.cat, 0, rec.clock.now_ns())   # before the phase's time
             self._t0 = t = rec.clock.now_ns()
+            if rec.memory is not None and self.cat in _MEMORY_PHASES:
+                rec.memory.mark(self.cat, 0, t)   # inside the phase (see collectors.torch)
             if rec._iter_start is None and self.cat != "user":
                 rec.open_iteration(t)   # the loop's first phase begins its first iteration
         return self
@@ -71,10 +71,10 @@ class phase:  # noqa: N801 - used like a function: `with phase("forward"):`
                  tb: TracebackType | None) -> None:
         rec = self._rec
         if rec is not None:
+            if rec.memory is not None and self.cat in _MEMORY_PHASES:
+                rec.memory.mark(self.cat, 1, rec.clock.now_ns())
             t = rec.clock.now_ns()
             rec.span(self.cat, self.name, self._t0, t, layer=self.layer,
                      nbytes=self.nbytes, args=self.args)
-            if rec.memory is not None and self.cat in _MEMORY_PHASES:
-                rec.memory.mark(self.cat, 1, t)
         if self._attr is not None:
             _DOMAIN.pop_range()

@@ -85,8 +85,10 @@ class _State:
         self.pipeline_steps = 0                   # > 0 inside a pipeline schedule's step
 
     def mem(self, phase: str, end: int, t: int) -> None:
-        """The memory at a phase's start (end=0) or end (collectors.memory): read before
-        the phase's start is taken and after its end, so the phase's time holds none of it."""
+        """The memory at a phase's start (end=0) or end (collectors.memory): read inside the
+        phase, after its start is taken and before its end, so that nothing of ours runs
+        between the phase's edge and the job's own code (a read there gave the writer
+        thread a moment to take the GIL: the job's clock and ours then disagreed)."""
         m = self.rec.memory
         if m is not None:
             m.mark(phase, end, t)
@@ -136,10 +138,9 @@ class _State:
     @_guarded
     def root_pre(self, module: torch.nn.Module, args: Any) -> None:
         """A model root's forward begins (nested roots only count depth)."""
-        if self.depth == 0:
-            self.mem("forward", 0, self.now())
         t = self.now()
         if self.depth == 0:
+            self.mem("forward", 0, t)
             self.root_ran = True
             self.its.forward(t, torch.is_grad_enabled())
             self.root_t0 = t
@@ -158,6 +159,7 @@ class _State:
     def root_post(self, module: torch.nn.Module, args: Any, out: Any) -> None:
         self.depth = max(self.depth - 1, 0)
         if self.depth == 0:
+            self.mem("forward", 1, self.now())
             t = self.now()
             if self.batch:
                 self.rec.span("forward", self.root_name, self.root_t0, t,
@@ -166,14 +168,13 @@ class _State:
             else:
                 self.rec.span("forward", self.root_name, self.root_t0, t)
             self.last_fwd_end = self.loss_from = t
-            self.mem("forward", 1, t)
 
     # -- backward ------------------------------------------------------------------------
     @_guarded
     def backward_enter(self) -> None:
         if self.bwd_depth == 0:
-            self.mem("backward", 0, self.now())
             self.bwd_t0 = t = self.now()
+            self.mem("backward", 0, t)
             if self.probing:
                 _begin(self.probing)
             self.last_mark = t - self.off         # layer marks are on perf_counter_ns
@@ -199,6 +200,7 @@ class _State:
         self.bwd_depth -= 1
         if self.bwd_depth:
             return
+        self.mem("backward", 1, self.now())
         t = self.now()
         with self.lock:
             off = self.off
@@ -210,7 +212,6 @@ class _State:
                           layer=layer, nbytes=self.layer_grad_bytes.get(layer))
             start = end
         self.rec.span("backward", "backward", self.bwd_t0, t)
-        self.mem("backward", 1, t)
         self.last_bwd_end = self.its.last_bwd = t
         self.last_mark = 0
 
@@ -218,8 +219,8 @@ class _State:
     @_guarded
     def step_pre(self, opt: Any, args: Any, kwargs: Any) -> None:
         if not self.engine_steps:   # inside an engine's step (DeepSpeed's), that one is it
-            self.mem("update", 0, self.now())
             self.update_t0 = self.now()
+            self.mem("update", 0, self.update_t0)
 
     @_guarded
     def step_post(self, opt: Any, args: Any, kwargs: Any) -> None:
@@ -233,19 +234,19 @@ class _State:
         if begin:
             self.engine_steps += 1
             if self.engine_steps == 1:
-                self.mem("update", 0, self.now())
                 self.update_t0 = self.now()
+                self.mem("update", 0, self.update_t0)
         else:
             self.engine_steps = max(self.engine_steps - 1, 0)
             if not self.engine_steps:
                 self.stepped(name)
 
     def stepped(self, name: str) -> None:
+        self.mem("update", 1, self.now())
         t = self.now()
         # With a closure, forward and backward run inside step(): update starts after them.
         start = max(self.update_t0, self.last_bwd_end if self.last_bwd_end <= t else 0)
         self.rec.span("update", name, start, t)
-        self.mem("update", 1, t)
         self.loss_from = 0
         self.its.stepped(t)
 
@@ -292,15 +293,15 @@ def _patch_dataloader(state: _State) -> None:
 
     @_guarded
     def batch() -> int:
-        state.mem("io", 0, now())
         t = now()
+        state.mem("io", 0, t)
         state.its.batch(t)
         return t
 
     @_guarded
-    def fetched(t0: int, t: int) -> None:
-        state.rec.span("io", "DataLoader.__next__", t0, t)
-        state.mem("io", 1, t)
+    def fetched(t0: int) -> None:
+        state.mem("io", 1, now())
+        state.rec.span("io", "DataLoader.__next__", t0, now())
 
     @_guarded
     def exhausted() -> None:
@@ -313,7 +314,7 @@ def _patch_dataloader(state: _State) -> None:
         except StopIteration:
             exhausted()
             raise
-        fetched(t0, now())
+        fetched(t0)
         return out
 
     dl._BaseDataLoaderIter.__next__ = __next__
