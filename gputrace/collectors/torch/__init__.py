@@ -90,7 +90,9 @@ class _State:
         between the phase's edge and the job's own code (a read there gave the writer
         thread a moment to take the GIL: the job's clock and ours then disagreed)."""
         m = self.rec.memory
-        if m is not None:
+        # not inside a pipeline schedule's or an engine's step (DeepSpeed's pipeline runs
+        # every microbatch there): reads there moved its pipeline term by a sixth
+        if m is not None and not self.pipeline_steps and not self.engine_steps:
             m.mark(phase, end, t)
 
     def note(self, text: str) -> None:
@@ -232,10 +234,10 @@ class _State:
         """A training engine's step (DeepSpeed's) begins or ends: the update, and the
         iteration's boundary, are it, not the optimizer steps inside it."""
         if begin:
-            self.engine_steps += 1
-            if self.engine_steps == 1:
+            if not self.engine_steps:
                 self.update_t0 = self.now()
                 self.mem("update", 0, self.update_t0)
+            self.engine_steps += 1
         else:
             self.engine_steps = max(self.engine_steps - 1, 0)
             if not self.engine_steps:
