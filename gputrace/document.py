@@ -84,8 +84,12 @@ def document(a: Any, rank: int | None, inputs: Sequence[str],
     doc = to_dict(a, rank)
     more = extras(a, rank, inputs) if more is None else more
     doc.update(more)
-    doc["findings"] += [{"id": f.id, "severity": f.severity, "message": f.message}
-                        for f in more_findings(more)]
+    found = [{"id": f.id, "severity": f.severity, "message": f.message}
+             for f in more_findings(more)]
+    doc["findings"] += found
+    shown = doc.get("ranks", {}).get(str(doc.get("rank")))
+    if shown is not None and shown.get("findings") is not doc["findings"]:
+        shown["findings"] += found      # the findings table reads them per rank
     return doc
 
 
