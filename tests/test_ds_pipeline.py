@@ -79,9 +79,10 @@ def test_sends_and_receives_as_the_job_counts_them(recorded, name):
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_iteration_and_bubble_on_the_stages_clocks(recorded, name):
-    """Per stage: t_iter within 5 % of the job's own train_batch loop; the bubble (t_pp)
-    within 15 % of what the stage measured itself: its train_batch less its own forward,
-    loss (the last stage) and backward of every microbatch; median over iterations."""
+    """Per stage: t_iter within 5 % of the job's own train_batch loop; the bubble and the
+    update (t_pp + t_u) within 15 % of what the stage measured itself: its train_batch less
+    its engine's forward and backward instructions; t_u above 0 and at most the update
+    instructions' time; median over iterations."""
     stages_clocks(recorded(name))
 
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from gputrace.analyzers import overlap as ov
 from gputrace.analyzers.frame import Spans
-from gputrace.analyzers.parallel.bubble import with_bubble
+from gputrace.analyzers.parallel.bubble import passes, with_bubble
 from gputrace.analyzers.units import LayerEnds, Units, gpu_layer_ends, layer_ends
 from gputrace.analyzers.units import units as units_of
 
@@ -194,7 +194,8 @@ def analyze_rank(sp: Spans, stood: tuple[np.ndarray, np.ndarray] | None = None,
         if par:
             st = ov.merge(st, *par.values())
         h2d = _u(sp, sp.of("h2d"))
-        fwd = ov.subtract(_u(sp, sp.of("forward")), st)
+        pass_f, pass_b = passes(sp)     # a pipeline's microbatch passes, whole
+        fwd = ov.subtract(_u(sp, sp.of("forward") | pass_f), st)
         phase_b = _u(sp, bwd_m & (sp.device < 0))
         # backward's own work: the per-layer spans where known (the outer autograd call of
         # DDP also waits for its last all-reduce, which no span of the job's thread marks).
@@ -202,8 +203,8 @@ def analyze_rank(sp: Spans, stood: tuple[np.ndarray, np.ndarray] | None = None,
         # reduce-scatters, a job's own all-reduce), those are its waits: the rest of the
         # phase (layers, the framework's hooks between them) is the backward
         own_waits = ov.total(ov.intersect(phase_b, st)) > 0
-        bwd = ov.subtract(phase_b if own_waits or not per_layer.any() else _u(sp, per_layer),
-                          st)
+        bwd = ov.subtract(ov.merge(phase_b if own_waits or not per_layer.any()
+                                   else _u(sp, per_layer), _u(sp, pass_b)), st)
         upd = ov.subtract(_u(sp, sp.of("update")), st)
         comm_m = sp.of("comm")
         compute = ov.merge(h2d, fwd, bwd, upd)

@@ -9,10 +9,12 @@ gradient_accumulation_steps microbatches), 2 ranks over gloo on the CPU:
 Each stage times its own work per microbatch: its forward (hooks of the job's own on the
 stage module), its loss (the last stage's, in the loss function), its backward (from the
 gradient's arrival at the stage's output, or the last stage's loss, to its first layer's
-gradients, marked with autograd hooks of the job's own); each train_batch with perf_counter. It counts its
-collectives at the ProcessGroup (collective_truth) and writes OUT.rank<R>.json like
-pp_train.py: {"iterations" (start/end, step_s), "microbatches": [{"it", "mb", "forward",
-"loss", "backward"}], "calls", "stage"}."""
+gradients, marked with autograd hooks of the job's own); each train_batch with perf_counter;
+the engine's forward and backward pass instructions as the engine runs them (autograd and
+the engine's own work around it: `passes_s`) and its update instructions (`update_s`). It
+counts its collectives at the ProcessGroup (collective_truth) and writes OUT.rank<R>.json
+like pp_train.py: {"iterations" (start/end, step_s, passes_s, update_s), "microbatches":
+[{"it", "mb", "forward", "loss", "backward"}], "calls", "stage"}."""
 
 from __future__ import annotations
 
@@ -43,6 +45,32 @@ class FirstMark(Clock):
     def backward_began(self) -> None:
         if not self.pending:
             super().backward_began()
+
+
+def time_instructions() -> dict[str, float]:
+    """The engine's instructions timed by the job: its forward and backward passes as the
+    engine runs them (with the engine's own work around autograd), and its update
+    (ReduceTiedGrads, ReduceGrads, OptimizerStep); seconds per train_batch."""
+    from deepspeed.runtime.pipe import schedule as sch
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    own: dict[str, float] = {"passes": 0.0, "update": 0.0}
+
+    def timed(key: str, fn):
+        def run(self, *a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(self, *a, **k)
+            finally:
+                own[key] += time.perf_counter() - t0
+        return run
+
+    imap = PipelineEngine._INSTRUCTION_MAP
+    for instr, key in ((sch.ForwardPass, "passes"), (sch.BackwardPass, "passes"),
+                       (sch.ReduceTiedGrads, "update"), (sch.ReduceGrads, "update"),
+                       (sch.OptimizerStep, "update")):
+        imap[instr] = timed(key, imap[instr])
+    return own
 
 
 def main() -> None:
@@ -90,6 +118,7 @@ def main() -> None:
            "steps_per_print": 10**9, "wall_clock_breakdown": False}
     engine, _, _, _ = deepspeed.initialize(model=model, config=cfg,
                                            model_parameters=model.parameters())
+    own = time_instructions()
     g = torch.Generator().manual_seed(0)
     x = torch.randn(a.batch, a.width, generator=g)
     y = torch.randint(0, 10, (a.batch,), generator=g)
@@ -103,11 +132,13 @@ def main() -> None:
     for i in range(a.iterations):
         truth.begin(i)
         clock.begin(i)
+        own.update(passes=0.0, update=0.0)
         t0 = time.perf_counter()
         engine.train_batch(data)
         t1 = time.perf_counter()
         truth.end()
-        truth.iterations[-1].update({"step_s": t1 - t0})
+        truth.iterations[-1].update({"step_s": t1 - t0, "passes_s": own["passes"],
+                                     "update_s": own["update"]})
     with open(f"{a.out}.rank{rank}.json", "w") as f:
         json.dump({"calls": truth.calls, "iterations": truth.iterations,
                    "microbatches": clock.mb,

@@ -9,8 +9,10 @@ Each stage times its own work per microbatch: its forward (in the stage module's
 forward), its loss (the last stage's, in the loss function the schedule calls) and its
 backward (from the gradient's arrival at the stage's output to its first
 layer's last gradient, marked with autograd hooks of the job's own); each schedule.step and
-optimizer step with perf_counter. It counts its collectives at the ProcessGroup
-(collective_truth) and writes OUT.rank<R>.json: {"iterations" (start/end, step_s, update),
+optimizer step with perf_counter; its passes as the schedule runs them (`passes_s`: the
+stage's chunks, the stage's own work around its module and autograd included). It counts
+its collectives at the ProcessGroup (collective_truth) and writes OUT.rank<R>.json:
+{"iterations" (start/end, step_s, update, passes_s, loss_s),
 "microbatches": [{"it", "mb", "forward", "loss", "backward"}], "calls", "stage"}.
 """
 
@@ -103,6 +105,28 @@ class Clock:
         self.it, self.fwd, self.bwd = it, 0, 0
 
 
+def time_chunks(stage: PipelineStage) -> list[float]:
+    """The stage's microbatch passes as its schedule runs them (forward_one_chunk,
+    backward_one_chunk, backward_weight_one_chunk: the module's forward or autograd and the
+    stage's own work around it), timed by the job: [seconds in this step so far]."""
+    spent = [0.0]
+
+    def timed(fn):
+        def run(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[0] += time.perf_counter() - t0
+        return run
+
+    for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+        fn = getattr(stage, name, None)
+        if fn is not None:
+            setattr(stage, name, timed(fn))
+    return spent
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("out")
@@ -131,6 +155,7 @@ def main() -> None:
         clock.loss(time.perf_counter() - t0)
         return loss
 
+    passes = time_chunks(stage)
     sched = SCHEDULES[a.schedule](stage, a.microbatches, loss_fn=loss_fn)
     opt = torch.optim.SGD(mod.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(0)
@@ -140,6 +165,7 @@ def main() -> None:
     for i in range(a.iterations):
         truth.begin(i)
         clock.begin(i)
+        passes[0] = 0.0
         t0 = time.perf_counter()
         if rank == 0:
             sched.step(x)
@@ -152,7 +178,9 @@ def main() -> None:
         t2 = time.perf_counter()
         opt.zero_grad()
         truth.end()
-        truth.iterations[-1].update({"step_s": t1 - t0, "update": t2 - t1})
+        truth.iterations[-1].update({"step_s": t1 - t0, "update": t2 - t1,
+                                     "passes_s": passes[0], "loss_s": sum(
+                                         m["loss"] for m in clock.mb if m["it"] == i)})
     with open(f"{a.out}.rank{rank}.json", "w") as f:
         json.dump({"calls": truth.calls, "iterations": truth.iterations,
                    "microbatches": clock.mb,
