@@ -27,7 +27,7 @@ JOB = str(Path(__file__).resolve().parent / "jobs" / "slowed_phase.py")
 LOOP = str(Path(__file__).resolve().parent / "jobs" / "timed_loop.py")
 SAMPLE = str(Path(__file__).resolve().parent.parent / "samples" / "train_cnn.py")
 EXTRA_MS = "8"
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 
 @pytest.fixture(scope="module")

@@ -150,6 +150,7 @@ def test_ddp_case2_is_exposed(recorded, data_dir):
     assert "CPU cores of host" in (d["speedup"]["shared"] or "")
 
 
+@pytest.mark.serial
 def test_replay_of_one_bucket_predicts_the_run_with_small_buckets(recorded, data_dir):
     """Record case2 with one 25 MiB bucket, replay it with 1 MiB buckets, and compare with
     the case2 run that really uses 1 MiB buckets."""

@@ -462,6 +462,7 @@ def test_pp_headline_and_the_schedules_runtime_order(recorded, name):
     assert tp["job"]["replicas"] == 1
 
 
+@pytest.mark.serial
 def test_pp_what_if_fitted_with_a_run_at_another_microbatch_count(recorded):
     """`analyze GPIPE4 --calibrate GPIPE8`: each stage's compute per microbatch fitted as
     fixed + per-sample through the two runs, so the what-if at 8 microbatches replays the

@@ -24,20 +24,21 @@ JOB = str(Path(__file__).parent / "jobs" / "fsdp_train.py")
 
 @pytest.fixture(scope="module")
 def fsdp(tmp_path_factory):
-    """One recording per mode, with the job's own truth files."""
+    """One recording per mode (and iteration count), with the job's own truth files."""
     d = tmp_path_factory.mktemp("fsdp")
-    done: dict[str, tuple[Path, str]] = {}
+    done: dict[tuple[str, int], tuple[Path, str]] = {}
 
-    def get(mode: str) -> tuple[Path, str]:
-        if mode not in done:
-            out = d / f"{mode}.arrow"
+    def get(mode: str, iterations: int = 9) -> tuple[Path, str]:
+        if (mode, iterations) not in done:
+            name = mode if iterations == 9 else f"{mode}-{iterations}"
+            out = d / f"{name}.arrow"
             p = run_gputrace("record", "-f", "-o", str(out), "--", sys.executable, "-m",
                              "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                             JOB, str(d / mode), "--mode", mode, "--iterations", "9",
-                             "--blocks", "3", timeout=600)
+                             JOB, str(d / name), "--mode", mode, "--iterations",
+                             str(iterations), "--blocks", "3", timeout=600)
             assert p.returncode == 0, p.stderr[-3000:]
-            done[mode] = (out, str(d / mode))
-        return done[mode]
+            done[mode, iterations] = (out, str(d / name))
+        return done[mode, iterations]
 
     return get
 
@@ -339,11 +340,14 @@ def _own_all_gathers(prefix: str, rank: int, n: int) -> tuple[float, float, floa
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_diff_of_reshard_after_forward_on_and_off_finds_the_backward_regathers_gone(fsdp):
     """FSDP with reshard_after_forward True, then False: the jobs' own count says the
     backward's all-gathers are gone; the diff says which units' re-gathers went, matched
     by unit name, and the all-gathers per iteration as the jobs counted them."""
-    (on, on_prefix), (off, off_prefix) = fsdp("fsdp2"), fsdp("fsdp2-keep")
+    # 24 iterations each: a re-gather is a few ms of an iteration whose comm varies by as
+    # much between iterations; 6 analyzed iterations left its interval across zero
+    (on, on_prefix), (off, off_prefix) = fsdp("fsdp2", 24), fsdp("fsdp2-keep", 24)
     d = json.loads(run_gputrace("diff", str(on), str(off), "--json", check=True).stdout)
     n_on, n_off = d["iterations"]["before"], d["iterations"]["after"]
     all_on, back_on, it_on = _own_all_gathers(on_prefix, d["rank_before"], n_on)
