@@ -153,10 +153,51 @@ def test_flops_per_iteration_and_layer_are_the_jobs_count(runs, model):
     for got, want in zip(f["layers"], truth["layers"], strict=True):
         assert got["name"] == want["name"]
         assert got["flops_f"] == pytest.approx(want["flops_f"], rel=0.01)
-    # a checkpointed layer's own backward is undercounted (docs/format.md): the others exact
-    exact = f["layers"][:-1] if model == "block" else f["layers"]
-    for got, want in zip(exact, truth["layers"], strict=False):
+    # the checkpointed layer's own backward too (its forward recomputed inside it)
+    for got, want in zip(f["layers"], truth["layers"], strict=True):
         assert got["flops_b"] == pytest.approx(want["flops_b"], rel=0.01)
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_a_recomputed_forward_counts_to_its_own_layer_and_not_to_a_sibling(early_stop):
+    """Three blocks of two 64x64 Linear layers, the first and last checkpointed
+    (torch.utils.checkpoint, non-reentrant; torch's default early stop, which recomputes
+    only what the backward needs: the first Linear, or all of it): each block's forward,
+    backward and recomputed FLOPs are the products it ran, 2*m*n*k each, backward twice the
+    forward less the first layer's input gradient, which no one needs."""
+    import torch
+    from torch import nn
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+    from gputrace.collectors.torch.flops import _Count
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x)))
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l1, self.l2, self.l3 = Block(), Block(), Block()
+
+        def forward(self, x):
+            with set_checkpoint_early_stop(early_stop):
+                x = checkpoint(self.l1, x, use_reentrant=False)
+                return checkpoint(self.l3, self.l2(x), use_reentrant=False)
+
+    mm = 2 * 32 * 64 * 64
+    with _Count() as c:
+        Model()(torch.randn(32, 64)).sum().backward()
+    again = 2 * mm if not early_stop else mm   # early stop: the second product is not needed
+    want = {"Model.l1": [2 * mm, again + 3 * mm, again],   # its first input needs no gradient
+            "Model.l2": [2 * mm, 4 * mm, 0],
+            "Model.l3": [2 * mm, again + 4 * mm, again]}
+    assert {k: c.split[k] for k in want} == want
+    assert c.split["Global"] == [6 * mm, 2 * again + 11 * mm, 2 * again]
 
 
 @pytest.mark.parametrize("model", ["mlp", "block"])

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.module_tracker import ModuleTracker
 
 from gputrace.fmt import reason
 
@@ -40,15 +41,75 @@ def env_on(value: str | None) -> bool:
     return (value or "on").strip().lower() not in ("0", "off", "false", "no")
 
 
+class _Tracker(ModuleTracker):
+    """torch's ModuleTracker, a forward that runs inside a backward (recomputed by
+    activation checkpointing) kept apart: `recomputing` holds its modules, the parents
+    stay those whose forward or backward runs. (The tracker's set let the recomputed
+    forward's end remove its module while that module's backward still ran: the rest of the
+    backward was counted to no layer.)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.recomputing: dict[str, int] = defaultdict(int)
+
+    def _fw_pre_hook(self, mod: Any, input: Any) -> None:
+        if not self.is_bw:
+            return super()._fw_pre_hook(mod, input)
+        name = self._get_mod_name(mod)
+        self.recomputing[name] += 1
+        # as torch's: the backward of this forward (reentrant checkpointing runs one) leaves
+        # the module at its inputs' gradients
+        self._on_grads(input, self._get_pop_fn(name, True))
+        return None
+
+    def _fw_post_hook(self, mod: Any, input: Any, output: Any) -> None:
+        if not self.is_bw:
+            return super()._fw_post_hook(mod, input, output)
+        name = self._get_mod_name(mod)
+        left = self.recomputing.pop(name, 0) - 1
+        if left > 0:
+            self.recomputing[name] = left
+        self._on_grads(output, self._get_append_fn(name, True))
+        return None
+
+    def _on_grads(self, values: Any, fn: Any) -> None:
+        from torch.autograd.graph import register_multi_grad_hook
+        from torch.utils._pytree import tree_flatten
+
+        args, _ = tree_flatten(values)
+        tensors = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        if tensors:
+            self._hooks.append(register_multi_grad_hook(tensors, fn))
+
+
 class _Count(FlopCounterMode):
     """FlopCounterMode with each module's FLOPs split into forward, backward and recompute,
     and the FLOPs per input dtype and device."""
 
     def __init__(self) -> None:
         super().__init__(display=False)
+        if isinstance(getattr(self, "mod_tracker", None), ModuleTracker):
+            self.mod_tracker = _Tracker()
         self.split: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
         self.by_dtype: dict[str, int] = defaultdict(int)
         self.devices: dict[str, int] = defaultdict(int)
+
+    def _owners(self, again: bool) -> set[str]:
+        """The modules an operation counts to: the tracker's parents; for an operation of a
+        recomputed forward, the recomputed modules and every module above them."""
+        t = self.mod_tracker
+        if not isinstance(t, _Tracker):
+            return set(t.parents)
+        if not again:
+            # a recomputation has ended when the backward's own products run again (one
+            # stopped early by torch, past the modules' ends, left its names behind)
+            t.recomputing.clear()
+            return set(t.parents)
+        out = {"Global"}
+        for name in t.recomputing:
+            parts = name.split(".")
+            out.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+        return out
 
     def _count_flops(self, func_packet: Any, out: Any, args: Any, kwargs: Any) -> Any:
         fn = self.flop_registry.get(func_packet)
@@ -59,7 +120,7 @@ class _Count(FlopCounterMode):
         # a backward's own operations run without grad (unless it makes a graph itself:
         # create_graph); a forward recomputed inside it (checkpointing) runs with grad
         again = bw and torch.is_grad_enabled()
-        for par in set(self.mod_tracker.parents):
+        for par in self._owners(again) if bw else set(self.mod_tracker.parents):
             self.flop_counts[par][func_packet] += n
             c = self.split[par]
             c[1 if bw else 0] += n
