@@ -198,7 +198,8 @@ def _side(opts: AnalysisOptions, path: str) -> tuple[Analysis, Any]:
     table = getattr(load_inputs([path], quiet=True), "table", None)
     if table is None:
         return a, Parts()
-    return a, parts(table, ra.rank, s.start_ns[s.warmup:], int(s.end_ns[-1]))
+    return a, parts(table, ra.rank, s.start_ns[s.warmup:], int(s.end_ns[-1]),
+                    None if s.left_out is None else s.left_out - s.warmup)
 
 
 def _calibration(opts: AnalysisOptions) -> Any:

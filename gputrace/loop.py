@@ -17,8 +17,9 @@ class Iterations:
     step: int
     _iter_start: int | None
     _iter_live: bool
-    # called with ("open" | "close", step, t_ns) as iterations begin and end (the FLOP
-    # count of one iteration: collectors.torch.flops)
+    # called with ("open" | "close" | "drop", step, t_ns, name) as iterations begin, end
+    # (`name`: `iteration` or `inference`) or are dropped unended (the FLOP count of one
+    # iteration: collectors.torch.flops)
     iteration_watch: Any = None
 
     if TYPE_CHECKING:
@@ -29,7 +30,7 @@ class Iterations:
             self._iter_start = t_ns
             self._iter_live = False
             if self.iteration_watch is not None:
-                self.iteration_watch("open", self.step, t_ns)
+                self.iteration_watch("open", self.step, t_ns, "")
 
     def close_iteration(self, t_ns: int, name: str = "iteration", reopen: bool = False) -> None:
         """End the open iteration at t_ns (`name`: `iteration`, or `inference` for a batch
@@ -39,12 +40,14 @@ class Iterations:
         if start is not None:
             self.span("iteration", name, start, t_ns, step=self.step)
             if self.iteration_watch is not None:
-                self.iteration_watch("close", self.step, t_ns)
+                self.iteration_watch("close", self.step, t_ns, name)
             self.step += 1
         if reopen:
             self.open_iteration(t_ns)
 
     def drop_iteration(self) -> None:
+        if self._iter_start is not None and self.iteration_watch is not None:
+            self.iteration_watch("drop", self.step, self._iter_start, "")
         self._iter_start = None
 
     def iterate(self, iterable: Iterable[T], name: str = "next") -> Iterator[T]:
@@ -63,7 +66,7 @@ class Iterations:
             try:
                 item = next(it)
             except StopIteration:
-                self._iter_start = None
+                self.drop_iteration()
                 return
             self.span("io", name, t0, now())
             yield item

@@ -324,3 +324,46 @@ def test_report_draws_each_layers_share_of_the_peak(runs):
     off = runs["off"][0]
     assert "flops" not in {c.id for c in page_parts(results[str(off)].analysis, None,
                                                      [str(off)])[0]}
+
+
+EVAL_JOB = Path(__file__).resolve().parent / "jobs" / "flops_eval.py"
+
+
+def _record_eval_job(tmp_path, *job_args: str) -> tuple[Path, dict, str]:
+    out, trace = tmp_path / "own.json", tmp_path / "run.arrow"
+    p = subprocess.run([*GPUTRACE, "record", "-q", "-o", str(trace), "--", sys.executable,
+                        str(EVAL_JOB), str(out), *job_args],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return trace, json.loads(out.read_text()), p.stderr
+
+
+def test_evaluation_before_training_is_not_the_counted_iteration(tmp_path):
+    """Four evaluation batches (no grad) before seven training batches, both from a
+    DataLoader: the count is a training iteration's (forward and backward, the job's own
+    2*m*n*k), over an iteration the trace calls one, not an evaluation batch's."""
+    from gputrace import load
+
+    trace, own, _ = _record_eval_job(tmp_path, "--eval", "4", "--train", "7")
+    assert own == {**own, "evaluated": 4, "trained": 7}
+    (mark,) = rows(trace, "flops")
+    counted = json.loads(mark["args"])
+    assert counted["hardware_flops"] == own["train_flops"]
+    (it,) = [r for r in rows(trace, "iteration") if r["start_ns"] == mark["start_ns"]]
+    assert it["name"] == "iteration" and it["end_ns"] == mark["end_ns"]
+    assert load(str(trace)).metadata["collectors"]["flops"]["status"] == "ok"
+
+
+def test_a_flop_formula_that_fails_leaves_the_job_running_and_says_so(tmp_path):
+    """An operation whose FLOP formula raises (as torch's do for shapes they reject): the
+    job trains to its end, one line on stderr says the FLOPs were not counted and why, and
+    analyze says it too."""
+    trace, own, err = _record_eval_job(tmp_path, "--eval", "0", "--train", "7",
+                                       "--bad-formula")
+    assert own["trained"] == 7
+    said = [ln for ln in err.splitlines() if "FLOPs not counted" in ln]
+    assert len(said) == 1 and "flops_eval.scale" in said[0], err[-2000:]
+    assert not rows(trace, "flops")
+    text = subprocess.run([*GPUTRACE, "analyze", str(trace)], capture_output=True,
+                          text=True, timeout=300).stdout
+    assert "FLOPs not counted" in text and "does not handle the shape" in text, text[-2000:]

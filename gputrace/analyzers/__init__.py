@@ -166,10 +166,10 @@ def analyze_spans(sp: fr.Spans, o: Options) -> RankPart:
         model=model, findings=extra, steps=rs,
         devices=tuple(int(d) for d in np.unique(sp.device[sp.on_gpu()])),
         all_units=UnitTimes(its.step[u.it], u.index, u.start, u.end),
-        analyzed=(int(its.start[sel[0]]), int(its.end[sel[-1]]),
-                  int(sel.size) + (left is not None)) if sel.size else None,
+        analyzed=(int(its.start[skipped]), int(its.end[n - 1]), int(n - skipped))
+        if sel.size else None,
         window=(int(its.start[0]), int(its.end[-1])) if n else (0, 0),
-        series=iteration_series(rs, skipped) if o.detail else None, timeline=timeline,
+        series=iteration_series(rs, skipped, left) if o.detail else None, timeline=timeline,
         collectives=colls, sharded=sharded, shard_inputs=fs.inputs if fs is not None else None,
         dims=dims, degrees=registry.degrees(cr, inside), groups=registry.groups(cr, inside),
         throughput=tput.rank(sp, its.start, its.end, sel, float(rs.terms["t_iter"][sel].mean())

@@ -32,11 +32,20 @@ class IterationSeries:
     terms: dict[str, np.ndarray]     # steps.TERMS, seconds per iteration
     comm_exposed_s: np.ndarray       # comm not hidden under compute, per iteration
     warmup: int                      # the first `warmup` iterations are left out of means
+    left_out: int | None = None      # an analyzed one left out too (its FLOPs were counted)
+
+    @property
+    def kept(self) -> np.ndarray:
+        """The indices of the iterations the means are made of."""
+        k = np.arange(self.warmup, self.start_ns.size)
+        return k if self.left_out is None else k[k != self.left_out]
 
 
-def iteration_series(rs: RankSteps, warmup: int) -> IterationSeries:
+def iteration_series(rs: RankSteps, warmup: int, left_out: int | None = None
+                     ) -> IterationSeries:
     its = rs.iterations
-    return IterationSeries(its.step, its.start, its.end, rs.terms, rs.comm.exposed_s, warmup)
+    return IterationSeries(its.step, its.start, its.end, rs.terms, rs.comm.exposed_s, warmup,
+                           left_out)
 
 
 @dataclass(frozen=True)

@@ -43,8 +43,9 @@ def series(ra: RankAnalysis) -> dict[str, np.ndarray]:
     if d is None:
         return {}
     s = d.series
-    out = {k: np.asarray(v[s.warmup:], float) for k, v in s.terms.items()}
-    out["comm_exposed"] = np.asarray(s.comm_exposed_s[s.warmup:], float)
+    k = s.kept
+    out = {name: np.asarray(v, float)[k] for name, v in s.terms.items()}
+    out["comm_exposed"] = np.asarray(s.comm_exposed_s, float)[k]
     if ra.sharded is not None:     # FSDP's exposed comm is its units' own, per iteration
         out["comm_exposed"] = np.asarray(ra.sharded.exposed_series, float)
     return out

@@ -38,10 +38,12 @@ def _totals(names: list[str], dur_s: np.ndarray, it: np.ndarray, n: int
     return out, per
 
 
-def parts(table: pa.Table, rank: int, starts_ns: np.ndarray, end_ns: int) -> Parts:
+def parts(table: pa.Table, rank: int, starts_ns: np.ndarray, end_ns: int,
+          skip: int | None = None) -> Parts:
     """Totals per iteration over the analyzed iterations of `rank` (-1 and the rank itself
     where a trace of one process has no rank), which start at `starts_ns` (in order) and
-    end by `end_ns`; a span belongs to the iteration it starts in."""
+    end by `end_ns`; a span belongs to the iteration it starts in. `skip`: the index of one
+    of them left out (its FLOPs were counted)."""
     starts_ns = np.asarray(starts_ns, dtype=np.int64)
     n = starts_ns.size
     if n < 1 or table.num_rows == 0:
@@ -62,6 +64,12 @@ def parts(table: pa.Table, rank: int, starts_ns: np.ndarray, end_ns: int) -> Par
     start = t["start_ns"].to_numpy(zero_copy_only=False)
     dur = (t["end_ns"].to_numpy(zero_copy_only=False) - start) / 1e9
     it = np.clip(np.searchsorted(starts_ns, start, side="right") - 1, 0, n - 1)
+    if skip is not None and 0 <= skip < n and n > 1:
+        ok = it != skip
+        cat, layer, dev, dur = cat[ok], layer[ok], dev[ok], dur[ok]
+        name = [name[i] for i in np.flatnonzero(ok)]
+        it = it[ok] - (it[ok] > skip)
+        n -= 1
 
     def pick(mask: np.ndarray, label) -> tuple[Totals, Series]:  # type: ignore[no-untyped-def]
         idx = np.flatnonzero(mask)

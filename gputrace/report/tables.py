@@ -230,9 +230,9 @@ def iterations(a: Analysis) -> Table:
             continue
         s = ra.detail.series
         for i in range(s.step.size):
-            rows.append((r, int(s.step[i]), i < s.warmup,
-                         int(s.step[i]) == ra.flops_left_out,
-                         (int(s.start_ns[i]) - t0) / 1e9,
-                         *(float(s.terms[k][i]) for k in TERMS), float(s.comm_exposed_s[i])))
-    return Table("iterations", ("rank", "step", "warmup", "flops_left_out", "start_s", *TERMS,
-                                "comm_exposed_s"), tuple(rows))
+            rows.append((r, int(s.step[i]), i < s.warmup, (int(s.start_ns[i]) - t0) / 1e9,
+                         *(float(s.terms[k][i]) for k in TERMS), float(s.comm_exposed_s[i]),
+                         i == s.left_out))
+    # flops_left_out last: the columns before it are as they were (extended, never moved)
+    return Table("iterations", ("rank", "step", "warmup", "start_s", *TERMS,
+                                "comm_exposed_s", "flops_left_out"), tuple(rows))

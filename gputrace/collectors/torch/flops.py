@@ -52,25 +52,33 @@ class _Tracker(ModuleTracker):
         super().__init__()
         self.recomputing: dict[str, int] = defaultdict(int)
 
+    broken: str | None = None     # why tracking failed (the job's forward went on)
+
     def _fw_pre_hook(self, mod: Any, input: Any) -> None:
-        if not self.is_bw:
-            return super()._fw_pre_hook(mod, input)
-        name = self._get_mod_name(mod)
-        self.recomputing[name] += 1
-        # as torch's: the backward of this forward (reentrant checkpointing runs one) leaves
-        # the module at its inputs' gradients
-        self._on_grads(input, self._get_pop_fn(name, True))
-        return None
+        try:
+            if not self.is_bw:
+                super()._fw_pre_hook(mod, input)
+                return
+            name = self._get_mod_name(mod)
+            self.recomputing[name] += 1
+            # as torch's: the backward of this forward (reentrant checkpointing runs one)
+            # leaves the module at its inputs' gradients
+            self._on_grads(input, self._get_pop_fn(name, True))
+        except Exception as e:  # noqa: BLE001 - a module hook of ours: never into the job
+            self.broken = f"module tracking failed: {reason(e)}"
 
     def _fw_post_hook(self, mod: Any, input: Any, output: Any) -> None:
-        if not self.is_bw:
-            return super()._fw_post_hook(mod, input, output)
-        name = self._get_mod_name(mod)
-        left = self.recomputing.pop(name, 0) - 1
-        if left > 0:
-            self.recomputing[name] = left
-        self._on_grads(output, self._get_append_fn(name, True))
-        return None
+        try:
+            if not self.is_bw:
+                super()._fw_post_hook(mod, input, output)
+                return
+            name = self._get_mod_name(mod)
+            left = self.recomputing.pop(name, 0) - 1
+            if left > 0:
+                self.recomputing[name] = left
+            self._on_grads(output, self._get_append_fn(name, True))
+        except Exception as e:  # noqa: BLE001
+            self.broken = f"module tracking failed: {reason(e)}"
 
     def _on_grads(self, values: Any, fn: Any) -> None:
         from torch.autograd.graph import register_multi_grad_hook
@@ -93,6 +101,7 @@ class _Count(FlopCounterMode):
         self.split: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
         self.by_dtype: dict[str, int] = defaultdict(int)
         self.devices: dict[str, int] = defaultdict(int)
+        self.broken: str | None = None      # why counting stopped (a failure of ours)
 
     def _owners(self, again: bool) -> set[str]:
         """The modules an operation counts to: the tracker's parents; for an operation of a
@@ -112,25 +121,38 @@ class _Count(FlopCounterMode):
         return out
 
     def _count_flops(self, func_packet: Any, out: Any, args: Any, kwargs: Any) -> Any:
+        """torch's, never raising into the job: a failure (a FLOP formula that rejects a
+        shape) ends the count, said at the iteration's end."""
+        if self.broken:
+            return out
+        try:
+            self._count(func_packet, out, args, kwargs)
+        except Exception as e:  # noqa: BLE001 - the operation ran; only its count failed
+            self.broken = f"counting {func_packet} failed: {reason(e)}"
+        return out
+
+    def _count(self, func_packet: Any, out: Any, args: Any, kwargs: Any) -> None:
         fn = self.flop_registry.get(func_packet)
         if fn is None:
-            return out
+            return
         n = int(fn(*args, **kwargs, out_val=out))
-        bw = self.mod_tracker.is_bw
+        t = self.mod_tracker
+        bw = t.is_bw
         # a backward's own operations run without grad (unless it makes a graph itself:
-        # create_graph); a forward recomputed inside it (checkpointing) runs with grad
-        again = bw and torch.is_grad_enabled()
-        for par in self._owners(again) if bw else set(self.mod_tracker.parents):
+        # create_graph, which recomputes nothing); a forward recomputed inside it
+        # (checkpointing) runs with grad, inside a recomputed module
+        again = bw and torch.is_grad_enabled() and (
+            bool(t.recomputing) if isinstance(t, _Tracker) else True)
+        for par in self._owners(again) if bw else set(t.parents):
             self.flop_counts[par][func_packet] += n
             c = self.split[par]
             c[1 if bw else 0] += n
             if again:
                 c[2] += n
-        t = next((a for a in args if isinstance(a, torch.Tensor)), None)
-        if t is not None:
-            self.by_dtype[_DTYPES.get(t.dtype, str(t.dtype))] += n
-            self.devices[t.device.type] += n
-        return out
+        x = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if x is not None:
+            self.by_dtype[_DTYPES.get(x.dtype, str(x.dtype))] += n
+            self.devices[x.device.type] += n
 
 
 def why_not(st: Any) -> str | None:
@@ -191,12 +213,16 @@ class FlopWatch:
         if failed:
             print(f"gputrace: FLOPs not counted: {why}", file=sys.stderr)
 
-    def on_iteration(self, event: str, step: int, t_ns: int) -> None:
+    def on_iteration(self, event: str, step: int, t_ns: int, name: str = "") -> None:
         try:
             if self.count is not None:
                 if threading.get_ident() != self.thread:
                     return        # the mode is the entering thread's: left there to leave
-                if event == "close" and step == self.step:
+                if event == "drop" or (event == "close" and name == "inference"):
+                    # a batch that trained nothing (evaluation), or the loop's end: the
+                    # next iteration is counted instead
+                    self._discard(step + (event == "close"))
+                elif event == "close" and step == self.step:
                     self._end(t_ns)
                 elif step > self.step:
                     self._end(t_ns, "the counted iteration did not end where it began")
@@ -205,9 +231,19 @@ class FlopWatch:
         except Exception as e:  # noqa: BLE001 - a profiler never takes down the job
             self._say(f"counting failed: {reason(e)}", failed=True)
 
+    def _discard(self, next_step: int) -> None:
+        count, self.count = self.count, None
+        if count is not None:
+            count.__exit__(None, None, None)
+        self.step, self.window = next_step, None
+
     def _begin(self, t_ns: int) -> None:
         if not self.st.its.seen_step:
-            self._say("no optimizer step marked the iterations while the job ran")
+            # evaluation before the first training step (its batches are iterations too):
+            # the count waits for an iteration after an optimizer step
+            self.step += 1
+            self.rec.set_collector(CAT, "unavailable: no optimizer step marked the "
+                                   "iterations while the job ran", step=self.step)
             return
         why = why_not(self.st)
         if why:
@@ -223,6 +259,7 @@ class FlopWatch:
         assert count is not None and self.window is not None
         self.window[1] = t_ns
         count.__exit__(None, None, None)
+        failed = failed or count.broken or getattr(count.mod_tracker, "broken", None)
         if failed:
             self._say(failed, failed=True)
             return
