@@ -87,8 +87,9 @@ def parts(table: pa.Table, rank: int, starts_ns: np.ndarray, end_ns: int,
 
 def run_wait(table: pa.Table, start_ns: int, end_ns: int, n: int) -> float | None:
     """The traced tree's run-queue wait (`proc.run_wait_s`, cumulative) from `start_ns` to
-    `end_ns`, interpolated between its samples, per iteration of `n` (None without at least
-    two samples of it, or one host's)."""
+    `end_ns`, interpolated between its samples, per iteration of `n` and per rank (the
+    tree holds every rank of the host: a rank's share of it; None without at least two
+    samples of it, or one host's)."""
     if "name" not in table.column_names or "value" not in table.column_names:
         return None
     t = table.filter(pc.equal(table["name"], "proc.run_wait_s"))
@@ -99,4 +100,6 @@ def run_wait(table: pa.Table, start_ns: int, end_ns: int, n: int) -> float | Non
     order = np.argsort(at, kind="stable")
     at, v = at[order], v[order]
     lo, hi = np.interp([start_ns, end_ns], at, v)
-    return float(max(hi - lo, 0.0)) / n
+    ranks = [r for r in pc.unique(table["rank"]).to_pylist() if r is not None and r >= 0] \
+        if "rank" in table.column_names else []
+    return float(max(hi - lo, 0.0)) / n / max(len(ranks), 1)

@@ -16,7 +16,6 @@ from gputrace.analyzers.peaks import vendor_peak
 
 FAR_BELOW = 0.25          # a layer under this share of the peak is far below it
 MIN_SHARE_OF_ITERATION = 0.02
-PROBE_DTYPE = {"fp32": "fp32", "tf32": "tf32", "bf16": "bf16", "fp16": "fp16"}
 
 
 def not_counted(why: str) -> dict[str, Any]:
@@ -37,7 +36,7 @@ def peaks(args: dict[str, Any], probe: dict[str, Any] | None,
             out["vendor"] = {"flops_per_s": v[1], "dtype": dtype, "device": v[0],
                              "source": f"{v[0]} {dtype} dense (vendor)"}
     res = (probe or {}).get("results") or {}
-    p = res.get(f"matmul_{device}_{PROBE_DTYPE.get(dtype or '', dtype)}")
+    p = res.get(f"matmul_{device}_{dtype}")
     if isinstance(p, dict) and p.get("status") == "ok" and p.get("flops_per_s"):
         out["probed"] = {"flops_per_s": float(p["flops_per_s"]), "dtype": dtype,
                          "device": device, "source": f"probed {dtype} matmul ({device})"}

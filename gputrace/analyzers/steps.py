@@ -56,7 +56,7 @@ def warmup_skip(n: int, skip: int | None = None) -> int:
 
 
 def counted_iteration(sp: Spans, its: Iterations, sel: np.ndarray) -> int | None:
-    """The analyzed iteration (an index of `sel`'s) whose FLOPs were counted (the `flops`
+    """The analyzed iteration (its index, one of `sel`) whose FLOPs were counted (the `flops`
     span over it, collectors.torch.flops): slowed by the count, it is left out of the
     timing statistics. None where no such iteration is analyzed, or it is the only one."""
     m = np.flatnonzero(sp.of("flops"))

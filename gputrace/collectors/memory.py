@@ -37,14 +37,14 @@ def _held_pread() -> Any:
     phase boundary of the training thread the writer thread would take it and the job
     would wait for it back (up to the 5 ms switch interval). None where libc has none."""
     try:
-        fn = ctypes.PyDLL(None).pread
+        fn = ctypes.PyDLL(None, use_errno=True).pread
     except (OSError, AttributeError):
         return None
     fn.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_long)
     fn.restype = ctypes.c_ssize_t
-    buf = ctypes.create_string_buffer(128)
 
     def pread(fd: int, n: int, offset: int) -> bytes:
+        buf = ctypes.create_string_buffer(128)    # each call its own: threads may read too
         got = fn(fd, buf, min(n, 128), offset)
         if got < 0:
             raise OSError(ctypes.get_errno(), "pread")

@@ -6,12 +6,12 @@ from types import TracebackType
 from typing import Any
 
 from gputrace import recorder as _recorder
+from gputrace.collectors.memory import PHASES
 
 _DOMAIN: Any = None
 _LOADED = False
 _ATTRS: dict[str, Any] = {}
-# phases whose start and end read the memory (collectors.memory.PHASES)
-_MEMORY_PHASES = frozenset(("io", "h2d", "forward", "backward", "update"))
+_MEMORY_PHASES = frozenset(PHASES)     # phases whose start and end read the memory
 
 
 def _load_domain() -> Any:

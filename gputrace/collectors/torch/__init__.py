@@ -38,6 +38,7 @@ import torch
 from gputrace.collectors.torch import comm as torch_comm
 from gputrace.collectors.torch import guard as torch_guard
 from gputrace.collectors.torch.batch import BatchOnce, describe
+from gputrace.collectors.torch.dataloader import patch_dataloader
 from gputrace.collectors.torch.ddp import maybe_hook_ddp, patch_ddp
 from gputrace.collectors.torch.grads import _begin, _LayerGrads, _settle
 from gputrace.collectors.torch.guard import _guarded
@@ -286,62 +287,6 @@ def _patch_optimizer_step(cls: Any) -> None:
     cls.profile_hook_step = staticmethod(profile_hook_step)
 
 
-def _patch_dataloader(state: _State) -> None:
-    import torch.utils.data._utils.fetch as fetch
-    import torch.utils.data.dataloader as dl
-
-    now = state.now
-    orig_next = dl._BaseDataLoaderIter.__next__
-
-    @_guarded
-    def batch() -> int:
-        t = now()
-        state.mem("io", 0, t)
-        state.its.batch(t)
-        return t
-
-    @_guarded
-    def fetched(t0: int) -> None:
-        state.mem("io", 1, now())
-        state.rec.span("io", "DataLoader.__next__", t0, now())
-
-    @_guarded
-    def exhausted() -> None:
-        state.its.exhausted()
-
-    def __next__(self: Any) -> Any:
-        t0 = batch() or now()
-        try:
-            out = orig_next(self)
-        except StopIteration:
-            exhausted()
-            raise
-        fetched(t0)
-        return out
-
-    dl._BaseDataLoaderIter.__next__ = __next__
-
-    for cls in (fetch._MapDatasetFetcher, fetch._IterableDatasetFetcher):
-        orig_fetch = cls.fetch
-
-        def fetch_(self: Any, index: Any, _orig: Any = orig_fetch) -> Any:
-            t0 = now()
-            try:
-                return _orig(self, index)
-            finally:
-                r = _current_rec()
-                if r is not None:
-                    r.span("io", "fetch", t0, r.clock.now_ns(), step=-1)
-
-        cls.fetch = fetch_
-
-
-def _current_rec() -> Recorder | None:
-    from gputrace.recorder import current
-
-    return current()
-
-
 def _patch_backward(state: _State) -> None:
     orig = torch.autograd.backward
 
@@ -391,7 +336,7 @@ def auto_instrument(rec: Recorder) -> str:
     optim_module.register_optimizer_step_post_hook(state.step_post)
     _patch_optimizer_step(optim_module.Optimizer)
     _patch_backward(state)
-    _patch_dataloader(state)
+    patch_dataloader(state)
     patch_ddp(lambda: _installed)
     torch_comm.install(lambda: _installed)
     learn_rank_from_torch(rec)
