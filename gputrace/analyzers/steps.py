@@ -190,11 +190,11 @@ def analyze_rank(sp: Spans, stood: tuple[np.ndarray, np.ndarray] | None = None,
     else:
         st = ov.union(*stood) if stood is not None else ov.EMPTY
         par = {d: ov.union(*v) for d, v in (dims or {}).items()}
-        par = with_bubble(sp, par)
+        pass_f, pass_b = passes(sp)     # a pipeline's microbatch passes, whole
+        par = with_bubble(sp, par, (pass_f, pass_b))
         if par:
             st = ov.merge(st, *par.values())
         h2d = _u(sp, sp.of("h2d"))
-        pass_f, pass_b = passes(sp)     # a pipeline's microbatch passes, whole
         fwd = ov.subtract(_u(sp, sp.of("forward") | pass_f), st)
         phase_b = _u(sp, bwd_m & (sp.device < 0))
         # backward's own work: the per-layer spans where known (the outer autograd call of

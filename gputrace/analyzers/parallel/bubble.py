@@ -36,11 +36,12 @@ def passes(sp: Spans) -> tuple[np.ndarray, np.ndarray]:
     return pipe & named("forward"), pipe & named("backward", "backward_weight")
 
 
-def with_bubble(sp: Spans, par: dict[str, ov.Union]) -> dict[str, ov.Union]:
+def with_bubble(sp: Spans, par: dict[str, ov.Union],
+                pass_masks: tuple[np.ndarray, np.ndarray]) -> dict[str, ov.Union]:
     """`par`, its pipeline term (`pp`) holding the bubble too: inside each schedule step,
     the time the stage computed nothing (no forward, backward or loss of a microbatch, no
-    update) and was in no other collective: its waits for its neighbours and the schedule's own work
-    between microbatches."""
+    update) and was in no other collective: its waits for its neighbours and the schedule's
+    own work between microbatches. `pass_masks`: passes(sp), which the caller also reads."""
     pipe = sp.of("pipeline")
     if not pipe.any():
         return par
@@ -49,7 +50,7 @@ def with_bubble(sp: Spans, par: dict[str, ov.Union]) -> dict[str, ov.Union]:
     host = sp.device < 0
     # comm spans the data-parallel model does not read are `collective` here (for_model)
     comm = (sp.of("comm") | sp.of("collective")) & host
-    pf, pb = passes(sp)
+    pf, pb = pass_masks
     busy = ov.merge(_u(sp, (sp.of("forward") | sp.of("backward") | sp.of("update")) & host
                        | pf | pb),
                     _u(sp, comm & ~np.isin(np.arange(sp.start.size), _pp_rows(sp))))

@@ -51,8 +51,7 @@ class _Tracker(ModuleTracker):
     def __init__(self) -> None:
         super().__init__()
         self.recomputing: dict[str, int] = defaultdict(int)
-
-    broken: str | None = None     # why tracking failed (the job's forward went on)
+        self.broken: str | None = None     # why tracking failed (the job's forward went on)
 
     def _fw_pre_hook(self, mod: Any, input: Any) -> None:
         try:
