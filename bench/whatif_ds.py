@@ -6,7 +6,11 @@ an MLP of 5 layers, Adam), one configuration after the other in each round:
   quarter of the gradients' elements (the what-if the first run offers),
 - `overlap_comm` on and off, and
 - `allgather_bucket_size` 5e8 and a quarter of the gradients' elements,
-at ZeRO stage 2 (and `--stages 1,2` for stage 1 too). Each run predicts every other run of
+at ZeRO stage 2 (and `--stages 1,2` for stage 1 too); at stage 3 (`--stages 3`):
+- `stage3_prefetch_bucket_size` DeepSpeed's default (5e7: every parameter prefetched at the
+  model's first fetch), a quarter of the gathered elements (a layer ahead) and 0 (none), and
+- `stage3_max_live_parameters` DeepSpeed's default (1e9) and a quarter of the gathered
+  elements (prefetch stops once a layer is live). Each run predicts every other run of
 its stage that differs in one setting it offers a what-if for (`analyze --json`'s
 `sharded.what_if`, matched by the setting's value), and the prediction is printed beside
 the measured t_iter with the jobs' own per-iteration clock (the job times `engine(x)`, `engine.backward`,
@@ -32,32 +36,50 @@ from common import PY, ROOT, machine, table
 JOB = ROOT / "tests" / "jobs" / "ds_train.py"
 ONE_BUCKET = 500_000_000
 SAME_SPEED = 0.10     # forward ratio beyond which a pair ran at two machine speeds
+PREFETCH, LIVE = 50_000_000, 1_000_000_000   # DeepSpeed's stage 3 defaults
 
 
 def grad_elements(width: int) -> int:
     return 4 * (width * width + width) + width * 10 + 10
 
 
-Config = tuple[int, int, bool, int]   # stage, reduce_bucket_size, overlap_comm, allgather
+# stage, reduce_bucket_size, overlap_comm, allgather, stage3 prefetch bucket, max live
+Config = tuple[int, int, bool, int, int, int]
 
 
 def configs(stages: list[int], width: int) -> list[Config]:
-    """(stage, reduce_bucket_size, overlap_comm, allgather_bucket_size) per configuration:
+    """(stage, reduce_bucket_size, overlap_comm, allgather_bucket_size,
+    stage3_prefetch_bucket_size, stage3_max_live_parameters) per configuration: stages 1-2,
     one bucket, a quarter of the gradients, overlap_comm on, and allgather_bucket_size (the
-    step's all-gathers) at a quarter of the gradients."""
+    step's all-gathers) at a quarter of the gradients; stage 3, the prefetch bucket at
+    DeepSpeed's default, a quarter of the gathered elements (4 layers of width^2) and 0, and
+    max_live at a quarter."""
     quarter = grad_elements(width) // 4
-    return [c for s in stages for c in ((s, ONE_BUCKET, False, ONE_BUCKET),
-                                        (s, quarter, False, ONE_BUCKET),
-                                        (s, ONE_BUCKET, True, ONE_BUCKET),
-                                        (s, ONE_BUCKET, False, quarter))]
+    layer = width * width
+    out: list[Config] = []
+    for s in stages:
+        if s == 3:
+            out += [(3, ONE_BUCKET, False, ONE_BUCKET, PREFETCH, LIVE),
+                    (3, ONE_BUCKET, False, ONE_BUCKET, layer, LIVE),
+                    (3, ONE_BUCKET, False, ONE_BUCKET, 0, LIVE),
+                    (3, ONE_BUCKET, False, ONE_BUCKET, PREFETCH, layer)]
+        else:
+            out += [(s, ONE_BUCKET, False, ONE_BUCKET, PREFETCH, LIVE),
+                    (s, quarter, False, ONE_BUCKET, PREFETCH, LIVE),
+                    (s, ONE_BUCKET, True, ONE_BUCKET, PREFETCH, LIVE),
+                    (s, ONE_BUCKET, False, quarter, PREFETCH, LIVE)]
+    return out
 
 
-SETTINGS = ("stage", "reduce_bucket_size", "overlap_comm", "allgather_bucket_size")
+SETTINGS = ("stage", "reduce_bucket_size", "overlap_comm", "allgather_bucket_size",
+            "stage3_prefetch_bucket_size", "stage3_max_live_parameters")
 
 
 def name(c: Config) -> str:
     return (f"zero{c[0]}-b{c[1]}-{'overlap' if c[2] else 'sync'}" +
-            (f"-ag{c[3]}" if c[3] != ONE_BUCKET else ""))
+            (f"-ag{c[3]}" if c[3] != ONE_BUCKET else "") +
+            (f"-pf{c[4]}" if c[4] != PREFETCH else "") +
+            (f"-live{c[5]}" if c[5] != LIVE else ""))
 
 
 def record(out: Path, c: Config, a: argparse.Namespace) -> Path:
@@ -67,7 +89,8 @@ def record(out: Path, c: Config, a: argparse.Namespace) -> Path:
            str(out / name(c)), "--stage", str(c[0]), "--bucket", str(c[1]),
            "--iterations", str(a.iterations), "--width", str(a.width),
            "--allgather-bucket", str(c[3])] + (
-        ["--overlap-comm"] if c[2] else [])
+        ["--overlap-comm"] if c[2] else []) + (
+        ["--prefetch-bucket", str(c[4]), "--max-live", str(c[5])] if c[0] == 3 else [])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]), DS_ACCELERATOR="cpu")
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1200, env=env)
@@ -81,10 +104,12 @@ def analyzed(trace: Path) -> dict:
     return json.loads(p.stdout)
 
 
-def own_t_iter(out: Path, c: Config, skip: int = 3) -> float:
+def own_t_iter(out: Path, c: Config, skip: int = 3, phase: str | None = None) -> float:
     """The job's own mean iteration (rank 0's clock: forward + backward + step + the
-    rest), warm-up left out."""
+    rest), or of one of its phases, warm-up left out."""
     steps = json.loads((out / f"{name(c)}.rank0.json").read_text())["iterations"][skip:]
+    if phase:
+        return statistics.fmean(s[phase] for s in steps)
     return statistics.fmean((s["end"] - s["start"]) / 1e9 for s in steps)
 
 
@@ -118,7 +143,7 @@ def main() -> None:
     if a.tiny:
         cfgs = cfgs[:2]
     out = a.reuse or a.keep or Path(tempfile.mkdtemp(prefix="whatif-ds-"))
-    rows, errors, moved = [], [], []
+    rows, errors, moved, fwd_rows = [], [], [], []
     by_pair: dict[tuple[str, str], list[tuple[float, bool]]] = {}
     for i in range(a.rounds):
         sub = out / f"round{i}"
@@ -138,12 +163,20 @@ def main() -> None:
                     rows.append([str(i), name(src), w["label"], "withheld", "", "", "", "", ""])
                     continue
                 err = w["t_iter"] / meas - 1
-                # neither setting changes the forward: a pair whose forward differs ran at
-                # two machine speeds, and its error measures the machine
-                fwd = res[dst]["breakdown"]["t_f"]["mean"] / res[src]["breakdown"]["t_f"]["mean"]
+                # neither setting changes the forward (stage 3's, the backward: its prefetch
+                # waits are the forward's): a pair whose forward differs ran at two machine
+                # speeds, and its error measures the machine
+                term = "t_b" if src[0] == 3 else "t_f"
+                fwd = res[dst]["breakdown"][term]["mean"] / res[src]["breakdown"][term]["mean"]
                 same = abs(fwd - 1) <= SAME_SPEED
                 (errors if same else moved).append(err)
                 by_pair.setdefault((name(src), w["label"]), []).append((err, same))
+                if src[0] == 3:   # prefetch moves the forward's waits: the job's forward
+                    own_f = own_t_iter(sub, dst, phase="forward") - \
+                        own_t_iter(sub, src, phase="forward")
+                    pred = w["t_iter"] - res[src]["breakdown"]["t_iter"]["mean"]
+                    fwd_rows.append([str(i), name(src), w["label"], f"{pred * 1e3:+.1f}",
+                                     f"{own_f * 1e3:+.1f}", f"{(pred - own_f) * 1e3:+.1f}"])
                 rows.append([str(i), name(src), w["label"],
                              f"{res[src]['breakdown']['t_iter']['mean'] * 1e3:.1f}",
                              f"{w['t_iter'] * 1e3:.1f}", f"{meas * 1e3:.1f}",
@@ -154,8 +187,13 @@ def main() -> None:
           f"stage(s) {a.stages}; t_iter: rank 0's mean over the analyzed iterations")
     print(table("DeepSpeed what-if against the run it predicts",
                 ["round", "from", "what-if", "from t_iter ms", "predicted ms", "measured ms",
-                 "job's own ms", "error", "forward ratio"], rows) if rows else
+                 "job's own ms", "error", "speed ratio (t_f; stage 3: t_b)"], rows) if rows else
           "no run offered a what-if for another")
+    if fwd_rows:
+        print(table("ZeRO-3 prefetch: the predicted change of the iteration against the "
+                    "change of the job's own forward (perf_counter around engine(x))",
+                    ["round", "from", "what-if", "predicted change ms",
+                     "job's forward change ms", "difference ms"], fwd_rows))
     for what, errs in (("at one machine speed", errors), ("the others", moved)):
         if errs:
             print(f"predictions {what}: {len(errs)}, |error| at most "

@@ -29,9 +29,13 @@ SKIP = 3
 # ds_train.py's MLP at width 512: 1,055,754 gradient elements; a quarter of them is the
 # bucket size the one-bucket run (DeepSpeed's default reduce_bucket_size) offers a what-if for
 QUARTER = (4 * (512 * 512 + 512) + 512 * 10 + 10) // 4
+# a hidden layer's weight: what ZeRO-3 gathers of it (its bias, and the last layer, are under
+# stage3_param_persistence_threshold: persistent)
+LAYER = 512 * 512
 CONFIGS = {"zero1": ["--stage", "1"], "zero2": ["--stage", "2"],
            "zero2-overlap": ["--stage", "2", "--overlap-comm"], "zero3": ["--stage", "3"],
-           "zero2-buckets": ["--stage", "2", "--bucket", str(QUARTER)]}
+           "zero2-buckets": ["--stage", "2", "--bucket", str(QUARTER)],
+           "zero3-layer": ["--stage", "3", "--prefetch-bucket", str(LAYER)]}
 
 
 @pytest.fixture(scope="module")
@@ -195,18 +199,46 @@ def test_allgather_bucket_size_what_if_is_the_gathers_deepspeed_makes(recorded):
     assert w.t_iter == pytest.approx(one.main.breakdown["t_iter"].mean, rel=1e-6)
 
 
-def test_zero3_prefetch_what_ifs_are_withheld_with_the_reason(recorded):
-    """ZeRO-3's stage3_prefetch_bucket_size and stage3_max_live_parameters, read from the
-    engine (a quarter of the job's defaults), are offered withheld: which of its all-gathers
-    were prefetches is not recorded, so no figure is given, only why."""
-    trace, _, a = recorded("zero3")
-    ds = settings(trace.metadata)
+def _own_param_gathers(truth) -> set[int]:
+    """The job's own all-gathers of parameters (1 KiB or more) per iteration in its forward
+    and backward, as it counted them at the ProcessGroup."""
+    per: dict[int, int] = {}
+    for c in truth[0]["calls"]:
+        if c["it"] >= SKIP and c["phase"] in ("forward", "backward") and \
+                c["kind"] == "all_gather" and c["bytes"] >= 1024:
+            per[c["it"]] = per.get(c["it"], 0) + 1
+    return set(per.values()) or {0}
+
+
+def test_zero3_prefetch_what_ifs_are_the_gathers_deepspeed_makes(recorded):
+    """DeepSpeed's default stage3_prefetch_bucket_size prefetches every parameter at the
+    model's first fetch (one all-gather); a bucket of one layer prefetches a layer ahead (one
+    per layer). Each run offers the other's setting (and stage3_max_live_parameters),
+    replaying DeepSpeed's fetch rule on its recorded fetches: the all-gathers a what-if
+    replays are as many per iteration as the run made with that setting, its figures are
+    given; the settings are read from the engine."""
+    t_def, own_def, a_def = recorded("zero3")
+    _, own_lay, a_lay = recorded("zero3-layer")
+    ds = settings(t_def.metadata)
     assert ds["stage3_prefetch_bucket_size"] == 50_000_000, ds
     assert ds["stage3_max_live_parameters"] == 1_000_000_000, ds
-    for key, v in (("stage3_prefetch_bucket_size", 12_500_000),
-                   ("stage3_max_live_parameters", 250_000_000)):
-        (w,) = _what_if(a, **{key: v})
-        assert w.withheld and "prefetch" in w.withheld and np.isnan(w.t_iter), w
+    assert _own_param_gathers(own_def) == {1} and _own_param_gathers(own_lay) == {4}
+    for a, v, n in ((a_def, LAYER, 4), (a_lay, 4 * LAYER, 1), (a_lay, 0, 4)):
+        (w,) = _what_if(a, stage3_prefetch_bucket_size=v)
+        assert w.withheld is None and w.knobs["gathers"] == n, w
+        assert np.isfinite(w.t_iter) and w.t_iter > 0, w
+    # the default's budget at one layer live: the first layer prefetched, the others fetched
+    (w,) = _what_if(a_def, stage3_max_live_parameters=LAYER)
+    assert w.withheld is None and w.knobs["gathers"] == 4, w
+
+
+def test_zero3_prefetches_are_marked_with_the_layer_they_serve(recorded):
+    """A layer ahead: each hidden layer's weight gathered by a prefetch issued in the fetch
+    before it, marked so and counted to that layer's unit."""
+    _, _, a = recorded("zero3-layer")
+    units = [u for u in a.main.sharded.units if u.role == "unshard"]
+    assert sorted(u.name for u in units) == ["0", "2", "4", "6"], units
+    assert all(u.prefetched == 1.0 and u.count == pytest.approx(1.0) for u in units), units
 
 
 def test_reduce_bucket_size_what_if_costs_each_call_as_the_job_timed_one(recorded):

@@ -14,7 +14,7 @@ import numpy as np
 
 from gputrace.analyzers import collectives as col
 from gputrace.analyzers import shardsim as sim
-from gputrace.analyzers import zero_whatif as zw
+from gputrace.analyzers import zero_run
 from gputrace.analyzers.model import (
     ModelResult,
     Speedup,
@@ -23,12 +23,12 @@ from gputrace.analyzers.model import (
     checked,
     mean_terms,
 )
-from gputrace.analyzers.sanity import far_off, fit_too_small
+from gputrace.analyzers.sanity import far_off
 from gputrace.analyzers.shardinputs import Inputs, summarize_rank  # noqa: F401 (here too)
 from gputrace.analyzers.shardtimeline import timelines
+from gputrace.analyzers.shardwhatif import WhatIf, mean_ci
 from gputrace.analyzers.steps import RankSteps
 
-RESAMPLES = 200
 HIDDEN = 0.1          # a collective is hidden when the job waited less than this share of it
 
 
@@ -47,18 +47,6 @@ class UnitRow:
     duration_s: float
     exposed_s: float
     prefetched: float    # fraction issued by prefetch
-
-
-@dataclass(frozen=True)
-class WhatIf:
-    label: str
-    t_iter: float
-    low: float
-    high: float
-    exposed_s: float
-    comm_s: float
-    knobs: dict[str, object]
-    withheld: str | None = None     # why its figures (then nan) are not given
 
 
 @dataclass(frozen=True)
@@ -139,14 +127,6 @@ def _depth(cr: col.Rows, facts: dict, role: str) -> int:
     if not js:
         return 1 if role == "reshard_gather" else 0
     return 1 if np.mean(cr.prefetch[facts["rows"][js]]) > 0.5 else 0
-
-
-def _mean_ci(v: np.ndarray) -> tuple[float, float, float]:
-    if v.size < 4:
-        return float(np.mean(v)), math.nan, math.nan
-    rng = np.random.default_rng(0)
-    means = v[rng.integers(0, v.size, (RESAMPLES, v.size))].mean(axis=1)
-    return float(np.mean(v)), float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
 
 
 def _ring(n: int) -> float:
@@ -256,11 +236,11 @@ def analyze_sharded(si: Inputs, rs: RankSteps, sel: np.ndarray, world: int,
             scen.append((f"backward prefetch {d}", replace(base, prefetch_backward=d)))
     for x in (2.0, 0.5):
         scen.append((f"link x{x:g}", replace(base, bandwidth_x=x)))
-    what = [] if fsdp else _zero_what_ifs(tls, facts, si, arrive, sel, engine or {}, base,
-                                           measured, assumptions, world)
+    what = [] if fsdp else zero_run.what_ifs(tls, facts, si, arrive, sel, engine or {}, base,
+                                             measured, assumptions, world, not rs.gpu)
     for label, k in scen:
         v = preds(k)
-        m, lo, hi = _mean_ci(v)
+        m, lo, hi = mean_ci(v)
         knobs: dict[str, object] = {"prefetch_forward": k.prefetch_forward,
                                     "prefetch_backward": k.prefetch_backward,
                                     "bandwidth_x": k.bandwidth_x, "reshard": k.reshard}
@@ -294,84 +274,6 @@ def analyze_sharded(si: Inputs, rs: RankSteps, sel: np.ndarray, world: int,
     return Sharded(strategy, world, units, per_role, kinds, exposed, cases, ex_units,
                    {"forward": base.prefetch_forward, "backward": base.prefetch_backward},
                    resharded, model, ovl, sp_, what, baseline, err, assumptions, per_it)
-
-
-def _zero_what_ifs(tls: list[sim.Timeline], facts: dict, si: Inputs,
-                   arrive: np.ndarray | None, sel: np.ndarray, engine: dict, base: sim.Knobs,
-                   measured: float, assumptions: list[str], world: int) -> list[WhatIf]:
-    """DeepSpeed's reduce_bucket_size, overlap_comm, allgather_bucket_size and ZeRO-3's
-    prefetch settings (analyzers.zero_whatif), each collective's cost fitted on the run's."""
-    cr = si.cr
-    inside = np.isin(facts["it"], sel)
-    roles = np.array(facts["role"])
-    red = inside & (roles == "reduce_grad")
-    rows = facts["rows"][red]
-    sync = bool(np.mean(~cr.is_async[rows]) >= 0.5) if rows.size else True
-    cost = zw.fit(facts["svc"][red], cr.nbytes[rows],
-                  *_small(si, arrive, sel, cr.kind[rows[0]] if rows.size else ""))
-    out = []
-    if cost is None and rows.size:
-        why = fit_too_small(float(np.nansum(cr.nbytes[rows])) / max(len(tls), 1)) or \
-            "no cost per byte fitted on the gradient reductions"
-        out.append(WhatIf("reduce_bucket_size", *[math.nan] * 5,   # type: ignore[arg-type]
-                          {"reduce_bucket_size": None}, why))
-    for label, knobs, new, ref in zw.scenarios(tls, cost, cr.nbytes[rows], engine, sync) \
-            if cost is not None else []:
-        v = np.array([tl.t_iter + _total(sim.simulate(a, base)) - _total(sim.simulate(b, base))
-                      for tl, a, b in zip(tls, new, ref, strict=True)])
-        m, lo, hi = _mean_ci(v)
-        far = far_off(m, measured)
-        if far:
-            out.append(WhatIf(label, *[math.nan] * 5, knobs, far))   # type: ignore[arg-type]
-            continue
-        r = [sim.simulate(a, base) for a in new]
-        out.append(WhatIf(label, m, lo, hi, float(np.mean([x.exposed_forward_s +
-                                                           x.exposed_backward_s for x in r])),
-                          float(np.mean([x.comm_s for x in r])), knobs))
-    if out:
-        assumptions.extend(zw.ASSUMPTIONS)
-    if cost is not None:
-        assumptions.append(f"a gradient reduction costs {cost.alpha_s * 1e3:.2f} ms per call "
-                           f"+ {cost.beta_s * 1e9:.2f} ms per MB ({cost.how})")
-    step = inside & (roles == "step_gather")
-    g_rows = facts["rows"][step]
-    g_cost = zw.fit(facts["svc"][step], cr.nbytes[g_rows], *_small(si, arrive, sel, "all_gather"))
-    n_it = max(len(tls), 1)
-    for label, knobs, delta, why in (zw.gathers(engine, g_rows.size / n_it,
-                                               float(np.nansum(cr.nbytes[g_rows])) / n_it,
-                                               world, g_cost, _grad_bytes(tls))
-                                     + zw.prefetch(engine)):
-        if why is not None or delta is None:
-            out.append(WhatIf(label, *[math.nan] * 5, knobs, why))   # type: ignore[arg-type]
-            continue
-        m, lo, hi = _mean_ci(np.array([tl.t_iter + delta for tl in tls]))
-        r = [sim.simulate(tl, base) for tl in tls]   # the step's gathers block: exposed
-        out.append(WhatIf(label, m, lo, hi, float(np.mean([x.exposed_forward_s +
-                                                           x.exposed_backward_s for x in r]))
-                          + delta, float(np.mean([x.comm_s for x in r])) + delta, knobs))
-    return out
-
-
-def _grad_bytes(tls: list[sim.Timeline]) -> float:
-    """The gradients' bytes per iteration (the recorded backward layers'), 0 unknown."""
-    return float(np.mean([sum(b for _, b in tl.layers) for tl in tls])) if tls else 0.0
-
-
-def _small(si: Inputs, arrive: np.ndarray | None, sel: np.ndarray, kind: str
-           ) -> tuple[np.ndarray, np.ndarray]:
-    """Service times (s) and bytes of the run's synchronous collectives of a few bytes in the
-    analyzed iterations, of `kind` where it has any: the cost of a call."""
-    cr = si.cr
-    arr = si.start if arrive is None else arrive
-    m = (np.array([not f for f in cr.fsdp], bool) & np.isin(si.it_of, sel) & ~cr.is_async
-         & (cr.wait_s < 0) & (cr.nbytes > 0) & (cr.nbytes < col.SMALL_BYTES))
-    same = m & (np.array(cr.kind) == kind)
-    m = same if same.any() else m
-    return (si.end[m] - np.maximum(si.start[m], arr[m])) / 1e9, cr.nbytes[m]
-
-
-def _total(r: sim.Result) -> float:
-    return r.forward_s + r.backward_s
 
 
 def _speedup(tls: list[sim.Timeline], fg: list[dict[int, float]], base: sim.Knobs,

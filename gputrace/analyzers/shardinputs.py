@@ -8,10 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+import pyarrow as pa
 
 from gputrace.analyzers import collective_totals as ct
 from gputrace.analyzers import collectives as col
 from gputrace.analyzers import overlap as ov
+from gputrace.analyzers import zero3_fetch as zf
 from gputrace.analyzers.frame import Spans
 from gputrace.analyzers.steps import RankSteps
 
@@ -32,6 +34,11 @@ class Inputs:
     lay_it: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     lay_end: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     lay_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    # ZeRO-3's fetches (analyzers.zero3_fetch): iteration, start, end (ns), (forward, params)
+    fetch_it: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    fetch_start: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    fetch_end: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    fetch: list = field(default_factory=list)
 
 
 def window(sp: Spans, cat: str, it_of: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -60,9 +67,18 @@ def inputs(sp: Spans, cr: col.Rows, rs: RankSteps) -> Inputs:
     bl, bh = window(sp, "backward", it_all, n)
     lay = np.flatnonzero(sp.of("backward") & (sp.device < 0) & (sp.layer >= 1) &
                          (it_all >= 0))
+    fe = np.zeros(0, np.int64)
+    got: list = []
+    if zf.SPAN in sp.names:
+        fe = np.flatnonzero(sp.of("user") & (sp.name == sp.names.index(zf.SPAN)) &
+                            (it_all >= 0))
+        got = [zf.parse(a) for a in sp.args.take(pa.array(fe)).to_pylist()]
+        fe = fe[[g is not None for g in got]]
+        got = [g for g in got if g is not None]
     return Inputs(cr, sp.start[cr.idx].copy(), sp.end[cr.idx].copy(),
                   sp.layer[cr.idx].astype(np.int64), it_all[cr.idx], fl, fh, bl, bh,
-                  it_all[lay], sp.end[lay].copy(), sp.nbytes[lay].astype(float))
+                  it_all[lay], sp.end[lay].copy(), sp.nbytes[lay].astype(float),
+                  it_all[fe], sp.start[fe].copy(), sp.end[fe].copy(), got)
 
 
 def summarize_rank(sp: Spans, cr: col.Rows, rs: RankSteps, sel: np.ndarray
@@ -115,3 +131,16 @@ def small_arrivals(ins: dict[int, Inputs], steps: dict[int, RankSteps],
         last = max(int(ins[r].start[j]) for r, j in members)
         for r, j in members:
             arr[r][j] = min(max(last, int(ins[r].start[j])), int(ins[r].end[j]))
+
+
+def small_calls(si: Inputs, arrive: np.ndarray | None, sel: np.ndarray, kind: str
+           ) -> tuple[np.ndarray, np.ndarray]:
+    """Service times (s) and bytes of the run's synchronous collectives of a few bytes in the
+    analyzed iterations, of `kind` where it has any: the cost of a call."""
+    cr = si.cr
+    arr = si.start if arrive is None else arrive
+    m = (np.array([not f for f in cr.fsdp], bool) & np.isin(si.it_of, sel) & ~cr.is_async
+         & (cr.wait_s < 0) & (cr.nbytes > 0) & (cr.nbytes < col.SMALL_BYTES))
+    same = m & (np.array(cr.kind) == kind)
+    m = same if same.any() else m
+    return (si.end[m] - np.maximum(si.start[m], arr[m])) / 1e9, cr.nbytes[m]

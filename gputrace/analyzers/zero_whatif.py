@@ -45,17 +45,17 @@ class Cost:
 
 
 def fit(svc: np.ndarray, nbytes: np.ndarray, small_svc: np.ndarray,
-        small_bytes: np.ndarray) -> Cost | None:
+        small_bytes: np.ndarray, least: float = MIN_FIT_BYTES) -> Cost | None:
     """alpha and beta from the run's collectives of one kind (`svc`, `nbytes`: its gradient
     reductions; `small_*`: its collectives of a few bytes, the cost of a call): a least-squares
-    line where the sizes differ and reach MIN_FIT_BYTES, else alpha the small collectives'
-    mean and beta the rest per byte; None when the reductions never reach MIN_FIT_BYTES (a
+    line where the sizes differ and reach `least`, else alpha the small collectives'
+    mean and beta the rest per byte; None when the reductions never reach `least` (a
     cost per byte fitted on latency alone: sanity.fit_too_small)."""
     ok = (nbytes > 0) & np.isfinite(svc) & (svc >= 0)
     sok = np.isfinite(small_svc) & (small_svc >= 0) & (small_bytes >= 0)
     x = np.concatenate([nbytes[ok], small_bytes[sok]])
     y = np.concatenate([svc[ok], small_svc[sok]])
-    if not ok.any() or float(nbytes[ok].max()) < MIN_FIT_BYTES:
+    if not ok.any() or float(nbytes[ok].max()) < least:
         return None
     n, total = int(ok.sum()), float(nbytes[ok].sum())
     sizes = np.unique(np.round(x, -3))
@@ -228,28 +228,6 @@ def gathers(engine: dict, calls: float, nbytes: float, world: int, cost: Cost | 
         out.append((f"allgather_bucket_size={c:.3g} ({n} all-gather{'' if n == 1 else 's'})"
                     if not why else f"allgather_bucket_size={c:.3g}",
                     {"allgather_bucket_size": c, "gathers": n}, delta, why))
-    return out
-
-
-PREFETCH_WHY = (
-    "ZeRO-3's prefetched all-gathers are issued inside the fetch of the submodule that runs "
-    "before them and are recorded under it, not marked as prefetches: which gathers were "
-    "prefetched, and how far ahead, is not measured, so how much of them more or less "
-    "prefetch would hide under compute is not predicted")
-
-
-def prefetch(engine: dict) -> list[tuple[str, dict, float | None, str | None]]:
-    """stage3_prefetch_bucket_size and stage3_max_live_parameters at a quarter of the
-    engine's: withheld (PREFETCH_WHY)."""
-    if int(engine.get("stage", 0)) != 3:
-        return []
-    out: list[tuple[str, dict, float | None, str | None]] = []
-    for k in ("stage3_prefetch_bucket_size", "stage3_max_live_parameters"):
-        v = engine.get(k)
-        if isinstance(v, (int, float)) and v >= 4:
-            out.append((f"{k}={int(v) // 4:.3g}", {k: int(v) // 4}, None, PREFETCH_WHY))
-        else:   # not recorded (an older recording)
-            out.append((k, {k: None}, None, PREFETCH_WHY))
     return out
 
 

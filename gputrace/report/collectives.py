@@ -92,11 +92,12 @@ def render_sharded(con: Console, ra: RankAnalysis) -> None:
         con.print(f"({len(sh.units) - 40} rows not shown; all in --json)")
     ex = sh.exposed
     step = f", step {_ms(ex['update_s'])}" if ex.get("update_s") else ""
+    knobs = (f"; prefetch depth forward {sh.prefetch['forward']}, backward "
+             f"{sh.prefetch['backward']}; reshard_after_forward "
+             f"{'on' if sh.reshard_after_forward else 'off'}"
+             if sh.strategy.startswith("fsdp") else "")   # FSDP's own; ZeRO's in what-ifs
     con.print(f"exposed: forward {_ms(ex['forward_s'])} (Case {sh.cases['forward']}), "
-              f"backward {_ms(ex['backward_s'])} (Case {sh.cases['backward']}){step}; "
-              f"prefetch depth forward {sh.prefetch['forward']}, backward "
-              f"{sh.prefetch['backward']}; reshard_after_forward "
-              f"{'on' if sh.reshard_after_forward else 'off'}")
+              f"backward {_ms(ex['backward_s'])} (Case {sh.cases['backward']}){step}{knobs}")
     con.print()
     w = Table(title="What if: t_iter from a replay of the measured sharded timeline",
               title_justify="left", box=None, padding=(0, 2))

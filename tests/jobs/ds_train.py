@@ -5,6 +5,7 @@
     torchrun --nproc_per_node 2 ds_train.py OUT --stage 1|2|3 [--overlap-comm]
                                                 [--iterations N] [--width D]
                                                 [--bucket N] [--allgather-bucket N]
+                                                [--prefetch-bucket N] [--max-live N]
 
 It counts its own collectives at the ProcessGroup (collective_truth), times its forward,
 backward and step with perf_counter, after the loop times all-reduces of 4 bytes and of
@@ -41,6 +42,8 @@ def main() -> None:
     p.add_argument("--bucket", type=int, default=500_000_000)
     p.add_argument("--allgather-bucket", type=int, help="allgather_bucket_size (the "
                    "reduce_bucket_size, --bucket, when not given)")
+    p.add_argument("--prefetch-bucket", type=int, help="stage3_prefetch_bucket_size")
+    p.add_argument("--max-live", type=int, help="stage3_max_live_parameters")
     a = p.parse_args()
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
@@ -55,6 +58,10 @@ def main() -> None:
                                  "allgather_bucket_size": a.allgather_bucket or a.bucket},
            "zero_allow_untested_optimizer": True, "steps_per_print": 10**9,
            "wall_clock_breakdown": False}
+    for key, v in (("stage3_prefetch_bucket_size", a.prefetch_bucket),
+                   ("stage3_max_live_parameters", a.max_live)):
+        if v is not None:
+            cfg["zero_optimization"][key] = v
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
     g = torch.Generator().manual_seed(rank)

@@ -7,7 +7,11 @@ steps run inside it.
 ZeRO's collectives carry FSDP's contract (`fsdp`: `zero1`, `zero2`, `zero3`; `unit`,
 `role`, `layer`) so that the sharded analysis reads them as sharded data parallelism:
 - stage 3: a submodule's parameters gathered before its forward (`unshard`) and again in
-  the backward (`reshard_gather`), unit = the submodule (numbered in first-fetch order);
+  the backward (`reshard_gather`), unit = the submodule (numbered in first-fetch order); a
+  gather of later submodules' parameters issued inside a fetch is a prefetch (`prefetch`
+  true, unit = the first submodule it serves); each fetch is a `user` span `zero3.fetch`
+  (layer = its unit; args: `forward`, `params` [[ds_id, numel, persistent], ...] of the
+  submodule's own), the parameter trace the ZeRO-3 prefetch what-ifs replay;
 - every stage: the gradients reduced in the backward (`reduce_grad`: reduce-scatter, or
   all-reduce), unit = the reduction bucket in its order within the backward;
 - in the step, the updated partitions all-gathered (`step_gather`: stages 1 and 2; stage
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
 import weakref
 from typing import Any
 
@@ -28,6 +33,7 @@ from gputrace.collectors.torch.guard import _hook_failed
 
 ENGINE = "deepspeed.runtime.engine"
 COORDINATOR = "deepspeed.runtime.zero.partitioned_param_coordinator"
+FETCH_SPAN = "zero3.fetch"    # a ZeRO-3 submodule's parameter fetch (a `user` span)
 SETTINGS = ("stage", "overlap_comm", "reduce_bucket_size", "allgather_bucket_size",
             "reduce_scatter", "contiguous_gradients", "stage3_prefetch_bucket_size",
             "stage3_max_live_parameters", "stage3_max_reuse_distance",
@@ -40,10 +46,12 @@ class _Ctx:
     __slots__ = ("layer", "parts")
     min_bytes = 1024    # smaller: a norm or a flag, untagged (analyzers.collectives.SMALL_BYTES)
 
-    def __init__(self, stage: int, unit: str, layer: int, roles: dict[str, str]) -> None:
+    def __init__(self, stage: int, unit: str, layer: int, roles: dict[str, str],
+                 prefetch: bool = False) -> None:
         head = f',"fsdp":"zero{stage}","unit":{json.dumps(unit)}'
         self.layer = layer
-        self.parts = {k: f'{head},"role":"{r}","prefetch":false' for k, r in roles.items()}
+        pf = "true" if prefetch else "false"
+        self.parts = {k: f'{head},"role":"{r}","prefetch":{pf}' for k, r in roles.items()}
 
     def for_kind(self, kind: str) -> tuple[int, str]:
         p = self.parts.get(kind)
@@ -51,13 +59,20 @@ class _Ctx:
 
 
 class _Engine:
-    """Per engine: its stage, its units (by submodule), its reduction buckets per backward."""
+    """Per engine: its stage, its units (by submodule), its reduction buckets per backward;
+    under ZeRO-3, per submodule its gather contexts, its own parameters and its fetch args."""
 
     def __init__(self, engine: Any) -> None:
         self.stage = int(engine.zero_optimization_stage() or 0)
         self.units: dict[int, tuple[int, str]] = {}
-        self.names = {id(m): n for n, m in engine.module.named_modules()}
+        self.modules = dict(engine.module.named_modules())
+        self.names = {id(m): n for n, m in self.modules.items()}
+        self.owner = {id(p): m for m in self.modules.values()
+                      for p in m.parameters(recurse=False)}
         self.bucket = 0
+        self.ctxs: dict[tuple[int, str, bool], _Ctx] = {}
+        self.own: dict[int, frozenset[int]] = {}
+        self.args: dict[tuple[int, bool], str] = {}
 
     def unit(self, module: Any) -> tuple[int, str]:
         got = self.units.get(id(module))
@@ -65,6 +80,32 @@ class _Engine:
             got = self.units[id(module)] = (len(self.units) + 1,
                                             self.names.get(id(module), type(module).__name__))
         return got
+
+    def ctx(self, module: Any, role: str, prefetch: bool) -> _Ctx:
+        c = self.ctxs.get((id(module), role, prefetch))
+        if c is None:
+            layer, name = self.unit(module)
+            c = self.ctxs[(id(module), role, prefetch)] = _Ctx(3, name, layer,
+                                                                {"all_gather": role}, prefetch)
+        return c
+
+    def fetched(self, module: Any, params_of: Any, forward: bool) -> tuple[frozenset[int],
+                                                                             str]:
+        """The ids of a submodule's own parameters (those its fetch gathers: `params_of`),
+        and its fetch span's args; made once per submodule and direction."""
+        own = self.own.get(id(module))
+        a = self.args.get((id(module), forward))
+        if own is not None and a is not None:
+            return own, a
+        params = params_of(module)
+        if own is None:
+            own = self.own[id(module)] = frozenset(id(p) for p in params)
+        if a is None:
+            ps = sorted([int(getattr(p, "ds_id", -1)), int(getattr(p, "ds_numel", p.numel())),
+                          int(bool(getattr(p, "ds_persist", False)))] for p in params)
+            a = self.args[(id(module), forward)] = json.dumps(
+                {"forward": forward, "params": ps}, separators=(",", ":"))
+        return own, a
 
 
 def _state_of(engine: Any) -> _Engine | None:
@@ -165,7 +206,14 @@ def _patch_engine(mod: Any) -> None:
             setattr(cls, name, wrap(orig))
 
 
-def _fetch(orig: Any) -> Any:
+class _Fetching(threading.local):
+    cur: tuple[_Engine, Any, bool, frozenset[int]] | None = None   # engine, submodule, forward
+
+
+_FETCHING = _Fetching()
+
+
+def _fetch(orig: Any, params_of: Any) -> Any:
     @functools.wraps(orig)
     def fetch_sub_module(self: Any, current_submodule: Any, forward: bool, *a: Any,
                          **k: Any) -> Any:
@@ -173,13 +221,52 @@ def _fetch(orig: Any) -> Any:
         eng = _engine_of_module(current_submodule)
         if st is None or eng is None:
             return orig(self, current_submodule, forward, *a, **k)
-        layer, name = eng.unit(current_submodule)
-        role = "unshard" if forward else "reshard_gather"
-        ctx = _Ctx(3, name, layer, {"all_gather": role})
-        return _within(ctx, orig, self, current_submodule, forward, *a, **k)
+        try:
+            own, args = eng.fetched(current_submodule, params_of, forward)
+            ctx = eng.ctx(current_submodule, "unshard" if forward else "reshard_gather", False)
+        except Exception as e:  # noqa: BLE001 - the fetch runs; its gathers go untagged
+            _hook_failed("DeepSpeed ZeRO-3 parameters", e)
+            return orig(self, current_submodule, forward, *a, **k)
+        prev = _FETCHING.cur
+        _FETCHING.cur = (eng, current_submodule, forward, own)
+        t0 = st.rec.now_ns()
+        try:
+            return _within(ctx, orig, self, current_submodule, forward, *a, **k)
+        finally:
+            _FETCHING.cur = prev
+            st.rec.span("user", FETCH_SPAN, t0, st.rec.now_ns(), layer=ctx.layer, args=args)
 
     fetch_sub_module._gputrace_orig = orig  # type: ignore[attr-defined]
     return fetch_sub_module
+
+
+def _gather(orig: Any) -> Any:
+    """The coordinator's all-gather of a set of parameters: inside a fetch, of parameters
+    not the fetched submodule's own, it is a prefetch (unit: the submodule owning the first
+    of them in the fetch's direction, by DeepSpeed's parameter ids)."""
+    @functools.wraps(orig)
+    def all_gather_params(self: Any, params: Any, forward: bool, *a: Any, **k: Any) -> Any:
+        cur = _FETCHING.cur
+        if cur is None:
+            return orig(self, params, forward, *a, **k)
+        try:
+            eng, _, fwd, own = cur
+            ps = list(params)
+            ctx = None
+            if ps and not all(id(p) in own for p in ps):
+                first = (min if fwd else max)(ps, key=lambda p: getattr(p, "ds_id", 0))
+                m = eng.owner.get(id(first))
+                if m is not None:
+                    ctx = eng.ctx(m, "unshard" if fwd else "reshard_gather", True)
+        except Exception as e:  # noqa: BLE001 - the gather runs, tagged as the fetch's own
+            _hook_failed("DeepSpeed ZeRO-3 prefetch", e)
+            ctx = None
+        if ctx is None:
+            return orig(self, params, forward, *a, **k)
+        return _within(ctx, orig, self, params, forward, *a, **k)
+
+    all_gather_params._gputrace_orig = orig  # type: ignore[attr-defined]
+    return all_gather_params
 
 
 _engines: list[Any] = []     # weak references to the engines whose modules fetch parameters
@@ -199,9 +286,17 @@ def _engine_of_module(m: Any) -> _Engine | None:
 
 def _patch_coordinator(mod: Any) -> None:
     cls = mod.PartitionedParameterCoordinator
+
+    def params_of(m: Any) -> list[Any]:   # what the coordinator's fetch gathers of m
+        return list(mod.iter_params(m, recurse=mod.z3_leaf_module(m)))
+
     orig = cls.__dict__.get("fetch_sub_module")
     if orig is not None and getattr(orig, "_gputrace_orig", None) is None:
-        cls.fetch_sub_module = _fetch(orig)
+        cls.fetch_sub_module = _fetch(orig, params_of)
+    name = "_PartitionedParameterCoordinator__all_gather_params"
+    orig = cls.__dict__.get(name)
+    if orig is not None and getattr(orig, "_gputrace_orig", None) is None:
+        setattr(cls, name, _gather(orig))
 
 
 def _patch_init(mod: Any) -> None:
