@@ -84,3 +84,14 @@ def test_parse_takes_fetch_args_and_refuses_others():
         True, ((0, 1000, False), (1, 10, True)))
     assert zf.parse('{"kind":"all_gather"}') is None
     assert zf.parse(None) is None
+
+
+def test_each_pass_of_gradient_accumulation_begins_with_nothing_gathered():
+    """Two forward and backward passes in one iteration (gradient accumulation): DeepSpeed
+    resets its queue after each, so the second forward prefetches as the first did."""
+    one = trace()
+    marked = [zf.Fetch(f.params, f.busy_s, f.after_s, i < 5) for i, f in enumerate(one)]
+    rule = zf.Rule(W, 1_000_000_000, 0)    # a layer ahead, released when done
+    calls = zf.plan(marked + marked, rule)
+    assert zf.gathered(calls) == 2 * zf.gathered(zf.plan(marked, rule))
+    assert gathers(calls[:len(marked)]) == gathers(calls[len(marked):])

@@ -41,6 +41,7 @@ class Fetch:
     params: tuple[tuple[int, int, bool], ...]   # its submodule's own: (ds_id, numel, persistent)
     busy_s: float        # the fetch's own work, its waits for gathers left out
     after_s: float       # from its end to the next fetch's start (the last one's: 0)
+    forward: bool = True
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,16 @@ def parse(args: str | None) -> tuple[bool, tuple[tuple[int, int, bool], ...]] | 
 
 def plan(fetches: list[Fetch], rule: Rule) -> list[tuple[list[int], list[int]]]:
     """Per fetch, the parameters (ids) it gathers for its submodule, and those it
-    prefetches, under DeepSpeed's rule."""
+    prefetches, under DeepSpeed's rule; each forward and backward pass of the iteration (a
+    forward fetch after a backward one begins the next: gradient accumulation) on its own,
+    as DeepSpeed resets its trace's queue after each."""
+    cuts = [0] + [i for i in range(1, len(fetches))
+                  if fetches[i].forward and not fetches[i - 1].forward] + [len(fetches)]
+    return [c for lo, hi in zip(cuts, cuts[1:], strict=False)
+            for c in _plan_pass(fetches[lo:hi], rule)]
+
+
+def _plan_pass(fetches: list[Fetch], rule: Rule) -> list[tuple[list[int], list[int]]]:
     numel: dict[int, int] = {}
     avail: set[int] = set()
     for f in fetches:
@@ -154,13 +164,14 @@ def elements(fetches: list[Fetch]) -> int:
     return sum({p: n for f in fetches for p, n, persist in f.params if not persist}.values())
 
 
-def fetches_of(start: np.ndarray, end: np.ndarray, params: list[Any],
+def fetches_of(start: np.ndarray, end: np.ndarray, parsed: list[Any],
                waits: Any) -> list[Fetch]:
-    """One iteration's fetches from its spans (ns, in start order), `waits.inside(lo, hi)`
-    the time the job waited for gathers in an interval (ns)."""
+    """One iteration's fetches from its spans (ns, in start order; `parsed`: each one's
+    (forward, params)), `waits.inside(lo, hi)` the time the job waited for gathers in an
+    interval (ns)."""
     out = []
     for i in range(start.size):
         busy = max(int(end[i] - start[i]) - waits.inside(int(start[i]), int(end[i])), 0)
         after = max(int(start[i + 1] - end[i]), 0) if i + 1 < start.size else 0
-        out.append(Fetch(params[i], busy / 1e9, after / 1e9))
+        out.append(Fetch(parsed[i][1], busy / 1e9, after / 1e9, parsed[i][0]))
     return out

@@ -61,7 +61,7 @@ def fetch_what_ifs(tls: list[sim.Timeline], facts: dict, si: Inputs,
             m = np.flatnonzero(si.fetch_it == k)
             m = m[np.argsort(si.fetch_start[m], kind="stable")]
             runs.append(zf.fetches_of(si.fetch_start[m], si.fetch_end[m],
-                                      [si.fetch[j][1] for j in m], waits))
+                                      [si.fetch[j] for j in m], waits))
         why = _unlike(runs, ks, _rule(now), facts, gat)
     if why is not None:
         return [WhatIf(k, *[math.nan] * 5, {k: None}, why)   # type: ignore[arg-type]
