@@ -17,10 +17,10 @@ class Iterations:
     step: int
     _iter_start: int | None
     _iter_live: bool
-    # called with ("open" | "close" | "drop", step, t_ns, name) as iterations begin, end
-    # (`name`: `iteration` or `inference`) or are dropped unended (the FLOP count of one
-    # iteration: collectors.torch.flops)
-    iteration_watch: Any = None
+    # each called with ("open" | "close" | "drop", step, t_ns, name) as iterations begin,
+    # end (`name`: `iteration` or `inference`) or are dropped unended (the FLOP count of one
+    # iteration: collectors.torch.flops; CUPTI on only inside a window: collectors.cupti)
+    iteration_watchers: tuple[Any, ...] = ()
 
     if TYPE_CHECKING:
         def span(self, cat: str, name: str, start_ns: int, end_ns: int, **kw: Any) -> None: ...
@@ -29,8 +29,8 @@ class Iterations:
         if self._iter_start is None:
             self._iter_start = t_ns
             self._iter_live = False
-            if self.iteration_watch is not None:
-                self.iteration_watch("open", self.step, t_ns, "")
+            for w in self.iteration_watchers:
+                w("open", self.step, t_ns, "")
 
     def close_iteration(self, t_ns: int, name: str = "iteration", reopen: bool = False) -> None:
         """End the open iteration at t_ns (`name`: `iteration`, or `inference` for a batch
@@ -39,15 +39,16 @@ class Iterations:
         start, self._iter_start = self._iter_start, None
         if start is not None:
             self.span("iteration", name, start, t_ns, step=self.step)
-            if self.iteration_watch is not None:
-                self.iteration_watch("close", self.step, t_ns, name)
+            for w in self.iteration_watchers:
+                w("close", self.step, t_ns, name)
             self.step += 1
         if reopen:
             self.open_iteration(t_ns)
 
     def drop_iteration(self) -> None:
-        if self._iter_start is not None and self.iteration_watch is not None:
-            self.iteration_watch("drop", self.step, self._iter_start, "")
+        if self._iter_start is not None:
+            for w in self.iteration_watchers:
+                w("drop", self.step, self._iter_start, "")
         self._iter_start = None
 
     def iterate(self, iterable: Iterable[T], name: str = "next") -> Iterator[T]:

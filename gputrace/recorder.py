@@ -248,7 +248,7 @@ class Recorder(Iterations):
         self._perf_spans.clear()
         self._rows.clear()
         self.flush_hooks = []   # the parent's GPU subscriptions do not carry over a fork
-        self.iteration_watch = None
+        self.iteration_watchers = ()
         self.close_hooks = []
         self.threads = {}
         self._swap, self._write = threading.Lock(), threading.Lock()

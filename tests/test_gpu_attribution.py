@@ -352,3 +352,39 @@ def test_torch_auto_instrumentation_on_a_device_that_runs_behind(tmp_path, args)
     got_other = float(np.median(per_it["t_other"][k:]))
     assert abs(got_other - float(np.median(own[k - 1:]))) < 0.1 * float(
         np.median(per_it["t_iter"][k:])), (per_it["t_other"][k:], own[k - 1:])
+
+
+@pytest.mark.slow
+def test_cupti_records_only_inside_a_window(tmp_path):
+    """A Session with a window of steps 5-7: CUPTI's activity kinds are enabled for the
+    window's iterations and disabled for every other (so outside it the job pays nothing
+    for GPU records); every iteration is kept, GPU records only the window's, each where the
+    device ran it."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("torch")
+    job = Path(__file__).resolve().parent / "jobs" / "fake_gpu_torch.py"
+    out, tp = tmp_path / "t.arrow", tmp_path / "truth.json"
+    steps, lo, n = 12, 5, 3
+    p = subprocess.run([sys.executable, str(job), str(out), str(tp), "--steps", str(steps),
+                        "--window", f"{lo}:{n}"], capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr
+    got = json.loads(tp.read_text())
+    on = [k for k, e in enumerate(got["events"]) if e["kinds"] > 0]
+    assert on == list(range(lo, lo + n)), [e["kinds"] for e in got["events"]]
+    tr = load(out)
+    rows = tr.table.to_pylist()
+    assert tr.metadata["window"]["steps"] == [lo, n]
+    its = {r["step"] for r in rows if r["cat"] == "iteration"}
+    assert its == set(range(lo, lo + n))     # the window's, with full detail
+    gpu = {(r["start_ns"], r["end_ns"]): r for r in rows
+           if r["cat"] in ("kernel", "memcpy", "memset")}
+    inside = [(s, e, lb) for _t, lb, s, e in got["ran"]
+              if lo <= _t < lo + n]
+    assert gpu and all((s, e) in gpu and gpu[(s, e)]["phase"] == lb for s, e, lb in inside)
+    summary = [json.loads(r["args"]) for r in rows if r["name"] == "cupti.summary"]
+    assert summary and summary[0]["window_switches"] >= 2, summary

@@ -3,13 +3,15 @@
 collector inside a harness Session: the same code paths as a CUDA run, on the CPU.
 
     python fake_gpu_torch.py OUT.arrow TRUTH.json [--accumulate K] [--steps N] [--loader]
+                                                  [--window START:COUNT]
 
 Each layer launches a forward kernel in its forward and a backward kernel in its backward
 (a custom autograd function); the loss is launched outside the model; the optimizer's step
 launches its kernels; the batch is copied to the device before the forward, outside any
 phase. TRUTH.json: every record the device ran, with the label of the phase it was launched
 in and the loop's step; per step, CUDA-event times of each phase, the wait for the batch
-(host), and the step's end (host).
+(host), the step's end (host), and the activity kinds CUPTI had enabled once its forward
+ran (`kinds`). `--window`: the Session records that window only (as `record --steps`).
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ def main() -> None:
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--loader", action="store_true")
+    p.add_argument("--window")
     a = p.parse_args()
     torch.manual_seed(0)
     model = torch.nn.Sequential(Layer(64, 64), torch.nn.ReLU(), Layer(64, 64), Layer(64, 10))
@@ -86,7 +89,7 @@ def main() -> None:
             for _ in range(a.steps * a.accumulate)]
     batches = iter(torch.utils.data.DataLoader(data, batch_size=None)) if a.loader else \
         iter(data)
-    with gputrace.Session(a.out, sampler=False) as s:
+    with gputrace.Session(a.out, sampler=False, steps=a.window) as s:
         col = CuptiCollector(s.recorder, cupti=cu)
         col.start()
         gt.instrument(model, opt, session=s, gpu_timeline=None)
@@ -103,6 +106,7 @@ def main() -> None:
                 e0, e_copied = copy[0]
                 e1 = dev.event()
                 out = model(x)
+                ev["kinds"] = len(cu.enabled)
                 dev.kernel("cross_entropy", int(0.1 * MS), "forward")
                 loss = torch.nn.functional.cross_entropy(out, y) / a.accumulate
                 e2 = dev.event()

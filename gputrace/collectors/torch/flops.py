@@ -190,7 +190,7 @@ def _dynamo_compiled() -> bool:
 
 
 class FlopWatch:
-    """Counts the FLOPs of iteration `step` of a recorder's loop (rec.iteration_watch)."""
+    """Counts the FLOPs of iteration `step` of a recorder's loop (rec.iteration_watchers)."""
 
     def __init__(self, st: Any, step: int = COUNTED_STEP) -> None:
         self.st, self.rec, self.step = st, st.rec, step
@@ -198,7 +198,7 @@ class FlopWatch:
         self.thread = 0
         self.window: list[Any] | None = None
         self.done = False
-        self.rec.iteration_watch = self.on_iteration
+        self.rec.iteration_watchers = (*self.rec.iteration_watchers, self.on_iteration)
         self.rec.close_hooks.append(self.finish)
         self.rec.set_collector(CAT, f"unavailable: the job ran fewer than {step + 1} "
                                "training iterations", step=step)
