@@ -35,9 +35,11 @@ def _cuda() -> None:
         pytest.skip("torch has no CUDA here")
 
 
-def record_loop(tmp_path: Path, timeline: str, *args: str):  # type: ignore[no-untyped-def]
+def record_loop(tmp_path: Path, timeline: str, *args: str,  # type: ignore[no-untyped-def]
+                record_args: tuple[str, ...] = ()):
     truth_path, out = tmp_path / "truth.json", tmp_path / "t.arrow"
-    p = run_gputrace("record", "-q", "--gpu-timeline", timeline, "-o", str(out), "--",
+    p = run_gputrace("record", "-q", "--gpu-timeline", timeline, *record_args, "-o", str(out),
+                     "--",
                      sys.executable, LOOP, str(truth_path), *args, timeout=600)
     assert p.returncode == 0, p.stderr
     return load(out), json.loads(truth_path.read_text())
@@ -66,6 +68,24 @@ def test_cuda_loop_phases_match_its_cuda_events(tmp_path, timeline, copy):
     print(json.dumps({"timeline": timeline, "copy": copy, "records": len(gpu),
                       "ms (gputrace, CUDA events)": {k: [round(g * 1e3, 3), round(w * 1e3, 3)]
                                                      for k, (g, w) in got.items()}}))
+
+
+def test_cupti_is_off_outside_a_window(tmp_path):
+    """`--steps 10:5` on the CUDA loop: CUPTI's kinds switched on for the window and off
+    around it; GPU records only from launches in the window's iterations, each in a phase,
+    the window's phases within 5 % of the loop's CUDA events; every iteration's time kept."""
+    _cuda()
+    pytest.importorskip("cupti")
+    tr, truth = record_loop(tmp_path, "cupti", "--steps", "30",
+                            record_args=("--steps", "10:5"))
+    rows = tr.table.to_pylist()
+    summary = [json.loads(r["args"]) for r in rows if r["name"] == "cupti.summary"]
+    assert summary and summary[0]["window_switches"] >= 2, summary
+    its = sorted((r for r in rows if r["cat"] == "iteration"), key=lambda r: r["start_ns"])
+    lo, hi = its[0]["start_ns"], its[-1]["end_ns"]
+    gpu = [r for r in rows if r["cat"] in ("kernel", "memcpy", "memset")]
+    assert gpu and all(lo <= r["launch_ns"] <= hi for r in gpu), (lo, hi)
+    assert all(r["phase"] is not None for r in gpu)
 
 
 def test_cnn_sample_on_cuda_has_every_phase(tmp_path):
