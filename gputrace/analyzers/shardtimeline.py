@@ -25,7 +25,7 @@ def _role(kind: str, role: str, phase: str) -> str:
     return "hsdp_all_reduce" if kind == "all_reduce" else ""
 
 
-class _Waits:
+class Waits:
     """The intervals the job stood still for comm in one iteration, to subtract from the
     compute between unit boundaries."""
 
@@ -90,7 +90,7 @@ def timelines(si: Inputs, rs: RankSteps, sel: np.ndarray, arrive: np.ndarray | N
         for j in order:   # service on the one channel: from when the channel was free
             svc[j] = (end[j] - max(start[j], ch, arr[j])) / 1e9
             ch = max(ch, end[j])
-        waits = _Waits(ex_s, ex_e)
+        waits = Waits(ex_s, ex_e)
         f0, f1 = fwd_lo[k], fwd_hi[k]
         b0, b1 = bwd_lo[k], bwd_hi[k]
         fg = [j for j in order if roles[j] == "unshard"]
@@ -152,7 +152,7 @@ def timelines(si: Inputs, rs: RankSteps, sel: np.ndarray, arrive: np.ndarray | N
 
 
 def _side(gs: list[int], need: np.ndarray, ready: np.ndarray, svc: np.ndarray,
-          unit: np.ndarray, lo: int, hi: int, waits: _Waits) -> sim.Side:
+          unit: np.ndarray, lo: int, hi: int, waits: Waits) -> sim.Side:
     if not gs:
         return sim.Side(max(hi - lo - waits.inside(lo, hi), 0) / 1e9, [], [], [], [])
     pre = max(int(need[gs[0]]) - lo - waits.inside(lo, int(need[gs[0]])), 0) / 1e9

@@ -9,12 +9,12 @@ import math
 
 import numpy as np
 
-from gputrace.analyzers import overlap as ov
 from gputrace.analyzers import shardsim as sim
 from gputrace.analyzers import zero3_fetch as zf
 from gputrace.analyzers import zero_whatif as zw
 from gputrace.analyzers.sanity import far_off, fit_too_small
 from gputrace.analyzers.shardinputs import Inputs, small_calls
+from gputrace.analyzers.shardtimeline import Waits
 from gputrace.analyzers.shardwhatif import WhatIf, mean_ci
 
 KEYS = ("stage3_prefetch_bucket_size", "stage3_max_live_parameters")
@@ -70,11 +70,14 @@ def fetch_what_ifs(tls: list[sim.Timeline], facts: dict, si: Inputs,
     elem = int(engine.get("element_size") or 4)
     base = _rule(now)
 
-    def replayed(rule: zf.Rule) -> list[tuple[float, float, float]]:
-        return [zf.replay(f, zf.plan(f, rule), elem, world, cost.alpha_s, cost.beta_s)
-                for f in runs]
+    def replayed(rule: zf.Rule) -> tuple[list[tuple[float, float, float]], int]:
+        """Each iteration's replay under `rule`, and its gathers per iteration."""
+        plans = [zf.plan(f, rule) for f in runs]
+        return ([zf.replay(f, p, elem, world, cost.alpha_s, cost.beta_s)
+                 for f, p in zip(runs, plans, strict=True)],
+                round(float(np.mean([zf.gathered(p) for p in plans]))))
 
-    old = replayed(base)
+    old, _ = replayed(base)
     ex = [float(np.sum(facts["exposed"][inside & (facts["it"] == k)])) / 1e9 for k in ks]
     sv = [float(np.sum(facts["svc"][inside & (facts["it"] == k)])) for k in ks]
     total = zf.elements(runs[0])
@@ -86,8 +89,7 @@ def fetch_what_ifs(tls: list[sim.Timeline], facts: dict, si: Inputs,
         for c in tries:
             rule = zf.Rule(c, base.live, base.reuse) if key == KEYS[0] else \
                 zf.Rule(base.prefetch, c, base.reuse)
-            new = replayed(rule)
-            n = round(float(np.mean([zf.gathered(zf.plan(f, rule)) for f in runs])))
+            new, n = replayed(rule)
             none = "no prefetch, " if key == KEYS[0] and c == 0 else ""
             label = f"{key}={c:.3g} ({none}{n} all-gather{'' if n == 1 else 's'})"
             knobs: dict[str, object] = {key: c, "gathers": n}
@@ -127,18 +129,8 @@ def _unlike(runs: list[list[zf.Fetch]], ks: list[int], rule: zf.Rule, facts: dic
     return None
 
 
-class _Union:
-    """Intervals (ns) and how much of an interval they cover."""
-
-    def __init__(self, s: np.ndarray, e: np.ndarray) -> None:
-        self.u = ov.union(s, e)
-
-    def inside(self, lo: int, hi: int) -> int:
-        return int(ov.measure(self.u, np.int64(lo), np.int64(hi))) if hi > lo else 0
-
-
 def _gather_waits(si: Inputs, facts: dict, gat: np.ndarray, arrive: np.ndarray | None
-                  ) -> _Union:
+                  ) -> Waits:
     """The intervals the job stood still for its parameter all-gathers: its waits on them,
     a synchronous one from the last rank's arrival (before it: a slower peer's pace)."""
     cr = si.cr
@@ -146,5 +138,5 @@ def _gather_waits(si: Inputs, facts: dict, gat: np.ndarray, arrive: np.ndarray |
     arr = (si.start if arrive is None else arrive)[rows]
     waited = cr.wait_s[rows] >= 0
     sync = ~cr.is_async[rows] & ~waited
-    return _Union(np.concatenate([cr.wait_s[rows][waited], arr[sync]]),
+    return Waits(np.concatenate([cr.wait_s[rows][waited], arr[sync]]),
                   np.concatenate([cr.wait_e[rows][waited], si.end[rows][sync]]))
