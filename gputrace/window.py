@@ -149,10 +149,7 @@ class Window:
     def wants(self, step: int, t_ns: int) -> bool:
         """Whether the iteration `step`, opening at t_ns, falls in the window as far as it is
         known when it opens (a collector that costs the job turns on for it)."""
-        if self._in_steps(step):
-            return True
-        return self.timed and self.lo is not None and t_ns >= self.lo and (
-            self.hi is None or t_ns <= self.hi)
+        return self._in_steps(step) or self._in_time(t_ns)
 
     def _inside(self, step: int, start: int, end: int) -> bool:
         if self._in_steps(step):
