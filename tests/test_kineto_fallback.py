@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -132,6 +133,45 @@ def test_fallback_session_in_a_recorded_job(tmp_path, own_profiler):
         assert len(ops) == 3 * 2                      # the job's own profile is whole
     else:
         assert "own torch.profiler" not in p.stderr
+
+
+WINDOWED = """
+    import torch
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for i in range(8):
+        with torch.autograd.profiler.record_function(f"job_step_{i}"):   # the job's own mark
+            loss = model(torch.randn(32, 64)).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+"""
+
+
+def test_fallback_collects_only_inside_a_window(tmp_path):
+    """`--steps 3:2`: the session's collection is on for iterations 3 and 4 only (the job
+    marks each of its iterations; Kineto's own export, kept, holds the marks it collected)."""
+    script, out, kept = tmp_path / "job.py", tmp_path / "t.arrow", tmp_path / "kineto.json"
+    script.write_text(textwrap.dedent(WINDOWED))
+    env = dict(os.environ, GPUTRACE_KINETO_CPU="1", GPUTRACE_KINETO_KEEP=str(kept))
+    p = run_gputrace("record", "-q", "--gpu-timeline", "kineto", "--steps", "3:2", "-o",
+                     str(out), "--", sys.executable, str(script), env=env)
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(kept.read_text())
+    events, base_ns = doc["traceEvents"], int(doc.get("baseTimeNanoseconds", 0))
+    marks = sorted(e["name"] for e in events if e.get("name", "").startswith("job_step_"))
+    assert marks == ["job_step_3", "job_step_4"], marks
+    ops = [e for e in events if e.get("cat") == "cpu_op"]
+    context = json.loads(Path(f"{kept}.context.json").read_text())
+    inside = [(s, e) for s, e, step in context["iters"] if step in (3, 4)]
+    assert ops and len(inside) == 2
+    # every operator Kineto collected ran inside the window's iterations
+    for op in ops:
+        t = base_ns + float(op["ts"]) * 1000
+        assert any(s <= t <= e for s, e in inside), (op["name"], t, inside)
+    rows = load(out).table.to_pylist()
+    (summary,) = [json.loads(r["args"]) for r in rows if r["name"] == "cupti.summary"]
+    assert summary["window_switches"] == 3, summary     # off before step 0, on at 3, off at 5
 
 
 def test_bad_gpu_timeline_is_one_line(tmp_path):

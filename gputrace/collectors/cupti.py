@@ -18,7 +18,6 @@ the same code.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import importlib.util
 import json
@@ -29,6 +28,7 @@ from collections import deque
 from typing import Any
 
 from gputrace.collectors.cupti_convert import Converter
+from gputrace.collectors.gate import WindowGate
 
 HELD_ELSEWHERE = "(another profiler, e.g. torch.profiler or nsys, holds CUPTI)"
 
@@ -84,10 +84,10 @@ class Dump:
             self.f.close()
 
 
-class CuptiCollector:
+class CuptiCollector(WindowGate):
     """Subscribes to CUPTI activity in this process and feeds the recorder's flusher."""
 
-    name = "cupti"
+    name = label = "cupti"
 
     def __init__(self, recorder: Any, cupti: Any | None = None) -> None:
         if cupti is None:
@@ -105,8 +105,6 @@ class CuptiCollector:
                                    pid=recorder.pid, offset_ns=offset,
                                    threads=recorder.threads)
         self.kinds: list[Any] = []
-        self.on = True          # the kinds are enabled (off: outside a recording window)
-        self.switches = 0       # times they were turned on or off at an iteration's start
         path = os.environ.get("GPUTRACE_CUPTI_DUMP")
         self.dump = Dump(path, cupti, recorder.threads, offset) if path else None
 
@@ -126,37 +124,14 @@ class CuptiCollector:
             c.activity_enable(k)
             self.kinds.append(k)
         self.recorder.flush_hooks.append(self.on_flush)
-        self.recorder.iteration_watchers = (*self.recorder.iteration_watchers,
-                                            self.on_iteration)
+        self.watch_window()
         self.recorder.set_collector("cupti", "ok", source="cupti",
                                     clock_offset_ns=self.converter.offset,
                                     kinds=[getattr(k, "name", str(k)) for k in self.kinds])
 
-    def on_iteration(self, event: str, step: int, t_ns: int, name: str = "") -> None:
-        """With a recording window: the kinds on when an iteration the window wants opens,
-        off when one it does not opens, so that outside the window the job pays nothing for
-        GPU records (those that still come are left out at the flush, as before)."""
-        w = getattr(self.recorder, "window", None)
-        if event != "open" or w is None or not self.kinds:
-            return
-        want = w.wants(step, t_ns)
-        if want == self.on:
-            return
-        try:
-            for k in self.kinds:
-                (self.cupti.activity_enable if want else self.cupti.activity_disable)(k)
-            self.on = want
-            self.switches += 1
-        except Exception as e:  # noqa: BLE001 - recorded throughout instead
-            self.recorder.iteration_watchers = tuple(
-                x for x in self.recorder.iteration_watchers if x != self.on_iteration)
-            print(f"gputrace: cupti: could not turn its records {'on' if want else 'off'} at "
-                  f"a window's edge ({type(e).__name__}: {e}); recording them throughout",
-                  file=sys.stderr)
-            for k in self.kinds:
-                with contextlib.suppress(Exception):
-                    self.cupti.activity_enable(k)
-            self.on = True
+    def _switch(self, on: bool) -> None:
+        for k in self.kinds:
+            (self.cupti.activity_enable if on else self.cupti.activity_disable)(k)
 
     def on_flush(self, spans: list[tuple[Any, ...]], final: bool) -> list[tuple[Any, ...]]:
         self.cupti.activity_flush_all(1 if final else 0)

@@ -6,6 +6,8 @@ session with only the CUDA activity (kernels, memcpy, memset, CUDA runtime calls
 operator events, no shapes, no stacks) from the moment the job imports torch until it
 exits, or until the job starts a profiler of its own: gputrace's session then stops first
 and says so in one line, so the job's own profiling works as it would without gputrace.
+With a recording window its collection is on only for the iterations the window wants
+(`toggle_collection_dynamic`, collectors.gate).
 
 Kineto keeps its records until the session stops, so they reach the trace at that point
 (not every second as with CUPTI). They are converted by the Kineto importer, with each
@@ -24,6 +26,8 @@ import tempfile
 import threading
 from typing import Any
 
+from gputrace.collectors.gate import WindowGate
+
 _active: KinetoCollector | None = None
 
 
@@ -40,8 +44,9 @@ def availability(torch: Any) -> str:
     return "ok"
 
 
-class KinetoCollector:
+class KinetoCollector(WindowGate):
     name = "kineto"
+    label = "torch.profiler fallback"
 
     def __init__(self, recorder: Any, torch: Any, activities: list[Any] | None = None) -> None:
         from torch.profiler import ProfilerActivity, profile
@@ -67,12 +72,19 @@ class KinetoCollector:
         _active = self
         _yield_to_the_job(self.torch)
         self.recorder.flush_hooks.append(self.on_flush)
+        self.watch_window()
         # runs before torch's own exit handlers (registered earlier, at its import)
         atexit.register(self.finish)
         self.recorder.set_collector(
             "cupti", f"ok: torch.profiler (Kineto) fallback, {reason}", source="torch.profiler",
             activities=[str(a).split(".")[-1] for a in self.activities],
             delivery="when the profiler session stops (job exit, or the job's own profiler)")
+
+    def _switch(self, on: bool) -> None:
+        """Kineto's collection on or off for the session's activities; never after the
+        session stopped (the job's own profiler may be running)."""
+        if not self.stopped:
+            self.prof.toggle_collection_dynamic(on, self.activities)
 
     # -- the recorder's flusher ---------------------------------------------------------------
     def _take(self, spans: list[tuple[Any, ...]], phases: list[Any], iters: list[Any]) -> None:
@@ -180,7 +192,8 @@ class KinetoCollector:
 
     def _summary(self) -> tuple[Any, ...]:
         r = self.recorder
-        args = {"records": self.counts, "source": "torch.profiler"}
+        args = {"records": self.counts, "source": "torch.profiler",
+                "window_switches": self.switches}
         if self.error:
             args["error"] = self.error
         return ("instant", "user", "cupti.summary", r.now_ns(), None, None, None, r.host,
