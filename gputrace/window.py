@@ -148,8 +148,10 @@ class Window:
 
     def wants(self, step: int, t_ns: int) -> bool:
         """Whether the iteration `step`, opening at t_ns, falls in the window as far as it is
-        known when it opens (a collector that costs the job turns on for it)."""
-        return self._in_steps(step) or self._in_time(t_ns)
+        known when it opens (a collector that costs the job turns on for it). While a
+        `gputrace capture` is being agreed, every iteration: the window may begin there."""
+        held = self.capture is not None and self.capture.held is not None
+        return held or self._in_steps(step) or self._in_time(t_ns)
 
     def _inside(self, step: int, start: int, end: int) -> bool:
         if self._in_steps(step):

@@ -256,3 +256,37 @@ def test_report_draws_the_whole_run_with_its_spike(runs, tmp_path):
     assert points["where"].count("in full detail") == COUNT
     assert SPIKE + 1 in spikes["step"]
     assert 'id="run"' in text and "The whole run" in text
+
+
+def test_gpu_records_turn_on_while_a_capture_is_agreed(tmp_path):
+    """A collector that costs the job (CUPTI) asks `wants` at each iteration's start: off
+    with no window asked for, on from the flush that read a `gputrace capture` request (the
+    window may begin at an iteration already under way), on inside the window it opened,
+    off after it."""
+    from gputrace import capture
+    from gputrace.window import Window
+
+    class Rec:      # what the answering side reads of the recorder
+        step, rank = 7, 0
+
+        def row(self, *a, **kw):
+            pass
+
+        def now_ns(self):
+            return 0
+
+    w = Window(on_demand=True)
+    w.capture = capture.Answer(str(tmp_path), Rec())
+    it = [("iteration", "iteration", 10 * k, 10 * k + 9, 1, k, None, None, None)
+          for k in range(8)]
+    w.apply(it[:4], [], False)
+    assert not w.wants(4, 40)
+    (tmp_path / capture.REQUEST).write_text(json.dumps({"id": "a", "count": 2,
+                                                        "asked_ns": 45}))
+    w.apply(it[4:6], [], False)                       # answered: steps after 4 are held
+    assert w.capture.held is not None and w.wants(6, 60)
+    (tmp_path / capture.REQUEST).write_text(json.dumps({"id": "a", "count": 2,
+                                                        "asked_ns": 45, "start": 5}))
+    w.apply(it[6:], [], False)                       # opened at 5 for 2 iterations
+    assert w.capture.held is None
+    assert w.wants(5, 50) and w.wants(6, 60) and not w.wants(8, 80)
