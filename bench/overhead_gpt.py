@@ -50,11 +50,12 @@ JOB = str(Path(__file__).parent / "train_gpt.py")
 # torch-only: the default without the host sampler (--collectors torch); hz20: the sampler
 # at 20 Hz; forward: the default with the blocks' forward spans (--layer-forward); window:
 # the default with a window that never opens (--on-demand: every iteration outside it, its
-# time and phase sums only); flops-off: the default without the FLOP count of iteration 2
+# time and phase sums only); window-off: the same without per-layer spans; flops-off:
+# the default without the FLOP count of iteration 2
 # (--flops off; the median leaves the first 3 iterations out, so beside `gputrace` it shows
 # what the count costs the other iterations)
 MODES = ("plain", "gputrace", "leaves", "off", "torch-only", "hz20", "forward", "window",
-         "flops-off")
+         "window-off", "flops-off")
 
 
 def command(mode: str, ranks: int, out: Path, trace: Path, job_args: list[str],
@@ -69,6 +70,7 @@ def command(mode: str, ranks: int, out: Path, trace: Path, job_args: list[str],
     layers = {"gputrace": [], "torch-only": ["--collectors", "torch"],
               "forward": ["--layer-forward"],
               "hz20": ["--hz", "20"], "window": ["--on-demand"],
+              "window-off": ["--on-demand", "--layers", "off"],
               "flops-off": ["--flops", "off"]}.get(mode, ["--layers", mode])
     return [PY, "-m", "gputrace", "record", "-q", *layers, "-o", str(trace), "--", *job]
 
@@ -77,6 +79,11 @@ def _p10(xs: list[float]) -> float:
     import numpy as np
 
     return float(np.percentile(xs, 10))
+
+
+def _ratio(mine: list[list[float]], plain: list[list[float]]) -> float:
+    return median([t for x in mine for t in x]) / max(median([t for x in plain for t in x]),
+                                                       1e-12)
 
 
 def main() -> None:
@@ -104,6 +111,7 @@ def main() -> None:
             runs: dict[str, list[list[float]]] = {m: [] for m in modes}
             sampler, spans = [0.0, 0.0], [0, 0]   # record's CPU and wall s; spans, iterations
             cpus: dict[str, list[list[float]]] = {m: [] for m in modes}   # loop thread's CPU
+            pcpus: dict[str, list[list[float]]] = {m: [] for m in modes}  # the job process's
             for r in range(a.rounds):
                 order = random.Random(f"{ranks}-{r}").sample(modes, len(modes))
                 outs = {m: (Path(tmp) / f"{m}-{ranks}-{r}.json",
@@ -122,6 +130,8 @@ def main() -> None:
                                    else times[3:] if len(times) > 4 else times)
                     mc = [s.get("main_cpu", 0.0) for s in steps]
                     cpus[m].append(mc[3:] if len(mc) > 4 else mc)
+                    pc = [s.get("cpu", 0.0) for s in steps]
+                    pcpus[m].append(pc[3:] if len(pc) > 4 else pc)
                     if m == "gputrace":
                         tally(trace, sampler, spans)
                         if ranks == 1:
@@ -140,11 +150,13 @@ def main() -> None:
                     [t for x in runs["plain"] for t in x])
                 lo10, hi10 = ratio_ci(runs[m], runs["plain"], q=10)
                 lc, hc = ratio_ci(cpus[m], cpus["plain"])
-                cpu_ratio = median([t for x in cpus[m] for t in x]) / max(
-                    median([t for x in cpus["plain"] for t in x]), 1e-12)
+                cpu_ratio = _ratio(cpus[m], cpus["plain"])
+                lp, hp = ratio_ci(pcpus[m], pcpus["plain"])
+                pcpu_ratio = _ratio(pcpus[m], pcpus["plain"])
                 row += [f"{mine * 1e3:.1f} ms", f"{mine / base:.3f}x [{lo:.3f}, {hi:.3f}]",
                         f"{median(per_round):.3f}x", f"{p10:.3f}x [{lo10:.3f}, {hi10:.3f}]",
-                        f"{cpu_ratio:.3f}x [{lc:.3f}, {hc:.3f}]"]
+                        f"{cpu_ratio:.3f}x [{lc:.3f}, {hc:.3f}]",
+                        f"{pcpu_ratio:.3f}x [{lp:.3f}, {hp:.3f}]"]
             rows.append(row)
             if "gputrace" in modes:
                 costs.append((row[0], spans[0] / max(spans[1], 1), base,
@@ -153,14 +165,17 @@ def main() -> None:
                 f"{' '.join(extra)}{how}", ["job", "rounds", "plain",
                                        *(h for m in modes[1:]
                                          for h in (m, "ratio [95 %]", "median of rounds",
-                                                   "p10 ratio [95 %]", "loop CPU ratio"))],
+                                                   "p10 ratio [95 %]", "loop CPU ratio",
+                                                   "process CPU ratio"))],
                 rows))
     print(f"spans per iteration recorded (1 process, default): {spans_per_iter}")
     print("ratio [95 % interval]: bootstrap over rounds (a round's runs kept as a pair); "
           "median of rounds: the median of the rounds' own ratios; p10 ratio: of the 10th "
           "percentile iterations (those the machine disturbed least); loop CPU ratio: of the "
           "CPU seconds of the loop's own thread per iteration (what gputrace adds on that "
-          "thread; time the job waits for a core does not count)")
+          "thread; time the job waits for a core does not count); process CPU ratio: the "
+          "same for all of the job process's threads (the loop, the writer thread folding "
+          "what falls outside a window, torch's own), what it takes from its core")
     if costs:
         print()
         print(accounting(costs, a.tiny))
