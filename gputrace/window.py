@@ -151,7 +151,7 @@ class Window:
         known when it opens (a collector that costs the job turns on for it). While a
         `gputrace capture` is being agreed, every iteration: the window may begin there."""
         held = self.capture is not None and self.capture.held is not None
-        return held or self._in_steps(step) or self._in_time(t_ns)
+        return held or self._in_steps(step) or self._in_timed(t_ns)
 
     def _inside(self, step: int, start: int, end: int) -> bool:
         if self._in_steps(step):
@@ -167,6 +167,12 @@ class Window:
         if any(c[2] is not None and c[2] <= t and (c[3] is None or t <= c[3])
                for c in self.ranges):
             return True
+        return self._in_timed(t)
+
+    def _in_timed(self, t: int) -> bool:
+        """Within a window of time (`--delay`/`--duration`). A window of steps has times
+        only once the writer thread decided its iterations: its end is not known while its
+        last iteration is being written, so the step rule decides an iteration."""
         if not self.timed or self.lo is None or t < self.lo:
             return False
         return self.hi is None or t <= self.hi

@@ -290,3 +290,15 @@ def test_gpu_records_turn_on_while_a_capture_is_agreed(tmp_path):
     w.apply(it[6:], [], False)                       # opened at 5 for 2 iterations
     assert w.capture.held is None
     assert w.wants(5, 50) and w.wants(6, 60) and not w.wants(8, 80)
+
+
+def test_a_window_of_steps_is_wanted_by_its_steps_alone():
+    """The writer thread lags the loop: with the window's first iteration written and its
+    last not yet, an iteration after the window is not wanted (GPU records off there)."""
+    from gputrace.window import Window
+
+    w = Window(steps=(5, 3))
+    it = [("iteration", "iteration", 10 * k, 10 * k + 9, 1, k, None, None, None)
+          for k in range(7)]
+    w.apply(it, [], False)                  # steps 0-6 written; 7, the window's last, not
+    assert [w.wants(k, 10 * k) for k in range(10)] == [k in (5, 6, 7) for k in range(10)]
