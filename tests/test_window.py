@@ -106,13 +106,15 @@ def _agree(got: np.ndarray, truth: np.ndarray) -> None:
     neighbour: the job reads its clock after the optimizer step returns, and a thread switch
     there (the recorder's writer holding the GIL, up to the 5 ms switch interval) moves
     that time from one iteration into the next on the job's clock alone; the two together
-    agree."""
+    agree. Each such move is checked below; a boundary rule that is wrong moves most of
+    them, so a few moves (2 %, at least 2: a loaded machine makes more switches) are let
+    pass."""
     assert len(got) == len(truth)
     rel = np.abs(got / truth - 1)
     bad = np.flatnonzero(rel > 0.05)
     # one boundary moved makes the two iterations beside it off: one event
     moves = int(np.sum(np.diff(bad) != 1)) + 1 if len(bad) else 0
-    assert moves <= max(1, len(got) // 100), bad
+    assert moves <= max(2, len(got) // 50), bad
     for i in bad:
         pairs = [abs((got[i] + got[j]) / (truth[i] + truth[j]) - 1)
                  for j in (i - 1, i + 1) if 0 <= j < len(got)]
