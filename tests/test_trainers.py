@@ -25,6 +25,7 @@ torch = pytest.importorskip("torch")
 from gputrace import load  # noqa: E402
 from gputrace.analyzers import analyze  # noqa: E402
 from gputrace.analyzers.frame import build  # noqa: E402
+from gputrace.analyzers.overlap import measure, union  # noqa: E402
 from gputrace.analyzers.steps import analyze_rank  # noqa: E402
 from tests.conftest import run_gputrace  # noqa: E402
 from tests.truth import matched  # noqa: E402
@@ -83,25 +84,21 @@ def ranks_steps(trace):
     return {r: analyze_rank(sp) for r, sp in build(trace.table, trace.metadata).ranks.items()}
 
 
-def comm_after_backward(trace, rs) -> np.ndarray:
-    """Per iteration, seconds of the rank's collectives that begin after its backward call
-    returned (a trainer's own broadcasts and barriers after the update), overlaps counted
-    once: exposed comm that is not the backward's wait for its gradients."""
+def comm_outside_backward(trace, rs) -> np.ndarray:
+    """Per iteration, seconds of the rank's collectives outside its backward call (a
+    trainer's own gathers before the forward, broadcasts and barriers after the update),
+    overlaps counted once: exposed comm that is not the backward's wait for its gradients."""
     rows = [r for r in trace.table.to_pylist() if r["rank"] == rs.rank and r["kind"] == "span"]
     calls = [r for r in rows if r["cat"] == "backward" and r["name"] == "backward"]
-    comm = sorted((r["start_ns"], r["end_ns"]) for r in rows if r["cat"] == "comm")
-    out = np.zeros(rs.iterations.start.size)
-    for k, (lo, hi) in enumerate(zip(rs.iterations.start, rs.iterations.end, strict=True)):
-        ends = [c["end_ns"] for c in calls if lo <= c["start_ns"] < hi]
-        if not ends:
-            continue
-        t, total = max(ends), 0
-        for s, e in comm:
-            if s >= t and s < hi:
-                total += max(0, min(e, hi) - max(s, t))
-                t = max(t, min(e, hi))
-        out[k] = total / 1e9
-    return out
+    comm = union(np.array([r["start_ns"] for r in rows if r["cat"] == "comm"]),
+                 np.array([r["end_ns"] for r in rows if r["cat"] == "comm"]))
+    lo, hi = rs.iterations.start, rs.iterations.end
+    inside = np.zeros(lo.size)
+    for k in range(lo.size):
+        for c in calls:
+            if lo[k] <= c["start_ns"] < hi[k]:
+                inside[k] += measure(comm, c["start_ns"], min(c["end_ns"], hi[k]))
+    return (measure(comm, lo, hi) - inside) / 1e9
 
 
 def held_to_own_clock(rs, steps, comm_in_backward: bool = False, skip: int = 3,
@@ -109,12 +106,12 @@ def held_to_own_clock(rs, steps, comm_in_backward: bool = False, skip: int = 3,
     """gputrace's figures iteration by iteration against the job's own: the median
     difference within 15 % (or 1 ms) per phase, the median ratio within 5 % for the
     iteration. A DDP backward, as the job times it, waits for its last buckets: t_b plus the
-    gradient comm exposed after it (not the collectives after the backward call: `trace`)."""
+    gradient comm exposed after it (not the collectives outside the backward call: `trace`)."""
     pairs = matched(rs, steps)[skip:]
     assert len(pairs) >= 8, (len(pairs), len(steps), rs.iterations.start.size)
     exposed = 0.0
     if comm_in_backward:
-        exposed = rs.comm.exposed_s - comm_after_backward(trace, rs)
+        exposed = rs.comm.exposed_s - comm_outside_backward(trace, rs)
     ours = {"forward": rs.terms["t_f"], "update": rs.terms["t_u"],
             "backward": rs.terms["t_b"] + exposed}
     out = {}
