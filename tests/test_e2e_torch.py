@@ -135,6 +135,11 @@ def test_ddp_case2_is_exposed(recorded, data_dir):
     assert abs(d["model"]["relative_error"]) < 0.15
     assert any(f["id"] == "comm_exposed" for f in d["findings"])
     assert sum(u["bytes"] for u in d["units"]) == grad_bytes("case2")
+    # the all-reduces' exposed time by kind is the exposed gradient comm: the same instants
+    # (the backward call's wait for the last buckets is not compute; two all-reduces in
+    # flight together are exposed once)
+    ar = d["collectives"]["kinds"]["all_reduce"]["exposed_s"]
+    assert ar == pytest.approx(d["overlap"]["comm"]["exposed_s"], rel=1e-6), (ar, d["overlap"])
     # eq. 11's speedup and the replay of the measured timeline agree at every GPU count, and
     # both fall in efficiency as GPUs are added
     replayed = {s["gpus"]: s for s in d["what_if"]["scenarios"]

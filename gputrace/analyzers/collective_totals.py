@@ -20,7 +20,7 @@ class KindTotal:
     nbytes: float         # this rank's input bytes per iteration
     bytes_out: float
     time_s: float         # summed durations per iteration
-    exposed_s: float      # the part the job stood still for, per iteration
+    exposed_s: float      # the instants the job stood still for, per iteration
     gradient: bool        # counted as gradient units by the data-parallel model
     small: bool = False   # of a few bytes each (under Collectives.small_below): not units
     dim: str = ""         # the parallelism they serve (parallel.classify)
@@ -41,26 +41,23 @@ class Collectives:
         return float(sum(getattr(k, key) for k in self.kinds))
 
 
-def exposed_ns(sp: Spans, r: Rows, compute: ov.Union) -> np.ndarray:
-    """Per comm row, the time the job stood still for it: its `wait` interval when recorded
-    (and its issuing `call`, where recorded); a synchronous call on the loop's thread in
-    full; else the part no compute covers."""
-    out = np.zeros(r.n)
-    if not r.n:
-        return out
+def exposed_ns(sp: Spans, r: Rows, compute: ov.Union, m: np.ndarray) -> int:
+    """The instants the job stood still for the comm rows `m`, each instant once (two
+    collectives in flight together expose the same instant once): a row's `wait` interval
+    when recorded (and its issuing `call`, where recorded); a synchronous call on the loop's
+    thread in full; else the part no compute covers."""
     s, e = sp.start[r.idx], sp.end[r.idx]
     has_wait = r.wait_s >= 0
-    out[has_wait] = (r.wait_e - r.wait_s)[has_wait]
+    w = m & has_wait
+    parts = [ov.union(r.wait_s[w], r.wait_e[w])]
     if r.call_s.size == r.n:   # an asynchronous functional collective's issuing call
-        called = r.call_s >= 0
-        out[called] += (r.call_e - r.call_s)[called]
+        called = w & (r.call_s >= 0)
+        parts.append(ov.union(r.call_s[called], r.call_e[called]))
     sync = r.contract & ~r.is_async & ~has_wait
-    out[sync] = (e - s)[sync]
-    rest = ~has_wait & ~sync
-    if rest.any():
-        cov = ov._cover_before(compute, e[rest]) - ov._cover_before(compute, s[rest])
-        out[rest] = np.maximum((e - s)[rest] - cov, 0)
-    return out
+    parts.append(ov.union(s[m & sync], e[m & sync]))
+    rest = m & ~has_wait & ~sync
+    parts.append(ov.subtract(ov.union(s[rest], e[rest]), compute))
+    return ov.total(ov.merge(*parts))
 
 
 def summarize(sp: Spans, r: Rows, it_of: np.ndarray, sel: np.ndarray, compute: ov.Union
@@ -74,7 +71,6 @@ def summarize(sp: Spans, r: Rows, it_of: np.ndarray, sel: np.ndarray, compute: o
     inside = np.isin(it_of, sel)
     n_it = max(int(sel.size), 1)
     dur = (sp.end[r.idx] - sp.start[r.idx]) / 1e9
-    exp = exposed_ns(sp, r, compute) / 1e9
     kinds = np.array(r.kind)
     out = []
     dims = np.array(r.dim if len(r.dim) == r.n else [""] * r.n)
@@ -87,7 +83,8 @@ def summarize(sp: Spans, r: Rows, it_of: np.ndarray, sel: np.ndarray, compute: o
                 out.append(KindTotal(k, float(m.sum()) / n_it,
                                      float(np.nansum(r.nbytes[m])) / n_it,
                                      float(np.nansum(r.bytes_out[m])) / n_it,
-                                     float(dur[m].sum()) / n_it, float(exp[m].sum()) / n_it,
+                                     float(dur[m].sum()) / n_it,
+                                     exposed_ns(sp, r, compute, m) / 1e9 / n_it,
                                      bool(grad[m].any()) and not few, few, d))
     sharded = next((f for f in r.fsdp if f), None)
     sizes = tuple(sorted({int(g) for g in r.group_size if g > 0}))

@@ -84,12 +84,15 @@ def inputs(sp: Spans, cr: col.Rows, rs: RankSteps) -> Inputs:
 def summarize_rank(sp: Spans, cr: col.Rows, rs: RankSteps, sel: np.ndarray
                    ) -> ct.Collectives:
     """Per-kind totals of a rank's comm (collectives.summarize with its iterations and
-    host compute)."""
+    host compute: the phases' own work the hidden and exposed comm is measured against, not
+    the outer backward call that waits for DDP's last all-reduces)."""
     if not cr.n:
         return ct.Collectives()
-    compute_m = (sp.of("forward") | sp.of("backward") | sp.of("update") | sp.of("h2d")) & \
-        sp.lasting()
-    compute = ov.union(sp.start[compute_m], sp.end[compute_m])
+    compute = rs.host_compute
+    if compute is None:
+        compute_m = (sp.of("forward") | sp.of("backward") | sp.of("update") |
+                     sp.of("h2d")) & sp.lasting()
+        compute = ov.union(sp.start[compute_m], sp.end[compute_m])
     return ct.summarize(sp, cr, iteration_of(rs, sp.start[cr.idx]), sel, compute)
 
 
