@@ -8,7 +8,8 @@ torchrun), an accelerate loop (`accelerator.backward`) with activation checkpoin
 
 Each is held against its own clock, iteration by iteration (warm-up left out): forward,
 backward and update within 15 % (or 1 ms), the iteration within 5 %; a process is one rank
-however its launcher started it; a DDP job's gradient units are its buckets."""
+however its launcher started it; a DDP job's gradient units are its buckets; the samples per
+iteration are those the job fed its model."""
 
 from __future__ import annotations
 
@@ -129,6 +130,17 @@ def held_to_own_clock(rs, steps, comm_in_backward: bool = False, skip: int = 3,
     return out
 
 
+def fed_as_the_job_counts(trace, truth, skip: int = 3) -> None:
+    """Each rank's samples per iteration, from the batch seen at the model's outermost
+    forward, are those the job fed its model (its own count, warm-up left out)."""
+    a = analyze(trace)
+    ranks = a.ranks if len(truth) > 1 else {0: a.main}    # one process: rank -1
+    for r, own in truth.items():
+        fed = float(np.median([s["samples"] for s in own["steps"][skip:]]))
+        tp = ranks[r].throughput
+        assert tp is not None and tp.samples == fed, (r, tp, fed)
+
+
 def layers_per_iteration(trace, rank: int) -> list[set[int]]:
     """The layers with a backward span, per step (in step order)."""
     by_step: dict[int, set[int]] = {}
@@ -166,6 +178,7 @@ def units_are_the_buckets(trace, truth) -> None:
 @pytest.mark.parametrize("name", ["lightning-auto", "lightning-manual"])
 def test_lightning_training_step(recorded, name):
     trace, truth = recorded(name)
+    fed_as_the_job_counts(trace, truth)
     (rs,) = ranks_steps(trace).values()
     held_to_own_clock(rs, truth[0]["steps"])
     # the net called inside training_step is the model: its blocks' backward per layer
@@ -176,6 +189,7 @@ def test_lightning_training_step(recorded, name):
 @pytest.mark.parametrize("name", ["lightning-ddp", "spawn-ddp"])
 def test_ranks_learned_from_torch_distributed(recorded, name):
     trace, truth = recorded(name)
+    fed_as_the_job_counts(trace, truth)
     one_rank_per_process(trace, 2)
     for r, rs in ranks_steps(trace).items():
         held_to_own_clock(rs, truth[r]["steps"], comm_in_backward=True, trace=trace)
@@ -184,6 +198,7 @@ def test_ranks_learned_from_torch_distributed(recorded, name):
 
 def test_hugging_face_trainer_with_accumulation(recorded):
     trace, truth = recorded("hf-trainer")
+    fed_as_the_job_counts(trace, truth)
     (rs,) = ranks_steps(trace).values()
     # two micro-batches per optimizer step: one iteration, both forwards and backwards in it
     assert len(truth[0]["steps"]) == rs.iterations.start.size
@@ -194,6 +209,7 @@ def test_hugging_face_trainer_with_accumulation(recorded):
 
 def test_hugging_face_trainer_ddp_under_torchrun(recorded):
     trace, truth = recorded("hf-trainer-ddp")
+    fed_as_the_job_counts(trace, truth)
     one_rank_per_process(trace, 2)
     for r, rs in ranks_steps(trace).items():
         held_to_own_clock(rs, truth[r]["steps"], comm_in_backward=True, trace=trace)
@@ -202,6 +218,7 @@ def test_hugging_face_trainer_ddp_under_torchrun(recorded):
 
 def test_accelerate_loop_with_activation_checkpointing(recorded):
     trace, truth = recorded("accelerate")
+    fed_as_the_job_counts(trace, truth)
     (rs,) = ranks_steps(trace).values()
     held_to_own_clock(rs, truth[0]["steps"])
     # the blocks recompute their forward inside the backward: still one backward per block
@@ -211,12 +228,14 @@ def test_accelerate_loop_with_activation_checkpointing(recorded):
 
 def test_compiled_model(recorded):
     trace, truth = recorded("compile")
+    fed_as_the_job_counts(trace, truth)
     (rs,) = ranks_steps(trace).values()
     held_to_own_clock(rs, truth[0]["steps"])
 
 
 def test_compiled_ddp_keeps_its_buckets(recorded):
     trace, truth = recorded("compile-ddp")
+    fed_as_the_job_counts(trace, truth)
     a = analyze(trace)
     assert a.main.model.strategy.startswith("wfbp") and not a.main.comm_missing, a.main.model
     units_are_the_buckets(trace, truth)
@@ -229,6 +248,7 @@ def test_compiled_autograd_ddp_all_reduces_every_gradient(recorded):
     """Compiled autograd's DDP has no buckets: an all-reduce per gradient, issued from its
     backward. All of them are recorded, as gradient comm, and never break the job."""
     trace, truth = recorded("compile-ddp-ca")
+    fed_as_the_job_counts(trace, truth)
     a = analyze(trace)
     assert not a.main.comm_missing
     kinds = a.main.collectives.kinds

@@ -3,7 +3,8 @@
 A one-shot forward pre-hook (with keyword arguments: `model(**batch)` as Hugging Face's
 Trainer calls it) on each model root reads, at the root's first outermost call, the input
 tensor (a keyword `input_ids` first, then the first tensor of the positional arguments, then
-of the keyword ones, looking one level into tuples, lists and dicts) and removes itself; the
+of the keyword ones, looking two levels into tuples, lists and dicts: Lightning's DDP calls
+its wrapper with `(batch, batch_idx)`, the batch a list) and removes itself; the
 description goes on that forward's span as `args.batch`:
 
     {"samples": shape[0], "tokens_per_sample": shape[1] for a 2-D integer tensor (token ids)
@@ -26,12 +27,12 @@ _INTS = ("int64", "int32", "int16", "int8", "uint8")   # token ids (torch's dtyp
 def _first_tensor(v: Any, depth: int = 0) -> torch.Tensor | None:
     if isinstance(v, torch.Tensor):
         return v
-    if depth < 1 and isinstance(v, (tuple, list)):
+    if depth < 2 and isinstance(v, (tuple, list)):
         for x in v:
             t = _first_tensor(x, depth + 1)
             if t is not None:
                 return t
-    if depth < 1 and isinstance(v, dict):
+    if depth < 2 and isinstance(v, dict):
         for x in v.values():
             t = _first_tensor(x, depth + 1)
             if t is not None:

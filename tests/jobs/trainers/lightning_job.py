@@ -69,6 +69,7 @@ class Job(L.LightningModule):
         CLOCK.stop("update")
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
+        CLOCK.fed(len(batch[0]))
         CLOCK.step_done()
 
     def on_train_end(self):

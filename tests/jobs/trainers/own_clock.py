@@ -3,8 +3,9 @@ lets it (its hooks, callbacks, overridden methods) and writes them, per rank, as
 truth the trainer tests hold gputrace's analysis against.
 
 OUT.rank<R>.json: {"steps": [{"start", "end" (time.time_ns: iterations tile the loop, the
-next begins where this one ended), "forward", "backward", "update" (seconds)}], and whatever
-the job adds (its DDP buckets, its world size)}.
+next begins where this one ended), "forward", "backward", "update" (seconds), "samples" (the
+samples the job fed its model in the iteration)}], and whatever the job adds (its DDP
+buckets, its world size)}.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class OwnClock:
 
     def _new(self) -> None:
         self.cur = dict.fromkeys(PHASES, 0.0)
+        self.cur["samples"] = 0
 
     def start(self, phase: str) -> None:
         self.open[phase] = time.perf_counter()
@@ -39,6 +41,10 @@ class OwnClock:
 
     def add(self, phase: str, seconds: float) -> None:
         self.cur[phase] += seconds
+
+    def fed(self, samples: int) -> None:
+        """The job fed its model a batch of `samples` in this iteration."""
+        self.cur["samples"] += int(samples)
 
     def step_done(self) -> None:
         """An optimizer step's iteration ends here (the next begins)."""
