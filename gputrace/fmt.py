@@ -11,6 +11,10 @@ def rate(bytes_per_s: float) -> str:
     return f"{b / 1e6:.0f} MB/s" if b < 1e9 else f"{b / 1e9:.2f} GB/s"
 
 
+# the fewest bytes mb() shows as more than "0.0 MB": a figure under it says nothing
+MB_SHOWN = 0.05e6
+
+
 def mb(nbytes: float) -> str:
     return f"{nbytes / 1e6:.1f} MB" if nbytes < 1e9 else f"{nbytes / 1e9:.2f} GB"
 

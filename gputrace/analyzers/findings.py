@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from gputrace.analyzers.bandwidth import Bandwidth
 from gputrace.analyzers.model import ModelResult
-from gputrace.fmt import mb, rate
+from gputrace.fmt import MB_SHOWN, mb, rate
 
 INPUT_MODERATE = 0.05
 INPUT_HIGH = 0.20
@@ -43,8 +43,8 @@ def find(m: ModelResult, comm: dict[str, float], io: dict[str, float], bw: Bandw
         if bw is not None:
             parts = []
             for link in bw.links:
-                if link.name in ("disk", "cache") and link.bytes > 0:
-                    per = link.bytes / max(bw.window_s / t_iter, 1.0)
+                per = link.bytes / max(bw.window_s / t_iter, 1.0)
+                if link.name in ("disk", "cache") and per >= MB_SHOWN:
                     parts.append(f"{mb(per)} per iteration from {'page cache' if link.name == 'cache' else 'disk'} "
                                  f"at {rate(link.bytes_per_s)}")
             if parts:

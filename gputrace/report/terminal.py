@@ -12,7 +12,7 @@ from rich.table import Table
 from gputrace.analyzers import Analysis, RankAnalysis
 from gputrace.analyzers.model import UnitStats
 from gputrace.analyzers.replay import MIB, Outcome, Replay, Scenario
-from gputrace.fmt import mb, rate
+from gputrace.fmt import MB_SHOWN, mb, rate
 from gputrace.report import console
 from gputrace.report.collectives import headline_case, render_kinds, render_sharded
 from gputrace.report.parallel import render_parallel
@@ -303,8 +303,10 @@ def render(a: Analysis, rank: int | None = None, file: IO[str] | None = None,
         con.print()
         con.print(f"[bold]What if[/]: not replayed: {escape(ra.replay_unavailable)}")
     bw = ra.bandwidth
-    moved = [link for link in bw.links if link.bytes > 0] if bw is not None else []
-    if moved:   # a link with nothing moved over it says nothing
+    # a link with nothing moved over it says nothing, nor one with less than its figure
+    # shows (a job's page-cache reads of its own files: "0.0 MB at 0 MB/s")
+    moved = [link for link in bw.links if link.bytes >= MB_SHOWN] if bw is not None else []
+    if moved:
         con.print()
         parts = []
         for link in moved:
