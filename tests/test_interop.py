@@ -99,6 +99,10 @@ def test_kineto_comm_overlap_matches_brute_force(shared_data, name):
         assert got["hidden_s"] == pytest.approx(hidden, rel=1e-6, abs=1e-9)
         assert got["exposed_s"] == pytest.approx(total - hidden, rel=1e-6, abs=1e-9)
         assert total > 0  # every file here has NCCL kernels
+        # by kind, the NCCL kernels are exposed where no other GPU record runs (these files'
+        # kinds never run side by side): the same figure
+        kinds = r["collectives"]["kinds"].values()
+        assert sum(k["exposed_s"] for k in kinds) == pytest.approx(total - hidden, rel=1e-5)
 
 
 @pytest.mark.parametrize("name", NSYS)

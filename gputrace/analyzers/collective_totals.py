@@ -41,11 +41,13 @@ class Collectives:
         return float(sum(getattr(k, key) for k in self.kinds))
 
 
-def exposed_ns(sp: Spans, r: Rows, compute: ov.Union, m: np.ndarray) -> int:
+def exposed_ns(sp: Spans, r: Rows, compute: ov.Union, m: np.ndarray,
+               device_compute: ov.Union | None = None) -> int:
     """The instants the job stood still for the comm rows `m`, each instant once (two
     collectives in flight together expose the same instant once): a row's `wait` interval
     when recorded (and its issuing `call`, where recorded); a synchronous call on the loop's
-    thread in full; else the part no compute covers."""
+    thread in full; else the part no compute covers (a GPU's comm record: no GPU compute
+    record, `device_compute`, where given)."""
     s, e = sp.start[r.idx], sp.end[r.idx]
     has_wait = r.wait_s >= 0
     w = m & has_wait
@@ -56,14 +58,19 @@ def exposed_ns(sp: Spans, r: Rows, compute: ov.Union, m: np.ndarray) -> int:
     sync = r.contract & ~r.is_async & ~has_wait
     parts.append(ov.union(s[m & sync], e[m & sync]))
     rest = m & ~has_wait & ~sync
+    if device_compute is not None:
+        on_dev = sp.device[r.idx] >= 0
+        parts.append(ov.subtract(ov.union(s[rest & on_dev], e[rest & on_dev]),
+                                 device_compute))
+        rest &= ~on_dev
     parts.append(ov.subtract(ov.union(s[rest], e[rest]), compute))
     return ov.total(ov.merge(*parts))
 
 
-def summarize(sp: Spans, r: Rows, it_of: np.ndarray, sel: np.ndarray, compute: ov.Union
-              ) -> Collectives:
+def summarize(sp: Spans, r: Rows, it_of: np.ndarray, sel: np.ndarray, compute: ov.Union,
+              device_compute: ov.Union | None = None) -> Collectives:
     """Per-kind totals over the analyzed iterations `sel` (it_of: each comm row's iteration,
-    -1 outside any)."""
+    -1 outside any; compute, device_compute: as exposed_ns)."""
     if not r.n:
         return Collectives()
     grad = gradient_mask(sp, r)
@@ -84,7 +91,7 @@ def summarize(sp: Spans, r: Rows, it_of: np.ndarray, sel: np.ndarray, compute: o
                                      float(np.nansum(r.nbytes[m])) / n_it,
                                      float(np.nansum(r.bytes_out[m])) / n_it,
                                      float(dur[m].sum()) / n_it,
-                                     exposed_ns(sp, r, compute, m) / 1e9 / n_it,
+                                     exposed_ns(sp, r, compute, m, device_compute) / 1e9 / n_it,
                                      bool(grad[m].any()) and not few, few, d))
     sharded = next((f for f in r.fsdp if f), None)
     sizes = tuple(sorted({int(g) for g in r.group_size if g > 0}))

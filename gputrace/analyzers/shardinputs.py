@@ -84,8 +84,9 @@ def inputs(sp: Spans, cr: col.Rows, rs: RankSteps) -> Inputs:
 def summarize_rank(sp: Spans, cr: col.Rows, rs: RankSteps, sel: np.ndarray
                    ) -> ct.Collectives:
     """Per-kind totals of a rank's comm (collectives.summarize with its iterations and
-    host compute: the phases' own work the hidden and exposed comm is measured against, not
-    the outer backward call that waits for DDP's last all-reduces)."""
+    compute: the phases' own work the hidden and exposed comm is measured against, not the
+    outer backward call that waits for DDP's last all-reduces; a GPU's comm records against
+    its compute records)."""
     if not cr.n:
         return ct.Collectives()
     compute = rs.host_compute
@@ -93,7 +94,8 @@ def summarize_rank(sp: Spans, cr: col.Rows, rs: RankSteps, sel: np.ndarray
         compute_m = (sp.of("forward") | sp.of("backward") | sp.of("update") |
                      sp.of("h2d")) & sp.lasting()
         compute = ov.union(sp.start[compute_m], sp.end[compute_m])
-    return ct.summarize(sp, cr, iteration_of(rs, sp.start[cr.idx]), sel, compute)
+    return ct.summarize(sp, cr, iteration_of(rs, sp.start[cr.idx]), sel, compute,
+                        rs.device_compute)
 
 
 def arrivals_of(si: Inputs, unit_start: np.ndarray, unit_arrival: np.ndarray) -> np.ndarray:
