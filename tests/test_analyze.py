@@ -105,6 +105,25 @@ def test_moderate_input_wait_and_no_finding_below_5_percent(tmp_path):
         assert got == sev
 
 
+def test_pageable_copies_are_a_finding_by_the_time_they_take(tmp_path):
+    """Copies from pageable memory are named when they take a share of the iterations'
+    time: a few bytes copied from a Python scalar are no finding beside the rest."""
+    for ms, sev in ((12.0, "high"), (3.0, "moderate"), (0.002, None)):
+        b = Builder()
+        for k in range(4):
+            b.span("iteration", k * 100, k * 100 + 100, step=k)
+            b.span("forward", k * 100, k * 100 + 100, step=k)
+            b.span("memcpy", k * 100 + 1, k * 100 + 1 + ms, src_kind="pageable", device=0,
+                   stream=7, nbytes=4096)
+            b.span("memcpy", k * 100 + 20, k * 100 + 40, src_kind="pinned", device=0,
+                   stream=7, nbytes=1 << 28)
+        f = {x.id: x for x in run_analysis(tmp_path, b).main.findings}.get("h2d_pageable")
+        assert (f.severity if f else None) == sev, (ms, f)
+        if f:
+            assert f"{4 * ms / 1e3:.3f} s, {ms / 100:.0%} of the iterations' time" in \
+                f.message, f.message
+
+
 def test_comm_wait_vs_transfer_across_ranks(tmp_path):
     b = Builder()
     ddp_iterations(b, CASE1_UNITS, rank=0)

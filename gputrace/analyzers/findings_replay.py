@@ -10,17 +10,25 @@ from gputrace.analyzers.findings import Finding
 from gputrace.analyzers.replay import MIB, Replay
 from gputrace.analyzers.steps import RankSteps
 
+# pageable copies under this share of the iterations' time are not worth a finding (a few
+# KB copied from a Python scalar); from PAGEABLE_HIGH they are a high one
+PAGEABLE_SHARE, PAGEABLE_HIGH = 0.01, 0.10
+
 
 def _extra_findings(sp: fr.Spans, rs: RankSteps) -> list[Finding]:
     out = []
     memcpy = sp.of("memcpy") | sp.of("h2d")
     pageable = np.flatnonzero(memcpy & sp.kind_is("src", "pageable"))
-    if pageable.size:
+    t_iter = float((rs.iterations.end - rs.iterations.start).sum())
+    took = float((sp.end[pageable] - sp.start[pageable]).clip(0).sum())
+    share = took / t_iter if t_iter > 0 else 0.0
+    if pageable.size and share >= PAGEABLE_SHARE:
         b = float(np.nansum(sp.nbytes[pageable]))
         out.append(Finding(
-            "h2d_pageable", "moderate",
-            f"{len(pageable)} host-to-device copies ({b / 1e6:.1f} MB) come from pageable "
-            "memory, which copies slower than pinned: use DataLoader(pin_memory=True)."))
+            "h2d_pageable", "high" if share >= PAGEABLE_HIGH else "moderate",
+            f"{len(pageable)} host-to-device copies ({b / 1e6:.1f} MB, {took / 1e9:.3f} s, "
+            f"{share:.0%} of the iterations' time) come from pageable memory, which copies "
+            "slower than pinned: use DataLoader(pin_memory=True)."))
     return out
 
 
