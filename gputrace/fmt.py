@@ -19,6 +19,17 @@ def mb(nbytes: float) -> str:
     return f"{nbytes / 1e6:.1f} MB" if nbytes < 1e9 else f"{nbytes / 1e9:.2f} GB"
 
 
+def ranges(ks: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    out: list[str] = []
+    for k in ks:
+        if out and k == int(out[-1].rsplit("-", 1)[-1]) + 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{k}"
+        else:
+            out.append(str(k))
+    return ", ".join(out)
+
+
 def count(n: int, noun: str) -> str:
     """'1 row', '2 rows', '1,024 samples'."""
     return f"{n:,} {noun}{'' if n == 1 else 's'}"

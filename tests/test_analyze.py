@@ -7,6 +7,7 @@ import json
 import pytest
 
 from gputrace.analyzers import analyze
+from gputrace.fmt import ranges
 from gputrace.trace import load
 from tests.conftest import run_gputrace
 from tests.tracebuilder import Builder, ddp_iterations
@@ -122,6 +123,21 @@ def test_pageable_copies_are_a_finding_by_the_time_they_take(tmp_path):
         if f:
             assert f"{4 * ms / 1e3:.3f} s, {ms / 100:.0%} of the iterations' time" in \
                 f.message, f.message
+
+
+def test_many_exposed_units_are_named_as_ranges(tmp_path):
+    """A model of hundreds of buckets: the finding names its exposed units as ranges of
+    their indices, as the headline does, not one by one."""
+    layers = [(ly, 30 + 5 * (12 - ly), 35 + 5 * (12 - ly)) for ly in range(12, 0, -1)]
+    units = [([ly], e, e + 12) for ly, _, e in layers]      # each ends after the next is ready
+    b = ddp_iterations(Builder(), units, per_layer_bwd=layers, update=(160, 165))
+    r = run_analysis(tmp_path, b).main
+    exposed = [u.index for u in r.model.units[:-1] if not u.hidden]
+    assert len(exposed) > 8, r.model.units
+    (f,) = [x for x in r.findings if x.id == "comm_exposed"]
+    assert f"units {ranges(exposed)} ({len(exposed)} of {len(r.model.units)}) are exposed" \
+        in f.message, f.message
+    assert "#" not in f.message, f.message
 
 
 def test_comm_wait_vs_transfer_across_ranks(tmp_path):

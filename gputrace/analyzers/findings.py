@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from gputrace.analyzers.bandwidth import Bandwidth
 from gputrace.analyzers.model import ModelResult
-from gputrace.fmt import MB_SHOWN, mb, rate
+from gputrace.fmt import MB_SHOWN, mb, ranges, rate
 
 INPUT_MODERATE = 0.05
 INPUT_HIGH = 0.20
@@ -17,6 +17,9 @@ class Finding:
     id: str
     severity: str   # "high", "moderate", "info"
     message: str
+
+
+UNITS_NAMED = 8   # more exposed units than this are given as ranges of their indices
 
 
 def _layers(layers: tuple[int, ...] | None) -> str:
@@ -60,7 +63,9 @@ def find(m: ModelResult, comm: dict[str, float], io: dict[str, float], bw: Bandw
     if comm.get("total_s", 0.0) > 0 and m.strategy != "fsdp" and m.units:
         exp_units = [u for u in m.units[:-1] if not u.hidden]
         if m.case == 2:
-            names = ", ".join(f"#{u.index}" + _layers(u.layers) for u in exp_units)
+            names = ", ".join(f"#{u.index}" + _layers(u.layers) for u in exp_units) \
+                if len(exp_units) <= UNITS_NAMED else \
+                f"{ranges([u.index for u in exp_units])} ({len(exp_units)} of {len(m.units)})"
             out.append(Finding(
                 "comm_exposed", "high" if exposed / t_iter >= 0.2 else "moderate",
                 f"Gradient communication is exposed (Case 2, C = {m.C if m.C is not None else '?'}): "

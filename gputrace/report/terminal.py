@@ -12,7 +12,7 @@ from rich.table import Table
 from gputrace.analyzers import Analysis, RankAnalysis
 from gputrace.analyzers.model import UnitStats
 from gputrace.analyzers.replay import MIB, Outcome, Replay, Scenario
-from gputrace.fmt import MB_SHOWN, mb, rate
+from gputrace.fmt import MB_SHOWN, mb, ranges, rate
 from gputrace.report import console
 from gputrace.report.collectives import headline_case, render_kinds, render_sharded
 from gputrace.report.parallel import render_parallel
@@ -100,24 +100,13 @@ def _exposed(units: list[UnitStats], C: int | None) -> str:
                       "gradients are ready"),
                      ([k for k in exposed if k not in late], "run{} outside compute")):
         if ks:
-            parts.append(f"unit{'s' if len(ks) > 1 else ''} {_ranges(ks)} "
+            parts.append(f"unit{'s' if len(ks) > 1 else ''} {ranges(ks)} "
                          + what.format("s" if len(ks) == 1 else ""))
     text = "; ".join(parts)
     if C is not None:
         text += (f"; C = {C}: the lowest layer {'they hold' if len(exposed) > 1 else 'it holds'},"
                  " counting from 1 at the input")
     return text
-
-
-def _ranges(ks: list[int]) -> str:
-    """[0, 1, 2, 5] -> '0-2, 5'."""
-    out: list[str] = []
-    for k in ks:
-        if out and k == int(out[-1].rsplit("-", 1)[-1]) + 1:
-            out[-1] = f"{out[-1].split('-')[0]}-{k}"
-        else:
-            out.append(str(k))
-    return ", ".join(out)
 
 
 def _bucket_label(b: float | None, n: int, measured_units: int) -> str:
