@@ -89,13 +89,12 @@ def summarize_rank(sp: Spans, cr: col.Rows, rs: RankSteps, sel: np.ndarray
     its compute records)."""
     if not cr.n:
         return ct.Collectives()
-    compute = rs.host_compute
-    if compute is None:
+    compute, device = rs.compute, None
+    if rs.gpu:   # a host comm span's compute: the host's phases
         compute_m = (sp.of("forward") | sp.of("backward") | sp.of("update") |
                      sp.of("h2d")) & sp.lasting()
-        compute = ov.union(sp.start[compute_m], sp.end[compute_m])
-    return ct.summarize(sp, cr, iteration_of(rs, sp.start[cr.idx]), sel, compute,
-                        rs.device_compute)
+        compute, device = ov.union(sp.start[compute_m], sp.end[compute_m]), rs.compute
+    return ct.summarize(sp, cr, iteration_of(rs, sp.start[cr.idx]), sel, compute, device)
 
 
 def arrivals_of(si: Inputs, unit_start: np.ndarray, unit_arrival: np.ndarray) -> np.ndarray:

@@ -47,10 +47,9 @@ class RankSteps:
     update_spans: np.ndarray          # update spans per iteration
     gpu: bool = False                 # phases from GPU records (compute not on the host CPU)
     # the compute the comm is hidden under, as the hidden-vs-exposed comm measures it (the
-    # per-kind exposed comm too): a host trace's phases' own work, not their waits (None
-    # for a GPU trace); a GPU trace's compute records (None for a host trace)
-    host_compute: ov.Union | None = None
-    device_compute: ov.Union | None = None
+    # per-kind exposed comm too): a host trace's phases' own work, not their waits; a GPU
+    # trace's compute records (`gpu`)
+    compute: ov.Union = ov.EMPTY
 
 
 def warmup_skip(n: int, skip: int | None = None) -> int:
@@ -192,7 +191,6 @@ def analyze_rank(sp: Spans, stood: tuple[np.ndarray, np.ndarray] | None = None,
         layer_end = gpu_layer_ends(sp, per_layer, bwd_gpu)
         back = bwd_gpu
         back_start, back_end = sp.start, sp.end
-        host_compute, device_compute = None, compute
     else:
         st = ov.union(*stood) if stood is not None else ov.EMPTY
         par = {d: ov.union(*v) for d, v in (dims or {}).items()}
@@ -236,7 +234,6 @@ def analyze_rank(sp: Spans, stood: tuple[np.ndarray, np.ndarray] | None = None,
         # waits for DDP's last all-reduce, so its end is not the end of the gradients)
         back = per_layer if per_layer.any() else bwd_m
         back_start, back_end = sp.start, sp.end
-        host_compute, device_compute = compute, None
     io_total = ov.measure(ov.merge(wait, work), lo, hi) / sec
     io_exposed = terms["t_io"]
     io_h = ov.Hidden(io_total, np.maximum(io_total - io_exposed, 0.0), io_exposed)
@@ -266,7 +263,7 @@ def analyze_rank(sp: Spans, stood: tuple[np.ndarray, np.ndarray] | None = None,
     upd_n = np.searchsorted(hu[0], hi, "left") - np.searchsorted(hu[1], lo, "right")
     return RankSteps(sp.rank, its, terms, comm_h, io_h, units, layer_bs, ends, layer_bytes,
                      bstart, bend, np.array([fetch_s]), workers, upd_n, bool(gpu.any()),
-                     host_compute, device_compute)
+                     compute)
 
 
 def _run_bounds(sp: Spans, start: np.ndarray, end: np.ndarray, label: np.ndarray,
