@@ -13,7 +13,7 @@ from gputrace import progress
 from gputrace.analyzers import collective_totals as ct
 from gputrace.analyzers import collectives as col
 from gputrace.analyzers import frame as fr
-from gputrace.analyzers import sanity, zero_whatif
+from gputrace.analyzers import invariants, sanity, zero_whatif
 from gputrace.analyzers import sharded as shd
 from gputrace.analyzers import throughput as tput
 from gputrace.analyzers.bandwidth import analyze_bandwidth, bandwidth_series
@@ -284,6 +284,10 @@ def combine(parts: list[FramePart], md: dict[str, Any], opts: Options, probe: An
     waits, arrivals = _comm_wait(steps, sels, offsets) if len(ranks) > 1 else ({}, {})
     rv = registry.RunView(world, opts.link_bytes_per_s, arrivals, steps, sels,
                           opts.calibration)
+    degrees, deg_check = _degrees(ranks, world)
+    if deg_check is not None:   # a dimension the groups cannot hold: its claims withheld
+        ranks = {r: replace(p, dims={d: v for d, v in p.dims.items() if d in degrees})
+                 for r, p in ranks.items()}
     parts_of = {r: p.dims for r, p in ranks.items()}
     for r, p in ranks.items():
         if p.sharded is not None:
@@ -293,11 +297,8 @@ def combine(parts: list[FramePart], md: dict[str, Any], opts: Options, probe: An
     for r, sh in (parallel.pop("fsdp", None) or {}).items():
         ranks[r] = replace(ranks[r], sharded=sh, model=sh.model)
     shared = _shared(steps, {r: p.devices for r, p in ranks.items()}, md)
-    degrees: dict[str, int] = {}
-    for p in ranks.values():
-        for d, g in p.degrees.items():
-            degrees[d] = max(degrees.get(d, 0), g)
-    groups = registry.merge_groups([p.groups for p in ranks.values()])
+    groups = {d: g for d, g in registry.merge_groups([p.groups for p in ranks.values()]).items()
+              if deg_check is None or d in degrees}
     beyond = registry.beyond_dp(degrees)
     missing = None if beyond else sanity.comm_missing(list(ranks.values()), world, md)
     no_dp = registry.why_no_dp_prediction(degrees) if beyond else None
@@ -357,6 +358,21 @@ def combine(parts: list[FramePart], md: dict[str, Any], opts: Options, probe: An
     figures = {r: {**{k: p.breakdown[k].mean for k in TERMS}, "comm_exposed": p.comm_exposed_s}
                for r, p in ranks.items()}
     outliers, told = find_outliers(figures, {r: p.host for r, p in ranks.items()})
-    return Analysis(out, slowest, world, dict(md), clock=clock, outliers=outliers,
-                    slowest_why=told, throughput=tput.job(
-                        {r: p.throughput for r, p in ranks.items()}, world, degrees))
+    return invariants.check(
+        Analysis(out, slowest, world, dict(md), clock=clock, outliers=outliers,
+                 slowest_why=told, throughput=tput.job(
+                     {r: p.throughput for r, p in ranks.items()}, world, degrees)),
+        opts.what_if, [deg_check] if deg_check else [])
+
+
+def _degrees(ranks: dict[int, RankPart], world: int) -> tuple[dict[str, int], Any]:
+    """The run's dimensions (each one's largest group seen on any rank) that its world
+    size can hold, and the check that withheld the others (invariants.degrees)."""
+    deg: dict[str, int] = {}
+    moved: dict[str, float] = {}
+    for p in ranks.values():
+        for d, g in p.degrees.items():
+            deg[d] = max(deg.get(d, 0), g)
+        for k in p.collectives.kinds:
+            moved[k.dim] = moved.get(k.dim, 0.0) + k.nbytes
+    return invariants.degrees(deg, world, moved)

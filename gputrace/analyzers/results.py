@@ -60,6 +60,8 @@ class RankAnalysis:
     throughput: Any = None   # throughput.Throughput: samples (tokens) per second, this rank's
     # the step of the analyzed iteration whose FLOPs were counted, left out of the timings
     flops_left_out: int | None = None
+    # figures withheld because an invariant did not hold (analyzers.invariants): what -> why
+    withheld: dict[str, str] = field(default_factory=dict)
 
     @property
     def analyzed(self) -> int:
@@ -85,6 +87,7 @@ class Analysis:
     outliers: list[Outlier] = field(default_factory=list)
     slowest_why: Outlier | None = None      # the slowest rank, told as an outlier is
     throughput: Any = None   # throughput.JobThroughput: the job's, over its DP replicas
+    checks: list[Any] = field(default_factory=list)   # invariants.Check: what did not hold
 
     @property
     def main(self) -> RankAnalysis:

@@ -18,6 +18,7 @@ from gputrace.analyzers import Analysis, RankAnalysis
 from gputrace.analyzers.findings import Finding
 from gputrace.report.charts import Chart, charts, evidence
 from gputrace.report.charts_comm import kinds_table
+from gputrace.report.checks import withheld
 from gputrace.report.terminal import STRATEGY, headline, phase_rows
 
 VEGA_LITE = "6.4"      # the Vega-Lite version the specs are written for
@@ -122,6 +123,10 @@ def _summary(a: Analysis, ra: RankAnalysis, source: str) -> list[str]:
            f"{ra.warmup_skipped} skipped as warm-up &middot; gputrace {_e(__version__)}</p>"]
     if ra.left_out_line:
         out.append(f'<p class="meta">{_e(ra.left_out_line)}</p>')
+    held = withheld(a, ra)
+    if held:
+        out.append('<ul class="withheld">' + "".join(
+            f"<li><b>withheld</b>: {_e(fig)}: {_e(why)}</li>" for fig, why in held) + "</ul>")
     strategy = STRATEGY.get(m.strategy, m.strategy) if ra.comm["total_s"] > 0 else \
         "single process, no gradient comm"
     case = f", Case {m.case}" + (f" (C = {m.C})" if m.C is not None else "") if m.case else ""

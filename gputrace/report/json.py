@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 from gputrace.analyzers import Analysis, RankAnalysis
+from gputrace.analyzers.invariants import INVARIANTS
 from gputrace.analyzers.outliers import Outlier
 from gputrace.analyzers.replay import Replay
 from gputrace.report.json_comm import collectives_dict, parallelism_dict, sharded_dict
@@ -75,6 +76,7 @@ def rank_dict(ra: RankAnalysis) -> dict[str, Any]:
         "collectives": collectives_dict(ra),
         "sharded": sharded_dict(ra),
         "parallelism": parallelism_dict(ra),
+        "withheld": dict(ra.withheld),
     }
 
 
@@ -130,6 +132,8 @@ def to_dict(a: Analysis, rank: int | None = None) -> dict[str, Any]:
     doc["clock"] = _clock(a)
     doc["slowest"] = _outlier(a.slowest_why) if a.slowest_why else None
     doc["outliers"] = [_outlier(o) for o in a.outliers]
+    doc["checks"] = {"invariants": dict(INVARIANTS),
+                     "violated": [c.as_dict() for c in a.checks]}
     return doc
 
 

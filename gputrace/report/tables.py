@@ -124,6 +124,13 @@ def findings(doc: dict[str, Any]) -> Table:
                                for f in rd["findings"]], ("rank", "id", "severity", "message"))
 
 
+def withheld(doc: dict[str, Any]) -> Table:
+    """What the analysis withheld because an invariant did not hold: one row per figure
+    (rank None: the run's), with the invariant and why."""
+    checks = (doc.get("checks") or {}).get("violated") or []
+    return _table("withheld", checks, ("rank", "invariant", "figure", "why"))
+
+
 def what_if(doc: dict[str, Any]) -> Table:
     """The shown rank's what-if scenarios (the only rank given intervals), as in the JSON."""
     wi = doc.get("what_if") or {}

@@ -14,6 +14,7 @@ from gputrace.analyzers.model import UnitStats
 from gputrace.analyzers.replay import MIB, Outcome, Replay, Scenario
 from gputrace.fmt import MB_SHOWN, mb, ranges, rate
 from gputrace.report import console
+from gputrace.report.checks import shares_withheld, withheld
 from gputrace.report.collectives import headline_case, render_kinds, render_sharded
 from gputrace.report.parallel import render_parallel
 from gputrace.report.throughput import rate_text, throughput_line
@@ -74,16 +75,20 @@ def headline(ra: RankAnalysis) -> str:
         case = "Case 1: gradient communication is hidden behind backward"
     elif m.case == 2:
         case = f"Case 2: gradient communication is exposed ({_exposed(m.units, m.C)})"
-    elif ra.comm["total_s"] > 0:
+    elif ra.comm["total_s"] > 0 and b["t_b"].mean > 0:
         case = "communication runs after backward, not overlapped"
+    elif ra.comm["total_s"] > 0:
+        case = (f"{_ms(ra.comm['exposed_s'])} of {_ms(ra.comm['total_s'])} communication "
+                "outside compute (no backward phase found)")
     else:
         case = "single process: no gradient communication"
     case = headline_case(ra) or case
     share = parts[top] / t_iter if t_iter else 0
     t = ra.throughput
     rate = f" ({rate_text(t.samples_per_s)} samples/s)" if t is not None else ""
-    return (f"{_ms(t_iter)} per iteration{rate}. {case}. Largest share: {top_name} "
-            f"({_ms(parts[top])}, {share:.0%}).")
+    largest = f"Largest term: {top_name} ({_ms(parts[top])})" if shares_withheld(ra) else \
+        f"Largest share: {top_name} ({_ms(parts[top])}, {share:.0%})"
+    return f"{_ms(t_iter)} per iteration{rate}. {case}. {largest}."
 
 
 def _exposed(units: list[UnitStats], C: int | None) -> str:
@@ -187,6 +192,8 @@ def render(a: Analysis, rank: int | None = None, file: IO[str] | None = None,
                  else ""))
     if ra.left_out_line:
         con.print(escape(ra.left_out_line))
+    for fig, why in withheld(a, ra):
+        con.print(f"[yellow]withheld[/]: {escape(fig)}: {escape(why)}")
     con.print()
 
     t_iter = ra.breakdown["t_iter"].mean
@@ -199,7 +206,8 @@ def render(a: Analysis, rank: int | None = None, file: IO[str] | None = None,
     bt.add_column("share", justify="right")
     for key, label in (("t_iter", "iteration"), *phase_rows(ra)):
         s = ra.breakdown[key]
-        share = "" if key == "t_iter" or t_iter == 0 else f"{s.mean / t_iter:.0%}"
+        share = "" if key == "t_iter" or t_iter == 0 else "-" if shares_withheld(ra) else \
+            f"{s.mean / t_iter:.0%}"
         bt.add_row(key, label, _ms(s.mean), _ms(s.std), share)
     con.print(bt)
     con.print(throughput_line(a, ra))

@@ -1,0 +1,219 @@
+"""Every analysis checks itself before it speaks (analyzers.invariants): for each invariant a
+hand-made trace (or a hand-made change to an analysis of one) that breaks it, and the figure
+it touches withheld with the reason, in the terminal, `--json`, the API and the report."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from gputrace.analyzers import analyze
+from gputrace.analyzers import invariants as inv
+from gputrace.analyzers.replay import Scenario
+from gputrace.report.json import to_dict
+from gputrace.trace import load
+from tests.tracebuilder import Builder, ddp_iterations
+
+PY = sys.executable
+
+
+def _cli(*args: str, strict: bool = False) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    env.pop(inv.STRICT_ENV, None)
+    if strict:
+        env[inv.STRICT_ENV] = "1"
+    return subprocess.run([PY, "-m", "gputrace", *args], capture_output=True, text=True,
+                          timeout=120, env=env)
+
+
+def _two_ranks(path, colls, n=8):
+    """2 ranks of n 50 ms iterations (forward 1-15, backward 15-40, update 40-48 ms), each
+    with the collectives given: (kind, phase, start ms, end ms, bytes, args)."""
+    b = Builder()
+    for rank in (0, 1):
+        for k in range(n):
+            t = k * 50.0
+            b.span("iteration", t, t + 50, step=k, rank=rank)
+            b.span("forward", t + 1, t + 15, step=k, rank=rank)
+            b.span("backward", t + 15, t + 40, step=k, rank=rank)
+            b.span("update", t + 40, t + 48, step=k, rank=rank)
+            for kind, phase, s, e, nbytes, args in colls:
+                b.span("comm", t + s, t + e, name=kind, step=k, rank=rank, nbytes=nbytes,
+                       args={"kind": kind, "phase": phase, "async": False,
+                             "bytes_out": nbytes, **args})
+    return b.write(str(path), world_size=2)
+
+
+def _mesh(dim):
+    return {"group": {"size": 2, "ranks": [0, 1], "name": dim,
+                      "mesh": {"dim": dim, "dims": [dim], "shape": [2]}}}
+
+
+def _violated(doc, name):
+    return [c for c in doc["checks"]["violated"] if c["invariant"] == name]
+
+
+def test_every_invariant_is_listed_in_the_json(tmp_path):
+    path = ddp_iterations(Builder(), [((4, 3), 40, 60), ((2, 1), 70, 95)]).write(
+        str(tmp_path / "ok.arrow"), world_size=1)
+    d = to_dict(analyze(load(path)))
+    assert set(d["checks"]["invariants"]) == set(inv.INVARIANTS)
+    assert d["checks"]["violated"] == [] and d["withheld"] == {}
+
+
+def test_degrees_that_do_not_multiply_to_the_world_size_are_not_claimed(tmp_path):
+    """DP 2 x TP 2 read from 2 ranks' groups: impossible on 2 ranks. The dimension with the
+    least behind it (a 228-byte all-reduce on a mesh dimension named tp) is withheld, the
+    headline names no TP, and the reason is given; the collectives stay in the table."""
+    path = _two_ranks(tmp_path / "d.arrow", [
+        ("all_reduce", "backward", 20, 30, 4_000_000, _mesh("dp")),
+        ("all_reduce", "update", 41, 42, 228, _mesh("tp"))])
+    d = to_dict(analyze(load(path)))
+    [c] = _violated(d, "degrees")
+    assert "multiply to 4" in c["why"] and "2 ranks" in c["why"] and c["rank"] is None
+    par = d["parallelism"]
+    assert par is None or "tp" not in (par.get("degrees") or {})
+    assert "t_tp" not in d["breakdown"] or "TP" in c["figure"]
+    p = _cli("analyze", str(path))
+    assert p.returncode == 0, p.stderr
+    head = p.stdout.splitlines()[0]
+    assert "TP 2" not in head, head
+    assert "withheld: the TP dimension" in p.stdout
+    assert "all_reduce" in p.stdout      # the collectives themselves are still shown
+    # under the strict setting the suite runs with, the same trace is an error
+    s = _cli("analyze", str(path), strict=True)
+    assert s.returncode != 0 and "degrees" in s.stderr
+
+
+def test_terms_that_do_not_sum_to_the_iteration_withhold_their_shares(tmp_path):
+    """A wait for data that overlaps the forward (0-20 ms against 5-30 ms) counts 15 ms
+    twice: the terms sum to 115 % of t_iter, so no term's share is given (the breakdown's
+    share column and the headline's largest share), and the terminal says why."""
+    b = Builder()
+    for k in range(8):
+        t = k * 100.0
+        b.span("iteration", t, t + 100, step=k)
+        b.span("io", t, t + 20, step=k)
+        b.span("forward", t + 5, t + 30, step=k)
+        b.span("backward", t + 30, t + 80, step=k)
+        b.span("update", t + 80, t + 95, step=k)
+    path = b.write(str(tmp_path / "t.arrow"), world_size=1)
+    a = analyze(load(path))
+    d = to_dict(a)
+    [c] = _violated(d, "terms_sum")
+    assert c["rank"] == 0 and "+15.0%" in c["why"]
+    assert d["withheld"]["the terms' shares of the iteration"] == c["why"]
+    out = _cli("analyze", str(path)).stdout
+    assert "Largest share" not in out and "Largest term: backward (50.0 ms)" in out
+    fwd = next(ln for ln in out.splitlines() if ln.strip().startswith("t_f "))
+    assert fwd.split()[-1] == "-", fwd
+    assert "withheld: the terms' shares of the iteration" in out
+    from gputrace.report.tables import withheld
+    rows = withheld(d).rows
+    assert any(r[1] == "terms_sum" for r in rows)
+
+
+def _analysis(tmp_path, what_if=()):
+    b = Builder()
+    for rank in (0, 1):
+        ddp_iterations(b, [((4, 3), 40, 60), ((2, 1), 70, 95)], rank=rank, n=8)
+    return analyze(load(b.write(str(tmp_path / "ddp.arrow"), world_size=2)),
+                   what_if=list(what_if))
+
+
+def test_a_clean_ddp_run_breaks_no_invariant(tmp_path):
+    a = _analysis(tmp_path)
+    assert a.checks == [], a.checks
+    assert all(not ra.withheld for ra in a.ranks.values())
+
+
+def test_a_share_over_100_percent_is_withheld(tmp_path):
+    a = _analysis(tmp_path)
+    ra = a.main
+    comm = {**ra.comm, "hidden_fraction": 1.4}
+    bad = replace(ra, comm=comm)
+    out, checks = inv.check_rank(bad, a.world_size)
+    assert [c.invariant for c in checks] == ["shares"]
+    assert "140%" in out.withheld["the hidden share of comm"]
+    assert inv.share_ok(0.99) and not inv.share_ok(5.92) and inv.share_ok(None)
+
+
+def test_hidden_comm_without_compute_beside_it_is_withheld(tmp_path):
+    a = _analysis(tmp_path)
+    ra = a.main
+    zero = type(ra.breakdown["t_f"])(0.0, 0.0)
+    bad = replace(ra, breakdown={**ra.breakdown, **{k: zero for k in
+                                                     ("t_h2d", "t_f", "t_b", "t_u")}},
+                  comm={**ra.comm, "hidden_s": 0.01, "exposed_s": ra.comm["total_s"] - 0.01})
+    _, checks = inv.check_rank(bad, a.world_size)
+    assert "hidden" in [c.invariant for c in checks]
+    parts = replace(ra, comm={**ra.comm, "hidden_s": ra.comm["total_s"]})
+    _, checks = inv.check_rank(parts, a.world_size)
+    assert any(c.invariant == "hidden" and "do not make the total" in c.why for c in checks)
+
+
+def test_a_replay_that_misses_the_measured_run_is_withheld(tmp_path):
+    a = _analysis(tmp_path)
+    ra = a.main
+    assert ra.replay is not None
+    off = replace(ra, replay=replace(ra.replay, baseline_error=0.12,
+                                     baseline_t_iter=ra.replay.measured_t_iter * 1.12))
+    out, checks = inv.check_rank(off, a.world_size)
+    assert [c.invariant for c in checks] == ["replay_baseline"]
+    assert out.replay is None and "+12.0%" in out.replay_unavailable
+
+
+def test_the_speedup_at_the_measured_gpu_count_is_eq5s_prediction(tmp_path):
+    a = _analysis(tmp_path)
+    ra = a.main
+    pts = [replace(p, t_iter=p.t_iter * 1.07) if p.gpus == 2 else p for p in ra.speedup.points]
+    assert any(p.gpus == 2 for p in pts)
+    out, checks = inv.check_rank(replace(ra, speedup=replace(ra.speedup, points=pts)), 2)
+    assert [c.invariant for c in checks] == ["one_value"]
+    p2 = next(p for p in out.speedup.points if p.gpus == 2)
+    assert p2.withheld and math.isnan(p2.t_iter)
+
+
+def test_the_kinds_exposed_time_is_the_overlaps(tmp_path):
+    a = _analysis(tmp_path)
+    ra = a.main
+    kinds = [replace(k, exposed_s=k.exposed_s + 0.005) for k in ra.collectives.kinds]
+    assert kinds
+    out, checks = inv.check_rank(
+        replace(ra, collectives=replace(ra.collectives, kinds=kinds)), 2)
+    assert [c.invariant for c in checks] == ["one_value"]
+    assert "the collectives' exposed time by kind" in out.withheld
+
+
+def test_a_what_if_asked_for_is_a_row_or_a_reason(tmp_path):
+    """Asked for bucket sizes on a trace without per-layer gradient bytes: never dropped
+    without a word."""
+    b = Builder()
+    for rank in (0, 1):
+        for k in range(8):
+            t = k * 100.0
+            b.span("iteration", t, t + 100, step=k, rank=rank)
+            b.span("forward", t + 5, t + 30, step=k, rank=rank)
+            b.span("backward", t + 30, t + 80, step=k, rank=rank)
+            b.span("comm", t + 60, t + 90, name="allreduce", layer=0, step=k, rank=rank,
+                   tid=9, nbytes=8_000_000)
+            b.span("update", t + 90, t + 98, step=k, rank=rank)
+    path = b.write(str(tmp_path / "w.arrow"), world_size=2)
+    a = analyze(load(path), what_if=[Scenario(0, 1.0, 5 * 2**20)])
+    rp = a.main.replay
+    rows = {o.scenario for o in rp.outcomes} if rp is not None else set()
+    if Scenario(2, 1.0, 5 * 2**20) not in rows:
+        assert any(c.invariant == "what_if_asked" for c in a.checks)
+    out = _cli("analyze", str(path), "--what-if", "bucket_cap_mb=5").stdout
+    assert "bucket_cap_mb=5" in out, out
+    doc = json.loads(_cli("analyze", str(path), "--what-if", "bucket_cap_mb=5",
+                          "--json").stdout)
+    labels = [s["label"] for s in (doc["what_if"] or {}).get("scenarios", [])]
+    assert "2 GPUs, bucket_cap_mb=5" in labels or any(
+        "bucket_cap_mb=5" in fig for fig in doc["withheld"])
