@@ -68,12 +68,13 @@ def test_every_invariant_is_listed_in_the_json(tmp_path):
 
 
 def test_degrees_that_do_not_multiply_to_the_world_size_are_not_claimed(tmp_path):
-    """DP 2 x TP 2 read from 2 ranks' groups: impossible on 2 ranks. The dimension with the
-    least behind it (a 228-byte all-reduce on a mesh dimension named tp) is withheld, the
-    headline names no TP, and the reason is given; the collectives stay in the table."""
+    """DP 2 x TP 2 read from 2 ranks' groups (both [0, 1]): impossible on 2 ranks. The
+    dimension beyond data parallelism with the least behind it (a 64 KB all-reduce in the
+    forward on a mesh dimension named tp) is withheld, the headline names no TP, and the
+    reason is given; the collectives stay in the table."""
     path = _two_ranks(tmp_path / "d.arrow", [
         ("all_reduce", "backward", 20, 30, 4_000_000, _mesh("dp")),
-        ("all_reduce", "update", 41, 42, 228, _mesh("tp"))])
+        ("all_reduce", "forward", 5, 6, 65_536, _mesh("tp"))])
     d = to_dict(analyze(load(path)))
     [c] = _violated(d, "degrees")
     assert "multiply to 4" in c["why"] and "2 ranks" in c["why"] and c["rank"] is None
