@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum |
 CHROMIUM := /usr/bin/chromium
 APT := DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 -q
 
-.PHONY: demo test lint docs clean browser screenshot
+.PHONY: demo test lint docs clean browser screenshot gpu-wheels gpu-check
 
 # The extras by their ranges, the releases from constraints.txt (the same on every run).
 $(STAMP): pyproject.toml constraints.txt
@@ -62,6 +62,28 @@ test: lint docs browser
 		--durations=30 || rc=$$?; \
 	$(BIN)/python -m pytest -q -m serial --durations=10 || [ $$rc != 0 ] || rc=$$?; \
 	exit $$rc
+
+# The GPU check's wheels, for a GPU machine with Python 3.12 and a CUDA 13 torch but no
+# network (docs/gpus.md): cupti-python for torch's CUDA 13.0 (GPU_CUPTI: another minor's),
+# its dependencies, the dependencies of gputrace such a machine lacks, and gputrace itself.
+GPU_WHEELS ?= build/gpu-wheels
+GPU_CUPTI ?= cupti-python==13.0.1 nvidia-cuda-cupti==13.0.85 cuda-bindings~=13.0.0
+GPU_PLATFORMS := manylinux2014_x86_64 $(foreach v,17 24 25 27 28,manylinux_2_$(v)_x86_64)
+
+gpu-wheels: $(STAMP)
+	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
+	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		$(addprefix --platform ,$(GPU_PLATFORMS)) -d $(GPU_WHEELS) -c constraints.txt \
+		$(GPU_CUPTI) cuda-pathfinder nvtx msgspec
+	# gputrace's wheel from its sdist (what a release holds, nothing left over in build/)
+	rm -rf build/gpu-dist && $(BIN)/python -m build -q --no-isolation --outdir build/gpu-dist .
+	mv build/gpu-dist/gputrace-*.whl $(GPU_WHEELS)/ && rm -rf build/gpu-dist
+	@du -sh $(GPU_WHEELS)
+
+# On the GPU machine: tests/gpu/check.sh DIR does the same without make.
+OUT ?= build/gpu-check
+gpu-check:
+	tests/gpu/check.sh $(OUT)
 
 clean:
 	rm -rf $(VENV) demo.arrow demo-report.html build *.egg-info
