@@ -84,14 +84,39 @@ def run_boxed(cmd: list[str], box_s: float, env: dict[str, str], log: Path
         try:
             rc: int | None = p.wait(timeout=box_s)
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGTERM)
-            try:
-                p.wait(timeout=3)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+            kill_tree(p)
             rc = None
     return rc, time.perf_counter() - t0
+
+
+def kill_tree(p: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to the step's process group and to every process under it (`gputrace
+    record` starts its job in a group of its own), SIGKILL to those left after 5 s."""
+    try:
+        import psutil
+        procs = psutil.Process(p.pid).children(recursive=True)
+    except Exception:  # noqa: BLE001 - no psutil, or the step already gone
+        procs = []
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:
+            pass
+        for child in procs:
+            try:
+                child.send_signal(sig)
+            except Exception:  # noqa: BLE001 - gone already
+                pass
+        try:
+            p.wait(timeout=5)
+            if sig == signal.SIGTERM and procs:
+                import psutil
+                procs = psutil.wait_procs(procs, timeout=5)[1]
+            if not procs:
+                return
+        except subprocess.TimeoutExpired:
+            pass
+    p.wait()
 
 
 def gpu_absent(env_result: dict[str, Any] | None) -> str | None:

@@ -117,7 +117,7 @@ def install(files: list[Path], target: Path) -> str:
                     item.rename(target / item.name)
         return "unpacked (no pip here)"
     p = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index",
-                        "--no-deps", "--disable-pip-version-check", "--target", str(target),
+                        "--no-deps", "--no-compile", "--disable-pip-version-check", "--target", str(target),
                         *map(str, files)], capture_output=True, text=True)
     if p.returncode != 0:
         raise RuntimeError(f"pip install failed: {p.stderr.strip().splitlines()[-1:]}")
