@@ -59,6 +59,21 @@ def warmup_skip(n: int, skip: int | None = None) -> int:
     return min(max(math.ceil(0.1 * n), 3), n // 2)
 
 
+def _profiler_stub(sp: Spans, idx: np.ndarray) -> bool:
+    """Whether the last of the iteration spans `idx` (sorted by start) is the stub
+    torch.profiler leaves after its last `step()`: a `ProfilerStep#N` open only until the
+    profiler stopped, under a tenth of the others' median length with under a tenth of
+    their median count of spans begun in it."""
+    if idx.size < 2 or not sp.names[int(sp.name[idx[-1]])].startswith("ProfilerStep#"):
+        return False
+    dur = sp.end[idx] - sp.start[idx]
+    if dur[-1] >= 0.1 * float(np.median(dur[:-1])):
+        return False
+    begun = np.searchsorted(np.sort(sp.start), np.stack([sp.start[idx], sp.end[idx]]))
+    count = begun[1] - begun[0]
+    return bool(count[-1] < 0.1 * float(np.median(count[:-1])))
+
+
 def counted_iteration(sp: Spans, its: Iterations, sel: np.ndarray) -> int | None:
     """The analyzed iteration (its index, one of `sel`) whose FLOPs were counted (the `flops`
     span over it, collectors.torch.flops): slowed by the count, it is left out of the
@@ -83,6 +98,8 @@ def find_iterations(sp: Spans) -> Iterations:
     if m.any():
         idx = np.flatnonzero(m)
         idx = idx[np.argsort(sp.start[idx], kind="stable")]
+        if _profiler_stub(sp, idx):
+            idx = idx[:-1]
         loop = Counter(zip(sp.pid[idx].tolist(), sp.tid[idx].tolist(), strict=True)).most_common(1)[0][0]
         return Iterations(sp.start[idx], sp.end[idx], sp.step[idx], False, loop)
     lo = int(sp.start.min())
