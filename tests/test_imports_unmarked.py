@@ -1,11 +1,14 @@
 """Traces of other tools without the marks gputrace expects: the profiler's trailing step
-stub. Each figure is checked against the raw file, read here without gputrace."""
+stub, and iterations and phases found from what an Nsight Systems export repeats. Each
+figure is checked against the raw file, read here without gputrace."""
 
 from __future__ import annotations
 
 import gzip
 import json
 import re
+import shutil
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -36,3 +39,109 @@ def test_rocm_step_is_analyzed_and_the_profilers_stub_dropped():
     b = r["breakdown"]
     assert b["t_f"]["mean"] > 0 and b["t_b"]["mean"] > 0 and b["t_u"]["mean"] > 0
     assert b["t_other"]["mean"] < 0.5 * b["t_iter"]["mean"]
+
+
+def _unzip(name: str, tmp: Path) -> Path:
+    out = tmp / name.removesuffix(".gz")
+    with gzip.open(DATA / "nsys" / name) as src, open(out, "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    return out
+
+
+def _raw_layers(db: sqlite3.Connection) -> dict[int, list[int]]:
+    """pid -> the starts of the FSDP blocks' forward ranges on its busiest NVTX thread."""
+    rows = db.execute("SELECT start, COALESCE(text, (SELECT value FROM StringIds WHERE "
+                      "id = textId)), globalTid FROM NVTX_EVENTS WHERE eventType = 59 "
+                      "ORDER BY start").fetchall()
+    busiest: dict[int, dict[int, int]] = {}
+    for _, _, g in rows:
+        t = busiest.setdefault(g >> 24 & 0xFFFFFF, {})
+        t[g] = t.get(g, 0) + 1
+    out = {}
+    for pid, threads in busiest.items():
+        g = max(threads, key=threads.get)
+        out[pid] = [s for s, text, gg in rows
+                    if gg == g and text.startswith("FSDP::pre_forward (blocks.")]
+    return out
+
+
+def _rank_pids(db: sqlite3.Connection) -> list[int]:
+    return [p for _, p in sorted((dev, gp >> 24 & 0xFFFFFF) for gp, dev in db.execute(
+        "SELECT globalPid, MIN(deviceId) FROM CUPTI_ACTIVITY_KIND_KERNEL GROUP BY globalPid"))]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("nsys")
+    return _unzip("mfu_2gpu_before.sqlite.gz", tmp), _unzip("mfu_2gpu_after.sqlite.gz", tmp)
+
+
+def test_nsight_export_without_marks_is_split_where_it_repeats(pair):
+    src = pair[0]
+    db = sqlite3.connect(f"file:{src}?mode=ro", uri=True)
+    names = dict(db.execute("SELECT id, value FROM StringIds"))
+    kernels = [names[s] for (s,) in db.execute(
+        "SELECT shortName FROM CUPTI_ACTIVITY_KIND_KERNEL")]
+    texts = [t for (t,) in db.execute(
+        "SELECT COALESCE(text, (SELECT value FROM StringIds WHERE id = textId)) "
+        "FROM NVTX_EVENTS WHERE eventType = 59")]
+    # the file: no step mark, forward ops only (emit_nvtx's backward ranges are named
+    # "<Op>Backward<N>, seq = ..."; no backward kernel ran)
+    assert not any(t.startswith("ProfilerStep") for t in texts)
+    assert not any(re.match(r"\w+Backward\d*\b", t) for t in texts)
+    assert not any("bwd" in k for k in kernels) and any("flash_fwd" in k for k in kernels)
+    layers = _raw_layers(db)
+    a = _json("analyze", str(src))
+    gpu = {p: [] for p in layers}
+    for s, e, gp in db.execute("SELECT start, end, globalPid FROM CUPTI_ACTIVITY_KIND_KERNEL"):
+        gpu[gp >> 24 & 0xFFFFFF].append((s, e))
+    for rank, pid in enumerate(_rank_pids(db)):
+        r = a["ranks"][str(rank)]
+        starts = layers[pid]
+        periods = [b - s for s, b in zip(starts, starts[1:], strict=False)]
+        # one iteration per whole repeat of the block sequence (the ranges it begins with
+        # come just before each block's forward range)
+        assert r["iterations"]["count"] == len(periods)
+        assert not r["iterations"]["synthetic"]
+        b = r["breakdown"]
+        raw = sum(periods[r["iterations"]["warmup_skipped"]:]) / r["iterations"]["analyzed"]
+        assert b["t_iter"]["mean"] == pytest.approx(raw / 1e9, rel=0.03)
+        # the GPU computed most of each repeat; all of it is forward, nothing backward
+        busy = _busy(gpu[pid], starts[0], starts[-1]) / (starts[-1] - starts[0])
+        assert busy > 0.8
+        assert b["t_f"]["mean"] > 0.8 * b["t_iter"]["mean"]
+        assert b["t_b"]["mean"] == 0
+        assert b["t_other"]["mean"] < 0.1 * b["t_iter"]["mean"]
+        # no order told relative to a backward that was not found
+        for f in r["findings"]:
+            assert "after the backward" not in f["message"], f["message"]
+    p = run_gputrace("analyze", str(src), timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "after backward" not in p.stdout.splitlines()[0]
+    assert "no iteration marks; its iterations are the" in p.stderr
+
+
+def _busy(iv: list[tuple[int, int]], lo: int, hi: int) -> int:
+    total, reach = 0, lo
+    for s, e in sorted(iv):
+        s, e = max(s, reach), min(e, hi)
+        if e > s:
+            total += e - s
+            reach = e
+    return total
+
+
+def test_diff_of_the_pair_is_per_iteration_in_the_raw_direction(pair):
+    raw = []
+    for src in pair:
+        db = sqlite3.connect(f"file:{src}?mode=ro", uri=True)
+        per = [b - s for starts in _raw_layers(db).values()
+               for s, b in zip(starts, starts[1:], strict=False)]
+        raw.append(sum(per) / len(per) / 1e9)
+    d = _json("diff", str(pair[0]), str(pair[1]))
+    t = d["breakdown"]["t_iter"]
+    assert t["before"] == pytest.approx(raw[0], rel=0.1)
+    assert t["after"] == pytest.approx(raw[1], rel=0.1)
+    # the whole captures are both ~300 ms: per iteration, the after run is the slower
+    assert (t["change"] > 0) == (raw[1] > raw[0])
+    assert t["change"] == pytest.approx(raw[1] - raw[0], rel=0.5)

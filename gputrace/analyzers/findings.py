@@ -85,6 +85,10 @@ def find(m: ModelResult, comm: dict[str, float], io: dict[str, float], bw: Bandw
                 else "info",
                 (f"Gradient communication runs after the backward pass: {exposed:.3f} s of "
                  f"{comm['total_s']:.3f} s comm per iteration runs outside compute."
+                 if m.strategy == "sequential" and t.get("t_b", 0.0) > 0 else
+                 f"{exposed:.3f} s of {comm['total_s']:.3f} s comm per iteration runs "
+                 "outside compute (no backward phase was found, so no order relative to it "
+                 "is told)."
                  if m.strategy == "sequential" else
                  f"Comm units do not queue behind each other, but {exposed:.3f} s of "
                  f"{comm['total_s']:.3f} s comm per iteration runs outside compute: it is "

@@ -56,6 +56,14 @@ def _kineto_files(path: str) -> list[str]:
     return [path]
 
 
+def _repeats_said(path: str, found: dict[str, dict[str, Any]]) -> list[str]:
+    """One line per rank whose iterations were found from what its trace repeats."""
+    return [f"{path}: rank {r}: no iteration marks; its iterations are the {v['count']} "
+            f"repeats of the ranges its loop thread runs from '{v['anchor']}' on (median "
+            f"{v['period_ms']:.1f} ms): a repeat may be a layer of one pass rather than a "
+            "training step" for r, v in sorted(found.items())]
+
+
 def is_foreign(paths: list[str]) -> bool:
     """True when the inputs are other tools' traces (to import), False for gputrace traces."""
     kinds = set()
@@ -107,6 +115,7 @@ def import_paths(paths: list[str]):  # type: ignore[no-untyped-def]
             sources.append({"path": os.path.abspath(p), "tool": "nsys", **info})
             warnings.append(f"{p}: ranks assigned one per process in the order of their "
                             "lowest GPU (an Nsight Systems export does not record ranks)")
+            warnings.extend(_repeats_said(p, info.get("inferred_iterations") or {}))
         elif kind == "kineto":
             kineto_files.extend(_kineto_files(p))
         else:

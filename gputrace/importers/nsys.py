@@ -19,6 +19,8 @@ from gputrace.importers.common import (
 )
 from gputrace.importers.nsys_db import Db, as_int, batches, ids, ints, need, smalls
 from gputrace.importers.nsys_metrics import gpu_metrics, nic_metrics
+from gputrace.importers.nvtx_names import convention_phase, emit_nvtx
+from gputrace.importers.nvtx_ops import NvtxOps
 
 SUPPORTED_MAJOR = 3
 _MEM_KIND = {0: "pageable", 1: "pinned", 2: "device", 4: "managed", 5: "device", 6: "managed"}
@@ -94,6 +96,8 @@ def read(path: str, rows: Rows) -> dict[str, Any]:
     phases: list[tuple[Any, int, int, str]] = []
     iters: list[tuple[int, int, int]] = []
     iter_threads: dict[Any, int] = {}
+    ops = NvtxOps()
+    repeats: dict[int, dict[str, Any]] = {}
     if need(db, "NVTX_EVENTS", {"start", "end", "eventType", "text", "textId", "globalTid",
                                  "domainId"}):
         for dom, text in db.rows(f"SELECT domainId, text FROM NVTX_EVENTS "
@@ -126,10 +130,15 @@ def read(path: str, rows: Rows) -> dict[str, Any]:
                     args.append(None)
                     continue
                 n += 1
-                ps = seen.get(names[k])
+                base, seq = emit_nvtx(names[k])
+                ps = seen.get(base)
                 if ps is None:
-                    ps = seen[names[k]] = phase_of(names[k])
+                    ps = phase_of(base)
+                    ps = seen[base] = ps if ps[0] is not None else (convention_phase(base), -1)
                 ph, step[k] = ps
+                if has_end[k]:
+                    key = (int(pid[k]), int(tid[k]))
+                    ph = ops.add(key, int(start[k]), int(end[k]), base, ph, seq)
                 kind.append("span")
                 cat.append(ph or "user")
                 dom_ = dom[k]
@@ -146,6 +155,19 @@ def read(path: str, rows: Rows) -> dict[str, Any]:
                              end_ns=pa.array(end, mask=~has_end), rank=rank, pid=pid, tid=tid,
                              step=step, args=args)
         counts["nvtx_ranges"] = n
+        counts["emit_nvtx_ops"] = ops.seq_ops
+        for key, rep in ops.repeats(set(iter_threads)).items():
+            for k, (st, en) in enumerate(zip(rep.start.tolist(), rep.end.tolist(),
+                                             strict=True)):
+                iters.append((st, en, k))
+            iter_threads[key] = len(rep.start)
+            rows.add_columns(len(rep.start), kind="span", cat="iteration",
+                             name=f"iteration (repeat of {rep.anchor})",
+                             start_ns=rep.start, end_ns=rep.end,
+                             rank=_ranks(np.full(len(rep.start), key[0]), rank_of),
+                             pid=key[0], tid=key[1], step=np.arange(len(rep.start)))
+            repeats[key[0]] = {"anchor": rep.anchor, "count": len(rep.start),
+                               "period_ms": round(rep.period_ns / 1e6, 3)}
 
     launches = Launches()
     if need(db, "CUPTI_ACTIVITY_KIND_RUNTIME", {"start", "globalTid", "correlationId"}):
@@ -253,5 +275,7 @@ def read(path: str, rows: Rows) -> dict[str, Any]:
     counts["gpu_metrics"] = gpu_metrics(db, rows, offset)
     counts["nic_metrics"] = nic_metrics(db, rows, offset)
     return {"counts": counts, "schema_version": version,
+            "inferred_iterations": {str(rank_of[p]): v for p, v in repeats.items()
+                                    if p in rank_of},
             "product": meta.get("EXPORT_PRODUCT_VERSION"), "ranks_by_gpu": {
                 str(r): {"pid": p, "first_gpu": dev_of[p]} for p, r in rank_of.items()}}
