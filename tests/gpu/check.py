@@ -46,13 +46,13 @@ TOTAL_S = 420.0   # 7 minutes on a GPU machine, every box included
 # (name, base box in seconds, needs a GPU)
 STEPS: list[tuple[str, float, bool]] = [
     ("install", 20, False),
-    ("environment", 20, False),
+    ("environment", 30, False),
     ("gpu_tests_cupti", 40, True),
     ("gpu_tests_kineto", 45, True),
     ("truth_loop", 90, True),
     ("cnn_cuda", 25, True),
     ("capture", 35, True),
-    ("overhead", 100, True),
+    ("overhead", 90, True),
     ("nccl", 40, True),
 ]
 assert sum(b for _, b, _ in STEPS) <= TOTAL_S
@@ -122,9 +122,10 @@ def kill_tree(p: subprocess.Popen[bytes]) -> None:
 def gpu_absent(env_result: dict[str, Any] | None) -> str | None:
     """Why the GPU steps cannot run here, or None when they can."""
     if env_result is None or "gpu" not in env_result:
+        # the environment step gave no answer: where nvidia-smi is, the steps are tried
         if shutil.which("nvidia-smi") is None:
             return "no nvidia-smi on this machine (the environment step gave no answer)"
-        return "the environment step did not say whether torch has CUDA"
+        return None
     return None if env_result["gpu"] else env_result.get("no_gpu_reason", "no GPU")
 
 

@@ -58,7 +58,7 @@ def main() -> None:
         opt.step()
         t3 = now()
         opt.zero_grad(set_to_none=True)
-        float(loss)
+        loss.item()
         t_end = time.time_ns()
         steps.append({"forward": t1 - t0, "backward": t2 - t1, "update": t3 - t2,
                       "start": t_prev, "end": t_end})

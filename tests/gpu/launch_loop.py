@@ -40,7 +40,7 @@ def main() -> None:
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        float(loss)
+        loss.item()
         t_end = time.time_ns()
         # the chain forward and its backward: 2 ops per link
         steps.append({"start": t_prev, "end": t_end, "ops": 2 * a.launches})

@@ -40,7 +40,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--backend", default="nccl")
     a = p.parse_args()
-    dev = torch.device(a.device)
+    dev = torch.device(a.device, 0) if a.device == "cuda" else torch.device(a.device)
     if dev.type == "cuda":
         torch.cuda.set_device(0)
     dist.init_process_group(a.backend, **({"device_id": dev} if dev.type == "cuda" else {}))
@@ -81,7 +81,7 @@ def main() -> None:
         # iteration (AVG: NCCL's one-rank path still runs a kernel for it)
         truth.timed("update", dist.all_reduce, metric, avg)
         opt.zero_grad()
-        float(loss.detach())
+        loss.item()
         truth.end()
     with open(a.out, "w") as f:
         json.dump({"calls": truth.calls, "iterations": truth.iterations}, f)

@@ -241,13 +241,16 @@ def step_environment(ctx: Context) -> dict[str, Any]:
             env = ctx.env(cupti=True)
             p = sh([PY, "-m", "gputrace", "record", "-q", "--gpu-timeline", "cupti", "-o",
                     str(trace), "--", PY, str(job)], env, log, timeout=60)
-            fig["cupti_record"] = pyjson(
-                "import json, sys\nfrom gputrace import load\ntr = load(sys.argv[1])\n"
-                "rows = tr.table.to_pylist()\n"
-                "print(json.dumps({'collector': tr.metadata['collectors'].get('cupti'), "
-                "'kernels': sum(r['cat'] == 'kernel' for r in rows)}))".replace(
-                    "sys.argv[1]", repr(str(trace))), env, log) if p.returncode == 0 \
-                else f"record exit {p.returncode}"
+            try:
+                fig["cupti_record"] = pyjson(
+                    "import json\nfrom gputrace import load\ntr = load(TRACE)\n"
+                    "rows = tr.table.to_pylist()\n"
+                    "print(json.dumps({'collector': tr.metadata['collectors'].get('cupti'), "
+                    "'kernels': sum(r['cat'] == 'kernel' for r in rows)}))".replace(
+                        "TRACE", repr(str(trace))), env, log) if p.returncode == 0 \
+                    else f"record exit {p.returncode}"
+            except (RuntimeError, ValueError) as e:
+                fig["cupti_record"] = f"unreadable: {e}"[:300]
     return {"status": "ran", "figures": fig}
 
 
