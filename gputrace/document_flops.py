@@ -103,7 +103,8 @@ def flops_doc(a: Any, shown: int, inputs: Sequence[str]) -> dict[str, Any]:
             out["peak_used"] = peak["source"] if peak else None
             left = (row["start_ns"], row["end_ns"]) if ra.flops_left_out is not None else None
             out["layers"] = fl.layers(args, _layer_times(table, ra, left), t_iter,
-                                      peak["flops_per_s"] if peak else None)
+                                      peak["flops_per_s"] if peak else None,
+                                      peak["source"] if peak else None)
             out["finding"] = fl.finding(out["layers"], peak["source"] if peak else None)
     if "peaks" not in out:
         return fl.not_counted(f"rank {shown} counted none")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -371,3 +372,190 @@ def test_a_flop_formula_that_fails_leaves_the_job_running_and_says_so(tmp_path):
     text = subprocess.run([*GPUTRACE, "analyze", str(trace)], capture_output=True,
                           text=True, timeout=300).stdout
     assert "FLOPs not counted" in text and "does not handle the shape" in text, text[-2000:]
+
+
+RESNET = Path(__file__).resolve().parent / "jobs" / "resnet_flops.py"
+
+
+@pytest.fixture(scope="module")
+def resnet(tmp_path_factory, cache):
+    """tests/jobs/resnet_flops.py recorded with each layer choice (`leaves`: every
+    convolution, batch norm and the classifier; `blocks`: the residual blocks), side by side,
+    with the probed peak; each with its analyze --json document and the job's own counts."""
+    import gputrace
+
+    tmp = tmp_path_factory.mktemp("resnet")
+    procs = {}
+    for mode in ("leaves", "blocks"):
+        cmd = [*GPUTRACE, "record", "-q", "-o", str(tmp / f"{mode}.arrow"), "--layers", mode,
+               "--layer-forward", "--", sys.executable, str(RESNET), str(tmp / f"{mode}.json")]
+        procs[mode] = subprocess.Popen(cmd, env=cache[0], stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True)
+    out = {}
+    for mode, p in procs.items():
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+        path = tmp / f"{mode}.arrow"
+        results[str(path)] = gputrace.analyze(str(path))
+        out[mode] = (path, json.loads((tmp / f"{mode}.json").read_text()),
+                     results[str(path)].to_dict())
+    return out
+
+
+@pytest.mark.parametrize("mode", ["leaves", "blocks"])
+def test_resnet_layers_have_their_own_flops_and_add_up_to_the_whole(resnet, mode):
+    """A residual block's input feeds its main branch and its 1x1 shortcut convolution: each
+    convolution's backward FLOPs are its own (the job's analytic count, and FlopCounterMode's
+    on that convolution alone), not the main branch's (the shortcut was charged 28x its
+    own), and the layers add up to the whole forward and backward."""
+    _, own, doc = resnet[mode]
+    f = doc["flops"]
+    r = f["ranks"]["0"]
+    assert (r["flops_f"], r["flops_b"]) == (own["flops_f"], own["flops_b"])
+    layers = {ly["module"].removeprefix("ResNet."): ly for ly in f["layers"]}
+    # the leaves: every convolution and the classifier as counted by the job, both ways;
+    # the blocks: the sum of their convolutions'
+    for name, want in own["layers"].items():
+        assert (want["counted_f"], want["counted_b"]) == (want["flops_f"], want["flops_b"])
+        key = name if mode == "leaves" or not name.startswith("layers.") else \
+            ".".join(name.split(".")[:2])
+        got = layers[key]
+        mine = [v for k, v in own["layers"].items() if k == key or k.startswith(key + ".")]
+        assert got["flops_f"] == pytest.approx(sum(v["flops_f"] for v in mine), rel=0.02), key
+        assert got["flops_b"] == pytest.approx(sum(v["flops_b"] for v in mine), rel=0.02), key
+    assert any("shortcut" in k for k in layers) == (mode == "leaves")
+    for key, ly in layers.items():
+        if "bn" in key or "shortcut.1" in key:
+            assert (ly["flops_f"], ly["flops_b"]) == (0, 0), key
+    assert sum(ly["flops_f"] for ly in f["layers"]) == pytest.approx(r["flops_f"], rel=0.02)
+    assert sum(ly["flops_b"] for ly in f["layers"]) == pytest.approx(r["flops_b"], rel=0.02)
+
+
+def _shares(value, path=""):
+    """Every share of a peak in an analyze --json document (MFU, HFU, a layer's share) with
+    its path, and each one's reason where it is withheld."""
+    if isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _shares(v, f"{path}[{i}]")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            if k in ("mfu", "hfu") and isinstance(v, dict):
+                for p, x in v.items():
+                    yield f"{path}.{k}.{p}", x, value.get("mfu_withheld")
+            elif k == "share_of_peak":
+                yield f"{path}.{k}", v, value.get("share_of_peak_withheld")
+            else:
+                yield from _shares(v, f"{path}.{k}")
+
+
+@pytest.mark.parametrize("mode", ["leaves", "blocks"])
+def test_no_share_of_the_peak_is_over_100_percent(resnet, mode):
+    """Every share of the peak analyze --json gives is at most 1; one that would be more is
+    null with the reason beside it, the reason names the FLOP/s and the peak it beat, and
+    the terminal and the report's chart leave it out with a line saying why."""
+    from gputrace.document import page_parts
+    from gputrace.report.terminal import render
+
+    path, _, doc = resnet[mode]
+    f = doc["flops"]
+    peak = f["peaks"]["probed"]["flops_per_s"]
+    shares = list(_shares(f))
+    assert len(shares) >= len(f["layers"])
+    for where, share, _why in shares:
+        assert share is None or 0 <= share <= 1, (where, share)
+    for ly in f["layers"]:
+        rates = [ly[k] for k in ("achieved_flops_per_s_f", "achieved_flops_per_s_b",
+                                 "achieved_flops_per_s") if ly[k] is not None]
+        if any(x > peak for x in rates):
+            assert ly["share_of_peak"] is None
+            assert "above the probed" in ly["share_of_peak_withheld"], ly
+        else:
+            assert ly["share_of_peak_withheld"] is None
+            rate = ly["achieved_flops_per_s"]     # none for a layer without FLOPs
+            assert ly["share_of_peak"] == (None if rate is None else pytest.approx(rate / peak))
+    r = f["ranks"]["0"]
+    assert (r["mfu"]["probed"] is None) == (r["achieved_flops_per_s"] > peak) == \
+        (r["mfu_withheld"] is not None)
+    made = {c.id: c for c in page_parts(results[str(path)].analysis, None, [str(path)])[0]}
+    held = [ly for ly in f["layers"] if ly["share_of_peak_withheld"]]
+    chart = made["flops"]
+    bars = chart.spec["vconcat"][0]["data"]["values"][0]
+    assert all(v <= 1 for v in bars["value"])
+    assert not {ly["layer"] for ly in held} & set(bars["layer"])
+    assert ("left out for" in chart.caption) == bool(held)
+    from gputrace.analyzers.flops import line
+
+    text = line(f)
+    assert ("Share of the peak left out" in text) == bool(held)
+    assert ("MFU withheld" in text) == (r["mfu_withheld"] is not None)
+    # the terminal's MFU and HFU (analyze prints the line after its report), each at most 100 %
+    buf = io.StringIO()
+    render(results[str(path)].analysis, file=buf, width=200)
+    said = [float(x) for x in re.findall(r"[MH]FU (\d+(?:\.\d+)?)%", buf.getvalue() + text)]
+    assert all(x <= 100 for x in said), said
+
+
+def test_a_share_over_the_peak_is_withheld_with_the_reason():
+    """Hand-made: one layer whose backward ran at twice the peak (its FLOPs or its time
+    wrong), one within it: the first's share is null with the reason, the second's is its
+    own; the rank's MFU over the peak likewise; the chart and the terminal line leave the
+    first out and say why."""
+    from gputrace.analyzers import flops as fl
+    from gputrace.report.charts_flops import flops_chart
+
+    peak = {"flops_per_s": 1e12, "dtype": "fp32", "device": "gpu", "source": "X fp32 dense"}
+    args = {"model_flops": 4e10, "hardware_flops": 4e10, "flops_f": 2e10, "flops_b": 2e10,
+            "layers": [{"layer": 1, "name": "Conv2d", "flops_f": 1e9, "flops_b": 2e10},
+                       {"layer": 2, "name": "Linear", "flops_f": 1e9, "flops_b": 2e9}]}
+    rows = fl.layers(args, {1: (0.01, 0.01), 2: (0.01, 0.01)}, 0.05, 1e12, peak["source"])
+    assert rows[0]["share_of_peak"] is None
+    assert rows[0]["share_of_peak_withheld"].startswith("layer 1 Conv2d: backward at 2 TFLOP/s")
+    assert "above the X fp32 dense peak of 1 TFLOP/s" in rows[0]["share_of_peak_withheld"]
+    assert rows[1]["share_of_peak"] == pytest.approx(0.15)
+    assert rows[1]["share_of_peak_withheld"] is None
+    rank = fl.rank_flops(args, 0.02, {"vendor": peak, "probed": None})
+    assert rank["mfu"] == {"vendor": None, "probed": None}
+    assert rank["mfu_withheld"].startswith("MFU withheld: 2 TFLOP/s, above the X fp32")
+    ok = fl.rank_flops(args, 0.05, {"vendor": peak, "probed": None})
+    assert ok["mfu"]["vendor"] == pytest.approx(0.8) and ok["mfu_withheld"] is None
+    doc = {"counted": True, "rank": 0, "ranks": {"0": rank}, "layers": rows,
+           "peaks": {"vendor": peak, "probed": None}, "peak_used": peak["source"],
+           "finding": None}
+    chart = flops_chart(doc)
+    bars = chart.spec["vconcat"][0]["data"]["values"][0]
+    assert bars["layer"] == [2, 2] and bars["value"] == pytest.approx([0.1, 0.2])
+    assert "left out for 1 of 2 layers (1): layer 1 Conv2d" in chart.caption
+    text = fl.line(doc)
+    assert "MFU withheld" in text and "left out for 1 of 2 layers (1)" in text
+    assert "MFU 200" not in text
+
+
+@pytest.mark.parametrize("reentrant", [None, False, True])
+def test_a_residual_blocks_backward_counts_to_its_own_modules(reentrant):
+    """The ResNet of tests/jobs/resnet_flops.py, its second block checkpointed (reentrant or
+    not) or not: each convolution's and the classifier's forward and backward FLOPs are the
+    job's analytic count (a checkpointed one's backward holds its recomputed forward too,
+    counted apart), the 1x1 shortcut's among them, and the leaves add up to the whole."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    from gputrace.collectors.torch.flops import _Count
+    from tests.jobs.resnet_flops import BATCH, SIDE, ResNet, analytic
+
+    torch.manual_seed(0)
+    model = ResNet()
+    x, y = torch.randn(BATCH, 3, SIDE, SIDE), torch.randint(0, 10, (BATCH,))
+    want = analytic(model, x)
+    block = model.layers[1]
+    if reentrant is not None:
+        forward = type(block).forward
+        block.forward = lambda z: checkpoint(lambda t: forward(block, t), z,
+                                             use_reentrant=reentrant)
+    with _Count() as c:
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+    for name, w in want.items():
+        again = w["flops_f"] if reentrant is not None and name.startswith("layers.1.") else 0
+        assert c.split[f"ResNet.{name}"] == [w["flops_f"], w["flops_b"] + again, again], name
+    f, b, r = c.split["Global"]
+    assert (f, b - r) == (sum(w["flops_f"] for w in want.values()),
+                          sum(w["flops_b"] for w in want.values()))

@@ -6,7 +6,12 @@ t_iter is its achieved FLOP/s; over a peak, its MFU. The peaks: the vendor's den
 for the GPU and the dtype the matmuls ran in (analyzers.peaks), and the one `gputrace
 probe` measured on this machine (`matmul_<cpu|gpu>_<dtype>`): both are given, labelled.
 HFU counts the recomputed forward too, where there is one. Per layer: its FLOPs over its
-measured forward (backward) time per iteration."""
+measured forward (backward) time per iteration.
+
+No share of a peak over 100 % is given: a FLOP/s above the peak means that the FLOPs, the
+time they are divided by, or the peak (a probe run on a busy machine) is wrong, so that
+share is withheld (null) and the reason said beside it (`share_of_peak_withheld`,
+`mfu_withheld`)."""
 
 from __future__ import annotations
 
@@ -47,28 +52,56 @@ def _div(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def _tflops(x: float) -> str:
+    return f"{x / 1e12:.3g} TFLOP/s"
+
+
+def above_peak(what: str, rates: dict[str, float | None], peak: float | None,
+               source: str | None) -> str | None:
+    """Why a share of `peak` is withheld where one of `rates` (by what it is of) is above it;
+    None where none is."""
+    over = [(k, r) for k, r in rates.items() if r is not None and peak and r > peak]
+    if not over:
+        return None
+    said = ", ".join((f"{k} at " if k else "") + _tflops(r) for k, r in over)
+    return (f"{what}: {said}, above the {source or 'known'} peak of {_tflops(peak or 0)}: "
+            "the FLOPs, the time measured or the peak is wrong")
+
+
 def rank_flops(args: dict[str, Any], t_iter_s: float, pk: dict[str, Any]) -> dict[str, Any]:
     """One rank's totals, FLOP/s, MFU (and HFU) against each peak."""
     model = float(args.get("model_flops", 0))
     hw = float(args.get("hardware_flops", model))
     rate = _div(model, t_iter_s)
+    hrate = _div(hw, t_iter_s) if hw > model else None
     out = {"flops_f": args.get("flops_f"), "flops_b": args.get("flops_b"),
            "flops_recompute": args.get("flops_recompute", 0),
            "model_flops_per_iteration": model, "hardware_flops_per_iteration": hw,
-           "t_iter_s": t_iter_s, "achieved_flops_per_s": rate,
-           "mfu": {k: _div(rate, (v or {}).get("flops_per_s")) for k, v in pk.items()},
-           "hfu": None}
-    if hw > model:
-        hrate = _div(hw, t_iter_s)
-        out["hfu"] = {k: _div(hrate, (v or {}).get("flops_per_s")) for k, v in pk.items()}
+           "t_iter_s": t_iter_s, "achieved_flops_per_s": rate, "mfu": {}, "hfu": None,
+           "mfu_withheld": None}
+    why = []
+    for k, v in pk.items():
+        peak, source = (v or {}).get("flops_per_s"), (v or {}).get("source")
+        w = above_peak("MFU withheld", {"": rate}, peak, source)
+        out["mfu"][k] = None if w else _div(rate, peak)
+        if hrate:
+            wh = above_peak("HFU withheld", {"with the recomputation": hrate},
+                            peak, source)
+            out["hfu"] = {**(out["hfu"] or {}), k: None if wh else _div(hrate, peak)}
+            w = w if w or not wh else wh
+        if w:
+            why.append(w)
+    out["mfu_withheld"] = "; ".join(why) or None
     return out
 
 
 def layers(args: dict[str, Any], times: dict[int, tuple[float | None, float | None]],
-           t_iter_s: float, peak: float | None) -> list[dict[str, Any]]:
+           t_iter_s: float, peak: float | None, source: str | None = None
+           ) -> list[dict[str, Any]]:
     """Each counted layer with its measured forward and backward time per iteration
     (`times`: layer -> (t_f_s, t_b_s), None where not timed), achieved FLOP/s and its share
-    of `peak` and of the iteration."""
+    of `peak` (`source`: the peak's label) and of the iteration; the share withheld, and
+    why, where its forward, its backward or both together ran above the peak."""
     out = []
     for ly in args.get("layers") or []:
         f, b = float(ly["flops_f"]), float(ly["flops_b"])
@@ -78,12 +111,15 @@ def layers(args: dict[str, Any], times: dict[int, tuple[float | None, float | No
         t = (tf or 0.0) + (tb or 0.0)
         known = (f if tf else 0.0) + (b - r if tb else 0.0)
         rate = _div(known, t) if known else None
+        why = above_peak(f"layer {ly['layer']} {ly['name']}",
+                         {"forward": af, "backward": ab, "both": rate}, peak, source)
         out.append({"layer": ly["layer"], "name": ly["name"], "module": ly.get("module"),
                     "flops_f": f, "flops_b": b - r, "flops_recompute": r,
                     "t_f_s": tf, "t_b_s": tb, "achieved_flops_per_s_f": af,
                     "achieved_flops_per_s_b": ab, "achieved_flops_per_s": rate,
-                    "share_of_peak": _div(rate, peak),
-                    "share_of_iteration": _div(t, t_iter_s) if t else None})
+                    "share_of_peak": None if why else _div(rate, peak),
+                    "share_of_iteration": _div(t, t_iter_s) if t else None,
+                    "share_of_peak_withheld": why})
     return out
 
 
@@ -121,4 +157,20 @@ def line(d: dict[str, Any]) -> str:
                 out += f" (HFU {r['hfu'][k]:.1%})"
     if all(d["peaks"].get(k) is None for k in ("vendor", "probed")):
         out += " (no peak known: run gputrace probe on this machine)"
-    return out
+    if r.get("mfu_withheld"):
+        out += f"\n  {r['mfu_withheld']}"
+    held = withheld_line(d.get("layers") or [])
+    return out + (f"\n  {held}" if held else "")
+
+
+def withheld_line(rows: list[dict[str, Any]]) -> str | None:
+    """The layers whose share of the peak is withheld, in one line: which, and why (the
+    fastest one's reason)."""
+    held = [r for r in rows if r.get("share_of_peak_withheld")]
+    if not held:
+        return None
+    nums = ", ".join(str(r["layer"]) for r in held[:12]) + (", ..." if len(held) > 12 else "")
+    top = max(held, key=lambda r: max(x or 0 for x in (
+        r["achieved_flops_per_s_f"], r["achieved_flops_per_s_b"], r["achieved_flops_per_s"])))
+    return (f"Share of the peak left out for {len(held)} of {len(rows)} layers ({nums}): "
+            f"{top['share_of_peak_withheld']}")

@@ -1,12 +1,14 @@
 """The report's chart of each layer's efficiency: the FLOP/s its forward and its backward
 achieved as a share of the peak (analyze --json's `flops`), bars in layer order, and below
 them each layer's share of the iteration (a layer far below the peak matters as much as
-the time it takes)."""
+the time it takes). A layer whose share is withheld (its FLOP/s above the peak) is left out,
+and the caption says which and why."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from gputrace.analyzers.flops import withheld_line
 from gputrace.report.charts import PALETTE, WIDTH, Chart, _colour, _columns
 
 PHASES = ("forward", "backward")
@@ -24,6 +26,11 @@ def flops_chart(f: dict[str, Any]) -> Chart | None:
         return None
     pk = f.get("peaks") or {}
     peak = (pk.get("vendor") or pk.get("probed") or {}).get("flops_per_s")
+    # a layer whose share of the peak is withheld (above 100 %: analyzers.flops) is left
+    # out, and the caption says why
+    held = withheld_line(rows) if peak else None
+    if held:
+        rows = [ly for ly in rows if not ly.get("share_of_peak_withheld")]
     label = [f"{ly['layer']} {ly['name']}" for ly in rows]
     cols: dict[str, list[Any]] = {k: [] for k in ("layer", "label", "phase", "value",
                                                   "tflops_per_s", "flops", "t_ms")}
@@ -70,5 +77,6 @@ def flops_chart(f: dict[str, Any]) -> Chart | None:
                 if peak else "each layer's achieved TFLOP/s (no peak known: run gputrace probe "
                 "on this machine) ")
                + "(forward, backward), and below, its share of the iteration"
-               + (f". {f['finding']}" if f.get("finding") else ""))
+               + (f". {f['finding']}" if f.get("finding") else "")
+               + (f". {held}" if held else ""))
     return Chart("flops", "Layer efficiency: achieved FLOP/s against the peak", caption, spec)

@@ -2,9 +2,10 @@
 
 One iteration after the first optimizer steps (COUNTED_STEP, 0-based) runs under
 `torch.utils.flop_counter.FlopCounterMode`: every operation it knows (matmuls, convolutions,
-attention) adds its FLOPs to the modules it runs in (its ModuleTracker's per-module
-breakdown), split here into forward, backward and recomputation (a module's forward run
-again inside the backward: activation checkpointing). The mode sends every operation through
+attention) adds its FLOPs to the modules it runs in (in the backward: the modules whose
+forward created the autograd node it runs in, see _Tracker), split here into forward,
+backward and recomputation (a module's forward run again inside the backward: activation
+checkpointing). The mode sends every operation through
 Python, so that iteration is slow. Its spans are written as any other's (the trace keeps
 every iteration the job ran, as the job's own clock does); one `span` row of cat `flops`
 over its time, with the counts in `args` (docs/format.md), marks it, and the analysis leaves
@@ -42,51 +43,99 @@ def env_on(value: str | None) -> bool:
 
 
 class _Tracker(ModuleTracker):
-    """torch's ModuleTracker, a forward that runs inside a backward (recomputed by
-    activation checkpointing) kept apart: `recomputing` holds its modules, the parents
-    stay those whose forward or backward runs. (The tracker's set let the recomputed
-    forward's end remove its module while that module's backward still ran: the rest of the
-    backward was counted to no layer.)"""
+    """torch's ModuleTracker in the forward; in the backward, each autograd node is charged
+    to the modules whose forward created it.
+
+    torch's tracker enters a module in the backward when its outputs' gradients are ready
+    and leaves it when its inputs' are: an input shared with a sibling branch (a residual
+    block's input, used by its 1x1 shortcut convolution and by its main branch) has its
+    gradient only once both branches ran, so the shortcut stayed entered through the main
+    branch's whole backward and was charged it (a ResNet's shortcut convolution had 28x its
+    own backward FLOPs, and the layers' backward summed to 1.6x the model's). Here a
+    module's forward hook claims the nodes its call created (autograd's sequence numbers
+    from its pre-hook on, reached from its outputs; the innermost module first, as its hook
+    runs first), and a backward operation counts to the modules that created the node
+    running it (`torch._C._current_autograd_node`): the same modules its forward counted to.
+
+    A forward that runs inside a backward (recomputed by activation checkpointing) is kept
+    apart: `recomputing` holds its modules; the nodes it makes are claimed as well (a
+    reentrant checkpoint runs their backward inside its own)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.recomputing: dict[str, int] = defaultdict(int)
+        self.owner: dict[Any, frozenset[str]] = {}   # autograd node -> the modules it counts to
+        # per module call under way: autograd's sequence number at its pre-hook (a stack:
+        # calls nest; a call stopped inside, as checkpointing's early stop does, leaves one)
+        self.starts: dict[int, list[int]] = defaultdict(list)
         self.broken: str | None = None     # why tracking failed (the job's forward went on)
 
     def _fw_pre_hook(self, mod: Any, input: Any) -> None:
         try:
-            if not self.is_bw:
-                super()._fw_pre_hook(mod, input)
-                return
             name = self._get_mod_name(mod)
-            self.recomputing[name] += 1
-            # as torch's: the backward of this forward (reentrant checkpointing runs one)
-            # leaves the module at its inputs' gradients
-            self._on_grads(input, self._get_pop_fn(name, True))
+            self.starts[id(mod)].append(torch._C._autograd._get_sequence_nr())
+            if self.is_bw:
+                self.recomputing[name] += 1
+            else:
+                self.parents.add(name)
         except Exception as e:  # noqa: BLE001 - a module hook of ours: never into the job
             self.broken = f"module tracking failed: {reason(e)}"
 
     def _fw_post_hook(self, mod: Any, input: Any, output: Any) -> None:
         try:
-            if not self.is_bw:
-                super()._fw_post_hook(mod, input, output)
-                return
             name = self._get_mod_name(mod)
-            left = self.recomputing.pop(name, 0) - 1
-            if left > 0:
-                self.recomputing[name] = left
-            self._on_grads(output, self._get_append_fn(name, True))
+            calls = self.starts.get(id(mod))
+            start = calls.pop() if calls else None     # None: entered before the count
+            if self.is_bw:
+                left = self.recomputing.pop(name, 0) - 1
+                if left > 0:
+                    self.recomputing[name] = left
+                owners = _with_ancestors(name)
+            else:
+                self.parents.discard(name)
+                owners = frozenset((*self.parents, name))
+            if start is not None:
+                self._claim(output, start, owners)
         except Exception as e:  # noqa: BLE001
             self.broken = f"module tracking failed: {reason(e)}"
 
-    def _on_grads(self, values: Any, fn: Any) -> None:
-        from torch.autograd.graph import register_multi_grad_hook
+    def _claim(self, output: Any, start: int, owners: frozenset[str]) -> None:
+        """The nodes created since `start` that `output` depends on, not claimed yet (by a
+        module inside this one), charged to `owners`."""
         from torch.utils._pytree import tree_flatten
 
-        args, _ = tree_flatten(values)
-        tensors = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
-        if tensors:
-            self._hooks.append(register_multi_grad_hook(tensors, fn))
+        args, _ = tree_flatten(output)
+        todo = [a.grad_fn for a in args if isinstance(a, torch.Tensor) and a.grad_fn is not None]
+        seen: set[int] = set()
+        owner = self.owner
+        while todo:
+            node = todo.pop()
+            if id(node) in seen:
+                continue
+            seen.add(id(node))
+            if node._sequence_nr() < start:
+                continue        # made before this call: an input's
+            owner.setdefault(node, owners)
+            todo.extend(n for n, _ in node.next_functions if n is not None)
+
+    def owners(self) -> frozenset[str]:
+        """The modules a backward operation counts to: those that created the node it runs
+        in ("Global" alone for a node made outside every module: the loss)."""
+        return self.owner.get(torch._C._current_autograd_node(), _GLOBAL)
+
+    def __exit__(self, *args: Any) -> None:
+        super().__exit__(*args)
+        self.owner.clear()      # the nodes (and what they hold) go with the backward
+        self.starts.clear()
+
+
+_GLOBAL = frozenset({"Global"})
+
+
+def _with_ancestors(name: str) -> frozenset[str]:
+    """A module's name, the names above it (its path's prefixes), and "Global"."""
+    parts = name.split(".")
+    return frozenset({"Global", *(".".join(parts[:i]) for i in range(1, len(parts) + 1))})
 
 
 class _Count(FlopCounterMode):
@@ -102,21 +151,23 @@ class _Count(FlopCounterMode):
         self.devices: dict[str, int] = defaultdict(int)
         self.broken: str | None = None      # why counting stopped (a failure of ours)
 
-    def _owners(self, again: bool) -> set[str]:
-        """The modules an operation counts to: the tracker's parents; for an operation of a
+    def _owners(self, bw: bool, again: bool) -> set[str] | frozenset[str]:
+        """The modules an operation counts to: in the forward, the tracker's parents; in the
+        backward, the modules that created the node it runs in; for an operation of a
         recomputed forward, the recomputed modules and every module above them."""
         t = self.mod_tracker
         if not isinstance(t, _Tracker):
+            return set(t.parents)
+        if not bw:
             return set(t.parents)
         if not again:
             # a recomputation has ended when the backward's own products run again (one
             # stopped early by torch, past the modules' ends, left its names behind)
             t.recomputing.clear()
-            return set(t.parents)
-        out = {"Global"}
+            return t.owners()
+        out: set[str] = {"Global"}
         for name in t.recomputing:
-            parts = name.split(".")
-            out.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+            out |= _with_ancestors(name)
         return out
 
     def _count_flops(self, func_packet: Any, out: Any, args: Any, kwargs: Any) -> Any:
@@ -142,7 +193,7 @@ class _Count(FlopCounterMode):
         # (checkpointing) runs with grad, inside a recomputed module
         again = bw and torch.is_grad_enabled() and (
             bool(t.recomputing) if isinstance(t, _Tracker) else True)
-        for par in self._owners(again) if bw else set(t.parents):
+        for par in self._owners(bw, again):
             self.flop_counts[par][func_packet] += n
             c = self.split[par]
             c[1 if bw else 0] += n
