@@ -559,3 +559,15 @@ def test_a_residual_blocks_backward_counts_to_its_own_modules(reentrant):
     f, b, r = c.split["Global"]
     assert (f, b - r) == (sum(w["flops_f"] for w in want.values()),
                           sum(w["flops_b"] for w in want.values()))
+
+
+def test_resnet_layers_backward_time_holds_their_own_work(resnet):
+    """A layer's FLOP/s divides its FLOPs by the time of the same work: each convolution's
+    and the classifier's backward time per iteration holds at least the time its own
+    autograd node ran (the job's perf_counter around that node, in the same iterations)."""
+    path, own, doc = resnet["leaves"]
+    steps = [r["step"] for r in rows(path, "iteration")][doc["iterations"]["warmup_skipped"]:]
+    layers = {ly["module"].removeprefix("ResNet."): ly for ly in doc["flops"]["layers"]}
+    for name, want in own["layers"].items():
+        mine = float(np.mean([want["backward_s"][s] for s in steps]))
+        assert layers[name]["t_b_s"] >= 0.95 * mine - 50e-6, (name, layers[name]["t_b_s"], mine)

@@ -10,11 +10,13 @@ weight (as much as the forward) and of the input (as much again), except for the
 input, which needs none; batch norm, ReLU, the residual add and the pooling count none
 (FlopCounterMode counts none of them). Each convolution and the classifier is counted
 alone too, by torch.utils.flop_counter.FlopCounterMode around that module's forward and the
-backward of its output, after the loop.
+backward of its output, after the loop. The backward of each of them (its output's autograd
+node, from its pre-hook to its hook) is timed with perf_counter in every step.
 
 Writes OUT as JSON: {"layers": {module path: {"flops_f", "flops_b", "counted_f",
-"counted_b"}} (analytic, and FlopCounterMode's on the module alone), "flops_f", "flops_b",
-"iterations": [seconds per step], "step_ends": [perf_counter after each optimizer step]}.
+"counted_b" (analytic, and FlopCounterMode's on the module alone), "backward_s": [its
+node's seconds per step]}}, "flops_f", "flops_b", "iterations": [seconds per step],
+"step_ends": [perf_counter after each optimizer step]}.
 """
 
 from __future__ import annotations
@@ -112,6 +114,30 @@ def counted_alone(model: nn.Module, x: torch.Tensor) -> dict[str, tuple[int, int
     return out
 
 
+def time_backward(model: nn.Module, steps: int, step: list[int]
+                  ) -> tuple[dict[str, list[float]], list[object]]:
+    """Each convolution's and the classifier's backward node timed in every step: a forward
+    hook puts a pre-hook and a hook on the node its output came from."""
+    own: dict[str, list[float]] = {}
+    handles = []
+    for name, m in model.named_modules():
+        if not isinstance(m, (nn.Conv2d, nn.Linear)):
+            continue
+        own[name] = [0.0] * steps
+
+        def hook(m, i, o, name=name) -> None:  # noqa: ANN001
+            if o.grad_fn is None:
+                return
+            t0: list[float] = []
+            o.grad_fn.register_prehook(lambda g: t0.append(time.perf_counter()))
+
+            def done(gi, go) -> None:  # noqa: ANN001
+                own[name][step[0]] += time.perf_counter() - t0.pop()
+            o.grad_fn.register_hook(done)
+        handles.append(m.register_forward_hook(hook))
+    return own, handles
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -122,7 +148,10 @@ def main() -> None:
     x, y = torch.randn(BATCH, 3, SIDE, SIDE), torch.randint(0, 10, (BATCH,))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     its, ends = [], []
-    for _ in range(a.steps):
+    step = [0]
+    own_b, handles = time_backward(model, a.steps, step)
+    for s in range(a.steps):
+        step[0] = s
         t0 = time.perf_counter()
         opt.zero_grad()
         loss = nn.functional.cross_entropy(model(x), y)
@@ -130,9 +159,11 @@ def main() -> None:
         opt.step()
         ends.append(time.perf_counter())
         its.append(ends[-1] - t0)
+    for h in handles:
+        h.remove()
     layers = analytic(model, x)
     for name, (f, b) in counted_alone(model, x).items():
-        layers[name].update(counted_f=f, counted_b=b)
+        layers[name].update(counted_f=f, counted_b=b, backward_s=own_b[name])
     with open(a.out, "w") as fh:
         json.dump({"layers": layers, "flops_f": sum(v["flops_f"] for v in layers.values()),
                    "flops_b": sum(v["flops_b"] for v in layers.values()),
