@@ -177,6 +177,10 @@ def analyze_rank(sp: Spans, stood: tuple[np.ndarray, np.ndarray] | None = None,
         comm_m = gcomm if gcomm.any() else host_comm
         compute = _u(sp, gpu & ~gcomm)
         if gcomm.any():
+            # the comm a phase run spans while no compute runs is exposed comm, counted as
+            # such: not the phase's time too
+            bare = ov.subtract(_u(sp, gcomm), compute)
+            np.add.at(ext, (rg, rl), -ov.measure(bare, rs_, re_) / sec)
             c = np.flatnonzero(gcomm)
             comm_h = ov.grouped_hidden(sp.start[c], sp.end[c], group[c], n, compute)
         else:
