@@ -14,6 +14,7 @@ from gputrace.analyzers import collective_totals as ct
 from gputrace.analyzers import collectives as col
 from gputrace.analyzers import frame as fr
 from gputrace.analyzers import invariants, sanity, zero_whatif
+from gputrace.analyzers import recompute as rcp
 from gputrace.analyzers import sharded as shd
 from gputrace.analyzers import throughput as tput
 from gputrace.analyzers.bandwidth import analyze_bandwidth, bandwidth_series
@@ -110,6 +111,7 @@ class RankPart:
     degrees: dict[str, int] = field(default_factory=dict)  # dimension -> its group's size
     groups: dict[str, dict[str, Any]] = field(default_factory=dict)  # registry.groups
     left_out: int | None = None   # the analyzed iteration whose FLOPs were counted (its index)
+    recompute: rcp.Recompute | None = None   # the forward recomputed in the backward
 
     @property
     def sel(self) -> np.ndarray:
@@ -173,7 +175,8 @@ def analyze_spans(sp: fr.Spans, o: Options) -> RankPart:
         collectives=colls, sharded=sharded, shard_inputs=fs.inputs if fs is not None else None,
         dims=dims, degrees=registry.degrees(cr, inside), groups=registry.groups(cr, inside),
         throughput=tput.rank(sp, its.start, its.end, sel, float(rs.terms["t_iter"][sel].mean())
-                             if sel.size else 0.0, *o.batch), left_out=left)
+                             if sel.size else 0.0, *o.batch), left_out=left,
+        recompute=rcp.summarize(sp, rs.recompute_s, rs.layer_recompute_s, rs.terms["t_b"], sel))
 
 
 def _fsdp_part(p: RankPart, o: Options) -> Any:
@@ -347,7 +350,8 @@ def combine(parts: list[FramePart], md: dict[str, Any], opts: Options, probe: An
             collectives=p.collectives, comm_missing=missing, sharded=p.sharded,
             dims=p.dims, degrees=degrees, parallel=parallel, groups=groups,
             dimensions=registry.describe(degrees, world), throughput=p.throughput,
-            flops_left_out=None if p.left_out is None else int(p.steps.iterations.step[p.left_out]))
+            flops_left_out=None if p.left_out is None else int(p.steps.iterations.step[p.left_out]),
+            recompute=rcp.seen(p.recompute, md))
     slowest = max(out, key=lambda r: out[r].breakdown["t_iter"].mean)
     main = out[slowest]
     if main.replay is not None:

@@ -134,12 +134,16 @@ def iteration_timeline(sp: Spans, rs: RankSteps, k: int) -> IterationTimeline:
     if loop_m.any():
         lanes.append("host")
         spans("host", loop_m)
-    per_layer = host & (sp.of("forward") | sp.of("backward")) & (sp.layer >= 1)
+    # each layer's forward, backward and recompute (activation checkpointing's forward run
+    # again inside the backward)
+    per_layer = host & (sp.of("forward") | sp.of("backward") | sp.of("recompute")) & \
+        (sp.layer >= 1)
     layers = sorted(set(sp.layer[per_layer].tolist()), reverse=True)
     first = len(bars)
     for ly in layers:
         lanes.append(f"layer {ly}")
-        spans(f"layer {ly}", per_layer & (sp.layer == ly))
+        spans(f"layer {ly}", per_layer & (sp.layer == ly) & ~sp.of("recompute"))
+        spans(f"layer {ly}", per_layer & (sp.layer == ly) & sp.of("recompute"))  # on top
     if len(layers) > MAX_LANES:
         del lanes[-len(layers):]
         lanes += _pack(bars, first, "layers")

@@ -62,6 +62,9 @@ class RankAnalysis:
     flops_left_out: int | None = None
     # figures withheld because an invariant did not hold (analyzers.invariants): what -> why
     withheld: dict[str, str] = field(default_factory=dict)
+    # the forward recomputed in the backward (activation checkpointing), a part of t_b:
+    # analyzers.recompute.Recompute
+    recompute: Any = None
 
     @property
     def analyzed(self) -> int:

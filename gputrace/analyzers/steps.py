@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from gputrace.analyzers import overlap as ov
+from gputrace.analyzers import recompute as rc
 from gputrace.analyzers.frame import Spans
 from gputrace.analyzers.parallel.bubble import passes, with_bubble
 from gputrace.analyzers.units import LayerEnds, Units, gpu_layer_ends, layer_ends
@@ -50,6 +51,10 @@ class RankSteps:
     # per-kind exposed comm too): a host trace's phases' own work, not their waits; a GPU
     # trace's compute records (`gpu`)
     compute: ov.Union = ov.EMPTY
+    # per iteration: the forward recomputed inside the backward (activation checkpointing),
+    # a part of t_b, in seconds; and each layer's (analyzers.recompute)
+    recompute_s: np.ndarray | None = None
+    layer_recompute_s: list[dict[int, float]] = field(default_factory=list)
 
 
 def warmup_skip(n: int, skip: int | None = None) -> int:
@@ -134,6 +139,7 @@ def analyze_rank(sp: Spans, stood: tuple[np.ndarray, np.ndarray] | None = None,
     work = _u(sp, work_m)
     bwd_m = sp.of("backward")
     per_layer = bwd_m & (sp.layer >= 1) & (sp.device < 0)
+    rec_m = rc.spans(sp)    # the forward recomputed in the backward: t_b's, not t_f's
     sized = np.flatnonzero(per_layer & ~np.isnan(sp.nbytes))
     ly_sized, first = np.unique(sp.layer[sized], return_index=True)
     layer_bytes = dict(zip(ly_sized.tolist(), sp.nbytes[sized][first].tolist(), strict=True))
@@ -165,6 +171,9 @@ def analyze_rank(sp: Spans, stood: tuple[np.ndarray, np.ndarray] | None = None,
         label = np.full(sp.start.size, 3, dtype=np.int64)      # 3: launched in no phase
         for k, ph in enumerate(("forward", "backward", "update")):
             label[sp.in_phase(ph)] = k
+        # launched in a recomputed forward: the backward's work (an older recorder's
+        # recompute was a forward span, the innermost phase of its launches)
+        label[(label == 0) & rc.launched_in(sp, rec_m)] = 1
         ci = np.flatnonzero(comp)
         dev = sp.device.astype(np.int64)
         rs_, re_, rg, rl, rfirst, rlast = ov.runs(sp.start[ci], sp.end[ci], group[ci],
@@ -209,6 +218,8 @@ def analyze_rank(sp: Spans, stood: tuple[np.ndarray, np.ndarray] | None = None,
         # a layer's gradient is ready when the GPU has run what was launched for it: the
         # last backward record launched while the host computed that layer's backward
         bwd_gpu = comp & (label == 1)
+        rec_s, rec_layers = rc.gpu(sp, rec_m, bwd_gpu, group, n)
+        rec_s = np.minimum(rec_s, terms["t_b"])
         layer_end = gpu_layer_ends(sp, per_layer, bwd_gpu)
         back = bwd_gpu
         back_start, back_end = sp.start, sp.end
@@ -220,7 +231,7 @@ def analyze_rank(sp: Spans, stood: tuple[np.ndarray, np.ndarray] | None = None,
         if par:
             st = ov.merge(st, *par.values())
         h2d = _u(sp, sp.of("h2d"))
-        fwd = ov.subtract(_u(sp, sp.of("forward") | pass_f), st)
+        fwd = ov.subtract(_u(sp, (sp.of("forward") & ~rec_m) | pass_f), st)
         phase_b = _u(sp, bwd_m & (sp.device < 0))
         # backward's own work: the per-layer spans where known (the outer autograd call of
         # DDP also waits for its last all-reduce, which no span of the job's thread marks).
@@ -254,6 +265,7 @@ def analyze_rank(sp: Spans, stood: tuple[np.ndarray, np.ndarray] | None = None,
         # backward's own work: per-layer spans where known (the outer autograd call also
         # waits for DDP's last all-reduce, so its end is not the end of the gradients)
         back = per_layer if per_layer.any() else bwd_m
+        rec_s, rec_layers = rc.host(sp, rec_m, bwd, lo, hi)
         back_start, back_end = sp.start, sp.end
     io_total = ov.measure(ov.merge(wait, work), lo, hi) / sec
     io_exposed = terms["t_io"]
@@ -284,7 +296,7 @@ def analyze_rank(sp: Spans, stood: tuple[np.ndarray, np.ndarray] | None = None,
     upd_n = np.searchsorted(hu[0], hi, "left") - np.searchsorted(hu[1], lo, "right")
     return RankSteps(sp.rank, its, terms, comm_h, io_h, units, layer_bs, ends, layer_bytes,
                      bstart, bend, np.array([fetch_s]), workers, upd_n, bool(gpu.any()),
-                     compute)
+                     compute, rec_s, rec_layers)
 
 
 def _run_bounds(sp: Spans, start: np.ndarray, end: np.ndarray, label: np.ndarray,

@@ -21,6 +21,7 @@ WIDTH = 760
 # one colour per phase everywhere on the page
 PALETTE = {
     "io": "#f58518", "h2d": "#eeca3b", "forward": "#4c78a8", "backward": "#54a24b",
+    "recompute": "#a0d6a0",
     "update": "#b279a2", "comm exposed": "#e45756", "comm hidden": "#72b7b2",
     "other": "#bab0ac", "framework": "#8c6d31", "comm": "#ff9da6", "kernel": "#9d755d", "memcpy": "#79706e",
     "memset": "#d8b5a5", "sync": "#d6d6d6",

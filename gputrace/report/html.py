@@ -135,10 +135,23 @@ def _summary(a: Analysis, ra: RankAnalysis, source: str) -> list[str]:
                f"measured ({m.relative_error:+.1%}).</p>")
     rows = "".join(f"<tr><td>{k}</td><td>{_e(label)}</td><td>{_ms(ra.breakdown[k].mean)}</td>"
                    f"<td>{_ms(ra.breakdown[k].std)}</td></tr>"
+                   + (_recompute_row(ra) if k == "t_b" else "")
                    for k, label in (("t_iter", "iteration"), *phase_rows(ra)))
     out.append("<table><tr><th>term</th><th></th><th>mean</th><th>&plusmn; std</th></tr>"
                f"{rows}</table>")
     return out
+
+
+def _recompute_row(ra: RankAnalysis) -> str:
+    """The breakdown's row under t_b: the forward activation checkpointing recomputed in
+    it, where there is one."""
+    rc = ra.recompute
+    if rc is None or not rc.mean_s:
+        return ""
+    of = f", {rc.share_of_t_b:.0%} of t_b" if rc.share_of_t_b is not None else ""
+    return (f'<tr class="recompute"><td></td><td>&nbsp;&nbsp;of which recompute '
+            f"(checkpointed forward{of})</td><td>{_ms(rc.mean_s)}</td>"
+            f"<td>{_ms(rc.std_s or 0.0)}</td></tr>")
 
 
 def _findings(ra: RankAnalysis, drawn: dict[str, Chart], more: Sequence[Finding] = ()

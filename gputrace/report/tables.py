@@ -131,6 +131,27 @@ def withheld(doc: dict[str, Any]) -> Table:
     return _table("withheld", checks, ("rank", "invariant", "figure", "why"))
 
 
+RECOMPUTE_COLUMNS = ("rank", "layer", "name", "recompute_s", "std_s", "share_of_t_b",
+                     "unavailable")
+
+
+def recompute(doc: dict[str, Any]) -> Table:
+    """Per rank the forward recomputed inside the backward (activation checkpointing), a
+    part of t_b, per analyzed iteration (the JSON's `ranks.*.recompute`): a row for the
+    whole (layer None: its mean, std and share of t_b, or why it is not known) and one per
+    layer recomputed."""
+    out: list[dict[str, Any]] = []
+    for r, rd in doc["ranks"].items():
+        rc = rd.get("recompute")
+        if not rc:
+            continue
+        out.append({"rank": int(r), "layer": None, "name": None, "recompute_s": rc["mean_s"],
+                    "std_s": rc["std_s"], "share_of_t_b": rc["share_of_t_b"],
+                    "unavailable": rc["unavailable"]})
+        out += [{"rank": int(r), **x} for x in rc["layers"]]
+    return _table("recompute", out, RECOMPUTE_COLUMNS)
+
+
 def what_if(doc: dict[str, Any]) -> Table:
     """The shown rank's what-if scenarios (the only rank given intervals), as in the JSON."""
     wi = doc.get("what_if") or {}

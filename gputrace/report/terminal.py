@@ -88,7 +88,17 @@ def headline(ra: RankAnalysis) -> str:
     rate = f" ({rate_text(t.samples_per_s)} samples/s)" if t is not None else ""
     largest = f"Largest term: {top_name} ({_ms(parts[top])})" if shares_withheld(ra) else \
         f"Largest share: {top_name} ({_ms(parts[top])}, {share:.0%})"
-    return f"{_ms(t_iter)} per iteration{rate}. {case}. {largest}."
+    return f"{_ms(t_iter)} per iteration{rate}. {case}. {largest}.{_recompute(ra)}"
+
+
+def _recompute(ra: RankAnalysis) -> str:
+    """The headline's sentence on activation checkpointing, where its recompute is large
+    (over analyzers.recompute.LARGE of t_b)."""
+    rc = ra.recompute
+    if rc is None or not rc.large:
+        return ""
+    return (f" Activation checkpointing recomputes the forward in the backward: "
+            f"{_ms(rc.mean_s)} per iteration, {rc.share_of_t_b:.0%} of t_b.")
 
 
 def _exposed(units: list[UnitStats], C: int | None) -> str:
@@ -209,6 +219,11 @@ def render(a: Analysis, rank: int | None = None, file: IO[str] | None = None,
         share = "" if key == "t_iter" or t_iter == 0 else "-" if shares_withheld(ra) else \
             f"{s.mean / t_iter:.0%}"
         bt.add_row(key, label, _ms(s.mean), _ms(s.std), share)
+        rc = ra.recompute
+        if key == "t_b" and rc is not None and rc.mean_s:
+            of = f", {rc.share_of_t_b:.0%} of t_b" if rc.share_of_t_b is not None else ""
+            bt.add_row("", f"  of which recompute (checkpointed forward{of})", _ms(rc.mean_s),
+                       _ms(rc.std_s or 0.0), "")
     con.print(bt)
     con.print(throughput_line(a, ra))
     con.print()

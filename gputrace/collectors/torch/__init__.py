@@ -217,6 +217,8 @@ class _State:
         self.rec.span("backward", "backward", self.bwd_t0, t)
         self.last_bwd_end = self.its.last_bwd = t
         self.last_mark = 0
+        if self.modules.probes:
+            self.modules.backward_done()
 
     # -- update --------------------------------------------------------------------------
     @_guarded
@@ -343,7 +345,7 @@ def auto_instrument(rec: Recorder) -> str:
     _flops(state)
     rec.metadata.setdefault("software", {})["torch"] = torch.__version__
     rec.metadata["torch"] = {"cuda": bool(torch.cuda.is_available()), "layers": layers,
-                             "layer_forward": forward}
+                             "layer_forward": forward, "recompute": "watched"}
     return "ok"
 
 

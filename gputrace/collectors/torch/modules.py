@@ -24,7 +24,9 @@ forward issues are told by layer): on a 12-block transformer those two hooks per
 cost the loop about 1 %. Otherwise a one-shot pre-hook numbers the module at its first call
 (layers 1..L in execution order from the input side) and is removed, and the module runs
 unhooked from then on. A compiled model (`torch.compile`) keeps only the parameter hooks: a
-hook inside the compiled region would break its graph.
+hook inside the compiled region would break its graph. A module forward run inside the
+backward (activation checkpointing's recompute) is a `recompute` span, never a `forward` one:
+collectors.torch.recompute finds the modules recomputed and times them at every choice.
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ from typing import Any
 
 import torch.nn as nn
 
+from gputrace.collectors.torch import recompute
 from gputrace.collectors.torch.guard import _hook_failed
+from gputrace.collectors.torch.recompute import in_backward
 
 MODES = ("blocks", "leaves", "off")
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
@@ -152,6 +156,10 @@ class Modules:
             weakref.WeakKeyDictionary()
         self.lock = threading.Lock()
         self.adopted: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # roots adopt_live made
+        self.probes: list[recompute.Probe] = []    # roots learning what they recompute
+        self.recomputed: weakref.WeakKeyDictionary[nn.Module, list[Any]] = \
+            weakref.WeakKeyDictionary()
+        self.spanned: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # with forward spans
 
     # -- construction ----------------------------------------------------------------------
     def install(self) -> None:
@@ -268,10 +276,30 @@ class Modules:
                 for h in self.timed.pop(m, []):
                     h.remove()
                 st.layer_for(m, params)
+            st.rec.metadata.setdefault("torch", {})["recompute"] = (
+                "not seen: a compiled model recomputes inside its compiled backward")
             return
         for m, params in chosen:
             if m not in self.timed:
-                self.timed[m] = self._attach(m, params, self.forward or _tp(m, params))
+                spans = self.forward or _tp(m, params)
+                if spans:
+                    self.spanned.add(m)
+                self.timed[m] = self._attach(m, params, spans)
+        probe = recompute.Probe(st, root)
+        probe.armed = st.bwd_depth == 0
+        with self.lock:
+            self.probes.append(probe)
+
+    def backward_done(self) -> None:
+        """A backward ended: the roots whose probes saw it keep timers on the modules they
+        recompute (collectors.torch.recompute), and lose the probes."""
+        with self.lock:
+            done = [p for p in self.probes if p.armed]
+            self.probes = [p for p in self.probes if not p.armed]
+            for p in self.probes:
+                p.armed = True
+        for p in done:
+            p.finish(self.spanned, self.recomputed)
 
     def _attach(self, m: nn.Module, params: list[nn.Parameter], forward: bool) -> list[Any]:
         """With forward spans: one per call of `m`, appended as one tuple (perf_counter_ns
@@ -283,8 +311,9 @@ class Modules:
             once.handle = m.register_forward_pre_hook(once)
             return [once.handle]
         pre = _TimedPre(self.st, params)
+        # always called: a non-reentrant recompute that stops early raises inside it
         return [m.register_forward_pre_hook(pre),
-                m.register_forward_hook(_TimedPost(pre, type(m).__name__))]
+                m.register_forward_hook(_TimedPost(pre, type(m).__name__), always_call=True)]
 
 
 def _tp(m: nn.Module, params: list[nn.Parameter]) -> bool:
@@ -348,7 +377,8 @@ class _TimedPre(_Hook):
 
 
 class _TimedPost(_Hook):
-    """A timed module's forward hook: the span from its pre-hook's start to now."""
+    """A timed module's forward hook: the span from its pre-hook's start to now; a call
+    inside the backward (a recompute: collectors.torch.recompute) is a `recompute` span."""
 
     __slots__ = ("pre", "name")
 
@@ -361,8 +391,8 @@ class _TimedPost(_Hook):
         pre = self.pre
         try:
             st = pre.st
-            st.push(("forward", self.name, pre.starts.pop(), t, _tid(), st.rec.step,
-                     pre.layer, None, None))
+            st.push(("recompute" if in_backward() else "forward", self.name,
+                     pre.starts.pop(), t, _tid(), st.rec.step, pre.layer, None, None))
         except IndexError:   # hooked during this very call: its start was not taken
             pass
         except Exception as e:  # noqa: BLE001
