@@ -203,18 +203,26 @@ def _side(opts: AnalysisOptions, path: str) -> tuple[Analysis, Any]:
 
 
 def _calibration(opts: AnalysisOptions) -> Any:
-    """`calibrate`'s run, analyzed under the same options: its pipeline, what this run's
-    what-ifs fit their compute with."""
+    """`calibrate`'s runs (one path, or several joined by commas), each analyzed under the
+    same options: their pipelines, what this run's what-ifs fit their compute with (which
+    of them fit, and why the others do not, the pipeline section says)."""
+    import os
+
     from gputrace.analyzers.parallel.pp_whatif import calibration_of
 
     assert opts.calibrate is not None
-    a = run_analysis(replace(opts, inputs=(opts.calibrate,), calibrate=None, rank=None,
-                             skip=None))
-    pl = next((ra.parallel["pp"] for ra in a.ranks.values() if "pp" in ra.parallel), None)
-    if pl is None:
-        raise AnalysisError(f"--calibrate {opts.calibrate}: no pipeline in it (it takes a "
-                            "run of the same pipeline job at another microbatch count)")
-    return calibration_of(pl)
+    paths = [opts.calibrate] if os.path.exists(opts.calibrate) else \
+        [p.strip() for p in opts.calibrate.split(",") if p.strip()]
+    out = []
+    for path in paths:
+        a = run_analysis(replace(opts, inputs=(path,), calibrate=None, rank=None, skip=None))
+        pl = next((ra.parallel["pp"] for ra in a.ranks.values() if "pp" in ra.parallel),
+                  None)
+        if pl is None:
+            raise AnalysisError(f"--calibrate {path}: no pipeline in it (it takes a run of "
+                                "the same pipeline job at another microbatch count)")
+        out.append(calibration_of(pl))
+    return out[0] if len(out) == 1 else out
 
 
 def _say_skip_clamped(a: Analysis, skip: int | None, rank: int | None) -> None:

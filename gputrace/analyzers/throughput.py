@@ -94,6 +94,9 @@ def rank(sp: Spans, it_start: np.ndarray, it_end: np.ndarray, sel: np.ndarray,
         ok = (it >= 0) & (sp.start[mine] < it_end[np.maximum(it, 0)])
         n = np.bincount(it[ok], minlength=it_start.size)[sel]
         forwards = float(n.mean()) if n.size and n.mean() > 0 else 1.0
+        first = _first_stage_forwards(sp, it_start, it_end, sel)
+        if first is not None:
+            forwards = first
     if batch_size is not None:
         samples, source = batch_size, "--batch-size"
     else:
@@ -104,6 +107,34 @@ def rank(sp: Spans, it_start: np.ndarray, it_end: np.ndarray, sel: np.ndarray,
     per_it = samples * forwards
     return Throughput(per_it, per_it / t_iter, forwards, int(tokens) if tokens else None,
                       batch, source)
+
+
+def _first_stage_forwards(sp: Spans, it_start: np.ndarray, it_end: np.ndarray,
+                          sel: np.ndarray) -> float | None:
+    """A pipeline rank's microbatches per iteration: the forwards of its first stage (its
+    `pipeline` forward spans of the lowest stage it holds), each sample counted once where
+    the rank holds several stages (interleaved, V schedules); None without them."""
+    if "forward" not in sp.names:
+        return None
+    pipe = np.flatnonzero(sp.of("pipeline") & (sp.name == sp.names.index("forward"))
+                          & (sp.device < 0))
+    if not pipe.size:
+        return None
+    stage = []
+    for a in sp.args.take(pa.array(pipe)).to_pylist():
+        try:
+            k = json.loads(a).get("stage") if a else None
+        except (ValueError, AttributeError):
+            k = None
+        stage.append(k if isinstance(k, int) else -1)
+    st = np.array(stage)
+    if (st < 0).all():
+        return None
+    mine = pipe[st == st[st >= 0].min()]
+    it = np.searchsorted(it_start, sp.start[mine], side="right") - 1
+    ok = (it >= 0) & (sp.start[mine] < it_end[np.maximum(it, 0)])
+    n = np.bincount(it[ok], minlength=it_start.size)[sel]
+    return float(n.mean()) if n.size and n.mean() > 0 else None
 
 
 def job(per_rank: dict[int, Throughput | None], world: int,

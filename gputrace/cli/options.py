@@ -38,7 +38,8 @@ def add_options(p: argparse.ArgumentParser, inputs: bool = True) -> None:
     p.add_argument("--calibrate", metavar="OTHER", help="another run of the same pipeline "
                    "job at another microbatch count (a trace or shard directory): the "
                    "pipeline what-ifs fit each stage's compute per microbatch as fixed + "
-                   "per-sample from the two runs")
+                   "per-sample from the two runs; several, joined by commas: through the "
+                   "two counts nearest each what-if's")
     p.add_argument("--no-align", action="store_true", help="take each host's clock as "
                    "recorded (offsets are still estimated and reported)")
 

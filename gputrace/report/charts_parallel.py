@@ -54,8 +54,9 @@ def pipeline(a: Analysis, ra: RankAnalysis) -> Chart | None:
     if it is None:
         return None
     one = pp.first_replica(pl)
-    lanes = [f"stage {s.stage} (rank {s.rank})" for s in one]
-    lane = {s.stage: n for s, n in zip(one, lanes, strict=True)}
+    held = sorted((k, s.rank) for s in one for k in (s.held or (s.stage,)))
+    lanes = [f"stage {k} (rank {r})" for k, r in held]
+    lane = {k: n for (k, _), n in zip(held, lanes, strict=True)}
     # the steps first: drawn under the blocks
     blocks = sorted(it.blocks, key=lambda b: (b.name != "step", b.stage, b.start_s))
     px = WIDTH / it.makespan_s if it.makespan_s > 0 else 0.0
@@ -105,13 +106,15 @@ def pipeline(a: Analysis, ra: RankAnalysis) -> Chart | None:
                f"bubble. In this iteration (the first stage's median step) each stage computed "
                f"nothing for: {idle} of {_ms(it.makespan_s)}. Measured bubble "
                f"{pl.bubble:.0%} of the iteration (mean over stages and analyzed iterations); "
-               f"the schedule's theory (p-1)/(m+p-1) = {pl.theory:.0%}.")
+               f"the schedule's theory (p-1)/({'v·' if pl.stages_per_rank > 1 else ''}m+p-1) = "
+               f"{pl.theory:.0%}.")
     return Chart("pipeline", "Pipeline: one iteration, stage by stage", caption, spec,
                  _pipeline_tables(pl))
 
 
 def _pipeline_tables(pl: pp.Pipeline) -> str:
-    rows = [[f"{s.stage}{' (slowest)' if s.stage == pl.slowest else ''}", str(s.rank),
+    rows = [[", ".join(str(k) for k in (s.held or (s.stage,)))
+             + (" (slowest)" if s.stage == pl.slowest else ""), str(s.rank),
              _ms(s.forward_s), _ms(s.backward_s), _ms(s.busy_s), _ms(s.bubble_s),
              f"{s.bubble_s / s.t_iter:.0%}" if s.t_iter else "", _ms(s.waits_s),
              f"{s.p2p_count:.3g}"] for s in pl.stages]

@@ -100,22 +100,38 @@ def _tp(con: Console, ra: RankAnalysis, tp) -> None:  # noqa: ANN001 - tp.Tensor
 
 def _pp(con: Console, pl) -> None:  # noqa: ANN001 - pp.Pipeline
     con.print()
-    t = Table(title=f"Pipeline: {pl.num_stages} stages x {pl.microbatches} microbatches "
+    per = f", {pl.stages_per_rank} per rank" if pl.stages_per_rank > 1 else ""
+    t = Table(title=f"Pipeline: {pl.num_stages} stages{per} x {pl.microbatches} microbatches "
               f"({pl.recorded_schedule + ', ' if pl.recorded_schedule else ''}"
-              f"{pipesim.SHORT.get(pl.schedule, pl.schedule)}); per stage, per iteration",
+              f"{pipesim.SHORT.get(pl.schedule, pl.schedule)}); per rank, per iteration",
               title_justify="left", box=None, padding=(0, 2))
-    for h in ("stage", "rank", "forward/mb", "backward/mb", "busy", "bubble", "of t_iter",
-              "waits", "p2p"):
+    for h in ("stage" if pl.stages_per_rank == 1 else "stages", "rank", "forward/mb",
+              "backward/mb", "busy", "bubble", "of t_iter", "waits", "p2p"):
         t.add_column(h, justify="right")
     for s in pl.stages:
-        t.add_row(f"{s.stage}{' (slowest)' if s.stage == pl.slowest else ''}", str(s.rank),
+        held = ", ".join(str(k) for k in (s.held or (s.stage,)))
+        t.add_row(f"{held}{' (slowest)' if s.stage == pl.slowest else ''}", str(s.rank),
                   _ms(s.forward_s), _ms(s.backward_s), _ms(s.busy_s), _ms(s.bubble_s),
                   f"{s.bubble_s / s.t_iter:.0%}" if s.t_iter else "", _ms(s.waits_s),
                   f"{s.p2p_count:.3g}")
     con.print(t)
-    con.print(f"bubble {pl.bubble:.0%} of the iteration (mean over stages); the schedule's "
-              f"theory (p-1)/(m+p-1) = {pl.theory:.0%} of its step; replayed step "
-              f"{_ms(pl.replayed_step_s)} with {_ms(pl.transfer_s)} per transfer (fitted)")
+    f, b, _, _ = pl.per_stage
+    if pl.stages_per_rank > 1 or any(pl.weight):
+        con.print("per stage, per microbatch: " + "; ".join(
+            f"stage {k} (rank {r}) forward {_ms(x)}, backward {_ms(y)}"
+            + (f" (weight part {_ms(w)})" if w else "")
+            for k, (r, x, y, w) in enumerate(zip(pl.rank_of, f, b, pl.weight or [0.0] * len(f),
+                                                 strict=False))))
+    v = "v·" if pl.stages_per_rank > 1 else ""
+    con.print(f"bubble {pl.bubble:.0%} of the iteration (mean over ranks); the schedule's "
+              f"theory (p-1)/({v}m+p-1) = {pl.theory:.0%} of its step"
+              + (f"; replayed step {_ms(pl.replayed_step_s)} with {_ms(pl.transfer_s)} per "
+                 "transfer (fitted)" if not pl.replay_note else
+                 f"; not replayed: {pl.replay_note}"))
+    if pl.calibration_used:
+        con.print(f"  --calibrate: {pl.calibration_used}")
+    if pl.calibration_note:
+        con.print(f"  [yellow]--calibrate not used: {pl.calibration_note}[/yellow]")
     if pl.what_if:
         c = pl.compute
         w = Table(title="What if: the pipeline replayed on the measured per-microbatch times"
@@ -135,8 +151,6 @@ def _pp(con: Console, pl) -> None:  # noqa: ANN001 - pp.Pipeline
                 f"stage {k} forward {_ms(f[0])} + {_ms(f[1])}/m, backward {_ms(b[0])} + "
                 f"{_ms(b[1])}/m" for k, (f, b) in enumerate(zip(c.forward, c.backward,
                                                                 strict=True))))
-        if pl.calibration_note:
-            con.print(f"  [yellow]--calibrate not used: {pl.calibration_note}[/yellow]")
 
 
 def _ep(con: Console, ep, imb) -> None:  # noqa: ANN001 - ep.ExpertParallel, ep.Imbalance

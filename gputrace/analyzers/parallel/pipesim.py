@@ -16,8 +16,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SCHEDULES = ("ScheduleGPipe", "Schedule1F1B")
-SHORT = {"ScheduleGPipe": "GPipe", "Schedule1F1B": "1F1B"}
+SCHEDULES = ("ScheduleGPipe", "Schedule1F1B")     # one stage per rank, ordered here
+SHORT = {"ScheduleGPipe": "GPipe", "Schedule1F1B": "1F1B",
+         "ScheduleInterleaved1F1B": "Interleaved1F1B", "ScheduleLoopedBFS": "LoopedBFS",
+         "ScheduleInterleavedZeroBubble": "InterleavedZeroBubble",
+         "ScheduleZBVZeroBubble": "ZBVZeroBubble", "ScheduleDualPipeV": "DualPipeV"}
 
 
 def order(schedule: str, stage: int, stages: int, m: int) -> list[tuple[str, int]]:
@@ -45,13 +48,30 @@ class Replay:
         return [self.makespan - b for b in self.busy]
 
 
+Action = tuple[str, int, int]      # ("F" | "B" | "I" | "W", stage, microbatch)
+
+
 def replay(schedule: str, fwd: list[float], bwd: list[float], m: int,
            transfer: float = 0.0, loss: float = 0.0) -> Replay:
-    """Replay `schedule` over len(fwd) stages and m microbatches: stage s's forward of a
-    microbatch takes fwd[s], its backward bwd[s]; a transfer between stages `transfer`; the
-    last stage's loss `loss` after each forward."""
+    """Replay `schedule` (GPipe or 1F1B) over len(fwd) stages, one per rank, and m
+    microbatches: stage s's forward of a microbatch takes fwd[s], its backward bwd[s]; a
+    transfer between stages `transfer`; the last stage's loss `loss` after each forward."""
     p = len(fwd)
-    orders = [order(schedule, s, p, m) for s in range(p)]
+    orders = [[(k, s, i) for k, i in order(schedule, s, p, m)] for s in range(p)]
+    return run(orders, list(range(p)), fwd, bwd, [0.0] * p, transfer, loss)
+
+
+def run(orders: list[list[Action]], rank_of: list[int], fwd: list[float], bwd: list[float],
+        weight: list[float], transfer: float = 0.0, loss: float = 0.0) -> Replay:
+    """Replay each rank's actions in its order (`orders[r]`, as torch's schedules list
+    them): over len(fwd) stages, stage s on rank rank_of[s]; a forward ("F") of stage s
+    takes fwd[s] (the last stage's also `loss`), a full backward ("B") bwd[s], the
+    backward's input part ("I", zero-bubble schedules) bwd[s] - weight[s] and its weight
+    part ("W") weight[s]. A forward waits for the previous stage's forward of its
+    microbatch, a backward (or its input part) for the next stage's (the last stage: its own
+    forward), a weight part for its input part; `transfer` more where the two stages are on
+    two ranks. Busy and bubble per rank."""
+    n, p = len(fwd), len(orders)
     done: dict[tuple[str, int, int], float] = {}
     nxt = [0] * p
     free = [0.0] * p
@@ -59,30 +79,35 @@ def replay(schedule: str, fwd: list[float], bwd: list[float], m: int,
     left = sum(len(o) for o in orders)
     while left:
         moved = False
-        for s in range(p):
-            while nxt[s] < len(orders[s]):
-                kind, i = orders[s][nxt[s]]
+        for r in range(p):
+            while nxt[r] < len(orders[r]):
+                kind, s, i = orders[r][nxt[r]]
                 if kind == "F":
-                    remote = s > 0
-                    dep = done.get(("F", s - 1, i)) if remote else 0.0
-                    dur = fwd[s] + (loss if s == p - 1 else 0.0)
+                    src = s - 1 if s > 0 else None
+                    dep = done.get(("F", src, i)) if src is not None else 0.0
+                    dur = fwd[s] + (loss if s == n - 1 else 0.0)
+                elif kind == "W":
+                    src, dep, dur = None, done.get(("B", s, i)), weight[s]
                 else:
-                    remote = s < p - 1
-                    dep = done.get(("B", s + 1, i)) if remote else done.get(("F", s, i))
-                    dur = bwd[s]
+                    src = s + 1 if s < n - 1 else None
+                    dep = done.get(("B", src, i)) if src is not None else \
+                        done.get(("F", s, i))
+                    dur = bwd[s] - (weight[s] if kind == "I" else 0.0)
                 if dep is None:
                     break
                 # a transfer starts once both sides are there (the sender done, the
                 # receiver free to post its receive): a rendezvous, as gloo's and NCCL's
                 # send/recv are
-                start = max(free[s], dep) + (transfer if remote else 0.0)
-                free[s] = done[(kind, s, i)] = start + dur
-                busy[s] += dur
-                nxt[s] += 1
+                remote = src is not None and rank_of[src] != r
+                start = max(free[r], dep) + (transfer if remote else 0.0)
+                free[r] = done[("F" if kind == "F" else "W" if kind == "W" else "B", s, i)] \
+                    = start + dur
+                busy[r] += dur
+                nxt[r] += 1
                 left -= 1
                 moved = True
         if not moved:   # an order that waits on itself: not a schedule of these
-            raise ValueError(f"{schedule} deadlocks over {p} stages and {m} microbatches")
+            raise ValueError(f"the order deadlocks over {n} stages")
     return Replay(max(free), busy, free)
 
 
@@ -102,10 +127,12 @@ def fit_transfer(schedule: str, fwd: list[float], bwd: list[float], m: int, loss
     return (lo + hi) / 2
 
 
-def theory(stages: int, m: int) -> float:
-    """The bubble's share of the makespan with equal stages and free transfers:
-    (p - 1) / (m + p - 1) (GPipe, 1F1B)."""
-    return (stages - 1) / (m + stages - 1) if m + stages > 1 else 0.0
+def theory(stages: int, m: int, virtual: int = 1) -> float:
+    """The bubble's share of the makespan with equal stages and free transfers, p ranks
+    (`stages`) each holding `virtual` stages: (p - 1) / (v m + p - 1) (GPipe, 1F1B: v = 1;
+    the interleaved and V schedules: their stages per rank; the zero-bubble ones' own
+    splitting of the backward left out: an upper bound for them)."""
+    return (stages - 1) / (virtual * m + stages - 1) if virtual * m + stages > 1 else 0.0
 
 
 def balance(costs: list[float], stages: int) -> list[int]:

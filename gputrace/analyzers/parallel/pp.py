@@ -16,7 +16,14 @@ import pyarrow as pa
 
 from gputrace.analyzers.collectives import Rows
 from gputrace.analyzers.frame import Spans
-from gputrace.analyzers.parallel import pipesim
+from gputrace.analyzers.parallel import pipesim, pp_whatif, pporders
+from gputrace.analyzers.parallel.pp_timeline import (  # noqa: F401 - the report's
+    Block,
+    Iteration,
+    first_replica,
+    first_replica_of,
+    iteration,
+)
 from gputrace.analyzers.parallel.pp_whatif import (
     ASSUMPTIONS,
     Calibration,
@@ -30,14 +37,15 @@ from gputrace.analyzers.parallel.rows import rows_in
 
 @dataclass(frozen=True)
 class Stage:
-    """One rank's stage, means over the analyzed iterations."""
+    """One rank's stage (its stages: `held`, several under the interleaved and V schedules),
+    means over the analyzed iterations."""
 
     rank: int
-    stage: int
+    stage: int            # the lowest of `held`
     schedule: str
     microbatches: int
     num_stages: int
-    forward_s: float      # per microbatch
+    forward_s: float      # per microbatch (the rank's stages together)
     backward_s: float     # per microbatch (and its weight part, zero-bubble schedules)
     loss_s: float         # per microbatch (last stage)
     step_s: float         # the schedule's step
@@ -48,8 +56,13 @@ class Stage:
     t_iter: float
     layers: dict[int, float] = field(default_factory=dict)   # layer -> backward s per mb
     # the pipeline spans of a few analyzed iterations (BLOCK_STEPS, the middle ones), as
-    # recorded (trace ns): (step, name, microbatch, start, end); the step itself has mb -1
-    blocks: tuple[tuple[int, str, int, int, int], ...] = ()
+    # recorded (trace ns): (step, name, microbatch, start, end, stage); the step itself
+    # has mb -1 and the rank's first stage
+    blocks: tuple[tuple[int, str, int, int, int, int], ...] = ()
+    held: tuple[int, ...] = ()
+    # per stage held: its forward, backward (weight part included) and the backward's
+    # weight part (zero-bubble schedules), per microbatch
+    by_stage: dict[int, tuple[float, float, float]] = field(default_factory=dict)
 
     @property
     def busy_s(self) -> float:
@@ -90,11 +103,12 @@ def analyze(sp: Spans, r: Rows, it_start: np.ndarray, it_end: np.ndarray, sel: n
     head = steps[-1]
     n_it = float(sel.size)
 
-    def per_mb(name: str) -> float:
-        """Per microbatch, the stage's compute in its `name` chunks: the module's forward,
-        the backward's autograd (their host spans inside the chunks; not the schedule's
-        own work around them)."""
-        m = np.array([n == name for n in names], bool)
+    def per_mb(name: str, stage: int | None = None) -> float:
+        """Per microbatch, the stage's compute in its `name` chunks (those of `stage`, or
+        of every stage held): the module's forward, the backward's autograd (their host
+        spans inside the chunks; not the schedule's own work around them)."""
+        m = np.array([n == name and (stage is None or a.get("stage") == stage)
+                      for n, a in zip(names, args, strict=True)], bool)
         if not m.any():
             return 0.0
         cat = "forward" if name == "forward" else "backward"
@@ -105,7 +119,18 @@ def analyze(sp: Spans, r: Rows, it_start: np.ndarray, it_end: np.ndarray, sel: n
         k = np.searchsorted(lo, sp.start[inner], side="right") - 1
         ok = k >= 0
         ok[ok] &= sp.end[inner[ok]] <= hi[k[ok]]
-        return float((sp.end[inner[ok]] - sp.start[inner[ok]]).sum() / 1e9 / m.sum())
+        # a chunk with no such span inside (a zero-bubble schedule's backward parts run
+        # autograd.grad on the stage's graph, no backward call): the chunk itself
+        has = np.bincount(k[ok], minlength=lo.size) > 0
+        bare = float((hi[~has] - lo[~has]).sum())
+        return float(((sp.end[inner[ok]] - sp.start[inner[ok]]).sum() + bare) / 1e9
+                     / m.sum())
+
+    held = sorted({int(x) for x in head.get("stages") or [] if isinstance(x, int)})
+    by_stage = {}
+    for k in held:
+        w = per_mb("backward_weight", k)
+        by_stage[k] = (per_mb("forward", k), per_mb("backward", k) + w, w)
 
     step_s = float(dur[np.array([n == "step" for n in names], bool)].sum()) / n_it
     stage = int((head.get("stages") or [-1])[0])
@@ -119,17 +144,20 @@ def analyze(sp: Spans, r: Rows, it_start: np.ndarray, it_end: np.ndarray, sel: n
     waits = np.where(r.wait_s[j] >= 0, r.wait_e[j] - r.wait_s[j], 0) / 1e9
     # a batch_isend_irecv is one record of several sends and receives (args.ops)
     ops = sum(_int(a.get("ops"), 1) for a in _args(sp, r.idx[j]))
+    fwd = sum(f for f, _, _ in by_stage.values()) if held else per_mb("forward")
+    bwd = sum(b for _, b, _ in by_stage.values()) if held else \
+        per_mb("backward") + per_mb("backward_weight")
     return Stage(sp.rank, stage, str(head.get("schedule", "")),
-                 int(head.get("microbatches", 0)), p, per_mb("forward"),
-                 per_mb("backward") + per_mb("backward_weight"), loss, step_s,
+                 int(head.get("microbatches", 0)), p, fwd, bwd, loss, step_s,
                  float(np.mean(terms["t_pp"][sel])) if "t_pp" in terms else 0.0,
                  float(waits.sum()) / n_it, float(ops) / n_it,
                  float(np.nansum(r.nbytes[j])) / n_it, float(np.mean(terms["t_iter"][sel])),
-                 _layer_backward(sp, it_start, sel), _blocks(sp, pipe, names, args))
+                 _layer_backward(sp, it_start, sel), _blocks(sp, pipe, names, args, stage),
+                 tuple(held), by_stage)
 
 
-def _blocks(sp: Spans, pipe: np.ndarray, names: list[str], args: list[dict[str, Any]]
-            ) -> tuple[tuple[int, str, int, int, int], ...]:
+def _blocks(sp: Spans, pipe: np.ndarray, names: list[str], args: list[dict[str, Any]],
+            first: int) -> tuple[tuple[int, str, int, int, int, int], ...]:
     """The pipeline spans of the middle BLOCK_STEPS analyzed iterations (by their step: the
     same ones on every rank of a lock-stepped pipeline)."""
     steps = np.unique(sp.step[pipe])
@@ -143,8 +171,9 @@ def _blocks(sp: Spans, pipe: np.ndarray, names: list[str], args: list[dict[str, 
         st = int(sp.step[i])
         if st in keep:
             mb = a.get("mb", -1) if n != "step" else -1
+            k = a.get("stage", first) if n != "step" else first
             out.append((st, n, int(mb) if isinstance(mb, int) else -1, int(sp.start[i]),
-                        int(sp.end[i])))
+                        int(sp.end[i]), int(k) if isinstance(k, int) else first))
     return tuple(sorted(out, key=lambda b: (b[0], b[3])))
 
 
@@ -152,7 +181,7 @@ def _ran(s: Stage) -> list[tuple[str, int]]:
     """The stage's forward and backward microbatches in the order it ran them, in every
     step of its kept blocks alike ([] when steps differ or none was kept)."""
     per: dict[int, list[tuple[str, int]]] = {}
-    for step, name, mb, _, _ in s.blocks:
+    for step, name, mb, *_ in s.blocks:
         if name in ("forward", "backward"):
             per.setdefault(step, []).append((name[0].upper(), mb))
     orders = list(per.values())
@@ -192,32 +221,40 @@ def _layer_backward(sp: Spans, it_start: np.ndarray, sel: np.ndarray) -> dict[in
 
 @dataclass(frozen=True)
 class Pipeline:
-    """The pipeline across its ranks."""
+    """The pipeline across its ranks: `num_stages` stages over `ranks` ranks, each holding
+    `stages_per_rank` of them (1 under GPipe and 1F1B)."""
 
-    stages: list[Stage]
+    stages: list[Stage]   # one per rank (its stages: Stage.held)
     schedule: str
     microbatches: int
     num_stages: int
-    bubble: float         # mean over stages: bubble / iteration
-    theory: float         # (p-1)/(m+p-1), a share of the schedule's step
-    slowest: int          # stage index
+    bubble: float         # mean over ranks: bubble / iteration
+    theory: float         # (p-1)/(v m+p-1), a share of the schedule's step
+    slowest: int          # stage index (of the busiest rank: its first stage)
     transfer_s: float     # fitted (pipesim.fit_transfer)
     replayed_step_s: float
     what_if: list[WhatIf] = field(default_factory=list)
     assumptions: tuple[str, ...] = ASSUMPTIONS
-    bubble_step: float = 0.0   # mean over stages: bubble / the schedule's step (as theory)
+    bubble_step: float = 0.0   # mean over ranks: bubble / the schedule's step (as theory)
     # per stage, its replicas averaged: forward and backward per microbatch; the last
     # stage's loss; the first stage's iteration outside its step
     per_stage: tuple[tuple[float, ...], tuple[float, ...], float, float] = ((), (), 0.0, 0.0)
     compute: Compute = Compute((), (), (0.0, 0.0))   # per microbatch as m changes (what-ifs)
     calibration_note: str = ""   # why a calibrating run given was not used
     recorded_schedule: str = ""  # the recorded schedule replayed as `schedule` (its order)
+    ranks: int = 0               # the pipeline's ranks (one replica)
+    stages_per_rank: int = 1
+    weight: tuple[float, ...] = ()    # per stage, the backward's weight part (split ones)
+    rank_of: tuple[int, ...] = ()     # per stage, its rank (the first replica's)
+    replay_note: str = ""        # why the recorded schedule is not replayed
+    calibration_used: str = ""   # the calibrating run used, in words
 
     def headline(self) -> str:
         name = pipesim.SHORT.get(self.schedule, self.schedule)
         if self.recorded_schedule:
             name = f"{self.recorded_schedule}, {name} order"
-        return (f"pipeline, {self.num_stages} stages x {self.microbatches} microbatches "
+        per = f" ({self.stages_per_rank} per rank)" if self.stages_per_rank > 1 else ""
+        return (f"pipeline, {self.num_stages} stages{per} x {self.microbatches} microbatches "
                 f"({name}): bubble "
                 f"{self.bubble_step:.0%} of the schedule's step ({self.bubble:.0%} of the "
                 f"iteration), theory {self.theory:.0%}")
@@ -225,57 +262,71 @@ class Pipeline:
 
 def combine(stages: list[Stage], extra: list[int] | None = None,
             calibration: Calibration | None = None) -> Pipeline | None:
-    """The pipeline of the ranks' stages (one stage per rank), with its what-ifs: the
+    """The pipeline of the ranks' stages (one or several per rank), with its what-ifs: the
     microbatch counts in `extra` (default: half and double the measured), the other
-    schedule, and the layers rebalanced; `calibration`: another run of it at another
+    schedules, and the layers rebalanced; `calibration`: another run of it at another
     microbatch count, to fit each stage's compute per microbatch (pp_whatif)."""
     st = sorted((s for s in stages if s.stage >= 0), key=lambda s: (s.stage, s.rank))
     if not st:
         return None
     # several ranks per stage (pipeline x data parallel: a pipeline per replica): a stage's
     # times are its replicas' mean
-    by: dict[int, list[Stage]] = {}
+    by: dict[int, list[tuple[Stage, tuple[float, float, float]]]] = {}
     for s in st:
-        by.setdefault(s.stage, []).append(s)
-    p = max(st[0].num_stages, len(by))
-    if sorted(by) != list(range(p)):
+        held = s.by_stage or {s.stage: (s.forward_s, s.backward_s, 0.0)}
+        for k, t in held.items():
+            by.setdefault(k, []).append((s, t))
+    n = max(st[0].num_stages, len(by))
+    if sorted(by) != list(range(n)):
         return None   # not every stage was recorded: no replay
+    v = max(len(s.held) for s in st) or 1
+    p = max(n // v, 1)
 
     def mean(stage: int, f: Any) -> float:
-        return float(np.mean([f(x) for x in by[stage]]))
+        return float(np.mean([f(x, t) for x, t in by[stage]]))
 
     m, sched = st[0].microbatches, st[0].schedule
     recorded = ""
-    if sched not in pipesim.SCHEDULES:
+    if v == 1 and sched not in pipesim.SHORT:
         # a schedule of another library (DeepSpeed's TrainSchedule) replays as the known one
         # whose order every stage ran
-        ran = [_ran(by[k][0]) for k in range(p)]
+        ran = [_ran(by[k][0][0]) for k in range(n)]
         same = [s for s in pipesim.SCHEDULES
-                if all(o and o == pipesim.order(s, k, p, m) for k, o in enumerate(ran))]
+                if all(o and o == pipesim.order(s, k, n, m) for k, o in enumerate(ran))]
         if same:
             recorded, sched = sched, same[0]
-    fwd = [mean(k, lambda x: x.forward_s) for k in range(p)]
-    bwd = [mean(k, lambda x: x.backward_s) for k in range(p)]
-    loss = mean(p - 1, lambda x: x.loss_s)
+    fwd = [mean(k, lambda x, t: t[0]) for k in range(n)]
+    bwd = [mean(k, lambda x, t: t[1]) for k in range(n)]
+    wgt = [mean(k, lambda x, t: t[2]) for k in range(n)]
+    loss = mean(n - 1, lambda x, t: x.loss_s)
     # the pipeline's makespan is the first stage's step: it starts the first forward and
     # (GPipe, 1F1B) ends the last backward; a later stage's step also holds its wait for
     # the first stage to start (ranks that left the previous iteration early)
-    step = mean(0, lambda x: x.step_s)
-    known = sched in pipesim.SCHEDULES
-    transfer = pipesim.fit_transfer(sched, fwd, bwd, m, loss, step) if known else 0.0
-    base = pipesim.replay(sched, fwd, bwd, m, transfer, loss).makespan if known else step
-    outside = mean(0, lambda x: x.t_iter - x.step_s)
-    slowest = max(range(p), key=lambda k: mean(k, lambda x: x.busy_s))
-    out = Pipeline(st, sched, m, p, float(np.mean([s.bubble_s / s.t_iter for s in st
+    step = mean(0, lambda x, t: x.step_s)
+    try:
+        lay = pporders.layout(sched, p, v, m)
+        why = ""
+    except ValueError as e:
+        lay, why = None, str(e)
+    transfer = pp_whatif.fit(lay, fwd, bwd, wgt, loss, step) if lay else 0.0
+    base = pipesim.run(lay.orders, lay.rank_of, fwd, bwd, wgt, transfer, loss).makespan \
+        if lay else step
+    outside = mean(0, lambda x, t: x.t_iter - x.step_s)
+    slowest = max(st, key=lambda x: x.busy_s).stage
+    one = first_replica_of(st)
+    out = Pipeline(st, sched, m, n, float(np.mean([s.bubble_s / s.t_iter for s in st
                                                    if s.t_iter > 0])),
-                   pipesim.theory(p, m), slowest, transfer, base,
+                   pipesim.theory(p, m, v), slowest, transfer, base,
                    bubble_step=float(np.mean([min(s.bubble_s / s.step_s, 1.0) for s in st
                                               if s.step_s > 0])),
                    per_stage=(tuple(fwd), tuple(bwd), loss, outside),
-                   recorded_schedule=recorded)
-    if not known:
+                   recorded_schedule=recorded, ranks=p, stages_per_rank=v,
+                   weight=tuple(wgt), rank_of=tuple(
+                       next((x.rank for x in one if k in (x.held or (x.stage,))), -1)
+                       for k in range(n)), replay_note=why)
+    if lay is None:
         return out
-    return _calibrated(out, calibration, [by[k][0] for k in range(p)], extra)
+    return _calibrated(out, calibration, one, extra)
 
 
 def as_dict(pl: Pipeline) -> dict[str, Any]:
@@ -287,80 +338,16 @@ def as_dict(pl: Pipeline) -> dict[str, Any]:
             "slowest_stage": pl.slowest, "transfer_s": pl.transfer_s,
             "replayed_step_s": pl.replayed_step_s,
             "stages": [{k: v for k, v in vars(s).items()
-                        if k not in ("layers", "blocks")} | {
-                "busy_s": s.busy_s} for s in pl.stages],
+                        if k not in ("layers", "blocks", "by_stage", "held")} | {
+                "busy_s": s.busy_s, "held": list(s.held or (s.stage,))} for s in pl.stages],
+            "ranks": pl.ranks, "stages_per_rank": pl.stages_per_rank,
+            "per_stage": [{"stage": k, "rank": r, "forward_s": f, "backward_s": b,
+                           "backward_weight_s": w} for k, (r, f, b, w) in enumerate(zip(
+                               pl.rank_of, pl.per_stage[0], pl.per_stage[1], pl.weight,
+                               strict=False))],
+            "replay_unavailable": pl.replay_note or None,
+            "calibration": pl.calibration_used or None,
             "what_if": [vars(w) for w in pl.what_if], "assumptions": list(pl.assumptions),
             "compute": pl.compute.as_dict() | (
                 {"calibration_unused": pl.calibration_note} if pl.calibration_note else {}),
             "headline": pl.headline()}
-
-
-@dataclass(frozen=True)
-class Block:
-    """A microbatch's forward or backward on a stage (or the stage's schedule step, name
-    "step", mb -1), in seconds from the iteration's first step start."""
-
-    stage: int
-    rank: int
-    name: str
-    mb: int
-    start_s: float
-    end_s: float
-
-
-@dataclass(frozen=True)
-class Iteration:
-    """One iteration of the pipeline as it ran: every stage's blocks on one clock."""
-
-    step: int
-    blocks: list[Block]
-    makespan_s: float           # the first stage's step start to the last step's end
-
-    @property
-    def idle(self) -> dict[int, float]:
-        """Per stage, the share of the makespan it computed nothing (its bubble: the gaps
-        between its blocks, before its first and after its last)."""
-        busy: dict[int, float] = {}
-        for b in self.blocks:
-            busy.setdefault(b.stage, 0.0)
-            if b.name != "step":
-                busy[b.stage] += b.end_s - b.start_s
-        return {s: 1 - v / self.makespan_s if self.makespan_s > 0 else 0.0
-                for s, v in sorted(busy.items())}
-
-
-def first_replica(pl: Pipeline) -> list[Stage]:
-    """One pipeline: each stage's lowest rank (pipeline x data parallel runs a pipeline per
-    replica)."""
-    out: dict[int, Stage] = {}
-    for s in pl.stages:
-        out.setdefault(s.stage, s)
-    return [out[k] for k in sorted(out)]
-
-
-def iteration(pl: Pipeline, offsets: dict[int, int] | None = None) -> Iteration | None:
-    """A representative iteration: of those every stage kept (Stage.blocks), the one whose
-    first stage's step is the median; times from the first stage's step start (where the
-    pipeline starts; a later stage's step, begun earlier to wait for it, is cut there), on
-    one clock by subtracting each rank's host offset (`offsets`, ns, as Analysis.clock gives
-    them). None when no iteration was kept by every stage."""
-    offsets = offsets or {}
-    stages = first_replica(pl)
-    common: set[int] | None = None
-    for s in stages:
-        mine = {b[0] for b in s.blocks if b[1] == "step"}
-        common = mine if common is None else common & mine
-    if not common:
-        return None
-    first = {b[0]: b for b in stages[0].blocks if b[1] == "step"}
-    ranked = sorted(common, key=lambda k: (first[k][4] - first[k][3], k))
-    step = ranked[(len(ranked) - 1) // 2]
-    t0 = first[step][3] - offsets.get(stages[0].rank, 0)
-    blocks = []
-    for s in stages:
-        off = offsets.get(s.rank, 0) + t0
-        for b in s.blocks:
-            if b[0] == step and b[4] - off > 0:
-                blocks.append(Block(s.stage, s.rank, b[1], b[2], max(b[3] - off, 0) / 1e9,
-                                    (b[4] - off) / 1e9))
-    return Iteration(step, blocks, max(b.end_s for b in blocks))

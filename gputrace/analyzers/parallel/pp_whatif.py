@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gputrace.analyzers.parallel import pipesim
+from gputrace.analyzers.parallel import pipesim, pporders
 
 if TYPE_CHECKING:
     from gputrace.analyzers.parallel.pp import Pipeline, Stage
@@ -33,7 +33,18 @@ FITTED = (
     "fitted as fixed + per-sample from this run and the calibrating run at {m} "
     "microbatches (t = a + b/m), under either schedule (a schedule's smaller activation "
     "footprint computing faster is not predicted)")
+SPLIT_HALF = (
+    "a schedule that splits the backward (zero bubble) computes its weight part in the "
+    "recorded share of it, half where the recorded schedule did not split it (a Linear "
+    "layer's gradients of its input and of its weights take as many FLOPs); a stage count "
+    "per rank other than the recorded splits each rank's compute evenly over its stages")
+FITTED_SEVERAL = (
+    "the global batch stays: each stage's forward, backward and loss per microbatch are "
+    "measured at {ms} microbatches (this run and the calibrating ones); at another count "
+    "they are fitted as t = a + b/m through the two measured counts around it (the nearest "
+    "two beyond them: an extrapolation), under any schedule")
 REST = (
+    SPLIT_HALF,
     "a transfer between stages (with the schedule's own work per microbatch) costs what "
     "replaying the measured schedule needs to give the measured step (fitted once), the "
     "same per transfer at any microbatch count (latency, not bandwidth, bound)",
@@ -75,8 +86,15 @@ class Compute:
     backward: tuple[tuple[float, float], ...]
     loss: tuple[float, float]
     calibrated_with: int = 0
+    # three or more runs (this one and the calibrating ones): per microbatch count, each
+    # stage's forward and backward and the loss as measured, m ascending; `at` then takes
+    # a + b / m through the two counts nearest m (between them where m lies between two)
+    points: tuple[tuple[int, tuple[float, ...], tuple[float, ...], float], ...] = ()
 
     def at(self, m: int) -> tuple[list[float], list[float], float]:
+        if len(self.points) >= 3:
+            return _piecewise(self.points, m)
+
         def f(ab: tuple[float, float]) -> float:
             return ab[0] + ab[1] / m
         return [f(x) for x in self.forward], [f(x) for x in self.backward], f(self.loss)
@@ -84,9 +102,27 @@ class Compute:
     def as_dict(self) -> dict[str, Any]:
         return {"model": "fitted" if self.calibrated_with else "proportional",
                 "calibrated_with": self.calibrated_with or None,
+                "measured_at": [q[0] for q in self.points] or None,
                 "forward": [{"fixed_s": a, "per_batch_s": b} for a, b in self.forward],
                 "backward": [{"fixed_s": a, "per_batch_s": b} for a, b in self.backward],
                 "loss": {"fixed_s": self.loss[0], "per_batch_s": self.loss[1]}}
+
+
+def _piecewise(points: tuple[tuple[int, tuple[float, ...], tuple[float, ...], float], ...],
+               m: int) -> tuple[list[float], list[float], float]:
+    """Each stage's times at m through the two measured counts around m (the nearest two
+    beyond the measured ones)."""
+    ms = [q[0] for q in points]
+    j = 1
+    while j < len(ms) - 1 and ms[j] < m:
+        j += 1
+    lo, hi = points[j - 1], points[j]
+
+    def f(t0: float, t1: float) -> float:
+        a, b = _fit(t0, lo[0], t1, hi[0])
+        return a + b / m
+    return ([f(x, y) for x, y in zip(lo[1], hi[1], strict=True)],
+            [f(x, y) for x, y in zip(lo[2], hi[2], strict=True)], f(lo[3], hi[3]))
 
 
 def _fit(t0: float, m0: int, t1: float, m1: int) -> tuple[float, float]:
@@ -102,29 +138,50 @@ def _fit(t0: float, m0: int, t1: float, m1: int) -> tuple[float, float]:
     return a, b
 
 
+def _refused(cal: Calibration, n: int, m: int, p2p_bytes: float) -> str:
+    """Why `cal` cannot calibrate this run ("" when it can)."""
+    if len(cal.forward_s) != n:
+        return (f"the calibrating run has {len(cal.forward_s)} stages, this one {n}: its "
+                "compute per microbatch is another stage's (a calibrating run needs the "
+                "same stages, under any schedule)")
+    if cal.microbatches == m:
+        return (f"the calibrating run has the same {m} microbatches: nothing to fit (it "
+                "needs another microbatch count)")
+    if p2p_bytes > 0 and cal.p2p_bytes > 0 and abs(cal.p2p_bytes / p2p_bytes - 1) > SAME_BATCH:
+        return (f"the calibrating run moves {cal.p2p_bytes / p2p_bytes:.2f}x the bytes "
+                "between stages per iteration: another global batch or model")
+    return ""
+
+
 def compute(fwd: Sequence[float], bwd: Sequence[float], loss: float, m: int,
-            p2p_bytes: float, cal: Calibration | None) -> tuple[Compute, str]:
+            p2p_bytes: float, cal: Calibration | Sequence[Calibration] | None
+            ) -> tuple[Compute, str]:
     """The stages' compute model, and why a calibration given was not used ("" when it
-    was, or none was given)."""
+    was, or none was given). Several calibrating runs: those that fit, each at its own
+    microbatch count, with this run give the times at three or more counts."""
     plain = Compute(tuple((0.0, x * m) for x in fwd), tuple((0.0, x * m) for x in bwd),
                     (0.0, loss * m))
     if cal is None:
         return plain, ""
-    if len(cal.forward_s) != len(fwd):
-        return plain, (f"the calibrating run has {len(cal.forward_s)} stages, this one "
-                       f"{len(fwd)}: not the same pipeline")
-    if cal.microbatches == m:
-        return plain, (f"the calibrating run has the same {m} microbatches: nothing to fit "
-                       "(it needs another microbatch count)")
-    if p2p_bytes > 0 and cal.p2p_bytes > 0 and \
-            abs(cal.p2p_bytes / p2p_bytes - 1) > SAME_BATCH:
-        return plain, (f"the calibrating run moves {cal.p2p_bytes / p2p_bytes:.2f}x the "
-                       "bytes between stages per iteration: another global batch or model")
-    m1 = cal.microbatches
-    return Compute(tuple(_fit(a, m, b, m1) for a, b in zip(fwd, cal.forward_s, strict=True)),
-                   tuple(_fit(a, m, b, m1) for a, b in zip(bwd, cal.backward_s,
-                                                           strict=True)),
-                   _fit(loss, m, cal.loss_s, m1), m1), ""
+    cals = [cal] if isinstance(cal, Calibration) else list(cal)
+    why = [w for w in (_refused(c, len(fwd), m, p2p_bytes) for c in cals) if w]
+    ok: dict[int, Calibration] = {}
+    for c in cals:
+        if not _refused(c, len(fwd), m, p2p_bytes):
+            ok.setdefault(c.microbatches, c)
+    if not ok:
+        return plain, "; ".join(why)
+    near = min(ok.values(), key=lambda c: abs(c.microbatches - m))
+    m1 = near.microbatches
+    out = Compute(tuple(_fit(a, m, b, m1) for a, b in zip(fwd, near.forward_s, strict=True)),
+                  tuple(_fit(a, m, b, m1) for a, b in zip(bwd, near.backward_s,
+                                                          strict=True)),
+                  _fit(loss, m, near.loss_s, m1), m1)
+    if len(ok) >= 2:
+        pts = [(m, tuple(fwd), tuple(bwd), loss)] + [
+            (c.microbatches, c.forward_s, c.backward_s, c.loss_s) for c in ok.values()]
+        out = replace(out, points=tuple(sorted(pts, key=lambda q: q[0])))
+    return out, "; ".join(why)
 
 
 def calibration_of(pl: Pipeline) -> Calibration:
@@ -134,51 +191,126 @@ def calibration_of(pl: Pipeline) -> Calibration:
                        float(sum(s.p2p_bytes for s in pl.stages)), pl.schedule)
 
 
+def fit(lay: pporders.Layout, fwd: list[float], bwd: list[float], wgt: list[float],
+        loss: float, measured: float) -> float:
+    """The transfer time with which replaying `lay` gives the measured makespan (0 when
+    even none gives more)."""
+    def span(t: float) -> float:
+        return pipesim.run(lay.orders, lay.rank_of, fwd, bwd, wgt, t, loss).makespan
+
+    if span(0.0) >= measured:
+        return 0.0
+    lo, hi = 0.0, measured
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if span(mid) < measured else (lo, mid)
+    return (lo + hi) / 2
+
+
+# the schedules a pipeline's what-ifs replay, with their stages per rank
+CANDIDATES = (("ScheduleGPipe", 1), ("Schedule1F1B", 1), ("ScheduleInterleaved1F1B", 2),
+              ("ScheduleZBVZeroBubble", 2))
+
+
 def what_ifs(pl: Pipeline, stages: list[Stage], extra: list[int] | None = None
              ) -> list[WhatIf]:
     """The microbatch counts in `extra` (default: half and double the measured), the other
-    schedule, and the layers rebalanced (`stages`: one rank per stage, its layers)."""
-    m, p, sched = pl.microbatches, pl.num_stages, pl.schedule
+    schedules (and, interleaved, twice the stages per rank), and the layers rebalanced
+    (`stages`: the first replica's ranks, their layers; one stage per rank)."""
+    m, p, sched, v = pl.microbatches, pl.ranks or pl.num_stages, pl.schedule, \
+        pl.stages_per_rank
     ifs = []
+
+    def add(*a: Any, **k: Any) -> None:
+        try:
+            ifs.append(predict(pl, *a, **k))
+        except ValueError:      # a schedule that does not run so (torch's own rule)
+            pass
+
     for m2 in sorted(set(extra or [max(p, m // 2), m * 2]) - {m}):
-        if m2 >= 1 and (sched != "Schedule1F1B" or m2 >= p):   # torch's 1F1B needs m >= p
-            ifs.append(predict(pl, sched, m2))
-    other = next(s for s in pipesim.SCHEDULES if s != sched)
-    if other != "Schedule1F1B" or m >= p:
-        ifs.append(predict(pl, other, m))
+        if m2 >= 1:
+            add(sched, m2)
+    more = [(sched, 2 * v)] if sched == "ScheduleInterleaved1F1B" else []
+    for other, v2 in (*CANDIDATES, *more):
+        if (other, v2) != (sched, v):
+            add(other, m, v=v2)
     f0, b0, _, _ = pl.per_stage
-    moved = _balanced(stages, list(f0), list(b0))
+    moved = _balanced(stages, list(f0), list(b0)) if v == 1 else None
     if moved is not None:
-        ifs.append(predict(pl, sched, m, *moved, what="layers balanced across stages"))
+        add(sched, m, *moved, what="layers balanced across stages")
     return ifs
 
 
+def _times(pl: Pipeline, schedule: str, v: int, f: list[float], b: list[float]
+           ) -> tuple[list[float], list[float], list[float], pporders.Layout | None]:
+    """Each stage's forward, backward and weight part under `schedule` at v stages per rank:
+    the measured stages' where the layout is the recorded one, else each rank's stages
+    together split evenly over its new stages; the weight part the recorded share of the
+    backward, half of it where the recorded schedule did not split it."""
+    p = pl.ranks or len(f)
+    share = [w / x if x > 0 else 0.0 for w, x in zip(pl.weight or [0.0] * len(b), b,
+                                                      strict=False)]
+    split = schedule in pporders.SPLIT
+    place = pporders.placement(schedule, p, v)
+    was = pporders.placement(pl.schedule, p, pl.stages_per_rank) \
+        if pl.schedule in pipesim.SHORT else list(range(len(f)))
+    if place == was:
+        w = [x * (s if s > 0 else 0.5) if split else 0.0 for x, s in zip(b, share,
+                                                                          strict=True)]
+        return f, b, w, None
+    F, B, SH = [0.0] * p, [0.0] * p, [[] for _ in range(p)]   # noqa: N806
+    for k, r in enumerate(was):
+        F[r] += f[k]
+        B[r] += b[k]
+        SH[r].append(share[k])
+    f2 = [F[r] / v for r in place]
+    b2 = [B[r] / v for r in place]
+    w2 = [x * ((sum(SH[r]) / len(SH[r])) or 0.5) if split else 0.0
+          for x, r in zip(b2, place, strict=True)]
+    return f2, b2, w2, None
+
+
 def predict(pl: Pipeline, schedule: str, m: int, fwd: list[float] | None = None,
-            bwd: list[float] | None = None, what: str = "") -> WhatIf:
+            bwd: list[float] | None = None, what: str = "", v: int | None = None) -> WhatIf:
     """The pipeline's iteration replayed with `schedule` over `m` microbatches (the global
-    batch kept), each stage's compute per microbatch from pl.compute at m (or `fwd`/`bwd`
-    per stage: its times per microbatch at m)."""
-    if schedule not in pipesim.SCHEDULES or pl.schedule not in pipesim.SCHEDULES:
-        raise ValueError(f"no replay of {schedule} from {pl.schedule}")
+    batch kept) at `v` stages per rank (the schedule's own, else the recorded), each
+    stage's compute per microbatch from pl.compute at m (or `fwd`/`bwd` per stage: its
+    times per microbatch at m). ValueError where the schedule does not run so."""
+    v = pporders.stages_per_rank(schedule, v or pl.stages_per_rank)
+    p = pl.ranks or pl.num_stages
+    lay = pporders.layout(schedule, p, v, m)
     f, b, loss = pl.compute.at(m)
-    r = pipesim.replay(schedule, fwd or f, bwd or b, m, pl.transfer_s, loss)
+    f, b, w, _ = _times(pl, schedule, v, fwd or f, bwd or b)
+    r = pipesim.run(lay.orders, lay.rank_of, f, b, w, pl.transfer_s, loss)
     t_iter = r.makespan + pl.per_stage[3]
     idle = float(np.mean(r.bubble))
     if not what:
-        what = (f"{m} microbatches" if schedule == pl.schedule else
-                f"{pipesim.SHORT[schedule]} schedule" + (
+        per = f", {v} stages per rank" if v > 1 and (schedule != pl.schedule or
+                                                      v != pl.stages_per_rank) else ""
+        what = (f"{m} microbatches" if schedule == pl.schedule and not per else
+                f"{pipesim.SHORT.get(schedule, schedule)} schedule{per}" + (
                     f", {m} microbatches" if m != pl.microbatches else ""))
     return WhatIf(what, schedule, m, t_iter, idle / t_iter if t_iter > 0 else 0.0, idle)
 
 
-def calibrated(pl: Pipeline, cal: Calibration | None, stages: list[Stage],
+def calibrated(pl: Pipeline, cal: Calibration | Sequence[Calibration] | None, stages: list[Stage],
                extra: list[int] | None = None) -> Pipeline:
     """`pl` with its compute model (fitted when `cal` fits) and its what-ifs."""
     f, b, loss, _ = pl.per_stage
     model, why = compute(f, b, loss, pl.microbatches,
                          float(sum(s.p2p_bytes for s in pl.stages)), cal)
     first = FITTED.format(m=model.calibrated_with) if model.calibrated_with else PROPORTIONAL
-    out = replace(pl, compute=model, calibration_note=why, assumptions=(first, *REST))
+    if model.points:
+        first = FITTED_SEVERAL.format(ms=", ".join(str(q[0]) for q in model.points))
+    cals = [] if cal is None else [cal] if isinstance(cal, Calibration) else list(cal)
+    used = "; ".join(
+        f"the {pipesim.SHORT.get(c.schedule, c.schedule) or 'other'} run at {c.microbatches} "
+        "microbatches" for c in cals
+        if c.microbatches in ([q[0] for q in model.points] or [model.calibrated_with]))
+    if used:
+        used += ": each stage's compute per microbatch fitted through it and this run"
+    out = replace(pl, compute=model, calibration_note=why, assumptions=(first, *REST),
+                  calibration_used=used)
     return replace(out, what_if=what_ifs(out, stages, extra))
 
 
