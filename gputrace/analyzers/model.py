@@ -190,8 +190,8 @@ def build_model(rs: RankSteps, sel: np.ndarray) -> ModelResult:
     t_gpu = t["t_h2d"] + t["t_f"] + t["t_b"] + t["t_u"]
     other = t["t_other"] + t.get("t_framework", 0.0)   # the framework's own work likewise
     if other > 0.05 * measured:
-        notes.append(f"{other:.4f} s per iteration is in no phase (loss, zero_grad, Python "
-                     "between phases); it is added to every equation as t_other")
+        notes.append(f"{other:.4f} s per iteration is in no phase (the work between the "
+                     "phases); it is added to every equation as t_other")
     # the other dimensions' exposed comm and the pipeline's bubble: on the critical path
     par = {k: t[k] for k in ("t_tp", "t_pp", "t_ep", "t_cp") if t.get(k, 0.0) > 0}
     if par:
@@ -212,7 +212,6 @@ def build_model(rs: RankSteps, sel: np.ndarray) -> ModelResult:
         equation = "4" if pipelined else "1"
         predicted = with_io(t_gpu + other)
     elif not units or not _overlapped(rs, sel):   # no unit: comm of a few bytes only
-        strategy = "sequential"
         strategy = "sequential"
         equation = "4" if pipelined else "2"
         predicted = with_io(t_gpu + t["t_comm"] + other)
@@ -370,23 +369,29 @@ def speedup(m: ModelResult, world_size: int, gpus: Sequence[int],
     if contention_s > 0 and one > contention_s:
         assumptions.append(f"one GPU's iteration is {contention_s * 1e3:.1f} ms shorter than "
                            "the measured compute: comm on the CPU slowed backward that much")
-    for N in gpus:
+    def path(N: int) -> tuple[float, float]:
+        """(the denominator of eq. 8 / 9 / 11 at N GPUs: the iteration, the comm in it)."""
         io_n = t_io_1 * (N if shared_io else 1)
         if m.strategy == "sequential" or not comm_units:
             tc = comm_at(N, measured_comm) if N > 1 else 0.0
-            s = eq8(N, t_io_1, t_gpu, io_n, tc)
-        else:
-            last = comm_at(N, comm_units[-1]) if N > 1 else 0.0
-            if m.case == 2 and m.comm_span is not None and m.t_b_first is not None:
-                # eq. 5 with the comm span scaled, never below the compute-only path
-                span = comm_at(N, m.comm_span) if N > 1 else 0.0
-                rest = max(t["t_h2d"] + t["t_f"] + m.t_b_first + span + t["t_u"] + t["t_other"],
-                           t_gpu + last)
-            else:
-                rest = t["t_h2d"] + t["t_f"] + t["t_b"] + last + t["t_u"] + t["t_other"]
-            tc = last
-            s = eq9(N, t_io_1, t_gpu, rest, io_n)  # eq. 11 has the same form with full t_u
-        t_iter = N * (t_io_1 + t_gpu) / s
+            return io_n + t_gpu + tc, tc
+        last = comm_at(N, comm_units[-1]) if N > 1 else 0.0
+        if m.case == 2 and m.comm_span is not None and m.t_b_first is not None:
+            # eq. 5 with the comm span scaled, never below the compute-only path
+            span = comm_at(N, m.comm_span) if N > 1 else 0.0
+            rest = max(t["t_h2d"] + t["t_f"] + m.t_b_first + span + t["t_u"] + t["t_other"],
+                       t_gpu + last)
+        else:   # eq. 6 / 10; eq. 11 has the same form with full t_u
+            rest = t["t_h2d"] + t["t_f"] + t["t_b"] + last + t["t_u"] + t["t_other"]
+        return io_n + rest, last
+
+    # one figure, one value: at the measured GPU count the iteration is the model's own
+    # prediction (build_model's eq.); the other counts move from it by what the comm changes
+    anchor = m.predicted_t_iter - path(n)[0] if gpus and m.predicted_t_iter > 0 else 0.0
+    for N in gpus:
+        t_iter, tc = path(N)
+        t_iter += anchor
+        s = eq9(N, t_io_1, t_gpu, t_iter, 0.0) if t_iter > 0 else math.nan
         if contention_s > 0 and one > contention_s:
             s *= (one - contention_s) / one
         pts.append(checked(SpeedupPoint(N, s, s / N, t_iter, tc), m.measured_t_iter))
