@@ -16,15 +16,22 @@ The replay keeps everything the run measured except gradient communication:
   unit gets at most half the CPU; the measured ready times are first freed of what the
   measured comm took from them. NCCL on a GPU runs on its own SMs: no such cost is modeled;
 - units run one at a time in ready order (one NCCL stream, one gloo queue); a unit starts
-  when it is ready and the one before it has finished;
+  when it is ready and the one before it has finished; a unit whose layers are not known
+  (TensorFlow's collectives) is ready when it started, freed of what the comm before it
+  took from backward, and keeps the delay it was launched with after it could start; on
+  the CPU a measured unit keeps the time the link sat idle waiting for the last rank;
 - the update waits for the last unit (PyTorch DDP, eq. 10/11; comm after backward, eq. 8,
   is the case where every unit is ready at the end of backward).
 
 The predicted iteration is the measured one plus the change of the exposed tail
 max(backward end, last comm end) against the replay of the measured configuration, so the
-model's own error cancels; that error is reported beside it (`baseline_error`). Every
-prediction carries a 95 % interval from resampling the analyzed iterations (their spread
-and the cost fit's), and says when it leaves the range the run measured.
+model's own error cancels; that error is reported beside it (`baseline_error`). A replay of
+the measured configuration over 5 % off the measured iteration predicts nothing, and a
+scenario the run cannot tell (bucket sizes without per-layer gradients, a faster link where
+no link bandwidth is known and the host's rate stands for it) is a row with the reason
+(replay_why). Every prediction carries a 95 % interval from resampling the analyzed
+iterations (their spread and the cost fit's), and says when it leaves the range the run
+measured.
 """
 
 from __future__ import annotations
@@ -38,7 +45,9 @@ import numpy as np
 from gputrace.analyzers.model import ModelResult, unit_stats
 from gputrace.analyzers.replay_inputs import (
     busy_beside_backward,
+    idle_waits,
     layer_profile,
+    unit_timing,
     units_in_iterations,
 )
 from gputrace.analyzers.replay_sim import (
@@ -50,7 +59,9 @@ from gputrace.analyzers.replay_sim import (
     fit_host_cost,
     run_units,
 )
-from gputrace.analyzers.sanity import far_off, fit_too_small
+from gputrace.analyzers.replay_why import baseline_off, scenario_unknown, too_small
+from gputrace.analyzers.replay_why import why_no_replay as why_no_replay
+from gputrace.analyzers.sanity import far_off
 from gputrace.analyzers.steps import RankSteps
 
 MIB = 1 << 20
@@ -115,9 +126,10 @@ class _Plan:
     measured_tail: float
     ready: dict[int, float]     # layer -> ready on the freed clock
     nbytes: dict[int, float]
-    units: list[tuple[float, float]]   # measured units (bytes, ready on the freed clock)
+    units: list[tuple[float, ...]]   # measured units (bytes, ready on the freed clock[, delay])
     contention_s: float
     sequential: bool
+    plain_units: list[tuple[float, ...]]   # the same without the waits for the last rank
 
 
 def _stolen_rate(cost: CommCost) -> float:
@@ -159,13 +171,13 @@ def _plan(rs: RankSteps, sel: np.ndarray, m: ModelResult, world: int,
     rate = _stolen_rate(cost) if cost.cpu_s_per_byte > 0 else 0.0
     taken_by: dict[int, float] = {}
     contention = 0.0
+    b0s = {int(k): (rs.backward_start[k] - t0[k]) / 1e9 for k in ks}
+
+    def taken(k: int, upto: float) -> float:
+        lo = b0s.get(k, 0.0)
+        return rate * sum(max(min(e_, upto) - max(s_, lo), 0.0) for s_, e_ in busy.get(k, []))
+
     if rate > 0 and busy:
-        b0s = {int(k): (rs.backward_start[k] - t0[k]) / 1e9 for k in ks}
-
-        def taken(k: int, upto: float) -> float:
-            lo = b0s.get(k, 0.0)
-            return rate * sum(max(min(e_, upto) - max(s_, lo), 0.0) for s_, e_ in busy.get(k, []))
-
         le = rs.layer_ends
         lrows = le.rows(sel)
         for ly in set(le.layer[lrows].tolist()):
@@ -178,25 +190,33 @@ def _plan(rs: RankSteps, sel: np.ndarray, m: ModelResult, world: int,
     b_end = b_end_m - contention
     sequential = m.strategy == "sequential" and len(m.units) > 1
     units_ = unit_stats(rs, sel) if sel.size else []
-    measured_units = []
+    timing = unit_timing(rs, sel, taken)
+    # comm on the CPU: its cost was fitted from when the last rank arrived, so the wait for
+    # it, with the link idle, is the unit's own (it stays, as in the speedup model)
+    waits = idle_waits(rs, sel, arrivals) if on_cpu and arrivals is not None else {}
+    measured_units: list[tuple[float, ...]] = []
+    plain: list[tuple[float, ...]] = []
     for u in units_:
         if math.isnan(u.nbytes):
             continue
         if sequential:
-            when = b_end
+            when, delay = b_end, 0.0
         elif u.layers and all(ly in ready for ly in u.layers):
-            when = max(ready[ly] for ly in u.layers)     # ready once all its layers are
-        else:
-            when = u.ready_s - (rate * max(u.ready_s - b_start_m, 0.0) if rate else 0.0)
-        measured_units.append((u.nbytes, min(when, b_end)))
+            # ready once all its layers are
+            when, delay = min(max(ready[ly] for ly in u.layers), b_end), 0.0
+        else:   # no layers: when it could start (on the freed clock), then its delay
+            when, delay = timing.get(u.index, (u.ready_s, 0.0))
+            when = min(when, b_end)
+        measured_units.append((u.nbytes, when, delay + waits.get(u.index, 0.0)))
+        plain.append((u.nbytes, when, delay))
     if sequential:
         ready = {ly: b_end for ly in ready}
     measured_end = max((u.end_s for u in units_), default=b_end_m)
     return _Plan(cost, measured, b_start_m, b_end, b_end_m, max(b_end_m, measured_end), ready,
-                 nbytes, measured_units, contention, sequential)
+                 nbytes, measured_units, contention, sequential, plain)
 
 
-def _buckets(p: _Plan, s: Scenario) -> list[tuple[float, float]]:
+def _buckets(p: _Plan, s: Scenario) -> list[tuple[float, ...]]:
     if s.bucket_bytes is None:
         if p.units:
             return p.units
@@ -213,14 +233,21 @@ def _tail(p: _Plan, s: Scenario) -> tuple[int, UnitRun]:
     return len(bs), UnitRun(max(r.comm_end, p.b_end) if bs else p.b_end, r.busy, p.b_end)
 
 
-def _predict(p: _Plan, s: Scenario, base_tail: float) -> tuple[int, UnitRun, float]:
+def _predict(p: _Plan, s: Scenario, base: tuple[float, float]) -> tuple[int, UnitRun, float]:
+    """`base`: the tails of the measured configuration replayed with the measured units'
+    waits for the last rank and without: buckets of other sizes are not the measured units
+    and carry no wait, so they are held against the replay without them."""
     n, r = _tail(p, s)
-    return n, r, p.measured_t_iter - base_tail + max(r.backward_end, r.comm_end)
+    tail = base[0] if s.bucket_bytes is None else base[1]
+    return n, r, p.measured_t_iter - tail + max(r.backward_end, r.comm_end)
 
 
-def _base(p: _Plan, world: int) -> float:
-    _, r = _tail(p, Scenario(world if world > 1 else 1))
-    return max(r.backward_end, r.comm_end)
+def _base(p: _Plan, world: int) -> tuple[float, float]:
+    out = []
+    for units in (p.units, p.plain_units):
+        _, r = _tail(replace(p, units=units), Scenario(world if world > 1 else 1))
+        out.append(max(r.backward_end, r.comm_end))
+    return out[0], out[1]
 
 
 def _extrapolation(s: Scenario, world: int, p: _Plan) -> str | None:
@@ -229,7 +256,7 @@ def _extrapolation(s: Scenario, world: int, p: _Plan) -> str | None:
         why.append(f"{s.gpus} GPUs where {world} ran (comm scaled by 2(N-1)/N)")
     if s.bandwidth_x != 1:
         why.append(f"a link x{s.bandwidth_x:g} (its speed was not measured)")
-    sizes = [b for b, _ in p.units]
+    sizes = [b[0] for b in p.units]
     if s.bucket_bytes is not None and sizes:
         lo, hi = min(sizes), max(sizes)
         biggest = min(s.bucket_bytes, sum(p.nbytes.values()) or math.inf)
@@ -237,37 +264,6 @@ def _extrapolation(s: Scenario, world: int, p: _Plan) -> str | None:
             why.append(f"units of {biggest / MIB:.1f} MiB where the run's were "
                        f"{lo / MIB:.1f}-{hi / MIB:.1f} MiB (cost fitted on those)")
     return "; ".join(why) or None
-
-
-def why_no_replay(rs: RankSteps, sel: np.ndarray, world: int,
-                  link_bytes_per_s: float | None) -> str:
-    """Why `replay` had nothing to replay, in words a user can act on."""
-    if not sel.size:
-        return "no iterations to replay (the trace has no complete iteration past warm-up)"
-    rows, _, begin, end, nb = units_in_iterations(rs, sel)
-    fix = "give the link's bandwidth (--link-bandwidth, or `gputrace probe` before recording)"
-    if not rows.size:
-        return ("no gradient comm was measured in the analyzed iterations (no all-reduce "
-                f"units) and no link bandwidth is known: {fix}")
-    if np.isnan(nb).all() and link_bytes_per_s and not sum(rs.layer_bytes.values()):
-        return ("neither the comm units nor the layers carry byte counts (the trace does not "
-                "say how much each collective moved or each gradient holds): the replay has "
-                "no bytes to move over the link")
-    if np.isnan(nb).all():
-        return ("the comm units carry no byte counts (the trace does not say how much each "
-                f"collective moved), so no comm cost can be fitted from them: {fix}")
-    if not (end > begin).any():
-        return f"the comm units have no duration to fit a cost to: {fix}"
-    small = _fit_too_small(rs, sel) if world > 1 else None
-    if small:
-        return small
-    return f"the comm of {world} rank(s) could not be fitted: {fix}"
-
-
-def _fit_too_small(rs: RankSteps, sel: np.ndarray) -> str | None:
-    """Why the measured units are too few bytes to fit a cost per byte on, or None."""
-    _, _, _, _, nb = units_in_iterations(rs, sel)
-    return fit_too_small(float(np.nansum(nb)) / max(sel.size, 1))
 
 
 def replay(rs: RankSteps, sel: np.ndarray, m: ModelResult, world: int, gpus: Sequence[int],
@@ -286,7 +282,7 @@ def replay(rs: RankSteps, sel: np.ndarray, m: ModelResult, world: int, gpus: Seq
     p = _plan(rs, sel, m, world, link_bytes_per_s, on_cpu, arrivals, host_bytes_per_s)
     if p is None or not (p.units or sum(p.nbytes.values()) > 0):
         return None         # no bytes to move: nothing to replay
-    if p.cost.source == "measured" and _fit_too_small(rs, sel):
+    if p.cost.source == "measured" and too_small(rs, sel):
         return None         # a cost per byte of a few bytes' comm: why_no_replay says so
     cost = p.cost
     assumptions = []
@@ -306,7 +302,9 @@ def replay(rs: RankSteps, sel: np.ndarray, m: ModelResult, world: int, gpus: Seq
         assumptions.append(f"comm per unit = {cost.alpha_s * 1e3:.3f} ms + bytes / "
                            f"{cost.beta_bytes_per_s / 1e9:.3f} GB/s, fitted to the measured "
                            f"units at {world} ranks, scaled by 2(N-1)/N; comm does not slow "
-                           "the compute it overlaps (NCCL on its own SMs)")
+                           "the compute it overlaps (" + ("the link held it back, not the "
+                                                          "host's CPU" if on_cpu else
+                                                          "NCCL on its own SMs") + ")")
     else:
         assumptions.append(f"no comm measured: ring all-reduce at {link_bytes_per_s / 1e9:.3f} "
                            "GB/s bus bandwidth, no latency, no cost to the compute it overlaps")
@@ -327,18 +325,29 @@ def replay(rs: RankSteps, sel: np.ndarray, m: ModelResult, world: int, gpus: Seq
     scenarios += [Scenario(ref, x) for x in (2.0, 0.5)]
     scenarios += [s for s in (Scenario(x.gpus or ref, x.bandwidth_x, x.bucket_bytes)
                               for x in extra) if s not in scenarios]
-    scenarios = [s for s in scenarios if s.bucket_bytes is None or layers_known]
     base_n = world if world > 1 else 1
     base_tail = _base(p, base_n)
-    baseline = p.measured_t_iter - p.measured_tail + base_tail
+    baseline = p.measured_t_iter - p.measured_tail + base_tail[0]
     err = (baseline - p.measured_t_iter) / p.measured_t_iter if p.measured_t_iter else 0.0
+    off = baseline_off(p.measured_t_iter, baseline)
+    # a scenario the run cannot tell, or every one when the replay misses the run: a row
+    # with the reason in place of its figures
+    unknown = {s: off or scenario_unknown(s.bucket_bytes, s.bandwidth_x, layers_known, cost)
+               for s in scenarios}
+    told = [s for s in scenarios if unknown[s] is None]
     # one GPU: no comm, so backward as it runs with none beside it, and no comm tail
     one_gpu = p.measured_t_iter - p.measured_tail + p.b_end
-    preds = {s: _predict(p, s, base_tail) for s in scenarios}
-    spread = _intervals(rs, sel, m, world, link_bytes_per_s, on_cpu, scenarios, arrivals,
+    preds = {s: _predict(p, s, base_tail) for s in told}
+    spread = _intervals(rs, sel, m, world, link_bytes_per_s, on_cpu, told, arrivals,
                         host_bytes_per_s) if intervals else {}
     outcomes = []
     for s in scenarios:
+        if unknown[s]:
+            n_b = len(_buckets(p, s)) if s.bucket_bytes is None or layers_known else 0
+            outcomes.append(Outcome(s, n_b, math.nan, math.nan, math.nan, math.nan,
+                                    extrapolated=_extrapolation(s, world, p),
+                                    withheld=unknown[s]))
+            continue
         n_b, r, t_iter = preds[s]
         lo, hi = spread.get(s, (math.nan, math.nan))
         reference = preds.get(Scenario(s.gpus), (0, r, t_iter))[2]

@@ -1,10 +1,12 @@
 """What the replay reads from the run: the measured comm units of the analyzed iterations
-(when each had the link, its bytes), their busy time beside backward and after it, and each
-layer's gradient ready time and bytes."""
+(when each had the link, its bytes, when it could start and how much later it did, its idle
+wait for the last rank), their busy time beside backward and after it, and each layer's
+gradient ready time and bytes."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -78,3 +80,43 @@ def layer_profile(rs: RankSteps, sel: np.ndarray) -> tuple[dict[int, float], dic
                 for ly in layers_:
                     nbytes[ly] = float(u.nbytes[row]) / len(layers_)
     return ready, nbytes
+
+
+def idle_waits(rs: RankSteps, sel: np.ndarray, arrivals: np.ndarray) -> dict[int, float]:
+    """Per unit index, the mean time (s) the link sat idle inside the unit waiting for the
+    last rank to arrive: from when it had the link (its start, or the end of the units
+    before it) to that arrival, within the unit."""
+    rows, it, begin, end, _ = units_in_iterations(rs, sel)
+    if not rows.size:
+        return {}
+    arrive = arrivals[rows] - rs.iterations.start[it]
+    w = np.clip(arrive - begin, 0, np.maximum(end - begin, 0)) / 1e9
+    idx = rs.units.index[rows]
+    cnt = np.bincount(idx)
+    mean = np.bincount(idx, weights=w) / np.maximum(cnt, 1)
+    return {i: float(mean[i]) for i in np.flatnonzero(cnt).tolist()}
+
+
+def unit_timing(rs: RankSteps, sel: np.ndarray, taken: Callable[[int, float], float]
+                 ) -> dict[int, tuple[float, float]]:
+    """Per unit index, the means over the iterations `sel` of: its ready time (s from the
+    iteration start) on the clock of a backward freed of the measured comm's CPU (less what
+    the comm busy before it, beside backward, took from it: nothing for an iteration's first
+    unit); and its launch delay, the time it started after it could (its gradients ready or
+    backward over, the unit before it ended): TensorFlow launches a collective some time
+    after backward."""
+    u = rs.units
+    got: dict[int, list[tuple[float, float]]] = {}
+    prev_it, prev_end = -1, -math.inf
+    for row in u.rows(sel).tolist():
+        k = int(u.it[row])
+        t0 = rs.iterations.start[k]
+        ready, start = (u.ready[row] - t0) / 1e9, (u.start[row] - t0) / 1e9
+        bend = (rs.backward_end[k] - t0) / 1e9 if rs.backward_end[k] >= 0 else ready
+        before = prev_end if prev_it == k else -math.inf
+        delay = max(start - max(min(ready, bend), before), 0.0)
+        got.setdefault(int(u.index[row]), []).append(
+            (ready - taken(k, min(ready, bend)), delay))
+        prev_it, prev_end = k, max(before, (u.end[row] - t0) / 1e9)
+    return {i: (float(np.mean([r for r, _ in v])), float(np.mean([d for _, d in v])))
+            for i, v in got.items()}

@@ -126,22 +126,24 @@ class UnitRun:
     backward_end: float     # when backward ends, with what comm took from it
 
 
-def run_units(buckets: Sequence[tuple[float, float]], cost: CommCost, gpus: int,
+def run_units(buckets: Sequence[tuple[float, ...]], cost: CommCost, gpus: int,
               bandwidth_x: float = 1.0, backward: tuple[float, float] | None = None) -> UnitRun:
-    """Units one at a time in ready order. With `backward` = (start, end) of backward as it
-    would run with no comm beside it, the ready times are on that clock: while a unit moves
-    bytes beside backward, backward loses the CPU they cost (comm on the CPU) and so ends,
-    and makes the later gradients ready, later. Without it, comm alone: ready times are
-    real times and nothing slows down."""
+    """Units one at a time in ready order: (bytes, ready) each, or (bytes, ready, delay)
+    where the unit stays off the link `delay` seconds once it could start (its launch, as
+    measured). With `backward` = (start, end) of backward as it would run with no comm
+    beside it, the ready times are on that clock: while a unit moves bytes beside backward,
+    backward loses the CPU they cost (comm on the CPU) and so ends, and makes the later
+    gradients ready, later. Without it, comm alone: ready times are real times and nothing
+    slows down."""
     alpha = cost.alpha_s if gpus >= 2 else 0.0
     p_ov, cpu = cost.per_byte(gpus, bandwidth_x, overlapped=True)
     p_alone, _ = cost.per_byte(gpus, bandwidth_x)
     order = sorted(buckets, key=lambda b: b[1])
     if backward is None:
         busy, t = 0.0, -math.inf
-        for nb, when in order:
+        for nb, when, *delay in order:
             d = alpha + nb * p_alone
-            t = max(t, when) + d
+            t = max(t, when) + (delay[0] if delay else 0.0) + d
             busy += d
         end = t if order else -math.inf
         return UnitRun(end, busy, -math.inf)
@@ -161,9 +163,11 @@ def run_units(buckets: Sequence[tuple[float, float]], cost: CommCost, gpus: int,
             tau += dt * rate
         t += dt
 
-    for nb, when in order:
+    for nb, when, *delay in order:
         if tau < min(when, b1):              # its gradients are not ready: nothing on the link
             advance(min(when, b1) - tau, 1.0)
+        if delay and delay[0] > 0:           # launched later than it could be: off the link
+            advance(delay[0], 1.0)
         advance(alpha, 1.0)
         busy += alpha
         rem = nb
@@ -185,7 +189,7 @@ def run_units(buckets: Sequence[tuple[float, float]], cost: CommCost, gpus: int,
     return UnitRun(t if order else -math.inf, busy, bwd_end)
 
 
-def simulate(buckets: Sequence[tuple[float, float]], cost: CommCost, gpus: int,
+def simulate(buckets: Sequence[tuple[float, ...]], cost: CommCost, gpus: int,
              bandwidth_x: float = 1.0) -> tuple[float, float]:
     """(comm end from the iteration start, total time on the link): units one at a time, no
     compute beside them."""

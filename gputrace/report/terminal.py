@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from typing import IO
 
 from rich.console import Console
@@ -128,7 +129,8 @@ def _bucket_label(b: float | None, n: int, measured_units: int) -> str:
     if b is None:
         return (f"measured ({n} unit{'s' if n != 1 else ''})" if measured_units
                 else f"bucket_cap_mb=25 ({n})")
-    return f"{'one bucket' if math.isinf(b) else f'bucket_cap_mb={b / MIB:g}'} ({n})"
+    return f"{'one bucket' if math.isinf(b) else f'bucket_cap_mb={b / MIB:g}'}" + \
+        (f" ({n})" if n else "")     # none: not replayed (withheld)
 
 
 def _what_if(con: Console, rp: Replay, measured: float) -> None:
@@ -181,12 +183,15 @@ def _what_if(con: Console, rp: Replay, measured: float) -> None:
 
 
 def _withheld(con: Console, which: list[tuple[str, str | None]]) -> None:
-    """One line for the predictions not shown, and why."""
-    if not which:
-        return
-    first, why = which[0]
-    more = f" (and {len(which) - 1} more like it)" if len(which) > 1 else ""
-    con.print(f"  [yellow]withheld[/]: {escape(first)}{more}: {escape(why or '')}")
+    """One line for the predictions not shown for the same reason (its figures aside), and
+    why."""
+    kinds: dict[str, list[tuple[str, str | None]]] = {}
+    for w in which:
+        kinds.setdefault(re.sub(r"[\d.]+", "#", w[1] or ""), []).append(w)
+    for same in kinds.values():
+        first, why = same[0]
+        more = f" (and {len(same) - 1} more like it)" if len(same) > 1 else ""
+        con.print(f"  [yellow]withheld[/]: {escape(first)}{more}: {escape(why or '')}")
 
 
 def render(a: Analysis, rank: int | None = None, file: IO[str] | None = None,
