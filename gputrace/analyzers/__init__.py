@@ -28,7 +28,7 @@ from gputrace.analyzers.detail import (
     representative,
     unit_durations,
 )
-from gputrace.analyzers.findings import Finding, find
+from gputrace.analyzers.findings import Finding, find, framework_of
 from gputrace.analyzers.findings_comm import shd_findings
 from gputrace.analyzers.findings_replay import _agree, _extra_findings, _replay_findings
 from gputrace.analyzers.model import ModelResult, Speedup, build_model, speedup, unit_waits
@@ -339,7 +339,8 @@ def combine(parts: list[FramePart], md: dict[str, Any], opts: Options, probe: An
         w = waits.get(r)
         more = {"findings": p.findings + _replay_findings(rp, world)
                 + shd_findings(p, missing)
-                + par_findings(p.dims, parallel, p.breakdown["t_iter"].mean)}
+                + par_findings(p.dims, parallel, p.breakdown["t_iter"].mean),
+                "framework": framework_of(md)}
         out[r] = RankAnalysis(
             rank=r, iterations=p.iterations, warmup_skipped=p.warmup_skipped,
             synthetic_iterations=p.synthetic, breakdown=p.breakdown, comm=p.comm, io=p.io,

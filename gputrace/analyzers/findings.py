@@ -20,6 +20,35 @@ class Finding:
 
 
 UNITS_NAMED = 8   # more exposed units than this are given as ranges of their indices
+# what runs between the phases, and what feeds the data faster, in each framework's words
+WORDS = {
+    "pytorch": {"between": "loss, zero_grad, logging or Python between phases",
+                "loader": "more DataLoader workers",
+                "unpipelined": "use DataLoader workers"},
+    "tensorflow": {"between": "the loss and metrics, the dispatch of tf.function or "
+                              "strategy.run, logging or Python between phases",
+                   "loader": "more parallel calls in tf.data (num_parallel_calls)",
+                   "unpipelined": "use tf.data's map(num_parallel_calls=...) and prefetch"},
+}
+
+
+def framework_of(md: dict[str, object]) -> str:
+    """The training framework the trace says the job used: "tensorflow" where TensorFlow's
+    collector ran and torch's did not, or the trace is a TensorFlow profile; "pytorch"
+    otherwise."""
+    col = md.get("collectors")
+    col = col if isinstance(col, dict) else {}
+
+    def ok(name: str) -> bool:
+        c = col.get(name)
+        return isinstance(c, dict) and c.get("status") == "ok"
+
+    imported = md.get("imported")
+    tools = {s.get("tool") for s in imported if isinstance(s, dict)} \
+        if isinstance(imported, list) else set()
+    if (ok("tensorflow") and not ok("torch")) or tools == {"tensorflow"}:
+        return "tensorflow"
+    return "pytorch"
 
 
 def _layers(layers: tuple[int, ...] | None) -> str:
@@ -37,6 +66,7 @@ def find(m: ModelResult, comm: dict[str, float], io: dict[str, float], bw: Bandw
     t_iter = t["t_iter"]
     if t_iter <= 0:
         return out
+    words = WORDS.get(str((extra or {}).get("framework")), WORDS["pytorch"])
     wait = t["t_io"]
     frac = round(wait / t_iter, 9)
     if frac >= INPUT_MODERATE:
@@ -54,9 +84,9 @@ def find(m: ModelResult, comm: dict[str, float], io: dict[str, float], bw: Bandw
                 msg += "; the loader reads " + " and ".join(parts)
         if m.io_pipelined and m.t_io_pipelined is not None:
             msg += (f"; each batch takes {m.t_io_pipelined:.3f} s of loader time per worker "
-                    "share: more DataLoader workers, faster decode or a warm cache would help")
+                    f"share: {words['loader']}, faster decode or a warm cache would help")
         else:
-            msg += "; loading is not pipelined: use DataLoader workers"
+            msg += f"; loading is not pipelined: {words['unpipelined']}"
         out.append(Finding("input_bound", sev, msg + "."))
     exposed = comm.get("exposed_s", 0.0)
     # FSDP: findings_comm; no unit (comm of a few bytes only): nothing to say of units
@@ -102,8 +132,8 @@ def find(m: ModelResult, comm: dict[str, float], io: dict[str, float], bw: Bandw
     if other / t_iter >= 0.10:
         out.append(Finding(
             "unattributed", "moderate",
-            f"{other:.3f} s per iteration ({other / t_iter:.0%}) is in no phase: loss, "
-            "zero_grad, logging or Python between phases."))
+            f"{other:.3f} s per iteration ({other / t_iter:.0%}) is in no phase: "
+            f"{words['between']}."))
     fw = t.get("t_framework", 0.0)
     if fw / t_iter >= 0.05:
         out.append(_framework_finding(fw, t_iter))

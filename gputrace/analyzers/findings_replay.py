@@ -53,11 +53,39 @@ def _replay_findings(rp: Replay | None, world: int) -> list[Finding]:
                     f"{best.exposed_s * 1e3:.1f} ms of comm after backward.")]
 
 
+REPLAY_SAYS = " The what-if replay shows what other bucket sizes or a faster link would change."
+
+
+def _replay_says(rp: Replay | None, world: int) -> str:
+    """What the what-if replay of this run shows, in one sentence: only the scenarios it
+    gives figures for."""
+    shown = [o.scenario for o in rp.outcomes if o.withheld is None] if rp is not None else []
+    what = [w for w, ok in (
+        ("other bucket sizes", any(s.bucket_bytes is not None for s in shown)),
+        ("a faster link", any(s.bandwidth_x > 1 for s in shown)),
+        ("a slower link", any(s.bandwidth_x < 1 for s in shown)),
+        ("more GPUs", any(s.gpus > max(world, 1) for s in shown))) if ok]
+    if what[:2] == ["other bucket sizes", "a faster link"]:
+        return REPLAY_SAYS
+    if rp is None:
+        return ""
+    if not what:
+        return " The what-if replay gives no figure for this run (its section says why)."
+    told = ", ".join(what[:-1]) + (" or " if len(what) > 1 else "") + what[-1]
+    missing = [w for w in ("other bucket sizes", "a faster link") if w not in what]
+    return (f" The what-if replay shows what {told} would change; it does not predict "
+            f"{' or '.join(missing)} for this run (its section says why).")
+
+
 def _agree(findings: list[Finding], rp: Replay | None, world: int) -> list[Finding]:
     """A finding that recommends a change cites the replay's prediction for it, and does not
-    recommend what the replay says would not help."""
+    recommend what the replay says would not help; one that points to the replay names only
+    what the replay shows."""
     out = []
     for f in findings:
+        if f.id == "comm_exposed" and REPLAY_SAYS in f.message:
+            f = Finding(f.id, f.severity,
+                        f.message.replace(REPLAY_SAYS, _replay_says(rp, world)))
         if f.id == "comm_tail" and rp is not None:
             own = [o for o in rp.outcomes if o.scenario.gpus == max(world, 2)
                    and o.scenario.bandwidth_x == 1 and o.scenario.bucket_bytes is not None
