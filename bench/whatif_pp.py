@@ -1,8 +1,9 @@
 """The pipeline what-if checked against the runs it predicts.
 
-Real 2-stage pipelines over gloo on the CPU (tests/jobs/pp_train.py under torchrun:
-torch.distributed.pipelining, one stage per rank) are recorded with gputrace, one run per
-configuration (GPipe and 1F1B, 4 and 8 microbatches by default; one model and global batch).
+Real 2-rank pipelines over gloo on the CPU (tests/jobs/pp_train.py under torchrun:
+torch.distributed.pipelining, one stage per rank, or two under `interleaved` and `zbv`) are
+recorded with gputrace, one run per configuration (GPipe and 1F1B, 4 and 8 microbatches by
+default; one model and global batch).
 Each run predicts every other run of the round with the pipeline replay
 (`gputrace.analyzers.parallel.pp.predict`, what `analyze`'s `parallelism.pipeline.what_if`
 is made of), and the predicted t_iter and bubble are printed beside the measured ones.
@@ -23,7 +24,9 @@ the error when the compute is right, i.e. the schedule replay and the transfer m
 And, where runs at other microbatch counts were recorded to calibrate with (--calibrate-with,
 never the target itself), the prediction with the source's compute fitted as fixed +
 per-sample from the source and a calibrating run of its schedule (`analyze --calibrate`):
-the one whose count has the target's between it and the source's where there is one.
+the one whose count has the target's between it and the source's where there is one; and,
+where two or more such runs were recorded, fitted through all of them (`--calibrate A,B`:
+the two counts nearest the target's).
 
     python bench/whatif_pp.py [--configs gpipe:4,gpipe:8,1f1b:4,1f1b:8]
         [--calibrate-with gpipe:2,gpipe:16,1f1b:2,1f1b:16] [--iterations 12]
@@ -50,7 +53,8 @@ JOB = ROOT / "tests" / "jobs" / "pp_train.py"
 # a pair whose compute per iteration differs by more than this did not keep the model's
 # assumption (the machine's speed or the microbatch's fixed costs): the target is 10 %
 SAME_COMPUTE = 0.10
-SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
+             "interleaved": "ScheduleInterleaved1F1B", "zbv": "ScheduleZBVZeroBubble"}
 IDLE_CORES = 0.3      # --quiet: the machine counts as idle below this many cores busy
 BUSY_OTHERS = 0.2     # a run beside more than this many cores of other work is marked
 
@@ -150,6 +154,16 @@ def calibrator(src: tuple[str, int], dst: tuple[str, int], cals: dict[tuple[str,
     return c, cals[c]
 
 
+def several(src: tuple[str, int], dst: tuple[str, int], cals: dict[tuple[str, int], object]
+            ) -> tuple[list[tuple[str, int]], list[object]] | None:
+    """Every run of src's schedule at another count than both, to fit src's compute with
+    through the two counts nearest dst's (None with fewer than two)."""
+    mine = sorted(c for c in cals if c[0] == src[0] and c[1] not in (src[1], dst[1]))
+    if len(mine) < 2 or src[1] == dst[1]:
+        return None
+    return mine, [cals[c] for c in mine]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--configs", default="gpipe:4,gpipe:8,1f1b:4,1f1b:8",
@@ -186,6 +200,7 @@ def main() -> None:
         runs: list[dict[tuple[str, int], object]] = []
         cal_runs: list[dict[tuple[str, int], object]] = []
         fitted_errors: list[float] = []
+        several_errors: list[float] = []
         others: list[dict[tuple[str, int], float]] = []
         for i in range(a.rounds):
             sub = out / f"round{i}"
@@ -206,24 +221,38 @@ def main() -> None:
                 for dst, d in rnd.items():
                     if src == dst:
                         continue
-                    w = pp.predict(s, SCHEDULES[dst[0]], dst[1])
+                    w = pp.predict(s, SCHEDULES[dst[0]], dst[1], v=d.stages_per_rank)
                     meas = d.stages[0].t_iter
                     ratio = compute_s(d) / compute_s(s)
                     busy = max(others[i][src], others[i][dst])
                     same = abs(ratio - 1) <= SAME_COMPUTE and not busy > BUSY_OTHERS
                     err = w.t_iter / meas - 1
+                    # the target's own compute, where its stages are the source's
                     own = pp.predict(s, SCHEDULES[dst[0]], dst[1], list(d.per_stage[0]),
-                                     list(d.per_stage[1]))
+                                     list(d.per_stage[1]), v=d.stages_per_rank) \
+                        if d.num_stages == s.num_stages else w
                     cal = calibrator(src, dst, cal_runs[i])
                     fit, fe = "", 0.0
                     if cal is not None:
                         fs = pp_whatif.calibrated(s, pp_whatif.calibration_of(cal[1]),
                                                   pp.first_replica(s))
-                        fe = pp_whatif.predict(fs, SCHEDULES[dst[0]], dst[1]).t_iter / meas - 1
+                        fe = pp_whatif.predict(fs, SCHEDULES[dst[0]], dst[1],
+                                               v=d.stages_per_rank).t_iter / meas - 1
                         fitted_errors.append(fe)
                         fit = f"{fe:+.1%} ({cal[0][0]} {cal[0][1]})"
+                    more = several(src, dst, cal_runs[i])
+                    fit_all = ""
+                    if more is not None:
+                        fs = pp_whatif.calibrated(
+                            s, [pp_whatif.calibration_of(x) for x in more[1]],
+                            pp.first_replica(s))
+                        fa = pp_whatif.predict(fs, SCHEDULES[dst[0]], dst[1],
+                                               v=d.stages_per_rank).t_iter / meas - 1
+                        several_errors.append(fa)
+                        fit_all = f"{fa:+.1%} ({', '.join(str(c[1]) for c in more[0])})"
                     errors[same].append(err)
-                    replay_errors.append(own.t_iter / meas - 1)
+                    if d.num_stages == s.num_stages:
+                        replay_errors.append(own.t_iter / meas - 1)
                     if not busy > BUSY_OTHERS:
                         by_pair.setdefault((src, dst), []).append(
                             (err, own.t_iter / meas - 1, ratio, w.bubble, d.bubble,
@@ -231,9 +260,10 @@ def main() -> None:
                     rows.append([str(i), f"{src[0]} {src[1]}", f"{dst[0]} {dst[1]}",
                                  f"{s.stages[0].t_iter * 1e3:.0f}", f"{w.t_iter * 1e3:.0f}",
                                  f"{meas * 1e3:.0f}", f"{err:+.1%}",
-                                 f"{own.t_iter / meas - 1:+.1%}", fit,
+                                 f"{own.t_iter / meas - 1:+.1%}"
+                                 if d.num_stages == s.num_stages else "", fit, fit_all,
                                  f"{w.bubble:.1%}", f"{d.bubble:.1%}",
-                                 f"{pipesim.theory(d.num_stages, dst[1]):.0%}",
+                                 f"{pipesim.theory(d.ranks or d.num_stages, dst[1], d.stages_per_rank):.0%}",
                                  f"{ratio:.2f}" + ("" if abs(ratio - 1) <= SAME_COMPUTE
                                                    else " (differs)"),
                                  f"{busy:.2f}" if busy == busy else "?"])
@@ -244,7 +274,8 @@ def main() -> None:
         print(table("Pipeline what-if against the run it predicts (one round: every "
                     "configuration recorded once, one after the other)",
                     ["round", "from", "to", "from t_iter ms", "predicted ms", "measured ms",
-                     "error", "with its compute", "fitted (with)", "bubble pred.", "bubble meas.", "theory",
+                     "error", "with its compute", "fitted (with)", "fitted, several (at)",
+                     "bubble pred.", "bubble meas.", "theory",
                      "compute ratio",
                      "others' cores"],
                     rows))
@@ -280,6 +311,11 @@ def main() -> None:
         if e:
             print(f"fitted with a calibrating run: {len(e)} predictions, |error| at most "
                   f"{max(abs(x) for x in e):.1%}, median "
+                  f"{sorted(abs(x) for x in e)[len(e) // 2]:.1%}, mean {sum(e) / len(e):+.1%}")
+        e = several_errors
+        if e:
+            print(f"fitted with several calibrating runs: {len(e)} predictions, |error| at "
+                  f"most {max(abs(x) for x in e):.1%}, median "
                   f"{sorted(abs(x) for x in e)[len(e) // 2]:.1%}, mean {sum(e) / len(e):+.1%}")
         e = replay_errors
         if e:
