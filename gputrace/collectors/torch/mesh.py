@@ -13,7 +13,7 @@ from typing import Any
 
 from gputrace.collectors.torch.guard import _hook_failed
 
-_meshes: weakref.WeakSet[Any] = weakref.WeakSet()
+_meshes: list[weakref.ref[Any]] = []    # in the order they were made
 _installed = False
 
 
@@ -36,7 +36,8 @@ def install() -> None:
     def __init__(self: Any, *a: Any, **k: Any) -> None:
         orig(self, *a, **k)
         try:
-            _meshes.add(self)
+            _meshes[:] = [r for r in _meshes if r() is not None]
+            _meshes.append(weakref.ref(self))
         except Exception as e:  # noqa: BLE001 - the mesh is made; only its name is lost
             _hook_failed("DeviceMesh", e)
 
@@ -46,9 +47,14 @@ def install() -> None:
 
 def mesh_of(group_name: str) -> dict[str, Any] | None:
     """{"dim", "dims", "shape"} of the largest kept mesh one of whose dimensions is the group
-    named `group_name`, or None."""
+    named `group_name` (of two as large, the one made first: transformers' dense mesh, not
+    its expert mesh whose `efsdp` dimension may be the same group as the dense `fsdp`), or
+    None."""
     best = None
-    for m in list(_meshes):
+    for ref in list(_meshes):
+        m = ref()
+        if m is None:
+            continue
         names = getattr(m, "_dim_group_names", None) or []
         if group_name not in names:
             continue
