@@ -64,7 +64,6 @@ class _Tracker(ModuleTracker):
     def __init__(self) -> None:
         super().__init__()
         self.recomputing: dict[str, int] = defaultdict(int)
-        self.owner: dict[Any, frozenset[str]] = {}   # autograd node -> the modules it counts to
         # per module call under way: autograd's sequence number at its pre-hook (a stack:
         # calls nest; a call stopped inside, as checkpointing's early stop does, leaves one)
         self.starts: dict[int, list[int]] = defaultdict(list)
@@ -106,30 +105,35 @@ class _Tracker(ModuleTracker):
 
         args, _ = tree_flatten(output)
         todo = [a.grad_fn for a in args if isinstance(a, torch.Tensor) and a.grad_fn is not None]
-        seen: set[int] = set()
-        owner = self.owner
+        # the nodes themselves, not their ids: a C++ node's Python object lives only while
+        # referenced, and another's could take a freed one's id during the walk
+        seen: set[Any] = set()
         while todo:
             node = todo.pop()
-            if id(node) in seen:
+            if node in seen:
                 continue
-            seen.add(id(node))
+            seen.add(node)
             if node._sequence_nr() < start:
                 continue        # made before this call: an input's
-            owner.setdefault(node, owners)
+            # kept on the node itself (its metadata lives and goes with it): a reference of
+            # ours would keep what a node holds (a recomputed forward's activations, which
+            # checkpointing frees) to the iteration's end
+            node.metadata.setdefault(_KEY, owners)
             todo.extend(n for n, _ in node.next_functions if n is not None)
 
     def owners(self) -> frozenset[str]:
         """The modules a backward operation counts to: those that created the node it runs
         in ("Global" alone for a node made outside every module: the loss)."""
-        return self.owner.get(torch._C._current_autograd_node(), _GLOBAL)
+        node = torch._C._current_autograd_node()
+        return _GLOBAL if node is None else node.metadata.get(_KEY, _GLOBAL)
 
     def __exit__(self, *args: Any) -> None:
         super().__exit__(*args)
-        self.owner.clear()      # the nodes (and what they hold) go with the backward
         self.starts.clear()
 
 
 _GLOBAL = frozenset({"Global"})
+_KEY = "gputrace.flops.owners"      # in an autograd node's metadata: the modules it counts to
 
 
 def _with_ancestors(name: str) -> frozenset[str]:
