@@ -1,13 +1,14 @@
 """A small CPU training loop with activation checkpointing that times itself with
 perf_counter: the ground truth of the recompute tests.
 
-    python checkpointed.py OUT.json [--mode nonreentrant|reentrant|wrapper|none]
+    python checkpointed.py OUT.json [--mode nonreentrant|reentrant|wrapper|whole|none]
                            [--blocks N] [--steps N] [--dim D] [--batch B]
 
 N residual MLP blocks (Linear, GELU, Linear, LayerNorm) in a ModuleList, then a head. Each
 block runs under torch.utils.checkpoint (`nonreentrant`: use_reentrant=False, torch's
 recommended form; `reentrant`: use_reentrant=True) or wrapped by
-`checkpoint_wrapper` (`wrapper`: as FSDP2 and torchtitan apply it), or plainly (`none`).
+`checkpoint_wrapper` (`wrapper`: as FSDP2 and torchtitan apply it), or plainly (`none`);
+`whole`: the loop checkpoints the whole model (non-reentrant).
 
 Per optimizer step it writes (seconds; time.time_ns for `start`/`end`, the iterations tiling
 the loop): `forward` (the model and the loss), `backward` (loss.backward(), the recompute
@@ -75,7 +76,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("out")
     p.add_argument("--mode", default="nonreentrant",
-                   choices=("nonreentrant", "reentrant", "wrapper", "none"))
+                   choices=("nonreentrant", "reentrant", "wrapper", "whole", "none"))
     p.add_argument("--blocks", type=int, default=4)
     p.add_argument("--steps", type=int, default=14)
     p.add_argument("--dim", type=int, default=256)
@@ -93,7 +94,8 @@ def main() -> None:
     t_prev = time.time_ns()
     for _ in range(a.steps):
         t0 = now()
-        loss = loss_fn(model(x), y)
+        out = checkpoint(model, x, use_reentrant=False) if a.mode == "whole" else model(x)
+        loss = loss_fn(out, y)
         t1 = now()
         RECOMPUTE[0] = 0.0
         IN_BACKWARD[0] = True

@@ -45,6 +45,7 @@ from gputrace.collectors.torch.guard import _guarded
 from gputrace.collectors.torch.iterations import _Iterations
 from gputrace.collectors.torch.modules import Modules, env_forward, env_mode
 from gputrace.collectors.torch.rank import learn_rank_from_torch
+from gputrace.collectors.torch.recompute import in_backward
 from gputrace.recorder import Recorder
 
 _installed: _State | None = None
@@ -140,7 +141,11 @@ class _State:
 
     @_guarded
     def root_pre(self, module: torch.nn.Module, args: Any) -> None:
-        """A model root's forward begins (nested roots only count depth)."""
+        """A model root's forward begins (nested roots only count depth). Run inside the
+        backward it is a recompute (the job checkpoints the whole model): no forward, its
+        time a `recompute` span (collectors.torch.recompute)."""
+        if in_backward():
+            return
         t = self.now()
         if self.depth == 0:
             self.mem("forward", 0, t)
@@ -160,6 +165,8 @@ class _State:
 
     @_guarded
     def root_post(self, module: torch.nn.Module, args: Any, out: Any) -> None:
+        if in_backward():
+            return
         self.depth = max(self.depth - 1, 0)
         if self.depth == 0:
             self.mem("forward", 1, self.now())
