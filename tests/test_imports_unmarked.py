@@ -145,3 +145,29 @@ def test_diff_of_the_pair_is_per_iteration_in_the_raw_direction(pair):
     # the whole captures are both ~300 ms: per iteration, the after run is the slower
     assert (t["change"] > 0) == (raw[1] > raw[0])
     assert t["change"] == pytest.approx(raw[1] - raw[0], rel=0.5)
+
+
+def test_kineto_trace_without_step_marks_is_split_where_its_loop_repeats(shared_data,
+                                                                         tmp_path):
+    d = json.load(gzip.open(shared_data / "kineto/control.json.gz"))
+    steps = sorted(e["dur"] * 1000 for e in d["traceEvents"]
+                   if e.get("ph") == "X" and e.get("cat") == "user_annotation"
+                   and e.get("name", "").startswith("ProfilerStep#"))
+    assert len(steps) == 6
+    # the same trace without its step marks
+    d["traceEvents"] = [e for e in d["traceEvents"]
+                        if not e.get("name", "").startswith("ProfilerStep#")]
+    src = tmp_path / "rank3.json.gz"
+    with gzip.open(src, "wt") as f:
+        json.dump(d, f)
+    out = tmp_path / "t.arrow"
+    p = run_gputrace("import", str(src), "-o", str(out), check=True)
+    assert "no iteration marks; its iterations are the 5 repeats" in p.stderr
+    from gputrace import load
+
+    t = load(out).table.to_pylist()
+    its = sorted(r["end_ns"] - r["start_ns"] for r in t if r["cat"] == "iteration")
+    # a repeat between two marks' worth of the loop: as long as a step, within 5 %
+    assert len(its) == len(steps) - 1
+    median = steps[len(steps) // 2]
+    assert all(abs(x - median) < 0.05 * median for x in its), (its, steps)

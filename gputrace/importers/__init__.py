@@ -144,6 +144,7 @@ def import_paths(paths: list[str]):  # type: ignore[no-untyped-def]
             raise ImportFailed(f"{f}: {e}") from None
         sources.append({"path": os.path.abspath(f), "tool": "kineto", "rank": rank,
                         "distributedInfo": dist if isinstance(dist, dict) else None, **counts})
+        warnings.extend(_repeats_said(f, counts.get("inferred_iterations") or {}))
     for f, rank in zip(tf_files, tfprof_files.ranks_of(tf_files), strict=True):
         if rank in seen:
             raise ImportFailed(f"{f} and {seen[rank]} are both rank {rank}")

@@ -8,6 +8,8 @@ from typing import Any
 
 import numpy as np
 
+from gputrace.importers import repeats as rp
+
 # What a host range is, for finding forward and backward in traces that do not name them
 # (torch.profiler without module ranges): kinds of ranges on a thread.
 OP, IO, UPDATE, ZERO_GRAD, BACKWARD, COPY, STEP = range(7)
@@ -33,14 +35,41 @@ def op_kind(name: str, phase: str | None) -> int:
 
 
 class HostOps:
-    """The host ranges of a trace as flat arrays (pid, tid, start, end, kind), kept while a
-    file is parsed to find the loop's forward and backward passes afterwards."""
+    """The host ranges of a trace as flat arrays (pid, tid, start, end, kind, name code),
+    kept while a file is parsed to find the loop's forward and backward passes, and where
+    the file marks none its iterations, afterwards."""
 
     def __init__(self) -> None:
         self.data = array("q")
+        self.names: dict[str, int] = {}
 
-    def add(self, pid: int, tid: int, start: int, end: int, kind: int) -> None:
-        self.data.extend((pid, tid, start, end, kind))
+    def code(self, name: str) -> int:
+        return self.names.setdefault(name, len(self.names))
+
+    def add(self, pid: int, tid: int, start: int, end: int, kind: int, name: int) -> None:
+        self.data.extend((pid, tid, start, end, kind, name))
+
+    def repeats(self, loops: dict[int, Any]) -> dict[Any, rp.Repeats]:
+        """For each process of `loops`, the iterations of its loop's thread from what its
+        top-level ranges repeat (for a file without iteration marks)."""
+        if not self.data:
+            return {}
+        a = np.frombuffer(self.data, np.int64).reshape(-1, 6)
+        names = list(self.names)
+        out = {}
+        for pid in loops:
+            mine = a[a[:, 0] == pid]
+            # the loop's thread: the one that waits for batches, steps the optimizer or
+            # zeroes the gradients, else the one of most ops
+            own = mine[np.isin(mine[:, 4], (IO, UPDATE, ZERO_GRAD))]
+            tids, n = np.unique((own if len(own) else mine)[:, 1], return_counts=True)
+            key = (int(pid), int(tids[int(np.argmax(n))]))
+            t = mine[mine[:, 1] == key[1]]
+            top = rp.top_level(t[:, 2], t[:, 3])
+            rep = rp.find([names[c] for c in t[top, 5].tolist()], t[top, 2], t[top, 3])
+            if rep is not None:
+                out[key] = rep
+        return out
 
     def infer(self, loops: dict[int, Any]) -> list[tuple[Any, int, int, str]]:
         """Forward and backward ranges on each process's loop thread, from the order of its
@@ -51,7 +80,7 @@ class HostOps:
         cat) with key = the loop's (pid, tid)."""
         if not self.data or not loops:
             return []
-        a = np.frombuffer(self.data, np.int64).reshape(-1, 5)
+        a = np.frombuffer(self.data, np.int64).reshape(-1, 6)
         out: list[tuple[Any, int, int, str]] = []
         for pid, key in loops.items():
             mine = a[a[:, 0] == pid]

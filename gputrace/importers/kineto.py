@@ -60,7 +60,7 @@ def read(path: str, rank: int, rows: Rows, *, phases: Sequence[tuple[Any, int, i
     iter_threads: dict[Any, int] = {}
     ops = HostOps()
     groups = Groups()
-    counts = {"events": 0, "skipped": 0}
+    counts: dict[str, Any] = {"events": 0, "skipped": 0}
     doc = document(path)
     base = doc.top.baseTimeNanoseconds
     base_ns = as_int(base) if base is not None else 0
@@ -82,6 +82,17 @@ def read(path: str, rank: int, rows: Rows, *, phases: Sequence[tuple[Any, int, i
     if loops is None:
         loops = loop_threads(phases, iter_threads)
     inferred = ops.infer(loops)
+    if not iters:       # no iteration marks: where the loop thread's ranges repeat
+        for key, rep in ops.repeats(loops).items():
+            n = len(rep.start)
+            iters.extend((st, en, k) for k, (st, en) in enumerate(
+                zip(rep.start.tolist(), rep.end.tolist(), strict=True)))
+            rows.add_columns(n, kind="span", cat="iteration",
+                             name=f"iteration (repeat of {rep.anchor})", start_ns=rep.start,
+                             end_ns=rep.end, rank=rank, pid=key[0], tid=key[1],
+                             step=list(range(n)))
+            counts.setdefault("inferred_iterations", {})[str(rank)] = {
+                "anchor": rep.anchor, "count": n, "period_ms": round(rep.period_ns / 1e6, 3)}
     for (pid, tid), s, e, cat in inferred:
         rows.add("span", cat, f"{cat} (inferred)", s, e, rank=rank, pid=pid, tid=tid)
     counts["inferred_phases"] = len(inferred)

@@ -131,7 +131,7 @@ def _convert_each(evs: list[Event], first: int, rank: int, rows: Rows, base_ns: 
                 ph = None  # GPU-side copies of CPU ranges: keep as user spans
             else:
                 if cat != "python_function":   # Python frames enclose everything
-                    host_ops += (pid, tid, start, end, op_kind(name, ph))
+                    host_ops += (pid, tid, start, end, op_kind(name, ph), ops.code(name))
                 if ph == "iteration":
                     iters.append((start, end, step))
                     iter_threads[(pid, tid)] = iter_threads.get((pid, tid), 0) + 1
@@ -161,8 +161,8 @@ def _convert_each(evs: list[Event], first: int, rank: int, rows: Rows, base_ns: 
         launches.gpu(gpu_work[i], 0, gpu_work[i + 1])
     for i in range(0, len(calls), 4):
         launches.call(0, *calls[i:i + 4])
-    for i in range(0, len(host_ops), 5):
-        ops.add(*host_ops[i:i + 5])
+    for i in range(0, len(host_ops), 6):
+        ops.add(*host_ops[i:i + 6])
 
 
 class _Unusual(Exception):
@@ -386,7 +386,8 @@ def _convert(evs: list[Event], rank: int, rows: Rows, base_ns: int, gpu_only: bo
         if op_rows:
             o = np.array(op_rows, np.int64)
             ops.data.frombytes(np.column_stack(
-                (pid[o], tid[o], start[o], end[o], np.array(op_kinds, np.int64))).tobytes())
+                (pid[o], tid[o], start[o], end[o], np.array(op_kinds, np.int64),
+                 np.array([ops.code(names[i]) for i in op_rows], np.int64))).tobytes())
 
     e = np.flatnonzero(emit)
     rows.add_columns(len(e), kind="span", rank=rank, cat=cat[e].tolist(),
