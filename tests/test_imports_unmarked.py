@@ -171,3 +171,30 @@ def test_kineto_trace_without_step_marks_is_split_where_its_loop_repeats(shared_
     assert len(its) == len(steps) - 1
     median = steps[len(steps) // 2]
     assert all(abs(x - median) < 0.05 * median for x in its), (its, steps)
+
+
+def test_emit_nvtx_and_megatron_ranges_name_their_phase():
+    from gputrace.importers.common import phase_of
+    from gputrace.importers.nvtx_names import convention_phase, emit_nvtx
+    from gputrace.importers.nvtx_ops import NvtxOps
+
+    # names as the mfu export writes them
+    assert emit_nvtx("aten::mul, seq = 45328, op_id = 990354") == ("aten::mul", 45328)
+    assert emit_nvtx("FSDP::pre_forward (blocks.3._checkpoint_wrapped_module), "
+                     "op_id = 990") == ("FSDP::pre_forward (blocks.3._checkpoint_wrapped_module)",
+                                        None)
+    # Megatron-Core names a range by its caller's module and function, then a suffix
+    mc = "megatron.core.transformer.transformer_layer"
+    assert convention_phase(f"{mc}._forward_attention.self_attention") == "forward"
+    assert convention_phase("megatron.core.pipeline_parallel.schedules.backward_step") \
+        == "backward"
+    assert convention_phase("megatron.core.pipeline_parallel.schedules."
+                            "forward_backward_no_pipelining") is None
+    # an op autograd numbered is forward, inside a backward range a recomputation: backward
+    ops, key = NvtxOps(), (1, 1)
+    assert ops.add(key, 0, 10, "aten::mm", None, 7) == "forward"
+    bwd = emit_nvtx("MmBackward0, seq = 7, op_id = 12")[0]
+    assert ops.add(key, 20, 40, bwd, phase_of(bwd)[0], 7) == "backward"
+    assert ops.add(key, 25, 30, "aten::mm", None, 9) == "backward"
+    assert ops.add(key, 50, 60, "aten::mm", None, 11) == "forward"
+    assert ops.add(key, 61, 62, "aten::view", None, None) is None
