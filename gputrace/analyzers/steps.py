@@ -242,12 +242,16 @@ def analyze_rank(sp: Spans, stood: tuple[np.ndarray, np.ndarray] | None = None,
         bwd = ov.subtract(ov.merge(phase_b if own_waits or not per_layer.any()
                                    else _u(sp, per_layer), _u(sp, pass_b)), st)
         upd = ov.subtract(_u(sp, sp.of("update")), st)
+        # two phases at once (TensorFlow runs ops of both on its threads): the time counts
+        # once, in the earlier phase; the loop's wait for data, where no compute ran beside
+        bwd = ov.subtract(bwd, fwd)
+        upd = ov.subtract(upd, ov.merge(fwd, bwd))
         comm_m = sp.of("comm")
         compute = ov.merge(h2d, fwd, bwd, upd)
         comm = _u(sp, comm_m)
         terms = {
             "t_iter": t_iter,
-            "t_io": ov.measure(wait, lo, hi) / sec,
+            "t_io": ov.measure(ov.subtract(wait, compute), lo, hi) / sec,
             "t_h2d": ov.measure(h2d, lo, hi) / sec,
             "t_f": ov.measure(fwd, lo, hi) / sec,
             "t_b": ov.measure(bwd, lo, hi) / sec,
