@@ -13,8 +13,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from gputrace.analyzers import collectives as col
+from gputrace.analyzers import shardsettings, zero_run
 from gputrace.analyzers import shardsim as sim
-from gputrace.analyzers import zero_run
 from gputrace.analyzers.model import (
     ModelResult,
     Speedup,
@@ -59,7 +59,7 @@ class Sharded:
     exposed: dict[str, float]             # forward / backward / total exposed s per iteration
     cases: dict[str, int]                 # forward / backward -> 1 or 2
     exposed_units: dict[str, list[int]]   # side -> units whose collective was exposed
-    prefetch: dict[str, int]              # measured depth per side
+    prefetch: dict[str, int]              # depth per side: as set (settings), else measured
     reshard_after_forward: bool           # the backward re-gathered
     model: ModelResult
     overlap: dict[str, float]
@@ -70,6 +70,8 @@ class Sharded:
     assumptions: list[str] = field(default_factory=list)
     # exposed s in each analyzed iteration (their mean: exposed["total_s"])
     exposed_series: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    # FSDP2's settings read from the job (None: not recorded)
+    settings: shardsettings.Settings | None = None
 
     @property
     def label(self) -> str:
@@ -142,12 +144,13 @@ def analyze_sharded(si: Inputs, rs: RankSteps, sel: np.ndarray, world: int,
     `arrive`: per comm row, when the last rank arrived at it (from the other ranks);
     `engine`: DeepSpeed's settings (its what-ifs are in them)."""
     cr = si.cr
-    tls, facts, fgathers = timelines(si, rs, sel, arrive)
+    strategy = next((f for f in cr.fsdp if f), "")
+    # a synchronous gather holds FSDP's compute where issued (ZeRO's replay keeps its own)
+    tls, facts, fgathers = timelines(si, rs, sel, arrive, held=strategy.startswith("fsdp"))
     if not tls:
         return None
     n_it = max(len(tls), 1)
     units = _unit_rows(facts, cr, rs, sel)
-    strategy = next(f for f in cr.fsdp if f)
     # its own group's size (FSDP x TP: the FSDP dimension's, not the run's ranks)
     sizes = [int(g) for g, f in zip(cr.group_size.tolist(), cr.fsdp, strict=True) if g > 0 and f]
     world = max(sizes) if sizes else max(world, 1)
@@ -181,7 +184,11 @@ def analyze_sharded(si: Inputs, rs: RankSteps, sel: np.ndarray, world: int,
     cases["backward"] = 1 if not ex_units["backward"] and not red_exposed else 2
     ex_units["backward"] = sorted(set(ex_units["backward"]) | set(red_exposed))
     resharded = per_role["reshard_gather"] > 0
+    order = list(dict.fromkeys(u.name for u in sorted(units, key=lambda u: u.unit)))
+    st = shardsettings.read(si, sel, order) if strategy == "fsdp2" else None
     base = sim.Knobs(_depth(cr, facts, "unshard"), _depth(cr, facts, "reshard_gather"))
+    if st is not None:    # the depths the job set, not those guessed from issue order
+        base = sim.Knobs(st.prefetch_forward, st.prefetch_backward)
     root = first
     kw = {"forward_gathers": None, "root": root}
 
@@ -225,6 +232,11 @@ def analyze_sharded(si: Inputs, rs: RankSteps, sel: np.ndarray, world: int,
     fsdp = strategy.startswith("fsdp")   # FSDP's own settings; ZeRO's are not these
     if not fsdp:
         pass
+    elif st is not None:   # each way some unit was not set
+        if resharded and st.resharding:
+            scen.append(("reshard_after_forward=False", replace(base, reshard=False)))
+        if len(fwd_gathers) > 1 and set(st.keeping) & {u.name for u in fwd_gathers[1:]}:
+            scen.append(("reshard_after_forward=True", replace(base, reshard=True)))
     elif resharded:
         scen.append(("reshard_after_forward=False", replace(base, reshard=False)))
     elif len(fwd_gathers) > 1:
@@ -232,7 +244,9 @@ def analyze_sharded(si: Inputs, rs: RankSteps, sel: np.ndarray, world: int,
     for d in (0, 1, 2) if fsdp else ():
         if d != base.prefetch_forward:
             scen.append((f"forward prefetch {d}", replace(base, prefetch_forward=d)))
-        if d != base.prefetch_backward and resharded:
+        # FSDP2 prefetches a unit back by default: depth 0 is no setting of it
+        if d != base.prefetch_backward and resharded and not (d == 0 and
+                                                              strategy == "fsdp2"):
             scen.append((f"backward prefetch {d}", replace(base, prefetch_backward=d)))
     for x in (2.0, 0.5):
         scen.append((f"link x{x:g}", replace(base, bandwidth_x=x)))
@@ -273,7 +287,7 @@ def analyze_sharded(si: Inputs, rs: RankSteps, sel: np.ndarray, world: int,
     ovl["hidden_fraction"] = ovl["hidden_s"] / t_comm if t_comm > 0 else 0.0
     return Sharded(strategy, world, units, per_role, kinds, exposed, cases, ex_units,
                    {"forward": base.prefetch_forward, "backward": base.prefetch_backward},
-                   resharded, model, ovl, sp_, what, baseline, err, assumptions, per_it)
+                   resharded, model, ovl, sp_, what, baseline, err, assumptions, per_it, st)
 
 
 def _speedup(tls: list[sim.Timeline], fg: list[dict[int, float]], base: sim.Knobs,

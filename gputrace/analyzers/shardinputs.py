@@ -5,6 +5,7 @@ replay counts it as that rank's pace (compute), not as transfer."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,6 +40,10 @@ class Inputs:
     fetch_start: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     fetch_end: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     fetch: list = field(default_factory=list)
+    # FSDP2's settings as the job set them (args `settings` of its units' collectives): the
+    # distinct ones, and per comm row which (-1: none recorded)
+    settings: list[dict] = field(default_factory=list)
+    settings_of: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
 
 def window(sp: Spans, cat: str, it_of: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -60,6 +65,41 @@ def iteration_of(rs: RankSteps, t: np.ndarray) -> np.ndarray:
     return np.where(ok, k, -1)
 
 
+def _settings(sp: Spans, cr: col.Rows) -> tuple[list[dict], np.ndarray]:
+    """The settings each FSDP unit's collective carried (each distinct args string read
+    once): the distinct (unit, settings), and per comm row its index (-1 none)."""
+    code = np.full(cr.n, -1, np.int64)
+    out: list[dict] = []
+    f = np.flatnonzero(np.array([bool(x) for x in cr.fsdp], bool))
+    if not f.size:
+        return out, code
+    enc = sp.args.take(pa.array(cr.idx[f]))
+    if isinstance(enc, pa.ChunkedArray):
+        enc = enc.combine_chunks()
+    enc = enc.dictionary_encode()
+    seen: dict[str, int] = {}
+    of = []
+    for a in enc.dictionary.to_pylist():
+        try:
+            v = json.loads(a) if a and '"settings"' in a else {}
+        except ValueError:
+            v = {}
+        st = v.get("settings") if isinstance(v, dict) else None
+        if not isinstance(st, dict):
+            of.append(-1)
+            continue
+        key = json.dumps([v.get("unit"), st], sort_keys=True)
+        if key not in seen:
+            seen[key] = len(out)
+            out.append({"unit": v.get("unit") if isinstance(v.get("unit"), str) else "",
+                        **st})
+        of.append(seen[key])
+    idx = enc.indices.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
+    of.append(-1)
+    code[f] = np.array(of, np.int64)[idx]
+    return out, code
+
+
 def inputs(sp: Spans, cr: col.Rows, rs: RankSteps) -> Inputs:
     n = rs.iterations.start.size
     it_all = iteration_of(rs, sp.start)
@@ -75,10 +115,12 @@ def inputs(sp: Spans, cr: col.Rows, rs: RankSteps) -> Inputs:
         got = [zf.parse(a) for a in sp.args.take(pa.array(fe)).to_pylist()]
         fe = fe[[g is not None for g in got]]
         got = [g for g in got if g is not None]
+    settings, settings_of = _settings(sp, cr)
     return Inputs(cr, sp.start[cr.idx].copy(), sp.end[cr.idx].copy(),
                   sp.layer[cr.idx].astype(np.int64), it_all[cr.idx], fl, fh, bl, bh,
                   it_all[lay], sp.end[lay].copy(), sp.nbytes[lay].astype(float),
-                  it_all[fe], sp.start[fe].copy(), sp.end[fe].copy(), got)
+                  it_all[fe], sp.start[fe].copy(), sp.end[fe].copy(), got, settings,
+                  settings_of)
 
 
 def summarize_rank(sp: Spans, cr: col.Rows, rs: RankSteps, sel: np.ndarray

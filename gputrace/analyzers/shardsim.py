@@ -10,7 +10,9 @@ it; d: when unit k-d begins computing):
     begin_k = max(t_k, end_k)   exposed_k = begin_k - t_k;  t_{k+1} = begin_k + c_k
 Backward, units j = 1..J in backward order: the re-gather g_j ahead of unit j as above, the
 reduce-scatter r_j issued when unit j's backward ends, the step waiting for the last one:
-    T_b = max(t_end, end of the last reduce-scatter)."""
+    T_b = max(t_end, end of the last reduce-scatter).
+A synchronous gather (the issuing thread stands in the call: gloo's on the CPU) holds the
+compute where it is issued, prefetched or not: t = max(t, its end)."""
 
 from __future__ import annotations
 
@@ -30,6 +32,9 @@ class Side:
     # backward: the job waited for the reduce-scatter right after issuing it (CPU FSDP, a
     # synchronous reduce): the next unit's compute starts when it ends
     blocking: list[bool] = field(default_factory=list)
+    # per position: its gather was synchronous (the issuing thread stood in it, gloo's on the
+    # CPU): wherever it is issued, prefetched or not, compute resumes when it ends
+    gather_blocking: list[bool] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -76,10 +81,12 @@ def _svc(x: float | None, k: Knobs) -> float | None:
     return 0.0 if k.no_comm else x * k.scale / k.bandwidth_x
 
 
-def run_side(side: Side, depth: int, k: Knobs, gathers: list[float | None] | None = None
-             ) -> tuple[float, float, float, float]:
+def run_side(side: Side, depth: int, k: Knobs, gathers: list[float | None] | None = None,
+             gather_blocking: list[bool] | None = None) -> tuple[float, float, float, float]:
     """(duration, exposed waiting for gathers, exposed tail waiting for reduces, comm)."""
     gs = [_svc(g, k) for g in (gathers if gathers is not None else side.gather_s)]
+    gb = side.gather_blocking if gather_blocking is None else gather_blocking
+    held = [bool(gb[j]) if j < len(gb) else False for j in range(len(gs))]
     rs = [_svc(r, k) for r in side.reduce_s] if side.reduce_s else [None] * len(gs)
     n = len(side.compute_s)
     ch = 0.0
@@ -95,10 +102,13 @@ def run_side(side: Side, depth: int, k: Knobs, gathers: list[float | None] | Non
     t = side.pre_s
     order = [j for j in range(n) if gs[j] is not None]   # positions that gather
     nth = {j: i for i, j in enumerate(order)}
+    exposed = 0.0
     if depth >= 1:   # the first gathers are issued at the side's start
         for j in order[:depth]:
-            g_end[j] = put(0.0, gs[j])
-    exposed = 0.0
+            g_end[j] = put(t if held[j] else 0.0, gs[j])
+            if held[j]:
+                exposed += g_end[j] - t
+                t = g_end[j]
     for j in range(n):
         if gs[j] is not None and j not in g_end:
             g_end[j] = put(t, gs[j])
@@ -109,6 +119,9 @@ def run_side(side: Side, depth: int, k: Knobs, gathers: list[float | None] | Non
             nxt = order[nth[j] + depth]
             if nxt not in g_end:
                 g_end[nxt] = put(t, gs[nxt])
+                if held[nxt]:     # the thread stands in it before the unit computes
+                    exposed += g_end[nxt] - t
+                    t = g_end[nxt]
         t += side.compute_s[j]
         if rs[j] is not None:
             put(t, rs[j])
@@ -123,22 +136,28 @@ def simulate(tl: Timeline, k: Knobs, forward_gathers: dict[int, float] | None = 
              root: int | None = None) -> Result:
     """One iteration replayed under the knobs."""
     bg = tl.backward.gather_s
+    bb = list(tl.backward.gather_blocking)
     if k.reshard is False:
         bg = [None] * len(bg)
     elif k.reshard is True and forward_gathers is not None:
         seen: set[int] = set()
         add = []
-        for g, u, r in zip(bg, tl.backward.units, tl.backward.reduce_s or [None] * len(bg),
-                           strict=True):
+        # an added re-gather is as synchronous as the forward's gathers were
+        fb = bool(tl.forward.gather_blocking) and all(tl.forward.gather_blocking)
+        bb = [bool(bb[i]) if i < len(bb) else False for i in range(len(bg))]
+        for i, (g, u, r) in enumerate(zip(bg, tl.backward.units,
+                                          tl.backward.reduce_s or [None] * len(bg),
+                                          strict=True)):
             # a re-gather ahead of the backward of each unit that gathered in forward
             if g is None and r is not None and u not in seen and u in forward_gathers:
                 add.append(forward_gathers[u])
+                bb[i] = fb
                 seen.add(u)
             else:
                 add.append(g)
         bg = add
     f, fe, _, fc = run_side(tl.forward, k.prefetch_forward, k)
-    b, be, bt, bc = run_side(tl.backward, k.prefetch_backward, k, bg)
+    b, be, bt, bc = run_side(tl.backward, k.prefetch_backward, k, bg, bb)
     return Result(f, b, fe, be + bt, fc + bc)
 
 

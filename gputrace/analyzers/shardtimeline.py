@@ -38,12 +38,13 @@ class Waits:
         return float(ov.measure(self.u, np.int64(lo), np.int64(hi)))
 
 
-def timelines(si: Inputs, rs: RankSteps, sel: np.ndarray, arrive: np.ndarray | None = None
-             ) -> tuple[list[sim.Timeline], dict, list[dict[int, float]]]:
+def timelines(si: Inputs, rs: RankSteps, sel: np.ndarray, arrive: np.ndarray | None = None,
+              held: bool = False) -> tuple[list[sim.Timeline], dict, list[dict[int, float]]]:
     """Per analyzed iteration, the measured sides; per-row facts; forward gather service
     times by unit (for the reshard what-if). `arrive`: per comm row, when the last rank
     arrived at it: a synchronous collective's wait for it is this rank's pace (the slower
-    rank's compute), kept as compute in the replay, not as transfer."""
+    rank's compute), kept as compute in the replay, not as transfer. `held`: a synchronous
+    gather holds the compute wherever the replay issues it (Side.gather_blocking)."""
     cr = si.cr
     f_idx = np.flatnonzero(np.array([bool(f) for f in cr.fsdp], bool))
     fwd_lo, fwd_hi, bwd_lo, bwd_hi = si.fwd_lo, si.fwd_hi, si.bwd_lo, si.bwd_hi
@@ -61,6 +62,7 @@ def timelines(si: Inputs, rs: RankSteps, sel: np.ndarray, arrive: np.ndarray | N
     ws, we = cr.wait_s[f_idx], cr.wait_e[f_idx]
     sync = ~cr.is_async[f_idx]
     has_wait = ws >= 0
+    blocks = sync & ~has_wait & held
     arr_all = si.start if arrive is None else arrive
     arr = arr_all[f_idx]
     # exposed (reported): from when the rank stood still; in the replay a synchronous call
@@ -97,7 +99,7 @@ def timelines(si: Inputs, rs: RankSteps, sel: np.ndarray, arrive: np.ndarray | N
         fg.sort(key=lambda j: need[j])
         if f0 < 0:
             f0, f1 = (int(need[fg[0]]), int(ready[fg[-1]])) if fg else (0, 0)
-        fwd = _side(fg, need, ready, svc, unit, f0, f1, waits)
+        fwd = _side(fg, need, ready, svc, unit, f0, f1, waits, blocks)
         red = [j for j in order if roles[j] in ("reduce_grad", "hsdp_all_reduce")]
         rgs = [j for j in order if roles[j] == "reshard_gather"]
         if b0 < 0:
@@ -108,9 +110,10 @@ def timelines(si: Inputs, rs: RankSteps, sel: np.ndarray, arrive: np.ndarray | N
         events = sorted([(int(need[j]), 0, j) for j in rgs] + [(int(issue[j]), 1, j)
                                                                for j in red])
         prev = b0
-        comp, gs, rsv, us, blk = [], [], [], [], []
+        comp, gs, rsv, us, blk, gb = [], [], [], [], [], []
         cur_g: float | None = None
         cur_u = -1
+        cur_b = False
         for t_ev, is_red, j in events:
             if is_red and comp and rsv[-1] is None and us[-1] == int(unit[j]) and \
                     t_ev <= prev:   # HSDP: the all-reduce right after its reduce-scatter
@@ -119,26 +122,29 @@ def timelines(si: Inputs, rs: RankSteps, sel: np.ndarray, arrive: np.ndarray | N
             if not is_red:
                 comp.append(c)
                 gs.append(cur_g)
+                gb.append(cur_b)
                 rsv.append(None)
                 us.append(cur_u)
                 blk.append(False)
-                cur_g, cur_u = float(svc[j]), int(unit[j])
+                cur_g, cur_u, cur_b = float(svc[j]), int(unit[j]), bool(blocks[j])
                 prev = max(prev, int(ready[j]))
             else:
                 comp.append(c)
                 gs.append(cur_g)
+                gb.append(cur_b)
                 rsv.append(float(svc[j]))
                 us.append(int(unit[j]) if cur_u < 0 else cur_u)
                 blk.append(bool(sync[j] or (has_wait[j] and ws[j] - start[j] <= 0.1 * max(
                     end[j] - start[j], 1))))
-                cur_g, cur_u = None, -1
+                cur_g, cur_u, cur_b = None, -1, False
                 prev = max(prev, t_ev)
         comp.append(max(tail_end - prev - waits.inside(prev, tail_end), 0) / 1e9)
         gs.append(cur_g)
+        gb.append(cur_b)
         rsv.append(None)
         us.append(cur_u)
         blk.append(False)
-        bwd = sim.Side(0.0, comp, gs, rsv, us, blk)
+        bwd = sim.Side(0.0, comp, gs, rsv, us, blk, gb)
         t_iter = float(rs.terms["t_iter"][k])
         lay = np.flatnonzero(si.lay_it == k)
         lay = lay[np.argsort(si.lay_end[lay], kind="stable")]
@@ -152,7 +158,7 @@ def timelines(si: Inputs, rs: RankSteps, sel: np.ndarray, arrive: np.ndarray | N
 
 
 def _side(gs: list[int], need: np.ndarray, ready: np.ndarray, svc: np.ndarray,
-          unit: np.ndarray, lo: int, hi: int, waits: Waits) -> sim.Side:
+          unit: np.ndarray, lo: int, hi: int, waits: Waits, blocks: np.ndarray) -> sim.Side:
     if not gs:
         return sim.Side(max(hi - lo - waits.inside(lo, hi), 0) / 1e9, [], [], [], [])
     pre = max(int(need[gs[0]]) - lo - waits.inside(lo, int(need[gs[0]])), 0) / 1e9
@@ -163,4 +169,5 @@ def _side(gs: list[int], need: np.ndarray, ready: np.ndarray, svc: np.ndarray,
         nxt = int(need[gs[i + 1]]) if i + 1 < len(gs) else max(hi, r)
         comp.append(max(nxt - r - waits.inside(r, nxt), 0) / 1e9)
         last = max(r, nxt)
-    return sim.Side(pre, comp, [float(svc[j]) for j in gs], [], [int(unit[j]) for j in gs])
+    return sim.Side(pre, comp, [float(svc[j]) for j in gs], [], [int(unit[j]) for j in gs],
+                    gather_blocking=[bool(blocks[j]) for j in gs])

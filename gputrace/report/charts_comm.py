@@ -58,7 +58,8 @@ def unit_bars(ra: RankAnalysis) -> Chart | None:
         f"Strong colours: time the unit's compute (all-gather, re-gather) or the step "
         f"(reduce-scatter) stood still for it; pale: time it ran behind compute. Exposed per "
         f"iteration: forward {ex['forward_s'] * 1e3:.1f} ms (Case {sh.cases['forward']}), "
-        f"backward {ex['backward_s'] * 1e3:.1f} ms (Case {sh.cases['backward']}).", spec)
+        f"backward {ex['backward_s'] * 1e3:.1f} ms (Case {sh.cases['backward']})."
+        + (f" Settings read from the job: {sh.settings.text()}." if sh.settings else ""), spec)
 
 
 def kinds_table(ra: RankAnalysis) -> list[str]:

@@ -95,9 +95,11 @@ def render_sharded(con: Console, ra: RankAnalysis) -> None:
     knobs = (f"; prefetch depth forward {sh.prefetch['forward']}, backward "
              f"{sh.prefetch['backward']}; reshard_after_forward "
              f"{'on' if sh.reshard_after_forward else 'off'}"
-             if sh.strategy.startswith("fsdp") else "")   # FSDP's own; ZeRO's in what-ifs
+             if sh.strategy.startswith("fsdp") and sh.settings is None else "")
     con.print(f"exposed: forward {_ms(ex['forward_s'])} (Case {sh.cases['forward']}), "
               f"backward {_ms(ex['backward_s'])} (Case {sh.cases['backward']}){step}{knobs}")
+    if sh.settings is not None:   # as the job set them, not inferred
+        con.print(f"settings (read from the job): {escape(sh.settings.text())}")
     con.print()
     w = Table(title="What if: t_iter from a replay of the measured sharded timeline",
               title_justify="left", box=None, padding=(0, 2))

@@ -49,6 +49,7 @@ def sharded_dict(ra: RankAnalysis) -> dict[str, Any] | None:
         "exposed": dict(sh.exposed), "cases": dict(sh.cases),
         "exposed_units": {k: list(v) for k, v in sh.exposed_units.items()},
         "prefetch": dict(sh.prefetch), "reshard_after_forward": sh.reshard_after_forward,
+        "settings": sh.settings.as_dict() if sh.settings is not None else None,
         "baseline_t_iter": sh.baseline_t_iter, "baseline_error": sh.baseline_error,
         "assumptions": list(sh.assumptions),
         "units": [{"unit": u.unit, "name": u.name, "role": u.role, "kind": u.kind,

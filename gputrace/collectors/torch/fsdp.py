@@ -6,7 +6,11 @@ parameters or reduces its gradients, the unit is set on the thread (`torch_comm.
 and the collectives it issues carry it: `layer` = the unit's index, 1..U in the order units
 first gather (forward order; 1 nearest the input), and `fsdp`, `unit` (the module's name in
 the model, "" for the root), `role` (`unshard`, `reshard_gather`, `reduce_grad`,
-`hsdp_all_reduce`) and `prefetch` in args.
+`hsdp_all_reduce`) and `prefetch` in args. Under FSDP2 they also carry the unit's settings
+as the job set them when the unit issued them (`settings`: `reshard_after_forward`,
+`forward_prefetch` and `backward_prefetch`, the units `set_modules_to_forward_prefetch` /
+`set_modules_to_backward_prefetch` gave it (null: FSDP2's default), `param_dtype`,
+`reduce_dtype`), read from FSDP's own state at each gather and reduction.
 
 FSDP's modules (and c10d's functional collectives, collectors.torch.functional) are patched
 when they are imported (collectors.torch.lazy), or at once if they already are.
@@ -49,13 +53,23 @@ class _Ctx:
 
 
 class _Unit:
-    __slots__ = ("owner", "index", "head", "ctxs")
+    __slots__ = ("owner", "index", "head", "ctxs", "seen", "base")
 
     def __init__(self, owner: Any, index: int, fsdp: str, name: str) -> None:
         self.owner = owner      # keeps id(owner) unique while the unit is known
         self.index = index
-        self.head = f',"fsdp":"{fsdp}","unit":{json.dumps(name)}'
+        self.base = self.head = f',"fsdp":"{fsdp}","unit":{json.dumps(name)}'
         self.ctxs: dict[tuple[str, bool], _Ctx] = {}
+        self.seen: tuple | None = None      # the settings the head carries
+
+    def with_settings(self, key: tuple, text: Any) -> _Unit:
+        """The head carrying the settings `key` (`text()` their JSON), made again only when
+        they changed."""
+        if key != self.seen:
+            self.head = f'{self.base},"settings":{text()}'
+            self.ctxs = {}
+            self.seen = key
+        return self
 
     def ctx(self, role: str, prefetch: bool) -> _Ctx:
         c = self.ctxs.get((role, prefetch))
@@ -115,6 +129,45 @@ def _prefetching(orig: Any) -> Any:
 
 
 # -- FSDP2 ----------------------------------------------------------------------------------
+def _groups(state: Any) -> list[Any]:
+    gs = getattr(state, "_fsdp_param_groups", None)
+    if gs is None:    # torch before 2.8: one group per state
+        g = getattr(state, "_fsdp_param_group", None)
+        gs = [] if g is None else [g]
+    return list(gs)
+
+
+def _fqns(states: Any) -> list[str]:
+    return [getattr(g, "_module_fqn", "") or "" for s in states for g in _groups(s)]
+
+
+def _dtype(d: Any) -> str | None:
+    return None if d is None else str(d).removeprefix("torch.")
+
+
+def _settings_of(pg: Any) -> tuple[tuple, Any]:
+    """A unit's settings as FSDP2 holds them: a key that changes when they do, and a
+    function giving their JSON."""
+    mods = getattr(pg, "modules", None) or (getattr(pg, "module", None),)
+    state = mods[0]._get_fsdp_state() if mods[0] is not None else None
+    fwd = tuple(getattr(state, "_states_to_forward_prefetch", None) or ())
+    bwd = tuple(getattr(state, "_states_to_backward_prefetch", None) or ())
+    info = pg.post_forward_mesh_info
+    reshard: bool | int = info is not None
+    if info is not None and info != pg.mesh_info:    # resharded to a smaller group
+        reshard = int(getattr(info, "shard_mesh_size", 0) or 0) or True
+    mp = pg.mp_policy
+    key = (reshard, tuple(map(id, fwd)), tuple(map(id, bwd)), mp.param_dtype, mp.reduce_dtype)
+
+    def text() -> str:
+        return json.dumps({"reshard_after_forward": reshard, "forward_prefetch": _fqns(fwd),
+                           # none set: FSDP2 prefetches the previous unit (its default)
+                           "backward_prefetch": _fqns(bwd) if bwd else None,
+                           "param_dtype": _dtype(mp.param_dtype),
+                           "reduce_dtype": _dtype(mp.reduce_dtype)}, separators=(",", ":"))
+    return key, text
+
+
 def _patch_fsdp2(mod: Any) -> None:
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
@@ -124,7 +177,12 @@ def _patch_fsdp2(mod: Any) -> None:
     pre_backward = TrainingState.PRE_BACKWARD
 
     def unit(pg: Any) -> _Unit:
-        return _unit(pg, "fsdp2", lambda: getattr(pg, "_module_fqn", "") or "")
+        u = _unit(pg, "fsdp2", lambda: getattr(pg, "_module_fqn", "") or "")
+        try:
+            return u.with_settings(*_settings_of(pg))
+        except Exception as e:  # noqa: BLE001 - the unit's collectives go without settings
+            _hook_failed("FSDP2 settings", e)
+            return u
 
     def unshard_ctx(pg: Any, *a: Any) -> _Ctx:
         role = "reshard_gather" if pg._training_state == pre_backward else "unshard"
