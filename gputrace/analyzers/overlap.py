@@ -156,6 +156,37 @@ def grouped_measure(start: np.ndarray, end: np.ndarray, group: np.ndarray, n: in
     return np.bincount(g, weights=(e - s).astype(np.float64), minlength=n)[:n]
 
 
+def grouped_exclusive(start: np.ndarray, end: np.ndarray, group: np.ndarray,
+                      layer: np.ndarray, n: int, k: int) -> np.ndarray:
+    """Per group (0..n-1) and layer (0..k-1, in priority order), the length of the union of
+    that layer's intervals less every earlier layer's: each instant of a group counted once,
+    in the first layer that holds it (two streams or a copy beside compute on a GPU)."""
+    out = np.zeros((n, k))
+    m = (group >= 0) & (end > start) & (layer >= 0) & (layer < k)
+    if not m.any():
+        return out
+    s, e = start[m].astype(np.int64), end[m].astype(np.int64)
+    g, ly = group[m].astype(np.int64), layer[m]
+    base = int(s.min())
+    stride = int(e.max()) - base + 1
+    if stride * (int(g.max()) + 1) >= 2**62:     # too long a range to lay out: one by one
+        for x in np.unique(g).tolist():
+            w = g == x
+            out[x] = grouped_exclusive(s[w], e[w], np.zeros(int(w.sum()), np.int64),
+                                       ly[w], 1, k)[0]
+        return out
+    off = g * stride - base
+    covered = EMPTY
+    for j in range(k):
+        w = ly == j
+        u = union(s[w] + off[w], e[w] + off[w])
+        only = subtract(u, covered)
+        out[:, j] = np.bincount(only[0] // stride, weights=(only[1] - only[0]).astype(
+            np.float64), minlength=n)[:n]
+        covered = merge(covered, u)
+    return out
+
+
 def grouped_hidden(start: np.ndarray, end: np.ndarray, group: np.ndarray, n: int,
                    cover: Union) -> Hidden:
     """Per group, total / hidden / exposed seconds of the union of its intervals against

@@ -179,10 +179,17 @@ def analyze_rank(sp: Spans, stood: tuple[np.ndarray, np.ndarray] | None = None,
         rs_, re_, rg, rl, rfirst, rlast = ov.runs(sp.start[ci], sp.end[ci], group[ci],
                                                   dev[ci], label[ci])
         rs_, re_ = _run_bounds(sp, rs_, re_, rl, ci[rfirst], ci[rlast], gpu, dev)
-        ext = np.zeros((n, 4))
-        np.add.at(ext, (rg, rl), (re_ - rs_) / sec)
         hi_ = np.flatnonzero(h2d_m)
-        t_h2d = ov.grouped_measure(sp.start[hi_], sp.end[hi_], group[hi_], n) / sec
+        # each instant of the device once: forward, backward, update, then copies (a copy
+        # beside compute, a phase on another stream at once, counted in the first)
+        ph = rl < 3
+        excl = ov.grouped_exclusive(
+            np.concatenate([rs_[ph], sp.start[hi_]]), np.concatenate([re_[ph], sp.end[hi_]]),
+            np.concatenate([rg[ph], group[hi_]]),
+            np.concatenate([rl[ph], np.full(hi_.size, 3)]), n, 4) / sec
+        ext = np.zeros((n, 4))
+        ext[:, :3] = excl[:, :3]
+        t_h2d = excl[:, 3]
         comm_m = gcomm if gcomm.any() else host_comm
         compute = _u(sp, gpu & ~gcomm)
         if gcomm.any():
@@ -190,6 +197,7 @@ def analyze_rank(sp: Spans, stood: tuple[np.ndarray, np.ndarray] | None = None,
             # such: not the phase's time too
             bare = ov.subtract(_u(sp, gcomm), compute)
             np.add.at(ext, (rg, rl), -ov.measure(bare, rs_, re_) / sec)
+            np.maximum(ext, 0.0, out=ext)
             c = np.flatnonzero(gcomm)
             comm_h = ov.grouped_hidden(sp.start[c], sp.end[c], group[c], n, compute)
         else:
