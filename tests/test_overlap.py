@@ -57,3 +57,21 @@ def test_intersect_and_subtract(a, b):
     assert round(h.total_s[0] * 1e9) == ca.sum()
     assert round(h.hidden_s[0] * 1e9) == (ca & cb).sum()
     assert round(h.exposed_s[0] * 1e9) == (ca & ~cb).sum()
+
+
+def test_grouped_exclusive_counts_each_instant_once_in_the_first_layer():
+    """A copy beside a forward kernel (another stream), a backward overlapping the forward:
+    each instant of a group counts once, in the first layer holding it; groups apart even
+    where their intervals interleave in time (records of iteration 1 running during 0's)."""
+    from gputrace.analyzers.overlap import grouped_exclusive
+
+    s = np.array([0, 5, 8, 20, 15, 17])
+    e = np.array([10, 12, 9, 30, 25, 40])
+    g = np.array([0, 0, 0, 0, 1, 1])
+    ly = np.array([0, 1, 3, 1, 0, 3])
+    got = grouped_exclusive(s, e, g, ly, 2, 4)
+    # group 0: forward 0-10; backward 5-12 less it: 2, and 20-30: 10; copy 8-9 under forward
+    assert got[0].tolist() == [10, 12, 0, 0]
+    # group 1: forward 15-25; copy 17-40 less it: 15 (group 0's 20-30 is no cover for it)
+    assert got[1].tolist() == [10, 0, 0, 15]
+    assert got.sum() == 47 and grouped_exclusive(s[:0], e[:0], g[:0], ly[:0], 2, 4).sum() == 0
