@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gputrace.analyzers import overlap as ov
-from gputrace.analyzers.collectives import KINDS, Rows, gradient_mask, small_mask
+from gputrace.analyzers.collectives import KINDS, Rows, gradient_mask, small_mask, told_other
 from gputrace.analyzers.frame import Spans
 
 
@@ -24,6 +24,7 @@ class KindTotal:
     gradient: bool        # counted as gradient units by the data-parallel model
     small: bool = False   # of a few bytes each (under Collectives.small_below): not units
     dim: str = ""         # the parallelism they serve (parallel.classify)
+    why: str = ""         # `other`: why they serve none (parallel.classify.role)
 
 
 @dataclass(frozen=True)
@@ -80,25 +81,28 @@ def summarize(sp: Spans, r: Rows, it_of: np.ndarray, sel: np.ndarray, compute: o
     -1 outside any; compute, device_compute: as exposed_ns)."""
     if not r.n:
         return Collectives()
-    grad = gradient_mask(sp, r)
+    grad = gradient_mask(sp, r) & ~told_other(r)   # told `other`: comm, never gradient
     small = small_mask(r)
     inside = np.isin(it_of, sel)
     n_it = max(int(sel.size), 1)
     kinds = np.array(r.kind)
     out = []
     dims = np.array(r.dim if len(r.dim) == r.n else [""] * r.n)
+    why = np.array(r.why if len(r.why) == r.n else [""] * r.n, dtype=object)
     for k in [k for k in KINDS if k in set(r.kind)]:
         for d in sorted(set(dims[kinds == k].tolist())):   # a row per parallelism served
-            for few in (False, True):   # a kind's collectives of a few bytes on a row of their own
-                m = inside & (kinds == k) & (small == few) & (dims == d)
-                if not m.any():
-                    continue
-                out.append(KindTotal(k, float(m.sum()) / n_it,
-                                     float(np.nansum(r.nbytes[m])) / n_it,
-                                     float(np.nansum(r.bytes_out[m])) / n_it,
-                                     _in_flight(sp, r, m) / n_it,
-                                     exposed_ns(sp, r, compute, m, device_compute) / 1e9 / n_it,
-                                     bool(grad[m].any()) and not few, few, d))
+            for w in sorted(set(why[(kinds == k) & (dims == d)].tolist())):  # and reason
+                for few in (False, True):   # a kind's collectives of a few bytes apart
+                    m = inside & (kinds == k) & (small == few) & (dims == d) & (why == w)
+                    if not m.any():
+                        continue
+                    out.append(KindTotal(k, float(m.sum()) / n_it,
+                                         float(np.nansum(r.nbytes[m])) / n_it,
+                                         float(np.nansum(r.bytes_out[m])) / n_it,
+                                         _in_flight(sp, r, m) / n_it,
+                                         exposed_ns(sp, r, compute, m, device_compute)
+                                         / 1e9 / n_it,
+                                         bool(grad[m].any()) and not few, few, d, w))
     sharded = next((f for f in r.fsdp if f), None)
     sizes = tuple(sorted({int(g) for g in r.group_size if g > 0}))
     return Collectives(out, r.n, int(inside.sum()), sharded, sizes, r.small_below)

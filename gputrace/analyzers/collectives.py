@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 
 from gputrace.analyzers.frame import Spans
-from gputrace.analyzers.parallel.classify import dimension, mesh_dim
+from gputrace.analyzers.parallel.classify import group_name, mesh_dim, role
 
 PARALLEL = frozenset(("tp", "pp", "ep", "cp"))
 
@@ -96,6 +96,8 @@ class Rows:
     # gradient rows of a few bytes (under `small_below`): comm, but never a gradient unit
     small: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
     small_below: float = 0.0
+    # per row, why it serves no parallelism (`other`: parallel.classify.role), "" told
+    why: list[str] = field(default_factory=list)
 
     @property
     def n(self) -> int:
@@ -129,7 +131,7 @@ def rows(sp: Spans) -> Rows:
         args = [parsed[c] for c in codes.tolist()]
     else:
         args = []
-    kinds, phase, fsdp, unit, role, dims, mdims, granks = [], [], [], [], [], [], [], []
+    kinds, phase, fsdp, unit, roles, mdims, granks = [], [], [], [], [], [], []
     n = idx.size
     contract = np.zeros(n, bool)
     bout = np.full(n, np.nan)
@@ -150,7 +152,7 @@ def rows(sp: Spans) -> Rows:
         fsdp.append(str(a.get("fsdp") or ""))
         u = a.get("unit")
         unit.append(u if isinstance(u, str) else None)
-        role.append(str(a.get("role") or ""))
+        roles.append(str(a.get("role") or ""))
         bo = a.get("bytes_out")
         if isinstance(bo, (int, float)):
             bout[j] = float(bo)
@@ -171,21 +173,43 @@ def rows(sp: Spans) -> Rows:
             if isinstance(ranks, list) and all(isinstance(x, int) for x in ranks):
                 gr = tuple(ranks)
         granks.append(gr)
-        dims.append(dimension(k, bool(contract[j]), a))
         mdims.append(mesh_dim(a))
-    r = Rows(idx, kinds, contract, sp.nbytes[idx], bout, asy, phase, ws, we, fsdp, unit,
-             role, pre, gsize, call_s=cs, call_e=ce, dim=dims, mesh_dim=mdims,
+    # FSDP's own mesh dimensions: the groups its units ran their collectives on
+    own = frozenset(group_name(a) for a, f in zip(args, fsdp, strict=True) if f) - {""}
+    nbytes = sp.nbytes[idx]
+    told = [role(k, bool(c), a, float(nb), own)
+            for k, c, a, nb in zip(kinds, contract.tolist(), args, nbytes.tolist(), strict=True)]
+    dims = [d for d, _ in told]
+    r = Rows(idx, kinds, contract, nbytes, bout, asy, phase, ws, we, fsdp, unit,
+             roles, pre, gsize, call_s=cs, call_e=ce, dim=dims, mesh_dim=mdims,
              group_ranks=granks)
     grad = _gradient(sp, r)
-    # under FSDP every collective is the sharded model's comm, but only FSDP's own are its
-    # dimension: a barrier or a broadcast beside them is no data-parallel dimension
-    dp = not is_sharded(r)
-    r = replace(r, gradient=grad, dim=[d or ("dp" if g_ and dp else "other")
-                                       for d, g_ in zip(dims, grad.tolist(), strict=True)])
     below = min(SMALL_BYTES, SMALL_SHARE * gradient_bytes(sp, r))
     # FSDP's own collectives are its units' (parameters and gradients), whatever their size
-    small = r.gradient & ~np.array([bool(f) for f in fsdp], bool) & (r.nbytes < below)
-    return replace(r, small=small, small_below=below)
+    small = grad & ~np.array([bool(f) for f in fsdp], bool) & (r.nbytes < below)
+    # under FSDP every collective is the sharded model's comm, but only FSDP's own are its
+    # dimension: a barrier or a broadcast beside them is no data-parallel dimension; a
+    # gradient collective of a few bytes (a norm, a flag) is none either
+    dp = not is_sharded(r)
+    owner = "FSDP's" if any(f.startswith("fsdp") for f in fsdp) else "the sharded model's"
+    final, why = [], []
+    for (d, w), k, ph, g_, sm in zip(told, kinds, phase, grad.tolist(), small.tolist(),
+                                     strict=True):
+        if d == "" and g_ and dp and not sm:
+            d = "dp"
+        elif d in ("", "dp") and sm:
+            d, w = "other", (f"under {below:.0f} B each (a norm, a loss, a flag): not a "
+                             "gradient unit")
+        elif d == "":
+            what = f"the job's own {k.replace('_', '-')}"
+            where = f"in the {ph}" if ph in ("forward", "backward") else "outside the backward"
+            d, w = "other", (f"{what} beside {owner} units (a count, a metric, a flag): not "
+                             "the sharded model's" if not dp else
+                             f"not gradient: {what} {where}, on a group named for no "
+                             "parallelism")
+        final.append(d)
+        why.append(w)
+    return replace(r, gradient=grad, dim=final, why=why, small=small, small_below=below)
 
 
 def gradient_bytes(sp: Spans, r: Rows) -> float:
@@ -206,10 +230,27 @@ def small_mask(r: Rows) -> np.ndarray:
     return r.small if r.small.size == r.n else np.zeros(r.n, bool)
 
 
+def told_other(r: Rows) -> np.ndarray:
+    """Which comm rows classify.role told serve no parallelism, with a reason beyond the
+    data-parallel rule's (a gradient norm or a loss outside the forward and backward, a
+    scalar, a DTensor redistribution on FSDP's mesh; a barrier is left as it was)."""
+    if len(r.why) != r.n:
+        return np.zeros(r.n, bool)
+    return np.array([d == "other" and bool(w) and k != "barrier"
+                     for d, w, k in zip(r.dim, r.why, r.kind, strict=True)], bool)
+
+
+def never_units(r: Rows) -> np.ndarray:
+    """Which comm rows the data-parallel model never takes as units, though their time is
+    comm: gradient collectives of a few bytes, and those told to serve no parallelism."""
+    grad = r.gradient if r.gradient.size == r.n else np.zeros(r.n, bool)
+    return small_mask(r) | (told_other(r) & grad)
+
+
 def not_units(sp: Spans, r: Rows) -> np.ndarray | None:
     """Per span, the comm rows the data-parallel model must not take as units (None: no
     such row)."""
-    sm = small_mask(r)
+    sm = never_units(r)
     if not sm.any():
         return None
     out = np.zeros(sp.start.size, bool)
@@ -247,19 +288,26 @@ def _gradient(sp: Spans, r: Rows) -> np.ndarray:
     """Which of the comm rows are gradient units for the data-parallel (DDP) model.
 
     - spans without args.kind (DDP's buckets, imported NCCL kernels, gloo ranges): as before;
-    - under FSDP every collective is comm: the sharded model reads them all;
+    - under FSDP its own collectives are (the sharded model reads them: its units), under
+      DeepSpeed's ZeRO every collective is;
     - else, when the rank shows DDP buckets, no recorded collective is (the buckets' own
       collectives are not recorded twice; a buffer broadcast or a barrier is not gradient);
     - else a job's own all-reduces issued in backward, update or outside any phase (manual
       gradient averaging) are, other collectives are not;
-    - never a collective of tensor, pipeline, expert or context parallelism
-      (parallel.classify)."""
+    - never a collective of tensor, pipeline, expert or context parallelism (one that
+      classify.role tells is `other` with its reason, a gradient norm outside the forward
+      and backward, may be gradient comm here, but never a unit: never_units)."""
     # tensor, pipeline, expert and context parallelism's collectives never are
     par = np.array([d in PARALLEL for d in r.dim], bool) if len(r.dim) == r.n \
         else np.zeros(r.n, bool)
-    g = ~r.contract & ~par
     if is_sharded(r):
+        if any(f.startswith("fsdp") for f in r.fsdp):
+            # torch's FSDP: its model is its units; a collective beside them (a gradient
+            # norm, a token count gathered, a barrier) is the job's, its time where the job
+            # spent it
+            return ~par & np.array([bool(f) for f in r.fsdp], bool)
         return ~par
+    g = ~r.contract & ~par
     if (~r.contract & (sp.device[r.idx] < 0)).any():
         return g
     own = np.array([c and k == "all_reduce" and ph in ("backward", "update", "none", "")
@@ -308,7 +356,7 @@ def unit_kinds(sp: Spans, r: Rows, it_start: np.ndarray) -> dict[int, str]:
     data-parallel model numbers them: GPU comm records when there are any, else host spans."""
     if not r.n:
         return {}
-    grad = gradient_mask(sp, r) & ~small_mask(r)
+    grad = gradient_mask(sp, r) & ~never_units(r)
     on_gpu = sp.device[r.idx] >= 0
     use = grad & (on_gpu if (grad & on_gpu).any() else ~on_gpu)
     j = np.flatnonzero(use)

@@ -48,6 +48,8 @@ def in_model(ra: RankAnalysis, k: KindTotal) -> str:
     """What the model makes of a kind's collectives: the words of the kinds table."""
     if k.dim in DIM_WORDS:
         return DIM_WORDS[k.dim]
+    if k.dim == "other" and k.why and not k.small and not k.why.startswith("not gradient"):
+        return f"other: {escape(k.why)}"     # why it serves no parallelism
     if ra.sharded is not None and not k.small:
         return "sharded"
     if k.small:

@@ -33,6 +33,8 @@ def collectives_dict(ra: RankAnalysis) -> dict[str, Any]:
             par = d.setdefault("parallelism", {}).setdefault(k.dim, dict.fromkeys(figs, 0.0))
             for key, v in figs.items():
                 par[key] = par[key] + v
+            if k.why and k.why not in par.setdefault("why", []):   # `other`: why none
+                par["why"].append(k.why)
     return {"recorded": c.recorded, "in_iterations": c.in_iterations,
             "strategy": c.sharded or ("ddp" if any(k.gradient for k in c.kinds) else None),
             "group_sizes": list(c.group_sizes), "small_below_bytes": c.small_below,

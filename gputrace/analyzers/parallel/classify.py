@@ -1,28 +1,38 @@
 """Which parallelism each collective serves, from what its comm span says: who issued it
 (FSDP's units, DDP's buckets, a pipeline schedule, a DTensor redistribution, the job itself),
-its process group (the DeviceMesh dimension it runs on, by the dimension's name) and its kind.
+its process group (the DeviceMesh dimension it runs on, by the dimension's name), its kind,
+when it ran (`phase`: inside the model's forward or backward, or outside them) and its bytes.
 
 - `fsdp`: issued by an FSDP unit (args.fsdp): sharded data parallel (the sharded model);
-- `pp`: a send/recv a pipeline schedule issued between its stages (args.pp; DeepSpeed's
-  pipeline engine also tags its collectives on the pipeline group), or any collective on a
+- `pp`: a collective a pipeline schedule issued between its stages (args.pp; DeepSpeed's
+  pipeline engine also tags its collectives on the pipeline group), or activations on a
   mesh dimension named for pipelining;
-- `tp`, `ep`, `cp`: on a mesh dimension named for tensor (or sequence), expert or context
-  parallelism; a DTensor redistribution on an unnamed dimension is tensor parallel (its
-  collectives carry activations forward and their gradients backward);
+- `tp`, `ep`, `cp`: activation traffic on a mesh dimension named for tensor (or sequence),
+  expert or context parallelism; a DTensor redistribution on an unnamed dimension of a mesh
+  that is not FSDP's own is tensor parallel (its collectives carry activations forward and
+  their gradients backward);
 - `ep` also: an all-to-all outside FSDP (tokens dispatched to their experts and combined
   back);
-- `other`: a barrier (it moves no data);
+- `other`, with the reason (`role`'s second value): a barrier (it moves no data); a
+  collective that would be activation traffic by its group or issuer but ran outside the
+  forward and backward (a gradient norm before the step, a loss or metric reduction, a
+  token count, a flag) or moved a few bytes (a scalar: never activations); a DTensor
+  redistribution on FSDP's own mesh dimension (FSDP's mesh is data parallel);
 - `dp`: DDP's buckets (spans without args.kind: recorded buckets, imported NCCL kernels),
   and a job's own all-reduce of gradients (decided by the data-parallel rule,
   collectives._gradient);
 - `""` (undecided here): the data-parallel rule decides between `dp` and `other`.
 
-Dimension names follow the conventions of torchtitan, Megatron and DeepSpeed meshes:
-tp/tensor/model/mp/sp/seq, pp/pipe, ep/expert/moe, cp/context/ring, dp/data/ddp/fsdp/hsdp/
-dp_shard/dp_replicate/replicate/shard."""
+Activation traffic is told by when it ran only where the record says (`phase`: a recorded
+collective's); an imported kernel (no phase) is told by its group and bytes.
+
+Dimension names follow the conventions of torchtitan, Megatron, DeepSpeed and transformers
+meshes: tp/tensor/model/mp/sp/seq, pp/pipe, ep/expert/moe, cp/context/ring, dp/data/ddp/
+fsdp/efsdp/hsdp/dp_shard/dp_replicate/replicate/shard."""
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -32,8 +42,14 @@ _BY_NAME = [(re.compile(p), d) for p, d in (
     (r"^(ep|expert|experts|moe)(_|$)", "ep"),
     (r"^(cp|context|ring)(_|$)", "cp"),
     (r"^(tp|tensor|model|mp|sp|seq|sequence)(_|$)", "tp"),
-    (r"^(dp|data|ddp|fsdp|hsdp|replicate|shard|dp_shard|dp_replicate|dp_cp)(_|$)", "dp"),
+    # efsdp: transformers' expert mesh shards the experts' weights over it (FSDP for experts)
+    (r"^(dp|data|ddp|fsdp|efsdp|hsdp|replicate|shard|dp_shard|dp_replicate|dp_cp)(_|$)", "dp"),
 )]
+PARALLEL = ("tp", "pp", "ep", "cp")
+# a collective of at most this many bytes is a scalar or a few values (a norm, a loss, a
+# count, a flag): never activations (the smallest activation is a token's hidden vector)
+SCALAR_BYTES = 64
+ACTIVATION_PHASES = ("forward", "backward")
 NAMES = {"dp": "data parallel", "fsdp": "sharded data parallel (FSDP)",
          "tp": "tensor parallel", "pp": "pipeline parallel", "ep": "expert parallel",
          "cp": "context parallel", "other": "other"}
@@ -59,23 +75,67 @@ def mesh_dim(a: dict[str, Any]) -> str:
     return desc[5:] if isinstance(desc, str) and desc.startswith("mesh_") else ""
 
 
-def dimension(kind: str, contract: bool, a: dict[str, Any]) -> str:
-    """A comm span's parallelism, or "" where the data-parallel rule decides."""
+def group_name(a: dict[str, Any]) -> str:
+    """The process group's name a comm span ran on, "" unknown."""
+    g = a.get("group")
+    n = g.get("name") if isinstance(g, dict) else None
+    return n if isinstance(n, str) else ""
+
+
+def not_activations(a: dict[str, Any], nbytes: float = math.nan) -> str:
+    """Why a collective is no activation traffic, "" when nothing says so: it ran outside
+    the model's forward and backward (a recorded collective's `phase`), or moved a few
+    bytes (`nbytes`: this rank's input; args.bytes_out where that is unknown or 0)."""
+    phase = a.get("phase")
+    if isinstance(phase, str) and phase and phase not in ACTIVATION_PHASES:
+        where = "in the optimizer's step" if phase == "update" else "outside the forward " \
+            "and backward"
+        return (f"{where} (a gradient norm, a loss or metric reduction, a count, a flag): "
+                "not activations")
+    nb = nbytes if isinstance(nbytes, (int, float)) and nbytes > 0 else a.get("bytes_out")
+    if isinstance(nb, (int, float)) and not math.isnan(nb) and 0 < nb <= SCALAR_BYTES:
+        return f"{nb:.0f} B, a scalar or a few values (a norm, a loss, a count, a flag): " \
+            "not activations"
+    return ""
+
+
+def role(kind: str, contract: bool, a: dict[str, Any], nbytes: float = math.nan,
+         fsdp_groups: frozenset[str] = frozenset()) -> tuple[str, str]:
+    """A comm span's parallelism ("" where the data-parallel rule decides) and, for
+    `other`, why. `nbytes`: its input bytes (the span's); `fsdp_groups`: the process groups
+    the rank's FSDP units ran their collectives on (FSDP's own mesh dimensions)."""
     if a.get("fsdp"):
-        return "fsdp"
+        return "fsdp", ""
     if kind == "barrier":     # moves no data: serves no dimension (not even under FSDP)
-        return "other"
+        return "other", "a barrier: it moves no data"
     if isinstance(a.get("pp"), dict):
-        return "pp"
+        return "pp", ""
     # a group named for a dimension: recorded collectives, and imported NCCL kernels whose
     # trace gave their process group (importers.kineto_groups)
-    named = by_name(mesh_dim(a))
-    if named in ("tp", "pp", "ep", "cp"):
-        return named
+    dim = mesh_dim(a)
+    named = by_name(dim) if dim else None
+    on = f" on mesh dimension {dim}" if dim else ""
     if a.get("issuer") == "dtensor":
-        return named or "tp"
-    if kind == "all_to_all" and contract:
-        return "ep"
-    if not contract:
-        return "dp"
-    return ""
+        if named is None and group_name(a) in fsdp_groups and not not_activations(a, nbytes):
+            return "other", (f"a DTensor redistribution{on}, FSDP's own (its mesh is data "
+                             "parallel): not tensor parallel")
+        want = named or "tp"
+    elif named in PARALLEL:
+        want = named
+    elif kind == "all_to_all" and contract:
+        want = "ep"
+    else:
+        return ("dp", "") if not contract else ("", "")
+    why = not_activations(a, nbytes)
+    if why:
+        src = "a DTensor redistribution" if a.get("issuer") == "dtensor" else \
+            "an all-to-all" if want == "ep" and named is None else "a collective"
+        return "other", f"{src}{on}, but {why}"
+    return want, ""
+
+
+def dimension(kind: str, contract: bool, a: dict[str, Any], nbytes: float = math.nan,
+              fsdp_groups: frozenset[str] = frozenset()) -> str:
+    """A comm span's parallelism, or "" where the data-parallel rule decides (role's
+    first value)."""
+    return role(kind, contract, a, nbytes, fsdp_groups)[0]
