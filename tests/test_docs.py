@@ -26,6 +26,7 @@ CASE2_UNITS = [([4], 40, 62), ([3], 62, 72), ([2], 72, 84), ([1], 85, 92)]
 # mappings whose keys are names from the run (a host, a collective kind, a parallelism):
 # their children are documented as `*`
 NAME_MAPS = {"hosts", "clock.hosts", "collectives.kinds", "collectives.kinds.*.parallelism",
+             "checks.invariants", "withheld",
              "memory.ranks", "memory.phases", "memory.ranks.*.phases", "flops.ranks"}
 # mappings of fixed names (the breakdown's terms): each child is documented by name, and
 # what every child holds as `breakdown.*.mean`
