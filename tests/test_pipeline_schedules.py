@@ -1,0 +1,166 @@
+"""Pipelines with several stages per rank, recorded as users run them: tests/jobs/pp_train.py
+under torchrun over gloo on the CPU with torch.distributed.pipelining's Interleaved1F1B and
+ZBVZeroBubble (4 stages, 2 per rank, 8 microbatches, 2 ranks) and Interleaved1F1B under
+pipeline x data parallel (4 ranks: 2 pipelines of 2 ranks), each held to the job's own
+config (its stages, schedule, microbatches, the samples it feeds) and its own clock (each
+stage's module forward, each chunk the schedule ran, its waits on its sends and receives,
+its step less its passes); warm-up left out, means over the analyzed iterations."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+
+from gputrace.analyzers.parallel import pipesim  # noqa: E402
+from tests.test_parallelism import (  # noqa: E402
+    PY,
+    TIME_TOL,
+    WARMUP,
+    _cli,
+    record_run,
+    stages_clocks,
+    t_iter_on_the_jobs_clock,
+)
+
+pytestmark = pytest.mark.slow
+ARGS = ("--iterations", "10", "--width", "512", "--blocks", "2")
+CONFIGS = {
+    "interleaved": (2, ("--schedule", "interleaved", "--microbatches", "8", *ARGS)),
+    "zbv": (2, ("--schedule", "zbv", "--microbatches", "8", *ARGS)),
+    "interleaved-dp": (4, ("--schedule", "interleaved", "--microbatches", "4", "--dp", "2",
+                           *ARGS)),
+}
+WAIT_FLOOR = 0.008    # s: a wait this short is the job's timing around torch's as much
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    out = tmp_path_factory.mktemp("schedules")
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            ranks, args = CONFIGS[name]
+            cache[name] = record_run(out / name, "pp_train.py", ranks, args)
+        return cache[name]
+
+    return get
+
+
+def _mean(xs: list[float]) -> float:
+    return float(np.mean(xs)) if xs else 0.0
+
+
+def jobs_stage_times(t: dict) -> dict[int, dict[str, float]]:
+    """Per stage the job held, per microbatch: its module's forward and its backward chunks
+    (input and weight parts together), as it timed them after warm-up."""
+    m = t["stage"]["microbatches"]
+    fwd, bwd = defaultdict(list), defaultdict(float)
+    its = {c["it"] for c in t["chunks"] if c["it"] >= WARMUP}
+    for f in t["forwards"]:
+        if f["it"] >= WARMUP:
+            fwd[f["stage"]].append(f["s"])
+    for c in t["chunks"]:
+        if c["it"] >= WARMUP and c["kind"] != "forward":
+            bwd[c["stage"]] += c["s"]
+    return {k: {"forward": _mean(fwd[k]), "backward": bwd[k] / len(its) / m}
+            for k in t["stage"]["indices"]}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_stages_schedule_and_samples_as_the_job_has_them(recorded, name):
+    """The pipeline section: the job's schedule class, microbatches, p x v stages and which
+    rank holds which; the theory (p-1)/(v m+p-1); the headline names them; samples per
+    iteration as the job feeds a replica (counted once, at the first stage), the job's
+    samples/s over its replicas within 5 % of its own (its batch over its iterations)."""
+    run = recorded(name)
+    t0 = run.truth[0]["stage"]
+    p, v, m = t0["ranks"], len(t0["indices"]), t0["microbatches"]
+    pl = run.doc["parallelism"]["pipeline"]
+    assert (pl["schedule"], pl["microbatches"], pl["num_stages"], pl["ranks"],
+            pl["stages_per_rank"]) == (t0["class"], m, t0["stages"], p, v)
+    assert pl["theory"] == pytest.approx((p - 1) / (v * m + p - 1))
+    held = {s["rank"]: s["held"] for s in pl["stages"]}
+    assert held == {r: t["stage"]["indices"] for r, t in run.truth.items()}
+    head = run.text.splitlines()[0]
+    short = pipesim.SHORT[t0["class"]]
+    assert f"pipeline, {t0['stages']} stages ({v} per rank) x {m} microbatches ({short})" \
+        in head, head
+    tp = run.doc["throughput"]
+    assert tp["samples_per_iteration"] == pytest.approx(t0["samples_per_iteration"])
+    assert tp["job"]["replicas"] == t0["replicas"]
+    its = run.truth[0]["iterations"][WARMUP:]
+    own = t0["samples_per_iteration"] * t0["replicas"] / _mean(
+        [(i["end"] - i["start"]) / 1e9 for i in its])
+    assert tp["job"]["samples_per_s"] == pytest.approx(own, rel=0.05)
+    assert pl["what_if"], "no what-ifs"
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_per_stage_compute_and_waits_on_the_jobs_clock(recorded, name):
+    """Each stage's forward per microbatch within 15 % of its module's forward as the job
+    timed it, its backward (both parts) of the job's backward chunks; each rank's waits for
+    its neighbours within 15 % (or WAIT_FLOOR) of the job's own waits on its sends and
+    receives; t_iter within 5 % of the job's iterations."""
+    run = recorded(name)
+    pl = run.doc["parallelism"]["pipeline"]
+    per = {s["stage"]: s for s in pl["per_stage"]}
+    # the pipeline's per-stage times are its replicas' mean: the job's the same
+    mine = defaultdict(list)
+    for t in run.truth.values():
+        for k, own in jobs_stage_times(t).items():
+            mine[k].append(own)
+    for k, owns in mine.items():
+        for part in ("forward", "backward"):
+            got, own = per[k][f"{part}_s"], _mean([o[part] for o in owns])
+            assert abs(got / own - 1) <= TIME_TOL, (name, k, part, got, own)
+    for r, t in run.truth.items():
+        t_iter_on_the_jobs_clock(run, r)
+        (st,) = [s for s in pl["stages"] if s["rank"] == r]
+        own = _mean([i["waits_s"] for i in t["iterations"][WARMUP:]])
+        assert abs(st["waits_s"] - own) <= max(TIME_TOL * own, WAIT_FLOOR), \
+            (name, r, st["waits_s"], own)
+
+
+def test_bubble_on_the_ranks_clocks(recorded):
+    """Per rank of the 2-rank interleaved and ZBV runs: t_pp within 15 % of its step less
+    its passes and its loss, as the job timed them."""
+    for name in ("interleaved", "zbv"):
+        stages_clocks(recorded(name))
+
+
+def test_diff_gives_the_jobs_samples_per_second_ratio(recorded):
+    """`gputrace diff` of the ZBV run against the interleaved one: the job's samples/s
+    ratio within 5 % of the ratio of the jobs' own (their batch over their iterations)."""
+    a, b = recorded("interleaved"), recorded("zbv")
+
+    def own(run) -> float:
+        its = run.truth[0]["iterations"][WARMUP:]
+        return 256 / _mean([(i["end"] - i["start"]) / 1e9 for i in its])
+
+    sps = json.loads(_cli("diff", a.arrow, b.arrow, "--json").stdout)["throughput"][
+        "samples_per_s"]
+    assert sps["before"] == pytest.approx(own(a), rel=0.05)
+    assert sps["ratio"] == pytest.approx(own(b) / own(a), rel=0.05), (sps, own(b) / own(a))
+
+
+def test_calibrate_says_what_it_used_or_why_not(recorded):
+    """`--calibrate` with a run of another schedule at the same stages and microbatches
+    says it was not used and why; a run of another stage count says why; never silent."""
+    a, b = recorded("interleaved"), recorded("zbv")
+    doc = json.loads(_cli("analyze", a.arrow, "--calibrate", b.arrow, "--json").stdout)
+    c = doc["parallelism"]["pipeline"]["compute"]
+    assert "same 8 microbatches" in c["calibration_unused"]
+    text = _cli("analyze", a.arrow, "--calibrate", b.arrow).stdout
+    assert "--calibrate not used" in text
+    p = subprocess.run([PY, "-m", "gputrace", "analyze", a.arrow, "--calibrate",
+                        str(Path(a.arrow).with_suffix(".missing"))], capture_output=True,
+                       text=True)
+    assert p.returncode == 2
