@@ -176,11 +176,16 @@ def _patch_fsdp2(mod: Any) -> None:
         return
     pre_backward = TrainingState.PRE_BACKWARD
 
+    unread: list[bool] = []     # reading the settings failed once: not tried again
+
     def unit(pg: Any) -> _Unit:
         u = _unit(pg, "fsdp2", lambda: getattr(pg, "_module_fqn", "") or "")
+        if unread:
+            return u
         try:
             return u.with_settings(*_settings_of(pg))
         except Exception as e:  # noqa: BLE001 - the unit's collectives go without settings
+            unread.append(True)
             _hook_failed("FSDP2 settings", e)
             return u
 
