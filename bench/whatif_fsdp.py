@@ -7,9 +7,10 @@ one with False. Each predicts the other with `analyze`'s sharded replay (the
 printed, with the replay of each run's own configuration (the model's error).
 
 Each configuration is recorded --pairs times, alternated, and each pair compared on its
-own, with the ratio of the two runs' forward compute (which reshard_after_forward does not
-change): far from 1, the machine's speed changed between the two runs (a shared machine)
-and the pair's error says nothing about the model.
+own, with the ratio of the two runs' forward compute and of their backward compute (the
+backward less the collectives it stood in), which reshard_after_forward does not change:
+either far from 1, the machine's speed changed between the two runs (a shared machine) and
+the pair's error says nothing about the model.
 
     python bench/whatif_fsdp.py [--iterations 20] [--blocks 4] [--width 256] [--pairs 2]
         [--keep DIR]
@@ -82,7 +83,9 @@ def main() -> None:
         errors: dict[bool, list[float]] = {True: [], False: []}
         for i, pair in enumerate(runs):
             fw = compute_s(pair["fsdp2-keep"], "forward") / compute_s(pair["fsdp2"], "forward")
-            same = abs(fw - 1) <= SAME_SPEED
+            bw = compute_s(pair["fsdp2-keep"], "backward") / compute_s(pair["fsdp2"],
+                                                                      "backward")
+            same = abs(fw - 1) <= SAME_SPEED and abs(bw - 1) <= SAME_SPEED
             for src, dst, label in (("fsdp2", "fsdp2-keep", "reshard_after_forward=False"),
                                     ("fsdp2-keep", "fsdp2", "reshard_after_forward=True")):
                 for r in sorted(pair[src]["ranks"], key=int):
@@ -96,13 +99,15 @@ def main() -> None:
                                  f", {(w['t_iter_high'] or 0) * 1e3:.1f}]", f"{meas * 1e3:.1f}",
                                  f"{w['t_iter'] / meas - 1:+.1%}",
                                  f"{s['sharded']['baseline_error']:+.1%}",
-                                 f"{fw:.2f}" + ("" if same else " (speed changed)")])
+                                 f"{fw:.2f} / {bw:.2f}" + ("" if same else
+                                                           " (speed changed)")])
         print(machine())
         print(table("FSDP2 reshard_after_forward what-if against the run it predicts (pairs "
-                    "recorded one after the other; forward compute ratio keep/reshard: 1.00 "
+                    "recorded one after the other; compute ratios keep/reshard: 1.00 "
                     "when the machine ran both at one speed)",
                     ["pair", "prediction", "rank", "own t_iter ms", "predicted ms [95 %]",
-                     "measured ms", "error", "own replay error", "fwd compute ratio"], rows))
+                     "measured ms", "error", "own replay error",
+                     "fwd / bwd compute ratio"], rows))
         for same, word in ((True, "at one speed"), (False, "whose speed changed")):
             e = errors[same]
             if e:
