@@ -188,18 +188,14 @@ def rows(sp: Spans) -> Rows:
     # FSDP's own collectives are its units' (parameters and gradients), whatever their size
     small = grad & ~np.array([bool(f) for f in fsdp], bool) & (r.nbytes < below)
     # under FSDP every collective is the sharded model's comm, but only FSDP's own are its
-    # dimension: a barrier or a broadcast beside them is no data-parallel dimension; a
-    # gradient collective of a few bytes (a norm, a flag) is none either
+    # dimension: a barrier or a broadcast beside them is no data-parallel dimension (a
+    # gradient collective of a few bytes stays `dp`, but gives no degree: registry.degrees)
     dp = not is_sharded(r)
     owner = "FSDP's" if any(f.startswith("fsdp") for f in fsdp) else "the sharded model's"
     final, why = [], []
-    for (d, w), k, ph, g_, sm in zip(told, kinds, phase, grad.tolist(), small.tolist(),
-                                     strict=True):
-        if d == "" and g_ and dp and not sm:
+    for (d, w), k, ph, g_ in zip(told, kinds, phase, grad.tolist(), strict=True):
+        if d == "" and g_ and dp:
             d = "dp"
-        elif d in ("", "dp") and sm:
-            d, w = "other", (f"under {below:.0f} B each (a norm, a loss, a flag): not a "
-                             "gradient unit")
         elif d == "":
             what = f"the job's own {k.replace('_', '-')}"
             where = f"in the {ph}" if ph in ("forward", "backward") else "outside the backward"

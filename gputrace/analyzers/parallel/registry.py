@@ -134,27 +134,36 @@ def runs(parts: dict[int, dict[str, Any]], v: RunView) -> dict[str, Any]:
     return out
 
 
+def _told(rows: Rows, inside: np.ndarray | None) -> list[bool]:
+    """Which rows tell a dimension: those `inside` (the analyzed iterations, when given:
+    not a setup's broadcasts nor an exit barrier), not `other`, and not a gradient
+    collective of a few bytes (a loss or a norm reduced on the world group is no
+    data-parallel dimension of a tensor-parallel run)."""
+    ok = inside.tolist() if inside is not None else [True] * rows.n
+    small = rows.small.tolist() if rows.small.size == rows.n else [False] * rows.n
+    return [k and not s and d != "other" for d, k, s in zip(rows.dim, ok, small, strict=True)]
+
+
 def degrees(rows: Rows, inside: np.ndarray | None = None) -> dict[str, int]:
-    """Per dimension the rank's collectives show (those `inside`, the analyzed iterations,
-    when given: not a setup's broadcasts nor an exit barrier), its group's size (0
-    unknown)."""
+    """Per dimension the rank's collectives show (those that tell one: _told), its group's
+    size (0 unknown)."""
     out: dict[str, int] = {}
-    for d, g, ok in zip(rows.dim, rows.group_size.tolist(),
-                        inside.tolist() if inside is not None else [True] * rows.n,
+    for d, g, ok in zip(rows.dim, rows.group_size.tolist(), _told(rows, inside),
                         strict=True):
-        if d != "other" and ok:
+        if ok:
             out[d] = max(out.get(d, 0), int(g))
     return out
 
 
 def groups(rows: Rows, inside: np.ndarray | None = None) -> dict[str, dict[str, Any]]:
-    """Per dimension the rank's collectives show (those `inside`), its mesh dimension's name
-    ("" none) and the ranks of each of its groups seen (up to 64 ranks a group)."""
+    """Per dimension the rank's collectives show (those that tell one: _told), its mesh
+    dimension's name ("" none) and the ranks of each of its groups seen (up to 64 ranks a
+    group)."""
     out: dict[str, dict[str, Any]] = {}
-    ok = inside.tolist() if inside is not None else [True] * rows.n
     for d, m, gr, k in zip(rows.dim, rows.mesh_dim or [""] * rows.n,
-                           rows.group_ranks or [None] * rows.n, ok, strict=True):
-        if d == "other" or not k:
+                           rows.group_ranks or [None] * rows.n, _told(rows, inside),
+                           strict=True):
+        if not k:
             continue
         e = out.setdefault(d, {"mesh_dim": m, "ranks": []})
         e["mesh_dim"] = e["mesh_dim"] or m
