@@ -18,8 +18,9 @@ The replay keeps everything the run measured except gradient communication:
 - units run one at a time in ready order (one NCCL stream, one gloo queue); a unit starts
   when it is ready and the one before it has finished; a unit whose layers are not known
   (TensorFlow's collectives) is ready when it started, freed of what the comm before it
-  took from backward, and keeps the delay it was launched with after it could start; on
-  the CPU a measured unit keeps the time the link sat idle waiting for the last rank;
+  took from backward; a measured unit keeps the delay it was launched with after it could
+  start, and on the CPU the time its link sat idle waiting for the last rank (units of
+  other bucket sizes have neither, and are held against a replay without them);
 - the update waits for the last unit (PyTorch DDP, eq. 10/11; comm after backward, eq. 8,
   is the case where every unit is ready at the end of backward).
 
@@ -129,7 +130,7 @@ class _Plan:
     units: list[tuple[float, ...]]   # measured units (bytes, ready on the freed clock[, delay])
     contention_s: float
     sequential: bool
-    plain_units: list[tuple[float, ...]]   # the same without the waits for the last rank
+    plain_units: list[tuple[float, ...]]   # the same without their delays and waits
 
 
 def _stolen_rate(cost: CommCost) -> float:
@@ -190,7 +191,7 @@ def _plan(rs: RankSteps, sel: np.ndarray, m: ModelResult, world: int,
     b_end = b_end_m - contention
     sequential = m.strategy == "sequential" and len(m.units) > 1
     units_ = unit_stats(rs, sel) if sel.size else []
-    timing = unit_timing(rs, sel, taken)
+    timing = unit_timing(rs, sel, taken, sequential)
     # comm on the CPU: its cost was fitted from when the last rank arrived, so the wait for
     # it, with the link idle, is the unit's own (it stays, as in the speedup model)
     waits = idle_waits(rs, sel, arrivals) if on_cpu and arrivals is not None else {}
@@ -199,16 +200,17 @@ def _plan(rs: RankSteps, sel: np.ndarray, m: ModelResult, world: int,
     for u in units_:
         if math.isnan(u.nbytes):
             continue
+        # no layers: ready when it started (on the freed clock); each unit then keeps the
+        # delay it was launched with once it could start
+        freed, delay = timing.get(u.index, (u.ready_s, 0.0))
         if sequential:
-            when, delay = b_end, 0.0
+            when = b_end
         elif u.layers and all(ly in ready for ly in u.layers):
-            # ready once all its layers are
-            when, delay = min(max(ready[ly] for ly in u.layers), b_end), 0.0
-        else:   # no layers: when it could start (on the freed clock), then its delay
-            when, delay = timing.get(u.index, (u.ready_s, 0.0))
-            when = min(when, b_end)
-        measured_units.append((u.nbytes, when, delay + waits.get(u.index, 0.0)))
-        plain.append((u.nbytes, when, delay))
+            when = max(ready[ly] for ly in u.layers)     # ready once all its layers are
+        else:
+            when = freed
+        measured_units.append((u.nbytes, min(when, b_end), delay + waits.get(u.index, 0.0)))
+        plain.append((u.nbytes, min(when, b_end)))
     if sequential:
         ready = {ly: b_end for ly in ready}
     measured_end = max((u.end_s for u in units_), default=b_end_m)
@@ -235,8 +237,8 @@ def _tail(p: _Plan, s: Scenario) -> tuple[int, UnitRun]:
 
 def _predict(p: _Plan, s: Scenario, base: tuple[float, float]) -> tuple[int, UnitRun, float]:
     """`base`: the tails of the measured configuration replayed with the measured units'
-    waits for the last rank and without: buckets of other sizes are not the measured units
-    and carry no wait, so they are held against the replay without them."""
+    launch delays and waits for the last rank, and without: buckets of other sizes are not
+    the measured units and carry neither, so they are held against the replay without."""
     n, r = _tail(p, s)
     tail = base[0] if s.bucket_bytes is None else base[1]
     return n, r, p.measured_t_iter - tail + max(r.backward_end, r.comm_end)

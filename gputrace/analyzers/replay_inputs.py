@@ -97,14 +97,14 @@ def idle_waits(rs: RankSteps, sel: np.ndarray, arrivals: np.ndarray) -> dict[int
     return {i: float(mean[i]) for i in np.flatnonzero(cnt).tolist()}
 
 
-def unit_timing(rs: RankSteps, sel: np.ndarray, taken: Callable[[int, float], float]
-                 ) -> dict[int, tuple[float, float]]:
+def unit_timing(rs: RankSteps, sel: np.ndarray, taken: Callable[[int, float], float],
+                after_backward: bool = False) -> dict[int, tuple[float, float]]:
     """Per unit index, the means over the iterations `sel` of: its ready time (s from the
     iteration start) on the clock of a backward freed of the measured comm's CPU (less what
     the comm busy before it, beside backward, took from it: nothing for an iteration's first
-    unit); and its launch delay, the time it started after it could (its gradients ready or
-    backward over, the unit before it ended): TensorFlow launches a collective some time
-    after backward."""
+    unit); and its launch delay, the time it started after it could (its gradients ready, or
+    backward over where `after_backward` or it was ready later, and the unit before it
+    ended): TensorFlow launches a collective some time after backward."""
     u = rs.units
     got: dict[int, list[tuple[float, float]]] = {}
     prev_it, prev_end = -1, -math.inf
@@ -114,7 +114,8 @@ def unit_timing(rs: RankSteps, sel: np.ndarray, taken: Callable[[int, float], fl
         ready, start = (u.ready[row] - t0) / 1e9, (u.start[row] - t0) / 1e9
         bend = (rs.backward_end[k] - t0) / 1e9 if rs.backward_end[k] >= 0 else ready
         before = prev_end if prev_it == k else -math.inf
-        delay = max(start - max(min(ready, bend), before), 0.0)
+        could = bend if after_backward else min(ready, bend)
+        delay = max(start - max(could, before), 0.0)
         got.setdefault(int(u.index[row]), []).append(
             (ready - taken(k, min(ready, bend)), delay))
         prev_it, prev_end = k, max(before, (u.end[row] - t0) / 1e9)
