@@ -167,7 +167,7 @@ def test_pipeline_tables(traces):
     assert st.slowest.tolist() == [s["stage"] == pl["slowest_stage"] for s in pl["stages"]]
     w = r.table("pipeline_what_if")
     assert w.records() == pl["what_if"]
-    assert {x["schedule"] for x in w.records()} == {"ScheduleGPipe", "Schedule1F1B"}
+    assert {x["schedule"] for x in w.records()} >= {"ScheduleGPipe", "Schedule1F1B"}
     _empty(r, "tp_layers", "tp_what_if", "expert_parallel")
 
 

@@ -154,7 +154,8 @@ def test_pipeline_section_holds_the_stages_and_the_what_ifs(pp_trace):
     assert [r[1] for r in stages] == ["0", "1"]
     wi = page.tables["pipeline-what-if"][1:]
     assert [r[0] for r in wi] == [w.what for w in pl.what_if]
-    assert {r[1] for r in wi} == {"GPipe", "1F1B"}          # the other schedule is among them
+    # the other schedule is among them (and those with two stages per rank)
+    assert {r[1] for r in wi} >= {"GPipe", "1F1B"}
     assert [r[3] for r in wi] == [f"{w.t_iter * 1e3:.1f} ms" for w in pl.what_if]
 
 
