@@ -38,7 +38,6 @@ INVARIANTS = {
 # consistency invariants: broken, a figure is wrong (a fault of the analysis); of the
 # others, a model may miss the run it replays, and a what-if that cannot be replayed gets
 # its reason here (the check is what keeps that invariant)
-MODEL_PARALLEL = ("tp", "pp", "ep", "cp")
 CONSISTENCY = frozenset({"degrees", "terms_sum", "shares", "hidden", "one_value"})
 TERMS_TOL = 0.01       # the terms' sum against t_iter
 TERMS_ABS_S = 20e-6    # and never tighter than this (a clock's tick on tiny iterations)
@@ -166,7 +165,7 @@ def _kinds_agree(ra: RankAnalysis) -> Check | None:
         return None
     # the hidden-vs-exposed comm is the data-parallel model's: a model-parallel kind's
     # exposed time (pipeline send/recv of PP x DP) is its dimension's term, not in it
-    by_kinds = sum(k.exposed_s for k in kinds if k.dim not in MODEL_PARALLEL)
+    by_kinds = ra.collectives.exposed_s   # each instant once, over the kinds
     exposed = ra.comm.get("exposed_s", 0.0)
     if abs(by_kinds - exposed) <= max(0.01 * max(exposed, by_kinds), 1e-4):
         return None

@@ -23,6 +23,7 @@ from gputrace.analyzers.model import (
     checked,
     mean_terms,
 )
+from gputrace.analyzers.overlap import summary
 from gputrace.analyzers.sanity import far_off
 from gputrace.analyzers.shardinputs import Inputs, summarize_rank  # noqa: F401 (here too)
 from gputrace.analyzers.shardtimeline import timelines
@@ -281,10 +282,10 @@ def analyze_sharded(si: Inputs, rs: RankSteps, sel: np.ndarray, world: int,
         [f"sharded iteration (docs/sharded.md): forward Case {cases['forward']}, backward "
          f"Case {cases['backward']}; replaying the measured timeline gives "
          f"{baseline * 1e3:.1f} ms ({err:+.1%})"])
-    t_comm = terms.get("t_comm", 0.0)
-    ovl = {"total_s": t_comm, "hidden_s": max(t_comm - exposed["total_s"], 0.0),
-           "exposed_s": min(exposed["total_s"], t_comm) if t_comm else exposed["total_s"]}
-    ovl["hidden_fraction"] = ovl["hidden_s"] / t_comm if t_comm > 0 else 0.0
+    # the rank's comm against the compute the terms hold, as a run without sharding's: the
+    # time it stood in a collective that is no unit of the sharded model (ZeRO's overflow
+    # flag, a loss) is exposed, not hidden for want of a unit to count it in
+    ovl = summary(rs.comm, sel)
     return Sharded(strategy, world, units, per_role, kinds, exposed, cases, ex_units,
                    {"forward": base.prefetch_forward, "backward": base.prefetch_backward},
                    resharded, model, ovl, sp_, what, baseline, err, assumptions, per_it, st)

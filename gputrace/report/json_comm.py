@@ -38,7 +38,7 @@ def collectives_dict(ra: RankAnalysis) -> dict[str, Any]:
     return {"recorded": c.recorded, "in_iterations": c.in_iterations,
             "strategy": c.sharded or ("ddp" if any(k.gradient for k in c.kinds) else None),
             "group_sizes": list(c.group_sizes), "small_below_bytes": c.small_below,
-            "kinds": kinds}
+            "exposed_s": c.exposed_s, "kinds": kinds}
 
 
 def sharded_dict(ra: RankAnalysis) -> dict[str, Any] | None:
