@@ -89,7 +89,7 @@ class Clock:
     """Per microbatch: forward seconds, backward from the gradient's arrival at the stage's
     output to the last gradient of its first layer (accumulated last; one stage per rank)."""
 
-    def __init__(self, marks: bool) -> None:
+    def __init__(self, marks: bool = True) -> None:
         self.marks = marks
         self.it = -1
         self.mb: list[dict] = []
@@ -99,7 +99,7 @@ class Clock:
         self.t_bwd = 0.0
         self.pending = 0
 
-    def forward(self, s: float, stage: int) -> None:
+    def forward(self, s: float, stage: int = -1) -> None:
         self.forwards.append({"it": self.it, "stage": stage, "s": s})
         self.mb.append({"it": self.it, "mb": self.fwd, "forward": s, "backward": 0.0,
                         "loss": 0.0})
