@@ -104,6 +104,21 @@ def test_degrees_that_do_not_multiply_to_the_world_size_are_not_claimed(tmp_path
         os.environ[inv.STRICT_ENV] = "1"
 
 
+def test_expert_parallelism_borrows_the_data_parallel_ranks(tmp_path):
+    """An MoE's experts over the data-parallel ranks (EP 2 and DP 2 on 2 ranks): expert
+    parallelism is not multiplied in, so nothing is withheld; an EP degree that does not
+    divide the world is."""
+    assert inv.degrees({"dp": 2, "ep": 2}, 2) == ({"dp": 2, "ep": 2}, None)
+    assert inv.degrees({"fsdp": 4, "cp": 2, "tp": 2}, 8)[1] is None
+    kept, c = inv.degrees({"dp": 2, "ep": 4}, 6)
+    assert c is not None and "ep" not in kept and "EP" in c.figure
+    path = _two_ranks(tmp_path / "e.arrow", [
+        ("all_reduce", "backward", 20, 30, 4_000_000, _mesh("dp")),
+        ("all_to_all", "forward", 5, 6, 65_536, _mesh("ep"))])
+    d = to_dict(analyze(load(path)))
+    assert _violated(d, "degrees") == []
+
+
 def test_terms_that_do_not_sum_to_the_iteration_withhold_their_shares(tmp_path):
     """A collective in flight while the loop waits for data (2-8 ms of a 0-10 ms wait, no
     compute beside it) is counted as waiting for data and as exposed comm: the terms sum to

@@ -12,8 +12,6 @@ from gputrace.analyzers import overlap as ov
 from gputrace.analyzers.collectives import KINDS, Rows, gradient_mask, small_mask, told_other
 from gputrace.analyzers.frame import Spans
 
-MODEL_PARALLEL = ("tp", "pp", "ep", "cp")   # dimensions with a term of their own
-
 
 @dataclass(frozen=True)
 class KindTotal:
@@ -39,9 +37,9 @@ class Collectives:
     sharded: str | None = None      # "fsdp2" / "fsdp1" when FSDP issued them
     group_sizes: tuple[int, ...] = ()
     small_below: float = 0.0        # a gradient collective under this many bytes is no unit
-    # the instants the job stood still for the kinds of data parallelism (every kind but a
-    # tensor, pipeline, expert or context parallel one), each instant once: two kinds in
-    # flight together (a broadcast beside an all-reduce) count once here, in each kind's own
+    # the instants the job stood still for the collectives the data-parallel model reads
+    # as its comm (collectives.gradient_mask: the hidden-vs-exposed comm's), each instant
+    # once: two kinds in flight together count once here, in each kind's own
     exposed_s: float = 0.0
 
     def total(self, key: str) -> float:
@@ -111,9 +109,9 @@ def summarize(sp: Spans, r: Rows, it_of: np.ndarray, sel: np.ndarray, compute: o
                                          bool(grad[m].any()) and not few, few, d, w))
     sharded = next((f for f in r.fsdp if f), None)
     sizes = tuple(sorted({int(g) for g in r.group_size if g > 0}))
-    dp = inside & ~np.isin(dims, MODEL_PARALLEL)
+    model = inside & gradient_mask(sp, r)   # the comm the data-parallel model reads
     return Collectives(out, r.n, int(inside.sum()), sharded, sizes, r.small_below,
-                       exposed_ns(sp, r, compute, dp, device_compute) / 1e9 / n_it)
+                       exposed_ns(sp, r, compute, model, device_compute) / 1e9 / n_it)
 
 
 def missing_message(world: int, tf_unprofiled: bool = False, outside: int = 0) -> str:

@@ -82,8 +82,8 @@ def degrees(deg: Mapping[str, int], world: int, weight: Mapping[str, float] | No
     one with the least evidence (`weight`: e.g. its bytes per iteration) first, until the
     rest fit; with the reason."""
     known = {d: g for d, g in deg.items() if g > 0}
-    prod = math.prod(known.values()) if known else 1
-    if world < 1 or (prod <= world and world % prod == 0):
+    prod = _product(known)
+    if world < 1 or _fits(known, world):
         return dict(deg), None
     words = " x ".join(f"{d.upper()} {g}" for d, g in known.items())
     kept = dict(deg)
@@ -93,8 +93,7 @@ def degrees(deg: Mapping[str, int], world: int, weight: Mapping[str, float] | No
     for d in order:
         kept.pop(d)
         dropped.append(d)
-        p = math.prod(g for g in kept.values() if g > 0) if kept else 1
-        if p <= world and world % p == 0:
+        if _fits({k: g for k, g in kept.items() if g > 0}, world):
             break
     what = " and ".join(d.upper() for d in dropped) or "the dimensions"
     return kept, Check("degrees", f"the {what} dimension{'s' if len(dropped) > 1 else ''}",
@@ -102,6 +101,22 @@ def degrees(deg: Mapping[str, int], world: int, weight: Mapping[str, float] | No
                        f"to {prod}, not to the {world} ranks: the {what} collectives are "
                        "not what they were taken for, so no dimension is claimed for them "
                        "(they stay in the collectives table)")
+
+
+# expert and context parallelism borrow their ranks from data parallelism (torchtitan's
+# ep over dp_shard x cp, an MoE's experts over the data-parallel ranks): not multiplied in,
+# each only divides the world
+FOLDED = ("ep", "cp")
+
+
+def _product(known: Mapping[str, int]) -> int:
+    return math.prod(g for d, g in known.items() if d not in FOLDED)
+
+
+def _fits(known: Mapping[str, int], world: int) -> bool:
+    prod = _product(known)
+    return prod <= world and world % prod == 0 and all(
+        world % g == 0 for d, g in known.items() if d in FOLDED)
 
 
 # -- one rank -----------------------------------------------------------------------------
