@@ -198,3 +198,38 @@ def test_emit_nvtx_and_megatron_ranges_name_their_phase():
     assert ops.add(key, 25, 30, "aten::mm", None, 9) == "backward"
     assert ops.add(key, 50, 60, "aten::mm", None, 11) == "forward"
     assert ops.add(key, 61, 62, "aten::view", None, None) is None
+
+
+def _busy_ns(db: sqlite3.Connection, device: int) -> int:
+    """The union of a device's kernels, copies and memsets in an Nsight export, read raw."""
+    iv = sorted(row for t in ("KERNEL", "MEMCPY", "MEMSET") for row in db.execute(
+        f"SELECT start, end FROM CUPTI_ACTIVITY_KIND_{t} WHERE deviceId = ?", (device,)))
+    total, cur = 0, None
+    for s, e in iv:
+        if cur is None or s > cur[1]:
+            total += cur[1] - cur[0] if cur else 0
+            cur = [s, e]
+        else:
+            cur[1] = max(cur[1], e)
+    return total + (cur[1] - cur[0] if cur else 0)
+
+
+def test_gpu_busy_and_idle_where_no_phase_is_known(shared_data):
+    """An Nsight export with no forward, backward or update range (2xH100, copies and
+    kernels): the device's busy and idle time per iteration, busy as the raw records'
+    union on each rank's GPU, and the terminal's line saying the time is not split by
+    phase; a trace with phases has the figure in --json but no such line."""
+    path = shared_data / "nsys" / "h100_2gpu_1s.sqlite"
+    d = _json("analyze", str(path))
+    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    for r, rd in d["ranks"].items():    # ranks in the order of their lowest GPU
+        busy = rd["device_busy"]
+        assert busy["busy_s"] * 1e9 == pytest.approx(_busy_ns(db, int(r)), rel=1e-6)
+        t_iter = rd["breakdown"]["t_iter"]["mean"]
+        assert busy["idle_s"] == pytest.approx(t_iter - busy["busy_s"], abs=1e-9)
+    out = run_gputrace("analyze", str(path), check=True).stdout
+    assert re.search(r"GPU busy [0-9.]+ ms \(\d+%\) and idle [0-9.]+ ms of each iteration: "
+                     r"no forward, backward or update phase was found", out), out
+    mfu = run_gputrace("analyze", str(shared_data / "nsys" / "mfu_2gpu_before.sqlite"),
+                       check=True).stdout
+    assert "GPU busy" not in mfu

@@ -352,7 +352,7 @@ def combine(parts: list[FramePart], md: dict[str, Any], opts: Options, probe: An
             dims=p.dims, degrees=degrees, parallel=parallel, groups=groups,
             dimensions=registry.describe(degrees, world), throughput=p.throughput,
             flops_left_out=None if p.left_out is None else int(p.steps.iterations.step[p.left_out]),
-            recompute=rcp.seen(p.recompute, md))
+            recompute=rcp.seen(p.recompute, md), device_busy=_device_busy(p))
     slowest = max(out, key=lambda r: out[r].breakdown["t_iter"].mean)
     main = out[slowest]
     if main.replay is not None:
@@ -368,6 +368,15 @@ def combine(parts: list[FramePart], md: dict[str, Any], opts: Options, probe: An
                  slowest_why=told, throughput=tput.job(
                      {r: p.throughput for r, p in ranks.items()}, world, degrees)),
         opts.what_if, [deg_check] if deg_check else [])
+
+
+def _device_busy(p: RankPart) -> dict[str, float] | None:
+    """A GPU trace's device busy and idle time per analyzed iteration."""
+    b = p.steps.device_busy_s
+    if b is None or not p.sel.size:
+        return None
+    busy = float(np.mean(b[p.sel]))
+    return {"busy_s": busy, "idle_s": max(p.breakdown["t_iter"].mean - busy, 0.0)}
 
 
 def _degrees(ranks: dict[int, RankPart], world: int) -> tuple[dict[str, int], Any]:

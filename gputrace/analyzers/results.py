@@ -62,6 +62,9 @@ class RankAnalysis:
     flops_left_out: int | None = None
     # figures withheld because an invariant did not hold (analyzers.invariants): what -> why
     withheld: dict[str, str] = field(default_factory=dict)
+    # a GPU trace: per iteration, the device's busy time (its records, each instant once) and
+    # the rest of t_iter idle, {"busy_s", "idle_s"}; None for a host trace
+    device_busy: dict[str, float] | None = None
     # the forward recomputed in the backward (activation checkpointing), a part of t_b:
     # analyzers.recompute.Recompute
     recompute: Any = None

@@ -55,6 +55,9 @@ class RankSteps:
     # a part of t_b, in seconds; and each layer's (analyzers.recompute)
     recompute_s: np.ndarray | None = None
     layer_recompute_s: list[dict[int, float]] = field(default_factory=list)
+    # a GPU trace: per iteration, the time its device records (kernels, copies, comm)
+    # held a device, each instant once; None for a host trace
+    device_busy_s: np.ndarray | None = None
 
 
 def warmup_skip(n: int, skip: int | None = None) -> int:
@@ -218,6 +221,8 @@ def analyze_rank(sp: Spans, stood: tuple[np.ndarray, np.ndarray] | None = None,
         # work launched in it (negative here), the one that waits for it longer; the mean
         # is the time in no phase
         terms["t_other"] = t_iter - terms["t_io"] - busy
+        gi = np.flatnonzero(gpu)
+        device_busy = ov.grouped_measure(sp.start[gi], sp.end[gi], group[gi], n) / sec
         # of the time in no phase, what the framework's own work holds (the host's time,
         # which may run beside the device's: never more than the time in no phase)
         terms["t_framework"] = np.clip(ov.measure(fw, lo, hi) / sec, 0.0,
@@ -308,7 +313,7 @@ def analyze_rank(sp: Spans, stood: tuple[np.ndarray, np.ndarray] | None = None,
     upd_n = np.searchsorted(hu[0], hi, "left") - np.searchsorted(hu[1], lo, "right")
     return RankSteps(sp.rank, its, terms, comm_h, io_h, units, layer_bs, ends, layer_bytes,
                      bstart, bend, np.array([fetch_s]), workers, upd_n, bool(gpu.any()),
-                     compute, rec_s, rec_layers)
+                     compute, rec_s, rec_layers, device_busy if gpu.any() else None)
 
 
 def _run_bounds(sp: Spans, start: np.ndarray, end: np.ndarray, label: np.ndarray,

@@ -77,6 +77,7 @@ def rank_dict(ra: RankAnalysis) -> dict[str, Any]:
         "sharded": sharded_dict(ra),
         "parallelism": parallelism_dict(ra),
         "withheld": dict(ra.withheld),
+        "device_busy": dict(ra.device_busy) if ra.device_busy is not None else None,
         "recompute": ra.recompute.as_dict() if ra.recompute is not None else None,
     }
 

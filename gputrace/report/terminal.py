@@ -15,8 +15,9 @@ from gputrace.analyzers.model import UnitStats
 from gputrace.analyzers.replay import MIB, Outcome, Replay, Scenario
 from gputrace.fmt import MB_SHOWN, mb, ranges, rate
 from gputrace.report import console
-from gputrace.report.checks import shares_withheld, withheld
+from gputrace.report.checks import render_withheld, shares_withheld
 from gputrace.report.collectives import headline_case, render_kinds, render_sharded
+from gputrace.report.device import busy_line
 from gputrace.report.parallel import render_parallel
 from gputrace.report.throughput import rate_text, throughput_line
 
@@ -207,8 +208,7 @@ def render(a: Analysis, rank: int | None = None, file: IO[str] | None = None,
                  else ""))
     if ra.left_out_line:
         con.print(escape(ra.left_out_line))
-    for fig, why in withheld(a, ra):
-        con.print(f"[yellow]withheld[/]: {escape(fig)}: {escape(why)}")
+    render_withheld(con, a, ra)
     con.print()
 
     t_iter = ra.breakdown["t_iter"].mean
@@ -221,16 +221,16 @@ def render(a: Analysis, rank: int | None = None, file: IO[str] | None = None,
     bt.add_column("share", justify="right")
     for key, label in (("t_iter", "iteration"), *phase_rows(ra)):
         s = ra.breakdown[key]
-        share = "" if key == "t_iter" or t_iter == 0 else "-" if shares_withheld(ra) else \
-            f"{s.mean / t_iter:.0%}"
-        bt.add_row(key, label, _ms(s.mean), _ms(s.std), share)
+        bt.add_row(key, label, _ms(s.mean), _ms(s.std), "" if key == "t_iter" or t_iter == 0
+                   else "-" if shares_withheld(ra) else f"{s.mean / t_iter:.0%}")
         rc = ra.recompute
         if key == "t_b" and rc is not None and rc.mean_s:
             of = f", {rc.share_of_t_b:.0%} of t_b" if rc.share_of_t_b is not None else ""
             bt.add_row("", f"  of which recompute (checkpointed forward{of})", _ms(rc.mean_s),
                        _ms(rc.std_s or 0.0), "")
     con.print(bt)
-    con.print(throughput_line(a, ra))
+    for line in filter(None, (busy_line(ra), throughput_line(a, ra))):
+        con.print(line)
     con.print()
 
     ot = Table(title="Hidden vs exposed (per iteration)", title_justify="left", box=None,
