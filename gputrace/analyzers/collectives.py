@@ -287,7 +287,9 @@ def _gradient(sp: Spans, r: Rows) -> np.ndarray:
     - under FSDP its own collectives are (the sharded model reads them: its units), under
       DeepSpeed's ZeRO every collective is;
     - else, when the rank shows DDP buckets, no recorded collective is (the buckets' own
-      collectives are not recorded twice; a buffer broadcast or a barrier is not gradient);
+      collectives are not recorded twice; a buffer broadcast or a barrier is not gradient),
+      but the experts' gradients all-reduced over their expert-data-parallel group
+      (_expert_dp);
     - else a job's own all-reduces issued in backward, update or outside any phase (manual
       gradient averaging) are, other collectives are not;
     - never a collective of tensor, pipeline, expert or context parallelism (one that
@@ -305,10 +307,30 @@ def _gradient(sp: Spans, r: Rows) -> np.ndarray:
         return ~par
     g = ~r.contract & ~par
     if (~r.contract & (sp.device[r.idx] < 0)).any():
-        return g
+        return g | _expert_dp(r, par)
     own = np.array([c and k == "all_reduce" and ph in ("backward", "update", "none", "")
                     for c, k, ph in zip(r.contract, r.kind, r.phase, strict=True)], bool)
     return (g | own) & ~par
+
+
+def _expert_dp(r: Rows, par: np.ndarray) -> np.ndarray:
+    """Beside DDP's buckets, the job's own all-reduces of the experts' gradients over their
+    expert-data-parallel group: after the forward (backward, update, no phase), more than a
+    few bytes, on a group that shares no rank but this one with the rank's expert-parallel
+    group (the replicas of the same experts on other expert-parallel groups)."""
+    ep = [set(g) for g, d in zip(r.group_ranks or [], r.dim, strict=False)
+          if d == "ep" and g]
+    if not ep or len(r.group_ranks) != r.n:
+        return np.zeros(r.n, bool)
+    mine = set.union(*ep)
+    out = np.zeros(r.n, bool)
+    for i, (c, k, ph, g) in enumerate(zip(r.contract, r.kind, r.phase, r.group_ranks,
+                                          strict=True)):
+        nb = r.nbytes[i]
+        out[i] = bool(c and k == "all_reduce" and ph in ("backward", "update", "none", "")
+                      and g and len(g) > 1 and len(set(g) & mine) == 1
+                      and not par[i] and nb == nb and nb > 64)
+    return out
 
 
 def stood(sp: Spans, r: Rows, dim: str | None = None) -> tuple[np.ndarray, np.ndarray]:

@@ -237,7 +237,7 @@ def analyze_rank(sp: Spans, stood: tuple[np.ndarray, np.ndarray] | None = None,
         back = bwd_gpu
         back_start, back_end = sp.start, sp.end
     else:
-        st = ov.union(*stood) if stood is not None else ov.EMPTY
+        st = st_grad = ov.union(*stood) if stood is not None else ov.EMPTY
         par = {d: ov.union(*v) for d, v in (dims or {}).items()}
         pass_f, pass_b = passes(sp)     # a pipeline's microbatch passes, whole
         par = with_bubble(sp, par, (pass_f, pass_b))
@@ -248,10 +248,13 @@ def analyze_rank(sp: Spans, stood: tuple[np.ndarray, np.ndarray] | None = None,
         phase_b = _u(sp, bwd_m & (sp.device < 0))
         # backward's own work: the per-layer spans where known (the outer autograd call of
         # DDP also waits for its last all-reduce, which no span of the job's thread marks).
-        # When the job's thread stood in collectives inside the backward (FSDP's
+        # When the job's thread stood in gradient collectives inside the backward (FSDP's
         # reduce-scatters, a job's own all-reduce), those are its waits: the rest of the
-        # phase (layers, the framework's hooks between them) is the backward
-        own_waits = ov.total(ov.intersect(phase_b, st)) > 0
+        # phase (layers, the framework's hooks between them) is the backward. Activation
+        # all-to-alls in the backward (a MoE layer's, expert parallel) are no such wait:
+        # the phase's tail after its layers is still DDP's wait for its last all-reduce
+        own_waits = ov.total(ov.intersect(phase_b, ov.merge(st_grad, *(
+            u for d, u in par.items() if d != "ep")))) > 0
         bwd = ov.subtract(ov.merge(phase_b if own_waits or not per_layer.any()
                                    else _u(sp, per_layer), _u(sp, pass_b)), st)
         upd = ov.subtract(_u(sp, sp.of("update")), st)
