@@ -160,9 +160,25 @@ def _ep(con: Console, ep, imb) -> None:  # noqa: ANN001 - ep.ExpertParallel, ep.
     con.print(f"Expert parallel (EP {ep.degree}): {ep.count:.3g} all-to-alls per iteration, "
               f"{ep.nbytes / 1e6:.2f} MB, {_ms(ep.exposed_s)} exposed; {ep.moe_layers} MoE "
               f"layer{'s' if ep.moe_layers != 1 else ''} in the forward: {roles}")
+    if ep.roles_backward:
+        con.print("in the backward: " + ", ".join(
+            f"{k} {v['count']:.3g} ({v['bytes'] / 1e6:.2f} MB, {_ms(v['exposed_s'])} "
+            "exposed)" for k, v in ep.roles_backward.items()))
     if ep.peers:
+        names = ep.peer_ranks if len(ep.peer_ranks) == len(ep.peers) else \
+            list(range(len(ep.peers)))
         con.print("bytes to each peer per iteration: "
-                  + ", ".join(f"rank {i}: {b / 1e6:.2f} MB" for i, b in enumerate(ep.peers)))
-    if imb is not None:
-        con.print(f"imbalance: the most-loaded rank ({imb.most_loaded}) moves "
-                  f"{imb.ratio:.2f}x the mean rank's bytes")
+                  + ", ".join(f"rank {i}: {b / 1e6:.2f} MB"
+                              for i, b in zip(names, ep.peers, strict=True)))
+    for g in imb.groups if imb is not None else ():
+        head = f"EP group (ranks {', '.join(map(str, g.ranks))}): " if len(imb.groups) > 1 \
+            else ""
+        if g.tokens_by_rank:
+            con.print(f"{head}imbalance: the most-loaded rank ({g.most_loaded}) receives "
+                      f"{g.tokens_ratio:.2f}x the group's mean tokens ("
+                      + ", ".join(f"rank {r}: {n:.0f}" for r, n in
+                                  sorted(g.tokens_by_rank.items()))
+                      + f" per iteration); bytes {g.ratio:.2f}x the mean")
+        else:
+            con.print(f"{head}imbalance: the most-loaded rank ({g.most_loaded}) moves "
+                      f"{g.ratio:.2f}x the group's mean bytes")

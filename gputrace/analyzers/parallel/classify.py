@@ -12,7 +12,8 @@ when it ran (`phase`: inside the model's forward or backward, or outside them) a
   that is not FSDP's own is tensor parallel (its collectives carry activations forward and
   their gradients backward);
 - `ep` also: an all-to-all outside FSDP (tokens dispatched to their experts and combined
-  back);
+  back), and an all-to-all of integers inside the forward or backward however few its
+  bytes (args.integer: a MoE layer's exchange of its tokens per expert before dispatch);
 - `other`, with the reason (`role`'s second value): a barrier (it moves no data); a
   collective that would be activation traffic by its group or issuer but ran outside the
   forward and backward (a gradient norm before the step, a loss or metric reduction, a
@@ -126,6 +127,8 @@ def role(kind: str, contract: bool, a: dict[str, Any], nbytes: float = math.nan,
         want = "ep"
     else:
         return ("dp", "") if not contract else ("", "")
+    if want == "ep" and a.get("integer") is True and a.get("phase") in ACTIVATION_PHASES:
+        return "ep", ""    # a MoE layer's count exchange (tokens per expert) before dispatch
     why = not_activations(a, nbytes)
     if why:
         src = "a DTensor redistribution" if a.get("issuer") == "dtensor" else \

@@ -1,11 +1,17 @@
 """Expert parallelism: the all-to-alls of mixture-of-experts layers (tokens dispatched to
 their experts, the experts' outputs combined back; in the backward, their gradients the
-other way), per iteration and phase, the bytes to each peer, the time the job stood in them,
-and, across the ranks, the imbalance: the most-loaded rank's bytes over the mean.
+other way), per iteration and phase, the bytes to each peer (by global rank), the time the
+job stood in them, and, per expert-parallel group, the imbalance: the most-loaded rank's
+tokens (rows received in dispatch, from the split sizes) and bytes over the group's mean.
 
-Which all-to-all is a dispatch and which a combine is read from their order in the forward
-(a MoE layer dispatches, then combines): the 1st, 3rd, ... of an iteration's forward are
-dispatches of MoE layers 1, 2, ..., the 2nd, 4th, ... their combines."""
+Which all-to-all is a dispatch and which a combine is read from what they move, per
+iteration and phase: an all-to-all of integers (args.integer: the per-expert token counts
+a MoE layer exchanges before it dispatches) is a count exchange; the others pair up, a
+combine moving back exactly the bytes its dispatch moved (its input bytes the dispatch's
+output bytes and the other way round). In the forward the first of a pair is the dispatch
+(before the experts' compute), the second the combine; in the backward the combine's
+gradient runs first, then the dispatch's. An all-to-all no later one pairs with is
+`unpaired` (no role: nothing says which it is)."""
 
 from __future__ import annotations
 
@@ -20,6 +26,8 @@ from gputrace.analyzers.collectives import Rows
 from gputrace.analyzers.frame import Spans
 from gputrace.analyzers.parallel.rows import rows_in
 from gputrace.analyzers.parallel.tp import _stood_s
+
+FIRST_SECOND = {"forward": ("dispatch", "combine"), "backward": ("combine", "dispatch")}
 
 
 @dataclass(frozen=True)
@@ -36,6 +44,40 @@ class ExpertParallel:
     roles: dict[str, dict[str, float]]   # dispatch / combine (forward) -> count, bytes, s
     peers: list[float] = field(default_factory=list)   # bytes to each peer per iteration
     moe_layers: int = 0
+    roles_backward: dict[str, dict[str, float]] = field(default_factory=dict)
+    peer_ranks: list[int] = field(default_factory=list)  # the global rank of each peer
+    group: tuple[int, ...] = ()         # the expert-parallel group's global ranks
+    dispatch_rows: dict[int, float] = field(default_factory=dict)  # rows sent to each
+
+
+def _args(sp: Spans, r: Rows, j: np.ndarray) -> list[dict[str, Any]]:
+    out = []
+    for a in sp.args.take(pa.array(r.idx[j])).to_pylist():
+        try:
+            d = json.loads(a or "{}")
+        except ValueError:
+            d = {}
+        out.append(d if isinstance(d, dict) else {})
+    return out
+
+
+def _pair(rows: list[int], nin: np.ndarray, nout: np.ndarray) -> list[tuple[int, int]]:
+    """Pairs (first, second) of positions in `rows` (time order) where the second moves
+    back what the first moved: the nearest later unpaired one with swapped bytes (where
+    either's output bytes are unknown, as many input bytes)."""
+    used: set[int] = set()
+    pairs = []
+    for x, i in enumerate(rows):
+        if i in used:
+            continue
+        for k in rows[x + 1:]:
+            back = nin[k] == nin[i] if nout[i] <= 0 or nout[k] <= 0 else \
+                nin[k] == nout[i] and nout[k] == nin[i]
+            if k not in used and back and nin[i] > 0:
+                used.update((i, k))
+                pairs.append((i, k))
+                break
+    return pairs
 
 
 def analyze(sp: Spans, r: Rows, it_start: np.ndarray, it_end: np.ndarray,
@@ -47,41 +89,68 @@ def analyze(sp: Spans, r: Rows, it_start: np.ndarray, it_end: np.ndarray,
     order = np.lexsort((sp.start[r.idx[j]], it))
     j, it = j[order], it[order]
     nb = np.nan_to_num(r.nbytes[j])
+    nout = np.nan_to_num(r.bytes_out[j])
     stood = _stood_s(sp, r, j)
     dur = (sp.end[r.idx[j]] - sp.start[r.idx[j]]) / 1e9
+    args = _args(sp, r, j)
+    # the role of each row (position in j): counts, dispatch, combine, unpaired
+    role = ["unpaired"] * j.size
+    layers: dict[int, int] = {}
+    groups: dict[tuple[int, str], list[int]] = {}
+    for x in range(j.size):
+        if args[x].get("integer"):
+            role[x] = "counts"
+        else:
+            groups.setdefault((int(it[x]), r.phase[j[x]] or "none"), []).append(x)
+    for (k, ph), xs in groups.items():
+        if ph not in FIRST_SECOND:
+            continue
+        pairs = _pair(xs, nb, nout)
+        for a, b in pairs:
+            role[a], role[b] = FIRST_SECOND[ph]
+        if ph == "forward":
+            layers[k] = len(pairs)
     phases: dict[str, dict[str, float]] = {}
     roles: dict[str, dict[str, float]] = {}
-    fwd_pos: dict[int, int] = {}
-    for i, k, b, s in zip(j.tolist(), it.tolist(), nb.tolist(), stood.tolist(), strict=True):
-        ph = r.phase[i] or "none"
-        e = phases.setdefault(ph, {"count": 0.0, "bytes": 0.0, "exposed_s": 0.0})
-        e["count"] += 1 / n_it
-        e["bytes"] += b / n_it
-        e["exposed_s"] += s / n_it
+    roles_bwd: dict[str, dict[str, float]] = {}
+    for x, (b, s) in enumerate(zip(nb.tolist(), stood.tolist(), strict=True)):
+        ph = r.phase[j[x]] or "none"
+        targets = [phases.setdefault(ph, {"count": 0.0, "bytes": 0.0, "exposed_s": 0.0})]
         if ph == "forward":
-            pos = fwd_pos.get(k, 0)
-            fwd_pos[k] = pos + 1
-            role = "dispatch" if pos % 2 == 0 else "combine"
-            e = roles.setdefault(role, {"count": 0.0, "bytes": 0.0, "exposed_s": 0.0})
+            targets.append(roles.setdefault(role[x], {"count": 0.0, "bytes": 0.0,
+                                                      "exposed_s": 0.0}))
+        elif ph == "backward":
+            targets.append(roles_bwd.setdefault(role[x], {"count": 0.0, "bytes": 0.0,
+                                                          "exposed_s": 0.0}))
+        for e in targets:
             e["count"] += 1 / n_it
             e["bytes"] += b / n_it
             e["exposed_s"] += s / n_it
     sizes = r.group_size[j]
+    members = [g for g in (r.group_ranks[i] for i in j.tolist()) if g] \
+        if r.group_ranks else []
+    group = tuple(max(members, key=len)) if members else ()
+    peers = _peers(args, n_it)
+    ranks = list(group) if len(group) == len(peers) else list(range(len(peers)))
+    rows_to: dict[int, float] = {}
+    for x in range(j.size):
+        sp_ = args[x].get("splits")
+        if role[x] == "dispatch" and r.phase[j[x]] == "forward" and isinstance(sp_, list):
+            for q, n in enumerate(sp_):
+                g = ranks[q] if q < len(ranks) else q
+                rows_to[g] = rows_to.get(g, 0.0) + float(n) / n_it
     return ExpertParallel(sp.rank, int(sizes.max()) if (sizes > 0).any() else 0,
                           float(j.size) / n_it, float(nb.sum()) / n_it,
                           float(stood.sum()) / n_it, float(dur.sum()) / n_it, phases, roles,
-                          _peers(sp, r, j, n_it),
-                          int(round(max(fwd_pos.values(), default=0) / 2)))
+                          peers, max(layers.values(), default=0), roles_bwd, ranks, group,
+                          rows_to)
 
 
-def _peers(sp: Spans, r: Rows, j: np.ndarray, n_it: float) -> list[float]:
+def _peers(args: list[dict[str, Any]], n_it: float) -> list[float]:
     """Bytes to each peer of the group per iteration (args.peers), [] when not recorded."""
     out: list[float] = []
-    for a in sp.args.take(pa.array(r.idx[j])).to_pylist():
-        try:
-            p = json.loads(a or "{}").get("peers")
-        except (ValueError, AttributeError):
-            p = None
+    for a in args:
+        p = a.get("peers")
         if not isinstance(p, list):
             continue
         if len(out) < len(p):
@@ -92,28 +161,79 @@ def _peers(sp: Spans, r: Rows, j: np.ndarray, n_it: float) -> list[float]:
 
 
 @dataclass(frozen=True)
+class GroupImbalance:
+    """One expert-parallel group: each rank's all-to-all bytes and the tokens its experts
+    received in dispatch (rows, from every member's split sizes), per iteration."""
+
+    ranks: tuple[int, ...]
+    bytes_by_rank: dict[int, float]
+    ratio: float              # the most-loaded rank's bytes over the group's mean
+    most_loaded: int          # by tokens where known, else by bytes
+    tokens_by_rank: dict[int, float] = field(default_factory=dict)
+    tokens_ratio: float = float("nan")   # the most-loaded rank's tokens over the mean
+
+
+@dataclass(frozen=True)
 class Imbalance:
-    """Across the ranks: each one's all-to-all bytes per iteration, the most-loaded over
-    the mean (1.0: balanced)."""
+    """Across the ranks, per expert-parallel group (never pooled across groups): the
+    fields of the group whose most-loaded rank is furthest over its mean (1.0: balanced),
+    and every group in `groups`."""
 
     bytes_by_rank: dict[int, float]
     ratio: float
     most_loaded: int
+    groups: list[GroupImbalance] = field(default_factory=list)
+    tokens_ratio: float = float("nan")
+
+
+def _group(ranks: tuple[int, ...], parts: dict[int, ExpertParallel]) -> GroupImbalance:
+    by = {r: parts[r].nbytes for r in ranks}
+    mean = float(np.mean(list(by.values())))
+    tok: dict[int, float] = {}
+    for r in ranks:
+        for g, n in parts[r].dispatch_rows.items():
+            tok[g] = tok.get(g, 0.0) + n
+    tok = {g: n for g, n in tok.items() if g in by}
+    if len(tok) == len(by) and sum(tok.values()) > 0:
+        most = max(tok, key=lambda r: tok[r])
+        tr = tok[most] / float(np.mean(list(tok.values())))
+    else:
+        tok, tr = {}, float("nan")
+        most = max(by, key=lambda r: by[r])
+    top = max(by.values())
+    return GroupImbalance(ranks, by, top / mean if mean > 0 else 1.0, most, tok, tr)
 
 
 def imbalance(parts: dict[int, ExpertParallel]) -> Imbalance | None:
     if len(parts) < 2:
         return None
+    keyed: dict[tuple[int, ...], list[int]] = {}
+    for r, p in parts.items():
+        g = p.group if p.group and r in p.group else tuple(sorted(parts))
+        keyed.setdefault(tuple(sorted(g)), []).append(r)
+    groups = [_group(tuple(sorted(rs)), parts) for rs in keyed.values() if len(rs) >= 2]
+    if not groups:
+        return None
+    worst = max(groups, key=lambda g: g.tokens_ratio if g.tokens_by_rank else g.ratio)
     by = {r: p.nbytes for r, p in parts.items()}
-    mean = float(np.mean(list(by.values())))
-    most = max(by, key=lambda r: by[r])
-    return Imbalance(by, by[most] / mean if mean > 0 else 1.0, most)
+    return Imbalance(by, worst.ratio, worst.most_loaded, groups, worst.tokens_ratio)
 
 
 def as_dict(ep: ExpertParallel, imb: Imbalance | None) -> dict[str, Any]:
     """`--json`'s expert_parallel section."""
-    d = {("bytes" if k == "nbytes" else k): v for k, v in vars(ep).items()}
+    d: dict[str, Any] = {("bytes" if k == "nbytes" else k): v for k, v in vars(ep).items()}
+    d["group"] = list(ep.group)
+    d["dispatch_rows"] = {str(k): v for k, v in ep.dispatch_rows.items()}
     if imb is not None:
         d["imbalance"] = {"ratio": imb.ratio, "most_loaded_rank": imb.most_loaded,
-                          "bytes_by_rank": {str(k): v for k, v in imb.bytes_by_rank.items()}}
+                          "bytes_by_rank": {str(k): v for k, v in imb.bytes_by_rank.items()},
+                          "tokens_ratio": imb.tokens_ratio,
+                          "groups": [{"ranks": list(g.ranks), "ratio": g.ratio,
+                                      "most_loaded_rank": g.most_loaded,
+                                      "tokens_ratio": g.tokens_ratio,
+                                      "bytes_by_rank": {str(k): v for k, v in
+                                                        g.bytes_by_rank.items()},
+                                      "tokens_by_rank": {str(k): v for k, v in
+                                                         g.tokens_by_rank.items()}}
+                                     for g in imb.groups]}
     return d

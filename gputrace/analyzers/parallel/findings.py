@@ -45,10 +45,14 @@ def findings(dims: dict[str, Any], parallel: dict[str, Any], t_iter: float) -> l
                if best is not None and best.t_iter < 0.97 * t_iter else "")
             + "."))
     imb = parallel.get("ep")
-    if imb is not None and imb.ratio > 1.1:
+    tok = getattr(imb, "tokens_ratio", float("nan"))
+    ratio = tok if tok == tok else imb.ratio if imb is not None else 1.0
+    if imb is not None and ratio > 1.1:
+        what = "receives {:.2f}x its group's mean tokens" if tok == tok else \
+            "moves {:.2f}x its group's mean bytes"
         out.append(Finding(
-            "ep_imbalance", "moderate" if imb.ratio < 1.5 else "high",
-            f"Expert-parallel all-to-alls are unbalanced: rank {imb.most_loaded} moves "
-            f"{imb.ratio:.2f}x the mean rank's bytes per iteration; the others wait for it "
+            "ep_imbalance", "moderate" if ratio < 1.5 else "high",
+            f"Expert-parallel all-to-alls are unbalanced: rank {imb.most_loaded} "
+            f"{what.format(ratio)} per iteration; the others in its group wait for it "
             "in every dispatch and combine."))
     return out

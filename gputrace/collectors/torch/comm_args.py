@@ -92,13 +92,25 @@ def _extractor(spec: Any, nbytes: bool) -> Any:
     return lambda a, k: size(a[i] if len(a) > i else k.get(name))
 
 
+def _integer(t: Any) -> str:
+    """`,"integer":true` for a tensor of integers (an all-to-all of counts, not tokens)."""
+    try:
+        return "" if t is None or t.is_floating_point() or t.is_complex() else \
+            ',"integer":true'
+    except AttributeError:
+        return ""
+
+
 def _peers(a: tuple[Any, ...], k: dict[str, Any]) -> str:
     """`,"peers":[bytes to rank 0 of the group, ...]` of an all-to-all ("" when unknown):
-    a list's tensors, or a single tensor's input splits (even without them)."""
+    a list's tensors, or a single tensor's input splits (even without them), with
+    `"splits":[rows to each peer]` for a single tensor and `"integer":true` where it moves
+    integers (a count exchange)."""
     try:
         if "input_tensor_list" in k or (len(a) > 1 and isinstance(a[1], (list, tuple))):
             ins = a[1] if len(a) > 1 else k["input_tensor_list"]
-            return f',"peers":{json.dumps([_nb(t) for t in ins])}'
+            return (f',"peers":{json.dumps([_nb(t) for t in ins])}'
+                    + _integer(ins[0] if ins else None))
         x = a[1] if len(a) > 1 else k.get("input")
         splits = a[3] if len(a) > 3 else k.get("input_split_sizes")
         group = a[4] if len(a) > 4 else k.get("group")
@@ -107,6 +119,7 @@ def _peers(a: tuple[Any, ...], k: dict[str, Any]) -> str:
         if not splits:
             n = (group or _c10d[0]._world.default_pg).size()
             splits = [rows // n] * n
-        return f',"peers":{json.dumps([int(s) * per_row for s in splits])}'
+        return (f',"peers":{json.dumps([int(s) * per_row for s in splits])}'
+                f',"splits":{json.dumps([int(s) for s in splits])}' + _integer(x))
     except Exception:  # noqa: BLE001 - a shape we do not know: the total bytes stay
         return ""

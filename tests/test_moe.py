@@ -1,0 +1,131 @@
+"""A hand-written mixture-of-experts (tests/jobs/moe_train.py: 2 MoE blocks, 4 experts, 2
+per rank, a biased top-2 router, a count exchange then dispatch and combine with split
+sizes per block, the reverse all-to-alls in the backward through autograd, dense parameters
+under DDP) on 2 ranks over gloo, recorded under `gputrace record` and held to the job's own
+count of its all-to-alls (role, phase, bytes, rows to each peer), the tokens its experts
+received and its own clock (its backward compute, its wait for DDP's all-reduce)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from tests.test_parallelism import BYTES_TOL, TIME_TOL, per_iteration, record_run
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def moe2(tmp_path_factory):
+    return record_run(tmp_path_factory.mktemp("moe") / "moe2", "moe_train.py", 2,
+                      ("--iterations", "10"))
+
+
+def _own(run, rank: int, its: np.ndarray) -> list[dict]:
+    """The job's own MoE log of the iterations `its` (the job's numbering)."""
+    by = {m["it"]: m for m in run.truth[rank]["moe"]}
+    return [by[int(i)] for i in its]
+
+
+def test_dispatch_and_combine_by_what_moves(moe2):
+    """Per MoE layer, forward and backward, the dispatch and the combine as the job issued
+    them (counts per iteration and bytes within 1 %), the count exchange apart; 2 MoE
+    layers; bytes to each peer labelled with the group's global ranks."""
+    run = moe2
+    for rank in (0, 1):
+        m = per_iteration(run, rank, {}, run.truth[rank]["iterations"])
+        own = _own(run, rank, m["job"])
+        ep = run.rank(rank)["parallelism"]["expert_parallel"]
+        assert ep["moe_layers"] == 2
+        for phase, key in (("forward", "roles"), ("backward", "roles_backward")):
+            want = Counter(a["role"] for o in own for a in o["a2a"] if a["phase"] == phase)
+            if phase == "forward":    # the count exchange: the job's int64 all-to-alls
+                want["counts"] = sum(1 for c in run.truth[rank]["calls"]
+                                     if c["it"] in set(m["job"].tolist())
+                                     and c["kind"] == "all_to_all" and c["bytes"] == 32)
+            assert {k: v["count"] for k, v in ep[key].items()} == \
+                pytest.approx({k: v / len(own) for k, v in want.items()}), (rank, phase)
+            for role in ("dispatch", "combine"):
+                b = sum(a["bytes"] for o in own for a in o["a2a"]
+                        if a["phase"] == phase and a["role"] == role) / len(own)
+                assert ep[key][role]["bytes"] == pytest.approx(b, rel=BYTES_TOL), \
+                    (rank, phase, role)
+        assert ep["peer_ranks"] == [0, 1] and ep["group"] == [0, 1]
+    assert "2 MoE layers in the forward: counts 2 (0.00 MB" in run.text
+    assert "bytes to each peer per iteration: rank 0: " in run.text
+
+
+def test_tokens_per_rank_from_the_split_sizes(moe2):
+    """The tokens each rank's experts received per iteration (from the dispatches' split
+    sizes) as the job counted them, and the most-loaded rank the job's."""
+    run = moe2
+    want: dict[int, float] = {}
+    for rank in (0, 1):
+        m = per_iteration(run, rank, {}, run.truth[rank]["iterations"])
+        own = _own(run, rank, m["job"])
+        want[rank] = float(np.mean([sum(o["received"].values()) for o in own]))
+    imb = run.rank(0)["parallelism"]["expert_parallel"]["imbalance"]
+    got = {int(k): v for k, v in imb["groups"][0]["tokens_by_rank"].items()}
+    assert got == pytest.approx(want, rel=0.02)
+    most = max(want, key=lambda r: want[r])
+    assert imb["most_loaded_rank"] == most
+    assert imb["tokens_ratio"] == pytest.approx(want[most] / np.mean(list(want.values())),
+                                                rel=0.02)
+
+
+def test_gradient_sync_exposed_with_all_to_alls_in_the_backward(moe2):
+    """DDP's all-reduce waited at the backward's end is exposed as long as the job stood
+    waiting for it (within 15 % or 1 ms), though all-to-alls ran inside the backward; t_b
+    is the backward's compute as the job timed it (within 15 %)."""
+    run = moe2
+    for rank in (0, 1):
+        s = run.analysis.ranks[rank].detail.series
+        m = per_iteration(run, rank, {"exposed": s.comm_exposed_s, "t_b": s.terms["t_b"]},
+                          run.truth[rank]["iterations"])
+        own = _own(run, rank, m["job"])
+        wait = np.array([o["grad_wait_s"] for o in own])
+        assert abs(np.median(m["exposed"]) - np.median(wait)) <= \
+            max(TIME_TOL * np.median(wait), 1e-3), (rank, m["exposed"], wait)
+        bwd = np.array([o["backward_compute_s"] for o in own])
+        ratio = float(np.median(m["t_b"] / bwd))
+        assert abs(ratio - 1) <= TIME_TOL, (rank, m["t_b"], bwd)
+    assert "Gradient communication is hidden" not in run.text
+
+
+@pytest.fixture(scope="module")
+def moe4(tmp_path_factory):
+    return record_run(tmp_path_factory.mktemp("moe4") / "moe4", "moe_train.py", 4,
+                      ("--iterations", "10"))
+
+
+def test_ep2_dp2_groups_and_expert_gradient_sync(moe4):
+    """EP 2 x DP 2 on 4 ranks: the experts' all-reduce over the expert-data-parallel
+    groups (0+2, 1+3) is gradient comm, exposed as long as the job stood in it and in DDP's
+    wait (within 15 % or 1 ms); peers by global rank; the imbalance per EP group (0+1,
+    2+3), each group's tokens per rank as the job counted them."""
+    run = moe4
+    assert "DP 2 x EP 2, 4 ranks" in run.text
+    tokens: dict[int, float] = {}
+    for rank in range(4):
+        d = run.rank(rank)
+        ar = d["collectives"]["kinds"]["all_reduce"]
+        assert ar["gradient"] and set(ar["parallelism"]) == {"dp"}, ar
+        ep = d["parallelism"]["expert_parallel"]
+        group = run.truth[rank]["config"]["ep_group"]
+        assert ep["group"] == group and ep["peer_ranks"] == group
+        s = run.analysis.ranks[rank].detail.series
+        m = per_iteration(run, rank, {"exposed": s.comm_exposed_s},
+                          run.truth[rank]["iterations"])
+        own = _own(run, rank, m["job"])
+        want = np.array([o["grad_wait_s"] + o["edp_sync_s"] for o in own])
+        assert abs(np.median(m["exposed"]) - np.median(want)) <= \
+            max(TIME_TOL * np.median(want), 1e-3), (rank, m["exposed"], want)
+        tokens[rank] = float(np.mean([sum(o["received"].values()) for o in own]))
+    groups = run.rank(0)["parallelism"]["expert_parallel"]["imbalance"]["groups"]
+    assert sorted(g["ranks"] for g in groups) == [[0, 1], [2, 3]]
+    for g in groups:
+        got = {int(k): v for k, v in g["tokens_by_rank"].items()}
+        assert got == pytest.approx({r: tokens[r] for r in g["ranks"]}, rel=0.02)
+        assert g["most_loaded_rank"] == max(g["ranks"], key=lambda r: tokens[r])
