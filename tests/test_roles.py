@@ -5,8 +5,8 @@ never tensor, pipeline or expert parallel nor a gradient unit, but `other`, with
 
 Real jobs: torchtitan's FSDP2 recipe (tests/jobs/fsdp2_titan.py: activation checkpointing,
 `fully_shard` per block and root, bf16 mixed precision, AdamW, `clip_grad_norm_`) on FSDP2's
-default mesh and on a mesh named `dp_shard`, each counting its own collectives and timing
-its own iterations; transformers' own FSDP2 (`DistributedConfig(fsdp_size=2)`) under its
+default mesh and, each block `torch.compile`d as torchtitan does, on a mesh named
+`dp_shard`, each counting its own collectives and timing its own iterations; transformers' own FSDP2 (`DistributedConfig(fsdp_size=2)`) under its
 Trainer (tests/jobs/trainers/hf_fsdp2.py), timing itself. Then hand-made traces for the
 rules those jobs cannot show."""
 
@@ -61,8 +61,9 @@ def titan(tmp_path_factory):
     def get(mesh: str) -> tuple[Path, dict[int, dict]]:
         if mesh not in done:
             out = d / f"{mesh}.arrow"
+            # the named mesh's run also compiles each block, as torchtitan does
             _record(out, JOBS / "fsdp2_titan.py", str(d / mesh), "--mesh", mesh,
-                    "--iterations", "8")
+                    "--iterations", "8", *(["--compile"] if mesh == "dp_shard" else []))
             done[mesh] = (out, {r: json.load(open(d / f"{mesh}.rank{r}.json")) for r in (0, 1)})
         return done[mesh]
 

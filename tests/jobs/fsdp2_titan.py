@@ -5,10 +5,11 @@ gradient reduction), AdamW, and the gradients clipped by their norm before each 
 (`clip_grad_norm_`: DTensor all-reduces the norm on FSDP's mesh). 2 ranks over gloo:
 
     torchrun --nproc_per_node 2 fsdp2_titan.py OUT [--mesh default|dp_shard]
-        [--iterations N] [--blocks B] [--batch S] [--seq T]
+        [--iterations N] [--blocks B] [--batch S] [--seq T] [--compile]
 
 `--mesh default`: FSDP2's own mesh (no names); `dp_shard`: init_device_mesh("cpu", (2,),
-mesh_dim_names=("dp_shard",)) passed to fully_shard.
+mesh_dim_names=("dp_shard",)) passed to fully_shard. `--compile`: each checkpointed block
+`torch.compile`d (fullgraph) before it is sharded, as torchtitan does.
 
 The job counts its own collectives (c10d's at the ProcessGroup: collective_truth; the
 functional ones DTensor issues, from PyTorch's profiler: comm_clock) and times its phases
@@ -104,6 +105,8 @@ def build(a: argparse.Namespace) -> tuple[nn.Module, str]:
     model = Transformer(a.width, 4, a.blocks)
     for i, layer in enumerate(model.layers):
         model.layers[i] = checkpoint_wrapper(layer, preserve_rng_state=False)
+        if a.compile:   # torchtitan compiles each block after checkpointing it
+            model.layers[i] = torch.compile(model.layers[i], fullgraph=True)
     mesh, name = None, ""
     if a.mesh == "dp_shard":
         from torch.distributed.device_mesh import init_device_mesh
@@ -128,6 +131,7 @@ def main() -> None:
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--compile", action="store_true", help="torch.compile each block")
     a = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
