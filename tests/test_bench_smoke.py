@@ -17,7 +17,7 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 @pytest.mark.parametrize("script", ["analysis.py", "sampler.py", "overhead.py", "merge.py",
                                     "report.py", "whatif.py", "overhead_tf.py", "scale.py",
                                     "imports.py", "overhead_gpt.py", "whatif_pp.py",
-                                    "whatif_ds.py"])
+                                    "whatif_ds.py", "whatif_ep.py"])
 def test_benchmark_runs_tiny(script, tmp_path):
     if script == "overhead_tf.py" and importlib.util.find_spec("tensorflow") is None:
         pytest.skip("tensorflow is not installed (make test installs it)")

@@ -48,6 +48,9 @@ class ExpertParallel:
     peer_ranks: list[int] = field(default_factory=list)  # the global rank of each peer
     group: tuple[int, ...] = ()         # the expert-parallel group's global ranks
     dispatch_rows: dict[int, float] = field(default_factory=dict)  # rows sent to each
+    # the experts' compute: between each dispatch's end and its combine's start (forward),
+    # the combine's gradient's end and the dispatch's gradient's start (backward)
+    expert_s: float = 0.0
 
 
 def _args(sp: Spans, r: Rows, j: np.ndarray) -> list[dict[str, Any]]:
@@ -102,12 +105,15 @@ def analyze(sp: Spans, r: Rows, it_start: np.ndarray, it_end: np.ndarray,
             role[x] = "counts"
         else:
             groups.setdefault((int(it[x]), r.phase[j[x]] or "none"), []).append(x)
+    expert_ns = 0
     for (k, ph), xs in groups.items():
         if ph not in FIRST_SECOND:
             continue
         pairs = _pair(xs, nb, nout)
         for a, b in pairs:
             role[a], role[b] = FIRST_SECOND[ph]
+            gap = sp.start[r.idx[j[b]]] - sp.end[r.idx[j[a]]]
+            expert_ns += max(int(gap), 0)
         if ph == "forward":
             layers[k] = len(pairs)
     phases: dict[str, dict[str, float]] = {}
@@ -143,7 +149,7 @@ def analyze(sp: Spans, r: Rows, it_start: np.ndarray, it_end: np.ndarray,
                           float(j.size) / n_it, float(nb.sum()) / n_it,
                           float(stood.sum()) / n_it, float(dur.sum()) / n_it, phases, roles,
                           peers, max(layers.values(), default=0), roles_bwd, ranks, group,
-                          rows_to)
+                          rows_to, expert_ns / 1e9 / n_it)
 
 
 def _peers(args: list[dict[str, Any]], n_it: float) -> list[float]:
@@ -171,6 +177,10 @@ class GroupImbalance:
     most_loaded: int          # by tokens where known, else by bytes
     tokens_by_rank: dict[int, float] = field(default_factory=dict)
     tokens_ratio: float = float("nan")   # the most-loaded rank's tokens over the mean
+    # what if routing were balanced (every rank the group's mean tokens): the most-loaded
+    # rank's expert compute scaled to the mean load, the others waiting for it no more
+    balanced_saves_s: float = float("nan")
+    most_expert_s: float = 0.0     # the most-loaded rank's expert compute per iteration
 
 
 @dataclass(frozen=True)
@@ -201,7 +211,9 @@ def _group(ranks: tuple[int, ...], parts: dict[int, ExpertParallel]) -> GroupImb
         tok, tr = {}, float("nan")
         most = max(by, key=lambda r: by[r])
     top = max(by.values())
-    return GroupImbalance(ranks, by, top / mean if mean > 0 else 1.0, most, tok, tr)
+    saves = parts[most].expert_s * (1 - 1 / tr) if tr == tr and tr > 0 else float("nan")
+    return GroupImbalance(ranks, by, top / mean if mean > 0 else 1.0, most, tok, tr, saves,
+                          parts[most].expert_s)
 
 
 def imbalance(parts: dict[int, ExpertParallel]) -> Imbalance | None:
@@ -231,6 +243,8 @@ def as_dict(ep: ExpertParallel, imb: Imbalance | None) -> dict[str, Any]:
                           "groups": [{"ranks": list(g.ranks), "ratio": g.ratio,
                                       "most_loaded_rank": g.most_loaded,
                                       "tokens_ratio": g.tokens_ratio,
+                                      "balanced_saves_s": g.balanced_saves_s,
+                                      "most_loaded_expert_s": g.most_expert_s,
                                       "bytes_by_rank": {str(k): v for k, v in
                                                         g.bytes_by_rank.items()},
                                       "tokens_by_rank": {str(k): v for k, v in
