@@ -18,7 +18,7 @@ from gputrace.analyzers import invariants as inv
 from gputrace.analyzers.replay import Scenario
 from gputrace.report.json import to_dict
 from gputrace.trace import load
-from tests.tracebuilder import Builder, ddp_iterations
+from tests.tracebuilder import Builder, ddp_iterations, two_ranks
 
 PY = sys.executable
 
@@ -30,24 +30,6 @@ def _cli(*args: str, strict: bool = False) -> subprocess.CompletedProcess[str]:
         env[inv.STRICT_ENV] = "1"
     return subprocess.run([PY, "-m", "gputrace", *args], capture_output=True, text=True,
                           timeout=120, env=env)
-
-
-def _two_ranks(path, colls, n=8):
-    """2 ranks of n 50 ms iterations (forward 1-15, backward 15-40, update 40-48 ms), each
-    with the collectives given: (kind, phase, start ms, end ms, bytes, args)."""
-    b = Builder()
-    for rank in (0, 1):
-        for k in range(n):
-            t = k * 50.0
-            b.span("iteration", t, t + 50, step=k, rank=rank)
-            b.span("forward", t + 1, t + 15, step=k, rank=rank)
-            b.span("backward", t + 15, t + 40, step=k, rank=rank)
-            b.span("update", t + 40, t + 48, step=k, rank=rank)
-            for kind, phase, s, e, nbytes, args in colls:
-                b.span("comm", t + s, t + e, name=kind, step=k, rank=rank, nbytes=nbytes,
-                       args={"kind": kind, "phase": phase, "async": False,
-                             "bytes_out": nbytes, **args})
-    return b.write(str(path), world_size=2)
 
 
 def _mesh(dim):
@@ -72,7 +54,7 @@ def test_degrees_that_do_not_multiply_to_the_world_size_are_not_claimed(tmp_path
     dimension beyond data parallelism with the least behind it (a 64 KB all-reduce in the
     forward on a mesh dimension named tp) is withheld, the headline names no TP, and the
     reason is given; the collectives stay in the table."""
-    path = _two_ranks(tmp_path / "d.arrow", [
+    path = two_ranks(tmp_path / "d.arrow", [
         ("all_reduce", "backward", 20, 30, 4_000_000, _mesh("dp")),
         ("all_reduce", "forward", 5, 6, 65_536, _mesh("tp"))])
     d = to_dict(analyze(load(path)))
@@ -112,7 +94,7 @@ def test_expert_parallelism_borrows_the_data_parallel_ranks(tmp_path):
     assert inv.degrees({"fsdp": 4, "cp": 2, "tp": 2}, 8)[1] is None
     kept, c = inv.degrees({"dp": 2, "ep": 4}, 6)
     assert c is not None and "ep" not in kept and "EP" in c.figure
-    path = _two_ranks(tmp_path / "e.arrow", [
+    path = two_ranks(tmp_path / "e.arrow", [
         ("all_reduce", "backward", 20, 30, 4_000_000, _mesh("dp")),
         ("all_to_all", "forward", 5, 6, 65_536, _mesh("ep"))])
     d = to_dict(analyze(load(path)))

@@ -25,7 +25,7 @@ import pytest
 from gputrace import load
 from gputrace.analyzers import analyze
 from gputrace.report.json import to_dict
-from tests.tracebuilder import Builder
+from tests.tracebuilder import two_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 JOBS = ROOT / "tests" / "jobs"
@@ -188,26 +188,6 @@ def _group(name: str, dim: str | None) -> dict:
     if dim is not None:
         g["mesh"] = {"dim": dim, "dims": [dim], "shape": [2]}
     return g
-
-
-def two_ranks(path: Path, colls: list[tuple[str, str, float, float, int, dict]],
-              n: int = 8, world: int = 2) -> Path:
-    """2 ranks (or `world`) of n 50 ms iterations (forward 1-15, backward 15-40, update
-    40-48 ms), each with the collectives given: (kind, phase, start ms, end ms, bytes, args
-    beside kind, phase and a synchronous call)."""
-    b = Builder()
-    for rank in range(world):
-        for k in range(n):
-            t = k * 50.0
-            b.span("iteration", t, t + 50, step=k, rank=rank)
-            b.span("forward", t + 1, t + 15, step=k, rank=rank)
-            b.span("backward", t + 15, t + 40, step=k, rank=rank)
-            b.span("update", t + 40, t + 48, step=k, rank=rank)
-            for kind, phase, s, e, nb, args in colls:
-                b.span("comm", t + s, t + e, name=kind, step=k, rank=rank, nbytes=nb,
-                       args={"kind": kind, "phase": phase, "async": False, "bytes_out": nb,
-                             **args})
-    return b.write(str(path), world_size=world)
 
 
 DT = {"functional": True, "issuer": "dtensor"}

@@ -74,3 +74,22 @@ def ddp_iterations(b: Builder, units, *, n=6, rank=0, shift=0.0, update=(90, 98)
                    tid=9, nbytes=1_000_000 * len(layers), layers=layers)
         b.span("update", base + update[0], base + update[1], step=k, rank=rank)
     return b
+
+
+def two_ranks(path, colls, n=8, world=2):
+    """2 ranks (or `world`) of n 50 ms iterations (forward 1-15, backward 15-40, update
+    40-48 ms), each with the collectives given: (kind, phase, start ms, end ms, bytes, args
+    beside kind, phase and a synchronous call)."""
+    b = Builder()
+    for rank in range(world):
+        for k in range(n):
+            t = k * 50.0
+            b.span("iteration", t, t + 50, step=k, rank=rank)
+            b.span("forward", t + 1, t + 15, step=k, rank=rank)
+            b.span("backward", t + 15, t + 40, step=k, rank=rank)
+            b.span("update", t + 40, t + 48, step=k, rank=rank)
+            for kind, phase, s, e, nb, args in colls:
+                b.span("comm", t + s, t + e, name=kind, step=k, rank=rank, nbytes=nb,
+                       args={"kind": kind, "phase": phase, "async": False, "bytes_out": nb,
+                             **args})
+    return b.write(str(path), world_size=world)
