@@ -233,3 +233,130 @@ def test_gpu_busy_and_idle_where_no_phase_is_known(shared_data):
     mfu = run_gputrace("analyze", str(shared_data / "nsys" / "mfu_2gpu_before.sqlite"),
                        check=True).stdout
     assert "GPU busy" not in mfu
+
+
+_TRAINING = re.compile(r"backward|bwd|dgrad|wgrad|multi_tensor_apply|adam|sgd", re.I)
+
+
+def test_forward_only_nsight_export_stays_one_window_and_says_why(shared_data):
+    """The 2xH100 export: its kernels repeat per layer (a softmax per attention layer, the
+    layer's weights copied in before it) and no kernel of a backward pass or an optimizer
+    ran, so there is no training step to find: one window, and a line saying why, with
+    the period the raw kernels show."""
+    path = shared_data / "nsys" / "h100_2gpu_1s.sqlite"
+    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    names = dict(db.execute("SELECT id, value FROM StringIds"))
+    devices = [d for (d,) in db.execute(
+        "SELECT DISTINCT deviceId FROM CUPTI_ACTIVITY_KIND_KERNEL ORDER BY deviceId")]
+    p = run_gputrace("analyze", str(path), "--json", timeout=300)
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)
+    for rank, dev in enumerate(devices):   # ranks in the order of their lowest GPU
+        ks = db.execute("SELECT start, demangledName FROM CUPTI_ACTIVITY_KIND_KERNEL "
+                        "WHERE deviceId = ? ORDER BY start", (dev,)).fetchall()
+        assert not any(_TRAINING.search(names[n]) for _, n in ks)   # forward only
+        layers = [s for s, n in ks if "softmax_warp_forward" in names[n]]
+        gaps = sorted(b - a for a, b in zip(layers, layers[1:], strict=False))
+        its = d["ranks"][str(rank)]["iterations"]
+        assert its["count"] == 1 and its["synthetic"]
+        m = re.search(rf"rank {rank}: no iteration marks and no ranges that repeat; one "
+                      r"window: its kernels repeat (\d+) times \(median ([0-9.]+) ms.*none "
+                      r"of the repeats run a backward or optimizer kernel", p.stderr)
+        assert m, p.stderr
+        # the repeat is the layer the raw kernels show: as long as the median gap between
+        # two attention softmaxes, and no more of them than there are layers
+        assert float(m.group(2)) == pytest.approx(gaps[len(gaps) // 2] / 1e6, rel=0.05)
+        assert int(m.group(1)) < len(layers)
+
+
+def test_kineto_kernels_alone_are_split_into_the_steps_they_ran_in(shared_data, tmp_path):
+    """A Kineto training trace with its ProfilerStep marks and every host event stripped
+    (only the GPU's kernels, copies and memsets left): its iterations from where the
+    kernel sequence repeats, one per step, each starting inside its step and as long."""
+    d = json.load(gzip.open(shared_data / "kineto/control.json.gz"))
+    steps = sorted((e["ts"] * 1000, e["dur"] * 1000) for e in d["traceEvents"]
+                   if e.get("ph") == "X" and e.get("cat") == "user_annotation"
+                   and e.get("name", "").startswith("ProfilerStep#"))
+    assert len(steps) == 6
+    d["traceEvents"] = [e for e in d["traceEvents"] if e.get("ph") == "M"
+                        or e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    src = tmp_path / "rank3.json.gz"
+    with gzip.open(src, "wt") as f:
+        json.dump(d, f)
+    out = tmp_path / "t.arrow"
+    p = run_gputrace("import", str(src), "-o", str(out), check=True)
+    assert "no iteration marks; its iterations are the 5 repeats of its kernel sequence" \
+        in p.stderr, p.stderr
+    from gputrace import load
+
+    base = d.get("baseTimeNanoseconds", 0)
+    its = sorted((r["start_ns"] - base, r["end_ns"] - r["start_ns"])
+                 for r in load(out).table.to_pylist() if r["cat"] == "iteration")
+    # the last anchor opens no whole repeat: one iteration per step but the last
+    assert len(its) == len(steps) - 1
+    for (s, dur), (ts, true) in zip(its, steps, strict=False):
+        assert ts <= s < ts + true
+        assert dur == pytest.approx(true, rel=0.02)
+
+
+def _nemo_export(path: Path) -> dict[str, tuple[int, int]]:
+    """A hand-built Nsight Systems export of 3 NeMo 2 steps as NsysCallback(nvtx_ranges=True)
+    records them: Lightning's closure range holding autograd's emit_nvtx op ranges (an mm
+    and its MmBackward0), then NeMo's optimizer step range, one kernel launched in each.
+    Returns kernel name -> (start, end) of its first run."""
+    g = (7 << 24) | 7          # pid 7, tid 7
+    label = "nemo.core.optim.mcore_optim"
+    db = sqlite3.connect(path)
+    db.executescript("""
+        CREATE TABLE META_DATA_EXPORT (name TEXT, value TEXT);
+        INSERT INTO META_DATA_EXPORT VALUES ('EXPORT_SCHEMA_VERSION', '3.25.0');
+        CREATE TABLE StringIds (id INT, value TEXT);
+        CREATE TABLE NVTX_EVENTS (start INT, "end" INT, eventType INT, text TEXT, textId INT,
+                                  globalTid INT, domainId INT);
+        CREATE TABLE CUPTI_ACTIVITY_KIND_RUNTIME (start INT, "end" INT, globalTid INT,
+                                                  correlationId INT);
+        CREATE TABLE CUPTI_ACTIVITY_KIND_KERNEL (start INT, "end" INT, deviceId INT,
+            streamId INT, correlationId INT, globalPid INT, demangledName INT, shortName INT);
+    """)
+    kernels = ["gemm_fwd", "gemm_bwd", "multi_tensor_apply_kernel<AdamFunctor<float>>"]
+    db.executemany("INSERT INTO StringIds VALUES (?, ?)", list(enumerate(kernels)))
+    first: dict[str, tuple[int, int]] = {}
+    corr = 0
+    for k in range(3):
+        s = 1_000_000 + k * 100_000
+        ranges = [(s, s + 60_000, f"{label}.step.closure"),
+                  (s + 5_000, s + 20_000, f"aten::mm, seq = {k}, op_id = {10 * k}"),
+                  (s + 25_000, s + 45_000, f"MmBackward0, seq = {k}, op_id = {10 * k + 1}"),
+                  (s + 60_000, s + 80_000, f"{label}.step.step")]
+        db.executemany("INSERT INTO NVTX_EVENTS VALUES (?, ?, 59, ?, NULL, ?, 0)",
+                       [(a, b, t, g) for a, b, t in ranges])
+        for i, launch in enumerate((s + 6_000, s + 26_000, s + 61_000)):
+            corr += 1
+            db.execute("INSERT INTO CUPTI_ACTIVITY_KIND_RUNTIME VALUES (?, ?, ?, ?)",
+                       (launch, launch + 500, g, corr))
+            ks, ke = launch + 2_000, launch + 12_000
+            db.execute("INSERT INTO CUPTI_ACTIVITY_KIND_KERNEL VALUES (?, ?, 0, 7, ?, ?, ?, ?)",
+                       (ks, ke, corr, 7 << 24, i, i))
+            first.setdefault(kernels[i], (ks, ke))
+    db.commit()
+    db.close()
+    return first
+
+
+def test_nemo_optimizer_step_range_is_the_update_phase(tmp_path):
+    src = tmp_path / "nemo.sqlite"
+    first = _nemo_export(src)
+    out = tmp_path / "t.arrow"
+    run_gputrace("import", str(src), "-o", str(out), check=True)
+    from gputrace import load
+
+    rows = load(out).table.to_pylist()
+    phase = {(r["name"], r["start_ns"]): r["phase"] for r in rows if r["cat"] == "kernel"}
+    t0 = min(r["start_ns"] for r in rows if r["cat"] == "kernel") - first["gemm_fwd"][0]
+    want = {"gemm_fwd": "forward", "gemm_bwd": "backward",
+            "multi_tensor_apply_kernel<AdamFunctor<float>>": "update"}
+    for name, (s, _) in first.items():
+        assert phase[(name, s + t0)] == want[name], (name, phase)
+    # the closure holds both passes: it names no phase of its own
+    closure = [r for r in rows if r["name"] == "nemo.core.optim.mcore_optim.step.closure"]
+    assert len(closure) == 3 and all(r["cat"] == "user" for r in closure)

@@ -58,7 +58,13 @@ def _kineto_files(path: str) -> list[str]:
 
 def _repeats_said(path: str, found: dict[str, dict[str, Any]]) -> list[str]:
     """One line per rank whose iterations were found from what its trace repeats."""
-    return [f"{path}: rank {r}: no iteration marks; its iterations are the {v['count']} "
+    return [f"{path}: rank {r}: no iteration marks and no ranges that repeat; one window: "
+            f"{v['why']}" if not v["count"] else
+            f"{path}: rank {r}: no iteration marks; its iterations are the {v['count']} "
+            f"repeats of its kernel sequence from '{v['anchor'][:60]}' on (median "
+            f"{v['period_ms']:.1f} ms), each with a backward or optimizer kernel"
+            if v.get("from") == "kernels" else
+            f"{path}: rank {r}: no iteration marks; its iterations are the {v['count']} "
             f"repeats of the ranges its loop thread runs from '{v['anchor']}' on (median "
             f"{v['period_ms']:.1f} ms): a repeat may be a layer of one pass rather than a "
             "training step" for r, v in sorted(found.items())]

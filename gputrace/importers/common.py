@@ -139,6 +139,16 @@ class Rows:
         self.count += n
         return first
 
+    def since(self, first: int, columns: list[str]) -> pa.Table:
+        """`columns` of the rows added from index `first` on, as added (before set_many)."""
+        self._seal()
+        out, at = [], 0
+        for b in self.batches:
+            if at + b.num_rows > first:
+                out.append(b.slice(max(first - at, 0)).select(columns))
+            at += b.num_rows
+        return pa.Table.from_batches(out, pa.schema([self._schema.field(c) for c in columns]))
+
     def set_many(self, column: str, rows: np.ndarray, values: Sequence[Any]) -> None:
         """Change `column` of rows already added (applied when the table is built; where a row
         is set twice, the later value stands)."""

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gputrace import progress
+from gputrace.importers import kernel_steps
 from gputrace.importers.common import (
     ImportFailed,
     Launches,
@@ -69,6 +70,7 @@ def read(path: str, rank: int, rows: Rows, *, phases: Sequence[tuple[Any, int, i
     raws = doc.top.traceEvents or []
     doc.top.traceEvents = None
     del doc
+    first = rows.count
     for lo in progress.each(range(0, len(raws), _BATCH),
                             f"converting {os.path.basename(path)} (batches of events)"):
         convert_batch(events(raws[lo:lo + _BATCH], lo), lo, rank, rows, base_ns, gpu_only,
@@ -93,6 +95,10 @@ def read(path: str, rank: int, rows: Rows, *, phases: Sequence[tuple[Any, int, i
                              step=list(range(n)))
             counts.setdefault("inferred_iterations", {})[str(rank)] = {
                 "anchor": rep.anchor, "count": n, "period_ms": round(rep.period_ns / 1e6, 3)}
+    if not iters:       # nor host ranges that repeat: where its kernel sequence repeats
+        found = kernel_steps.add(rows, kernel_steps.find(rows, first, {rank}))
+        if found:
+            counts.setdefault("inferred_iterations", {}).update(found)
     for (pid, tid), s, e, cat in inferred:
         rows.add("span", cat, f"{cat} (inferred)", s, e, rank=rank, pid=pid, tid=tid)
     counts["inferred_phases"] = len(inferred)

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from gputrace.importers import kernel_steps
 from gputrace.importers.common import (
     ImportFailed,
     Launches,
@@ -188,6 +189,7 @@ def read(path: str, rows: Rows) -> dict[str, Any]:
     h2d: set[int] = set()
     kcols = {"start", "end", "deviceId", "streamId", "correlationId", "globalPid",
              "demangledName", "shortName"}
+    kfirst = rows.count
     if need(db, "CUPTI_ACTIVITY_KIND_KERNEL", kcols):
         n = 0
         named: dict[tuple[Any, Any], tuple[str, bool]] = {}
@@ -270,12 +272,16 @@ def read(path: str, rows: Rows) -> dict[str, Any]:
                              start_ns=ints(s, "sync start") + offset,
                              end_ns=ints(e, "sync end") + offset, rank=_ranks(pid, rank_of),
                              pid=pid, device=smalls(dev), stream=smalls(stream))
+    # no iteration mark and no host ranges that repeat: where the kernel sequence repeats
+    marked = {k[0] for k in iter_threads}
+    by_kernels = kernel_steps.add(rows, kernel_steps.find(
+        rows, kfirst, {r for p, r in rank_of.items() if p not in marked}))
     attribute_launches(rows, phases, iters, launches, fixed, loop_threads(phases, iter_threads),
                        h2d)
     counts["gpu_metrics"] = gpu_metrics(db, rows, offset)
     counts["nic_metrics"] = nic_metrics(db, rows, offset)
     return {"counts": counts, "schema_version": version,
             "inferred_iterations": {str(rank_of[p]): v for p, v in repeats.items()
-                                    if p in rank_of},
+                                    if p in rank_of} | by_kernels,
             "product": meta.get("EXPORT_PRODUCT_VERSION"), "ranks_by_gpu": {
                 str(r): {"pid": p, "first_gpu": dev_of[p]} for p, r in rank_of.items()}}

@@ -1,5 +1,5 @@
-"""What the NVTX ranges of common tools say: autograd's `emit_nvtx` op ranges and
-Megatron-Core's function-path ranges, as gputrace phases."""
+"""What the NVTX ranges of common tools say: autograd's `emit_nvtx` op ranges,
+Megatron-Core's function-path ranges and NeMo's optimizer step, as gputrace phases."""
 
 from __future__ import annotations
 
@@ -14,6 +14,11 @@ _SEQ = re.compile(r",\s*seq\s*=\s*(\d+)")
 # function's module path, e.g. "megatron.core.transformer.transformer_layer.
 # TransformerLayer._forward_attention.self_attention"
 _MEGATRON = re.compile(r"^megatron\.[\w.]*?\.(_?forward\w*|_?backward\w*)(?:\.|$)")
+# NeMo 2 (nemo/core/optim/mcore_optim.py, McoreDistributedOptimizer.step, with NsysCallback's
+# nvtx_ranges=True) wraps Megatron-Core's optimizer step in "<NVTX_LABEL>.step.step" and
+# Lightning's closure, the forward and the backward together, in "<NVTX_LABEL>.step.closure";
+# its own callbacks otherwise emit autograd's emit_nvtx ranges and Megatron-Core's
+_NEMO_UPDATE = "nemo.core.optim.mcore_optim.step.step"
 
 
 def emit_nvtx(text: str) -> tuple[str, int | None]:
@@ -27,8 +32,10 @@ def emit_nvtx(text: str) -> tuple[str, int | None]:
 
 
 def convention_phase(name: str) -> str | None:
-    """'forward' or 'backward' for a range named by a framework's convention (Megatron-Core's
-    function paths), else None."""
+    """'forward', 'backward' or 'update' for a range named by a framework's convention
+    (Megatron-Core's function paths, NeMo's optimizer step), else None."""
+    if name == _NEMO_UPDATE:
+        return "update"
     m = _MEGATRON.match(name)
     if m and "forward_backward" not in m.group(1):   # the schedule: both passes
         return "backward" if "backward" in m.group(1) else "forward"

@@ -81,3 +81,31 @@ def _alike(parts: list[np.ndarray]) -> bool:
         if same < _SIMILAR * max(p.size, lens[ref_i]):
             return False
     return True
+
+
+# kernels only a training step runs: a backward pass's or an optimizer's
+_TRAINING_KERNEL = re.compile(r"backward|bwd|dgrad|wgrad|multi_tensor_apply|adam|adagrad|"
+                              r"sgd|optimizer", re.IGNORECASE)
+
+
+def kernel_steps(names: list[str], start: np.ndarray, end: np.ndarray
+                 ) -> tuple[Repeats | None, str]:
+    """The training steps of one GPU stream's kernels (in start order): the longest sequence
+    they repeat (see `find`), taken as steps only where every repeat runs a kernel of a
+    backward pass or an optimizer. Returns (the repeats, '') or (None, why not)."""
+    rep = find(names, start, end)
+    if rep is None:
+        return None, f"its {len(names)} kernels do not repeat"
+    seen: dict[str, bool] = {}
+    train = np.fromiter((seen.setdefault(n, bool(_TRAINING_KERNEL.search(n))) for n in names),
+                        bool, len(names))
+    lo, hi = np.searchsorted(start, rep.start), np.searchsorted(start, rep.end)
+    n_train = sum(bool(train[a:b].any()) for a, b in zip(lo.tolist(), hi.tolist(), strict=True))
+    if n_train == len(rep.start):
+        return rep, ""
+    anchor = rep.anchor if len(rep.anchor) <= 60 else rep.anchor[:57] + "..."
+    some = "none" if not n_train else f"only {n_train}"
+    return None, (f"its kernels repeat {len(rep.start)} times (median "
+                  f"{rep.period_ns / 1e6:.1f} ms, from '{anchor}'), but {some} of the repeats "
+                  "run a backward or optimizer kernel: a layer or a forward pass, not a "
+                  "training step")
