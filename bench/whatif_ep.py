@@ -18,6 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "tests" / "jobs" / "moe_train.py"
 WARMUP = 3
@@ -51,6 +54,7 @@ def main() -> None:
         a.rounds, a.iterations = 1, 6
     out = Path(a.keep or tempfile.mkdtemp(prefix="whatif_ep_"))
     out.mkdir(parents=True, exist_ok=True)
+    print(f"machine: {machine()}")
     print("| round | biased t_iter (job) | tokens max/mean | saves | predicted | balanced "
           "t_iter (job) | error |")
     print("|---|---|---|---|---|---|---|")
