@@ -76,18 +76,24 @@ def test_tokens_per_rank_from_the_split_sizes(moe2):
 
 
 def test_gradient_sync_exposed_with_all_to_alls_in_the_backward(moe2):
-    """DDP's all-reduce waited at the backward's end is exposed as long as the job stood
-    waiting for it (within 15 % or 1 ms), though all-to-alls ran inside the backward; t_b
-    is the backward's compute as the job timed it (within 15 %)."""
+    """DDP's all-reduce waited at the backward's end is not hidden though all-to-alls ran
+    inside the backward: the time the job stood waiting for it (from its last dense
+    gradient to backward() returning) is exposed gradient comm, never more, and what the
+    bucket's span does not cover of it (the thread's wake-up after the all-reduce, at times
+    2 ms on this shared machine) is in no phase (t_other), not t_b: exposed comm and t_other
+    within 15 % (or 1 ms) of the job's wait; t_b within 15 % of its backward compute."""
     run = moe2
     for rank in (0, 1):
         s = run.analysis.ranks[rank].detail.series
-        m = per_iteration(run, rank, {"exposed": s.comm_exposed_s, "t_b": s.terms["t_b"]},
+        m = per_iteration(run, rank, {"exposed": s.comm_exposed_s, "t_b": s.terms["t_b"],
+                                      "t_other": s.terms["t_other"]},
                           run.truth[rank]["iterations"])
         own = _own(run, rank, m["job"])
         wait = np.array([o["grad_wait_s"] for o in own])
-        assert abs(np.median(m["exposed"]) - np.median(wait)) <= \
-            max(TIME_TOL * np.median(wait), 1e-3), (rank, m["exposed"], wait)
+        tol = max(TIME_TOL * np.median(wait), 1e-3)
+        assert np.median(m["exposed"]) <= np.median(wait) + tol, (rank, m["exposed"], wait)
+        assert abs(np.median(m["exposed"] + m["t_other"]) - np.median(wait)) <= tol, \
+            (rank, m["exposed"], m["t_other"], wait)
         bwd = np.array([o["backward_compute_s"] for o in own])
         ratio = float(np.median(m["t_b"] / bwd))
         assert abs(ratio - 1) <= TIME_TOL, (rank, m["t_b"], bwd)
@@ -103,7 +109,8 @@ def moe4(tmp_path_factory):
 def test_ep2_dp2_groups_and_expert_gradient_sync(moe4):
     """EP 2 x DP 2 on 4 ranks: the experts' all-reduce over the expert-data-parallel
     groups (0+2, 1+3) is gradient comm, exposed as long as the job stood in it and in DDP's
-    wait (within 15 % or 1 ms); peers by global rank; the imbalance per EP group (0+1,
+    wait, never more, with DDP's wait's tail in no phase (t_other) as for 2 ranks (within
+    15 % or 1 ms); peers by global rank; the imbalance per EP group (0+1,
     2+3), each group's tokens per rank as the job counted them."""
     run = moe4
     assert "DP 2 x EP 2, 4 ranks" in run.text
@@ -116,12 +123,15 @@ def test_ep2_dp2_groups_and_expert_gradient_sync(moe4):
         group = run.truth[rank]["config"]["ep_group"]
         assert ep["group"] == group and ep["peer_ranks"] == group
         s = run.analysis.ranks[rank].detail.series
-        m = per_iteration(run, rank, {"exposed": s.comm_exposed_s},
+        m = per_iteration(run, rank, {"exposed": s.comm_exposed_s,
+                                      "t_other": s.terms["t_other"]},
                           run.truth[rank]["iterations"])
         own = _own(run, rank, m["job"])
         want = np.array([o["grad_wait_s"] + o["edp_sync_s"] for o in own])
-        assert abs(np.median(m["exposed"]) - np.median(want)) <= \
-            max(TIME_TOL * np.median(want), 1e-3), (rank, m["exposed"], want)
+        tol = max(TIME_TOL * np.median(want), 1e-3)
+        assert np.median(m["exposed"]) <= np.median(want) + tol, (rank, m["exposed"], want)
+        assert abs(np.median(m["exposed"] + m["t_other"]) - np.median(want)) <= tol, \
+            (rank, m["exposed"], m["t_other"], want)
         tokens[rank] = float(np.mean([sum(o["received"].values()) for o in own]))
     groups = run.rank(0)["parallelism"]["expert_parallel"]["imbalance"]["groups"]
     assert sorted(g["ranks"] for g in groups) == [[0, 1], [2, 3]]
