@@ -68,6 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--torch-profiler", action="store_true",
                    help="run under torch.profiler (a schedule, no shapes), for comparison")
     p.add_argument("--times-json", help="write rank 0's iteration times (s) to this file")
+    p.add_argument("--waits-json", help="write rank 0's wait for each batch (s) to this file")
     p.add_argument("--steps-json", help="write rank 0's iterations as {start, end} "
                    "(time.time_ns: they tile the loop), with the CPU seconds the loop's "
                    "thread (main_cpu) and the process (cpu) used in each, to this file")
@@ -218,12 +219,14 @@ def main(argv: list[str] | None = None) -> None:
                        on_trace_ready=lambda p: None)
         prof.start()
     t_last = time.perf_counter()
+    waits: list[float] = []
     bounds = [time.time_ns()]   # iteration boundaries on the wall clock (--steps-json)
     cpus = [(time.thread_time(), time.process_time())]   # and the CPU used by then
     while done < a.iterations:
         if sampler is not None:
             sampler.set_epoch(epoch)
         for x, y in loader:
+            waits.append(time.perf_counter() - t_last)   # the loader's batch, waited for
             x = x.to(device, non_blocking=True)
             y = y.to(device, non_blocking=True)
             if a.closure:
@@ -261,6 +264,11 @@ def main(argv: list[str] | None = None) -> None:
 
         with open(a.times_json, "w") as f:
             json.dump(times, f)
+    if a.waits_json and rank == 0:
+        import json
+
+        with open(a.waits_json, "w") as f:
+            json.dump(waits, f)
     if a.steps_json and rank == 0:
         import json
         from itertools import pairwise
