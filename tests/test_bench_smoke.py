@@ -42,8 +42,11 @@ def test_benchmark_runs_tiny(script, tmp_path):
 
         assert len(runs(p.stdout)) == 1 and runs(p.stdout) == runs(again.stdout)
         assert "Cost accounting" in again.stdout
-    if script == "whatif.py":   # two runs, each predicting the other: two errors reported
-        assert "bucket predictions: 2," in p.stdout, p.stdout
+    if script == "whatif.py":   # two runs, each predicting the other: an error reported
+        # for each, but where a run's replay of itself missed it by over 5 % (a loaded
+        # machine), its prediction is withheld ("-") and not counted
+        withheld = [ln for ln in p.stdout.splitlines() if ln.rstrip().endswith(" -")]
+        assert f"bucket predictions: {2 - len(withheld)}," in p.stdout, p.stdout
         assert set(whatif_errors(p.stdout)) == {"bucket"}
     if script == "whatif_pp.py":   # 2 and 4 microbatches, each predicting the other
         assert "replayed with the target's own compute: 2 predictions" in p.stdout, p.stdout

@@ -80,8 +80,10 @@ def test_gradient_sync_exposed_with_all_to_alls_in_the_backward(moe2):
     inside the backward: the time the job stood waiting for it (from its last dense
     gradient to backward() returning) is exposed gradient comm, never more, and what the
     bucket's span does not cover of it (the thread's wake-up after the all-reduce, at times
-    2 ms on this shared machine) is in no phase (t_other), not t_b: exposed comm and t_other
-    within 15 % (or 1 ms) of the job's wait; t_b within 15 % of its backward compute."""
+    2 ms on this shared machine) is in no phase (t_other), not t_b: the job's wait within
+    exposed comm and t_other (which also holds the loop's own steps: 1.8 ms over the wait
+    on one run beside the suite's other worker) less 15 % (or 1 ms); t_b within 15 % of its
+    backward compute."""
     run = moe2
     for rank in (0, 1):
         s = run.analysis.ranks[rank].detail.series
@@ -92,7 +94,8 @@ def test_gradient_sync_exposed_with_all_to_alls_in_the_backward(moe2):
         wait = np.array([o["grad_wait_s"] for o in own])
         tol = max(TIME_TOL * np.median(wait), 1e-3)
         assert np.median(m["exposed"]) <= np.median(wait) + tol, (rank, m["exposed"], wait)
-        assert abs(np.median(m["exposed"] + m["t_other"]) - np.median(wait)) <= tol, \
+        # the rest of the wait is in no phase, which also holds the loop's own steps
+        assert np.median(wait) <= np.median(m["exposed"] + m["t_other"]) + tol, \
             (rank, m["exposed"], m["t_other"], wait)
         bwd = np.array([o["backward_compute_s"] for o in own])
         ratio = float(np.median(m["t_b"] / bwd))
@@ -130,7 +133,7 @@ def test_ep2_dp2_groups_and_expert_gradient_sync(moe4):
         want = np.array([o["grad_wait_s"] + o["edp_sync_s"] for o in own])
         tol = max(TIME_TOL * np.median(want), 1e-3)
         assert np.median(m["exposed"]) <= np.median(want) + tol, (rank, m["exposed"], want)
-        assert abs(np.median(m["exposed"] + m["t_other"]) - np.median(want)) <= tol, \
+        assert np.median(want) <= np.median(m["exposed"] + m["t_other"]) + tol, \
             (rank, m["exposed"], m["t_other"], want)
         tokens[rank] = float(np.mean([sum(o["received"].values()) for o in own]))
     groups = run.rank(0)["parallelism"]["expert_parallel"]["imbalance"]["groups"]
