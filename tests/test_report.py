@@ -283,8 +283,12 @@ def test_recorded_run_report_in_chromium(browser, tmp_path):
     doc = json.loads(again.stdout)          # stdout stays the JSON; the path goes to stderr
     assert f"report: {tmp_path / 'again.html'} (" in again.stderr
     state, page = open_in_browser(browser, page_path, tmp_path / "shots")
+    # the what-if replay is withheld, with its reason, where its replay of the run itself
+    # missed it by over 5 % (a loaded machine): then no chart of it
+    replayed = doc["what_if"] is not None
+    assert replayed or doc["what_if_unavailable"]
     assert sorted(state) == sorted(["breakdown", "timeline", "ranks", "comm-wait", "bandwidth",
-                                    "speedup", "what-if", "memory", "flops"])
+                                    "speedup", "memory", "flops"] + ["what-if"] * replayed)
     n = doc["iterations"]["count"]
     bd = state["breakdown"]
     assert bd["colour"] == STACK and bd["items"] == {"layer_0_marks": 7 * n, "layer_1_marks": n}
@@ -305,13 +309,14 @@ def test_recorded_run_report_in_chromium(browser, tmp_path):
     assert sp["colour"] == [f"model (eq. {doc['speedup']['equation']})", "replay", "ideal"]
     points = len(doc["speedup"]["points"])
     assert sp["items"]["concat_0_layer_1_marks"] == 3 * points      # a point per series
-    wi = state["what-if"]
-    # a row withheld (its reason in the JSON and the terminal) has no bar
-    shown = [s for s in doc["what_if"]["scenarios"] if not s["withheld"]]
-    assert wi["items"] == {"layer_0_marks": len(shown),   # a bar, and an interval where known
-                           "layer_1_marks": sum(s["t_iter_low"] is not None for s in shown),
-                           "layer_2_marks": 1}
-    assert any(s["t_iter_low"] is not None for s in shown)
+    if replayed:
+        wi = state["what-if"]
+        # a row withheld (its reason in the JSON and the terminal) has no bar
+        shown = [s for s in doc["what_if"]["scenarios"] if not s["withheld"]]
+        assert wi["items"] == {"layer_0_marks": len(shown),   # a bar, an interval where known
+                               "layer_1_marks": sum(s["t_iter_low"] is not None for s in shown),
+                               "layer_2_marks": 1}
+        assert any(s["t_iter_low"] is not None for s in shown)
     # a tooltip names what a bar is
     page.hover("#vis-timeline g.layer_0_marks path >> nth=0")
     assert page.wait_for_selector("#vg-tooltip-element.visible", timeout=5000)
