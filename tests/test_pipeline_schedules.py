@@ -60,7 +60,10 @@ def _mean(xs: list[float]) -> float:
 
 def jobs_stage_times(t: dict) -> dict[int, dict[str, float]]:
     """Per stage the job held, per microbatch: its module's forward and its backward chunks
-    (input and weight parts together), as it timed them after warm-up."""
+    (input and weight parts together), as it timed them after warm-up: the autograd call
+    inside a chunk where it made one (the schedule's own work around it is no compute;
+    3-9 % of the chunk on a quiet machine, up to 15 % beside the suite's other worker),
+    else the whole chunk (a zero-bubble schedule's split backward)."""
     m = t["stage"]["microbatches"]
     fwd, bwd = defaultdict(list), defaultdict(float)
     its = {c["it"] for c in t["chunks"] if c["it"] >= WARMUP}
@@ -69,7 +72,8 @@ def jobs_stage_times(t: dict) -> dict[int, dict[str, float]]:
             fwd[f["stage"]].append(f["s"])
     for c in t["chunks"]:
         if c["it"] >= WARMUP and c["kind"] != "forward":
-            bwd[c["stage"]] += c["s"]
+            own = c.get("autograd_s")
+            bwd[c["stage"]] += c["s"] if own is None else own
     return {k: {"forward": _mean(fwd[k]), "backward": bwd[k] / len(its) / m}
             for k in t["stage"]["indices"]}
 

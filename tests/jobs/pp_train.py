@@ -15,12 +15,13 @@ stage per rank, its backward (from the gradient's arrival at the stage's output 
 layer's last gradient, marked with autograd hooks of the job's own); each schedule.step and
 optimizer step with perf_counter; its passes as the schedule runs them (`passes_s`: the
 stages' chunks, the stage's own work around its module and autograd included; `chunks`:
-per stage and kind, forward / backward / backward_weight, the seconds of each chunk); its
+per stage and kind, forward / backward / backward_weight, the seconds of each chunk and,
+`autograd_s`, of the autograd call inside it where the chunk made one); its
 waits for its neighbours (`waits_s`: the schedule's waits on its sends and receives). It
 counts its collectives at the ProcessGroup (collective_truth) and writes OUT.rank<R>.json:
 {"iterations" (start/end, step_s, update, passes_s, loss_s, waits_s, grad_sync_s),
 "microbatches": [{"it", "mb", "forward", "loss", "backward"}] (one stage per rank),
-"chunks": [{"it", "stage", "kind", "mb", "s"}], "forwards": [{"it", "stage", "s"}],
+"chunks": [{"it", "stage", "kind", "mb", "s", "autograd_s"}], "forwards": [{"it", "stage", "s"}],
 "calls", "stage": {index, indices, stages, ranks, schedule, class, microbatches,
 samples_per_iteration, replica, replicas}}.
 """
@@ -39,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as S
+from torch.distributed.pipelining import stage as ST
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from collective_truth import Truth  # noqa: E402
@@ -134,6 +136,7 @@ def time_chunks(stage: PipelineStage, clock: Clock, chunks: list[dict]) -> list[
 
     def timed(fn, kind):
         def run(chunk_id, *a, **k):
+            AUTOGRAD[0] = None
             t0 = time.perf_counter()
             try:
                 return fn(chunk_id, *a, **k)
@@ -141,7 +144,7 @@ def time_chunks(stage: PipelineStage, clock: Clock, chunks: list[dict]) -> list[
                 s = time.perf_counter() - t0
                 spent[0] += s
                 chunks.append({"it": clock.it, "stage": stage.stage_index, "kind": kind,
-                               "mb": int(chunk_id), "s": s})
+                               "mb": int(chunk_id), "s": s, "autograd_s": AUTOGRAD[0]})
         return run
 
     for name, kind in (("forward_one_chunk", "forward"), ("backward_one_chunk", "backward"),
@@ -150,6 +153,25 @@ def time_chunks(stage: PipelineStage, clock: Clock, chunks: list[dict]) -> list[
         if fn is not None:
             setattr(stage, name, timed(fn, kind))
     return spent
+
+
+AUTOGRAD: list[float | None] = [None]   # the current chunk's stage_backward, if it ran one
+
+
+def time_autograd() -> None:
+    """The autograd inside a backward chunk (torch's stage_backward: the stage's
+    torch.autograd.backward), timed by the job into the chunk's `autograd_s`; None where
+    the chunk ran none (the zero-bubble schedules' split backward runs autograd.grad)."""
+    orig = ST.stage_backward
+
+    def stage_backward(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return orig(*a, **k)
+        finally:
+            AUTOGRAD[0] = (AUTOGRAD[0] or 0.0) + time.perf_counter() - t0
+
+    ST.stage_backward = stage_backward
 
 
 def time_waits() -> list[float]:
@@ -226,6 +248,7 @@ def main() -> None:
         mods.append(mod)
         stages.append(stage)
     waits = time_waits()
+    time_autograd()
     ce = nn.CrossEntropyLoss()
 
     def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
