@@ -142,3 +142,42 @@ def test_ep2_dp2_groups_and_expert_gradient_sync(moe4):
         got = {int(k): v for k, v in g["tokens_by_rank"].items()}
         assert got == pytest.approx({r: tokens[r] for r in g["ranks"]}, rel=0.02)
         assert g["most_loaded_rank"] == max(g["ranks"], key=lambda r: tokens[r])
+
+
+def _job_waits(run, ranks: list[int]) -> dict[int, dict[int, float]]:
+    """Per rank, per MoE layer, the job's own wait in its all-to-alls for the group's last
+    rank to enter them (the last entry on the host's monotonic clock less its own, at most
+    the call's length), per iteration over the iterations gputrace analyzed (each matched
+    to the job's iteration it overlaps most)."""
+    own = {r: {m["it"]: m["a2a"] for m in run.truth[r]["moe"]} for r in ranks}
+    out: dict[int, dict[int, float]] = {r: {} for r in ranks}
+    s = run.analysis.ranks[ranks[0]].detail.series
+    its = run.truth[ranks[0]]["iterations"]
+    kept = s.kept
+    for a, b in zip(s.start_ns[kept], s.end_ns[kept], strict=True):
+        ov = [min(b, t["end"]) - max(a, t["start"]) for t in its]
+        i = its[int(np.argmax(ov))]["it"]
+        calls = [own[r][i] for r in ranks]
+        assert len({len(c) for c in calls}) == 1
+        for x in range(len(calls[0])):
+            last = max(c[x]["entry"] for c in calls)
+            for r, c in zip(ranks, calls, strict=True):
+                w = min(last - c[x]["entry"], c[x]["s"]) / len(kept)
+                out[r][c[x]["block"]] = out[r].get(c[x]["block"], 0.0) + w
+    return out
+
+
+def test_wait_for_the_groups_last_rank(moe2):
+    """Each rank's wait in its all-to-alls for the other to enter them (count exchange,
+    dispatch and combine, forward and backward), per MoE layer and in all, as the job's own
+    entries on the host's clock give it: within 15 % or 1 ms; and in the terminal."""
+    run = moe2
+    want = _job_waits(run, [0, 1])
+    g = run.rank(0)["parallelism"]["expert_parallel"]["imbalance"]["groups"][0]
+    for r in (0, 1):
+        total = sum(want[r].values())
+        assert g["wait_s"][str(r)] == pytest.approx(total, rel=TIME_TOL, abs=1e-3), \
+            (r, g["wait_s"], want)
+        got = {int(k): v for k, v in g["wait_by_layer"][str(r)].items()}
+        assert got == pytest.approx(want[r], rel=TIME_TOL, abs=1e-3), (r, got, want[r])
+    assert "wait in the all-to-alls for the group's last rank to enter them" in run.text

@@ -286,7 +286,7 @@ def combine(parts: list[FramePart], md: dict[str, Any], opts: Options, probe: An
     offsets = {r: clock.offset_ns(p.host) for r, p in ranks.items()} if clock else {}
     waits, arrivals = _comm_wait(steps, sels, offsets) if len(ranks) > 1 else ({}, {})
     rv = registry.RunView(world, opts.link_bytes_per_s, arrivals, steps, sels,
-                          opts.calibration)
+                          opts.calibration, offsets)
     degrees, deg_check = _degrees(ranks, world)
     if deg_check is not None:   # a dimension the groups cannot hold: its claims withheld
         ranks = {r: replace(p, dims={d: v for d, v in p.dims.items() if d in degrees})

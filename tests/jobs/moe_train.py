@@ -15,7 +15,9 @@ backward (in `update`).
 
 The job writes OUT_PREFIX.rank<R>.json: its counted collectives (`calls`), iterations with
 their phases, and `moe`: per iteration the all-to-alls it issued in order (block, role,
-phase, its input and output bytes, rows to each peer, the seconds it stood in it), the
+phase, its input and output bytes, rows to each peer, the seconds it stood in it, when it
+entered it on the host's monotonic clock (perf_counter, one clock for the host's ranks);
+the count exchanges too, role `counts`), the
 tokens each expert received, its expert compute (forward), its backward compute (the
 backward until the last dense gradient was accumulated, DDP's bucket ready, less the
 backward all-to-alls it stood in) and its wait for DDP's gradient all-reduce (from then to
@@ -52,7 +54,7 @@ def a2a(x: torch.Tensor, out_rows: list[int], in_rows: list[int], group: Any,
     LOG["a2a"].append({"block": what[0], "role": what[1], "phase": what[2],
                        "bytes": x.numel() * x.element_size(),
                        "bytes_out": out.numel() * out.element_size(),
-                       "rows": list(in_rows), "s": s})
+                       "rows": list(in_rows), "s": s, "entry": t0})
     if what[2] == "backward":
         LOG["bwd_a2a_s"] += s
     return out
@@ -96,7 +98,12 @@ class MoE(nn.Module):
         tokens = x.repeat_interleave(TOP_K, dim=0)[order]     # grouped by expert
         counts = torch.bincount(flat, minlength=EXPERTS)       # this rank's, per expert
         got = torch.empty_like(counts)                          # per (source rank, expert)
+        t0 = time.perf_counter()
         dist.all_to_all_single(got, counts, group=self.group)   # the count exchange
+        LOG["a2a"].append({"block": self.block, "role": "counts", "phase": "forward",
+                           "bytes": counts.numel() * counts.element_size(),
+                           "bytes_out": got.numel() * got.element_size(), "rows": [],
+                           "s": time.perf_counter() - t0, "entry": t0})
         send = counts.view(-1, PER_RANK).sum(1).tolist()        # rows to each EP rank
         recv_by = got.view(-1, PER_RANK)                         # [source rank, my expert]
         recv = recv_by.sum(1).tolist()

@@ -51,6 +51,10 @@ class ExpertParallel:
     # the experts' compute: between each dispatch's end and its combine's start (forward),
     # the combine's gradient's end and the dispatch's gradient's start (backward)
     expert_s: float = 0.0
+    # each all-to-all's entry, to match the group's members: (step, its place among the
+    # iteration's all-to-alls, its MoE layer (0: none known), start and end ns, own clock)
+    entries: tuple[np.ndarray, ...] = ()
+    iterations: int = 0
 
 
 def _args(sp: Spans, r: Rows, j: np.ndarray) -> list[dict[str, Any]]:
@@ -84,7 +88,7 @@ def _pair(rows: list[int], nin: np.ndarray, nout: np.ndarray) -> list[tuple[int,
 
 
 def analyze(sp: Spans, r: Rows, it_start: np.ndarray, it_end: np.ndarray,
-            sel: np.ndarray) -> ExpertParallel | None:
+            sel: np.ndarray, steps: np.ndarray | None = None) -> ExpertParallel | None:
     j, it = rows_in(sp, r, "ep", it_start, it_end, sel)
     if not j.size:
         return None
@@ -98,11 +102,15 @@ def analyze(sp: Spans, r: Rows, it_start: np.ndarray, it_end: np.ndarray,
     args = _args(sp, r, j)
     # the role of each row (position in j): counts, dispatch, combine, unpaired
     role = ["unpaired"] * j.size
+    layer = np.zeros(j.size, np.int64)
     layers: dict[int, int] = {}
     groups: dict[tuple[int, str], list[int]] = {}
+    n_counts: dict[int, int] = {}
     for x in range(j.size):
         if args[x].get("integer"):
             role[x] = "counts"
+            if r.phase[j[x]] == "forward":   # one per layer, before its dispatch
+                n_counts[int(it[x])] = layer[x] = n_counts.get(int(it[x]), 0) + 1
         else:
             groups.setdefault((int(it[x]), r.phase[j[x]] or "none"), []).append(x)
     expert_ns = 0
@@ -110,8 +118,10 @@ def analyze(sp: Spans, r: Rows, it_start: np.ndarray, it_end: np.ndarray,
         if ph not in FIRST_SECOND:
             continue
         pairs = _pair(xs, nb, nout)
-        for a, b in pairs:
+        for n, (a, b) in enumerate(pairs):
             role[a], role[b] = FIRST_SECOND[ph]
+            # the backward runs the layers last to first
+            layer[a] = layer[b] = n + 1 if ph == "forward" else len(pairs) - n
             gap = sp.start[r.idx[j[b]]] - sp.end[r.idx[j[a]]]
             expert_ns += max(int(gap), 0)
         if ph == "forward":
@@ -145,11 +155,16 @@ def analyze(sp: Spans, r: Rows, it_start: np.ndarray, it_end: np.ndarray,
             for q, n in enumerate(sp_):
                 g = ranks[q] if q < len(ranks) else q
                 rows_to[g] = rows_to.get(g, 0.0) + float(n) / n_it
+    step = (steps[it] if steps is not None else it).astype(np.int64)
+    first = np.r_[True, it[1:] != it[:-1]]
+    place = np.arange(j.size) - np.maximum.accumulate(np.where(first, np.arange(j.size), 0))
+    entries = (step, place, layer, sp.start[r.idx[j]].astype(np.int64),
+               sp.end[r.idx[j]].astype(np.int64))
     return ExpertParallel(sp.rank, int(sizes.max()) if (sizes > 0).any() else 0,
                           float(j.size) / n_it, float(nb.sum()) / n_it,
                           float(stood.sum()) / n_it, float(dur.sum()) / n_it, phases, roles,
                           peers, max(layers.values(), default=0), roles_bwd, ranks, group,
-                          rows_to, expert_ns / 1e9 / n_it)
+                          rows_to, expert_ns / 1e9 / n_it, entries, int(n_it))
 
 
 def _peers(args: list[dict[str, Any]], n_it: float) -> list[float]:
@@ -181,6 +196,11 @@ class GroupImbalance:
     # rank's expert compute scaled to the mean load, the others waiting for it no more
     balanced_saves_s: float = float("nan")
     most_expert_s: float = 0.0     # the most-loaded rank's expert compute per iteration
+    # per rank, per iteration: the time it waited in its all-to-alls for the group's last
+    # member to enter them (the last one's entry less its own, at most its own span), in
+    # all and per MoE layer (0: an all-to-all of no known layer)
+    wait_s: dict[int, float] = field(default_factory=dict)
+    wait_by_layer: dict[int, dict[int, float]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -196,7 +216,36 @@ class Imbalance:
     tokens_ratio: float = float("nan")
 
 
-def _group(ranks: tuple[int, ...], parts: dict[int, ExpertParallel]) -> GroupImbalance:
+def _waits(ranks: tuple[int, ...], parts: dict[int, ExpertParallel],
+           offsets: dict[int, int]) -> tuple[dict[int, float], dict[int, dict[int, float]]]:
+    """Per rank of the group, its wait for the last member to enter each all-to-all they
+    all show (matched by step and place in the iteration), per iteration, in all and per
+    MoE layer; nothing where the members' all-to-alls do not match."""
+    ent = {r: parts[r].entries for r in ranks if parts[r].entries}
+    if len(ent) != len(ranks):
+        return {}, {}
+    keys = {r: {(int(s), int(p)): x for x, (s, p) in enumerate(zip(e[0], e[1], strict=True))}
+            for r, e in ent.items()}
+    common = set.intersection(*(set(k) for k in keys.values()))
+    if not common:
+        return {}, {}
+    wait: dict[int, float] = {r: 0.0 for r in ranks}
+    by_layer: dict[int, dict[int, float]] = {r: {} for r in ranks}
+    for key in common:
+        start = {r: int(ent[r][3][keys[r][key]]) - offsets.get(r, 0) for r in ranks}
+        last = max(start.values())
+        for r in ranks:
+            x = keys[r][key]
+            w = min(last - start[r], int(ent[r][4][x] - ent[r][3][x])) / 1e9
+            n = max(parts[r].iterations, 1)
+            wait[r] += w / n
+            lay = int(ent[r][2][x])
+            by_layer[r][lay] = by_layer[r].get(lay, 0.0) + w / n
+    return wait, by_layer
+
+
+def _group(ranks: tuple[int, ...], parts: dict[int, ExpertParallel],
+           offsets: dict[int, int] | None = None) -> GroupImbalance:
     by = {r: parts[r].nbytes for r in ranks}
     mean = float(np.mean(list(by.values())))
     tok: dict[int, float] = {}
@@ -212,18 +261,21 @@ def _group(ranks: tuple[int, ...], parts: dict[int, ExpertParallel]) -> GroupImb
         most = max(by, key=lambda r: by[r])
     top = max(by.values())
     saves = parts[most].expert_s * (1 - 1 / tr) if tr == tr and tr > 0 else float("nan")
+    wait, by_layer = _waits(ranks, parts, offsets or {})
     return GroupImbalance(ranks, by, top / mean if mean > 0 else 1.0, most, tok, tr, saves,
-                          parts[most].expert_s)
+                          parts[most].expert_s, wait, by_layer)
 
 
-def imbalance(parts: dict[int, ExpertParallel]) -> Imbalance | None:
+def imbalance(parts: dict[int, ExpertParallel],
+              offsets: dict[int, int] | None = None) -> Imbalance | None:
     if len(parts) < 2:
         return None
     keyed: dict[tuple[int, ...], list[int]] = {}
     for r, p in parts.items():
         g = p.group if p.group and r in p.group else tuple(sorted(parts))
         keyed.setdefault(tuple(sorted(g)), []).append(r)
-    groups = [_group(tuple(sorted(rs)), parts) for rs in keyed.values() if len(rs) >= 2]
+    groups = [_group(tuple(sorted(rs)), parts, offsets) for rs in keyed.values()
+              if len(rs) >= 2]
     if not groups:
         return None
     worst = max(groups, key=lambda g: g.tokens_ratio if g.tokens_by_rank else g.ratio)
@@ -233,7 +285,8 @@ def imbalance(parts: dict[int, ExpertParallel]) -> Imbalance | None:
 
 def as_dict(ep: ExpertParallel, imb: Imbalance | None) -> dict[str, Any]:
     """`--json`'s expert_parallel section."""
-    d: dict[str, Any] = {("bytes" if k == "nbytes" else k): v for k, v in vars(ep).items()}
+    d: dict[str, Any] = {("bytes" if k == "nbytes" else k): v for k, v in vars(ep).items()
+                         if k not in ("entries", "iterations")}
     d["group"] = list(ep.group)
     d["dispatch_rows"] = {str(k): v for k, v in ep.dispatch_rows.items()}
     if imb is not None:
@@ -245,6 +298,10 @@ def as_dict(ep: ExpertParallel, imb: Imbalance | None) -> dict[str, Any]:
                                       "tokens_ratio": g.tokens_ratio,
                                       "balanced_saves_s": g.balanced_saves_s,
                                       "most_loaded_expert_s": g.most_expert_s,
+                                      "wait_s": {str(k): v for k, v in g.wait_s.items()},
+                                      "wait_by_layer": {
+                                          str(k): {str(n): w for n, w in v.items()}
+                                          for k, v in g.wait_by_layer.items()},
                                       "bytes_by_rank": {str(k): v for k, v in
                                                         g.bytes_by_rank.items()},
                                       "tokens_by_rank": {str(k): v for k, v in

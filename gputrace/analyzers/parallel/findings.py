@@ -53,6 +53,19 @@ def findings(dims: dict[str, Any], parallel: dict[str, Any], t_iter: float) -> l
         out.append(Finding(
             "ep_imbalance", "moderate" if ratio < 1.5 else "high",
             f"Expert-parallel all-to-alls are unbalanced: rank {imb.most_loaded} "
-            f"{what.format(ratio)} per iteration; the others in its group wait for it "
-            "in every dispatch and combine."))
+            f"{what.format(ratio)} per iteration; " + _waits(imb)))
     return out
+
+
+def _waits(imb: Any) -> str:
+    """Who waited in the all-to-alls for whom, as measured (the group of the most-loaded
+    rank); where not measured, what the imbalance implies."""
+    g = next((g for g in imb.groups if g.most_loaded == imb.most_loaded), None)
+    if g is None or not g.wait_s:
+        return "the others in its group wait for it in every dispatch and combine."
+    each = ", ".join(f"rank {r} {w * 1e3:.1f} ms" for r, w in sorted(g.wait_s.items()))
+    least = min(g.wait_s, key=lambda r: g.wait_s[r])
+    why = "the others waiting for it" if least == g.most_loaded else \
+        "not the others for it alone: the ranks' other work shifts who comes last"
+    return (f"each rank's wait in the all-to-alls for its group's last rank to enter them, "
+            f"per iteration: {each} ({why}).")

@@ -59,6 +59,7 @@ class RunView:
     steps: dict[int, RankSteps]
     sels: dict[int, np.ndarray]
     calibration: Any = None    # another run of a pipeline (pp_whatif.Calibration)
+    offsets: dict[int, int] = field(default_factory=dict)  # ns to subtract: one clock
 
 
 class Dimension(Protocol):
@@ -103,10 +104,10 @@ class _EP:
     key = "ep"
 
     def rank(self, v: RankView) -> Any | None:
-        return ep.analyze(v.sp, v.rows, v.it_start, v.it_end, v.sel)
+        return ep.analyze(v.sp, v.rows, v.it_start, v.it_end, v.sel, v.rs.iterations.step)
 
     def run(self, parts: dict[int, Any], v: RunView) -> Any | None:
-        return ep.imbalance(parts)
+        return ep.imbalance(parts, v.offsets)
 
 
 DIMENSIONS: tuple[Dimension, ...] = (_FSDP(), _TP(), _PP(), _EP())
