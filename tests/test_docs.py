@@ -121,10 +121,14 @@ def test_each_help_ends_with_its_page_of_the_manual(command, capsys):
         main([command, "--help"] if command else ["--help"])
     assert e.value.code == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    m = re.fullmatch(r"manual: docs/([a-z-]+\.md).*", last)
-    assert m and (DOCS / m.group(1)).is_file(), last
+    m = re.fullmatch(r"manual: gputrace docs ([a-z-]+) \(docs/([a-z-]+\.md)\)?.*", last)
+    assert m and m.group(2) == f"{m.group(1)}.md" and (DOCS / m.group(2)).is_file(), last
     nav = (ROOT / "mkdocs.yml").read_text()
-    assert f": {m.group(1)}" in nav
+    assert f": {m.group(2)}" in nav
+    # and the command it names prints that page
+    capsys.readouterr()
+    assert main(["docs", m.group(1)]) == 0
+    assert capsys.readouterr().out == (DOCS / m.group(2)).read_text()
 
 
 def test_front_page_links_and_picture_exist():

@@ -5,6 +5,7 @@ keeps that torch, and its `gputrace` records and analyzes a job."""
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import shutil
 import site
@@ -23,7 +24,9 @@ pytestmark = pytest.mark.slow
 
 # what a source distribution is made from (the build runs on a copy: nothing is written into
 # the repository)
-SOURCES = ["pyproject.toml", "README.md", "LICENSE", "CHANGELOG.md", "gputrace"]
+SOURCES = ["pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "LICENSE", "CHANGELOG.md",
+           "gputrace", "docs"]
+JOB = ROOT / "tests" / "jobs" / "timed_loop.py"
 
 
 def _env() -> dict[str, str]:
@@ -67,17 +70,23 @@ def test_wheel_and_sdist_hold_the_package_and_its_license(dist):
         names = z.namelist()
         meta = z.read(f"gputrace-{__version__}.dist-info/METADATA").decode()
     assert "gputrace/py.typed" in names and "gputrace/record/bootstrap/sitecustomize.py" in names
+    # the manual, every page of it, for `gputrace docs PAGE`
+    pages = sorted(p.name for p in (ROOT / "docs").glob("*.md"))
+    assert sorted(n.removeprefix("gputrace/manual/") for n in names
+                  if n.startswith("gputrace/manual/")) == pages
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
     assert "License-Expression: Apache-2.0" in meta
     requires = [line for line in meta.splitlines() if line.startswith("Requires-Dist:")]
     assert "Requires-Dist: torch>=2.4; extra == \"torch\"" in requires
+    # the front page's install line gives `report` too
+    assert "Requires-Dist: vl-convert-python>=1.9; extra == \"torch\"" in requires
     # a framework is never pinned: an extra must not replace the one a user has
     frameworks = ("torch", "tensorflow", "keras", "lightning", "transformers", "accelerate")
     assert [r for r in requires if r.split()[1].startswith(frameworks) and "==" in r.split(";")[0]] == []
     with tarfile.open(dist["sdist"]) as t:
         members = {m.name.split("/", 1)[1] for m in t.getmembers() if "/" in m.name}
     assert {"LICENSE", "README.md", "pyproject.toml", "gputrace/py.typed",
-            "gputrace/record/bootstrap/sitecustomize.py"} <= members
+            "gputrace/record/bootstrap/sitecustomize.py", "docs/analysis.md"} <= members
 
 
 @pytest.fixture(scope="module")
@@ -106,10 +115,24 @@ def venv(dist) -> dict[str, Path | str]:
                 continue
             (shared / entry.name).symlink_to(entry)
     (inner / "shared.pth").write_text(f"{shared}\n")
+    torch_dir = Path(torch.locate_file("torch"))
+    before = _tree_stamp(torch_dir)
     wheel = f"{dist['wheel']}[torch]"
     p = _run(env / "bin" / "python", "-m", "pip", "install", "--no-index", wheel, cwd=d)
     return {"bin": env / "bin", "dir": d, "pip": p.stdout, "torch": torch.version,
-            "torch_file": os.path.realpath(torch.locate_file("torch/__init__.py"))}
+            "torch_file": os.path.realpath(torch.locate_file("torch/__init__.py")),
+            "torch_dir": torch_dir, "torch_stamp": before}
+
+
+def _tree_stamp(d: Path) -> tuple[int, int]:
+    """How many files a directory holds and their latest change (ns): a torch that pip
+    replaced or touched shows in one or the other."""
+    n, latest = 0, 0
+    for root, _dirs, files in os.walk(d):
+        for f in files:
+            n += 1
+            latest = max(latest, os.lstat(os.path.join(root, f)).st_mtime_ns)
+    return n, latest
 
 
 def test_installing_the_torch_extra_keeps_the_torch_there_is(venv):
@@ -124,6 +147,7 @@ def test_installing_the_torch_extra_keeps_the_torch_there_is(venv):
     assert (version, torch_file) == (venv["torch"], venv["torch_file"])
     # the wheel's gputrace, not this checkout's
     assert gputrace_file.startswith(str(venv["bin"].parent)), gputrace_file
+    assert _tree_stamp(venv["torch_dir"]) == venv["torch_stamp"]
 
 
 def test_the_installed_command_records_and_analyzes(venv, tmp_path):
@@ -139,3 +163,30 @@ def test_the_installed_command_records_and_analyzes(venv, tmp_path):
     assert p.returncode == 2 and p.stdout == ""
     assert p.stderr == ("gputrace: error: x.arrow: the trace has no spans (no iterations or "
                         "phases) to analyze\n")
+
+
+def test_the_front_pages_commands_run_from_the_install(venv, tmp_path):
+    """record, analyze, report and diff, as the front page shows them, from the installed
+    package alone (no checkout on the path); its manual from `gputrace docs`."""
+    gputrace, py = venv["bin"] / "gputrace", venv["bin"] / "python"
+    job = tmp_path / "timed_loop.py"
+    shutil.copy2(JOB, job)
+    for name in ("before", "after"):
+        _run(gputrace, "record", "-o", f"{name}.arrow", "--", py, job, f"{name}.json",
+             "--steps", "8", "--batch", "16", cwd=tmp_path)
+    doc = json.loads(_run(gputrace, "analyze", "after.arrow", "--json", cwd=tmp_path).stdout)
+    truth = json.loads((tmp_path / "after.json").read_text())
+    # the iterations are the job's own optimizer steps
+    assert doc["iterations"]["count"] == len(truth) == 8, doc["iterations"]
+    out = _run(gputrace, "report", "after.arrow", "-o", "r.html", cwd=tmp_path).stdout
+    assert out.startswith("report: r.html (") and (tmp_path / "r.html").stat().st_size > 100_000
+    p = _run(gputrace, "diff", "before.arrow", "after.arrow", cwd=tmp_path)
+    assert p.returncode == 0 and "t_iter" in p.stdout, p.stdout
+    # the manual the help names is in the package
+    last = _run(gputrace, "--help", cwd=tmp_path).stdout.strip().splitlines()[-1]
+    assert last.startswith("manual: gputrace docs index "), last
+    for page in ("index", "analysis"):
+        shown = _run(gputrace, "docs", page, cwd=tmp_path).stdout
+        assert shown == (ROOT / "docs" / f"{page}.md").read_text()
+    listed = _run(gputrace, "docs", cwd=tmp_path).stdout
+    assert "/gputrace/manual)" in listed.splitlines()[0], listed

@@ -48,6 +48,7 @@ def _commands() -> dict[str, Command]:
         analyze,
         capture,
         diff,
+        docs,
         export,
         imports,
         info,
@@ -60,14 +61,19 @@ def _commands() -> dict[str, Command]:
     return {"record": record, "capture": capture,  # type: ignore[dict-item]
             "analyze": analyze, "diff": diff, "info": info,
             "import": imports, "export": export, "probe": probe, "recover": recover,
-            "report": report}
+            "report": report, "docs": docs}
 
 
-# each command's page of the manual (docs/ in the repository), named at the end of its --help
+# each command's page of the manual (docs/ in the repository, shipped in the package: `gputrace
+# docs PAGE`), named at the end of its --help
 MANUAL = {"record": "recording.md", "capture": "recording.md", "analyze": "analysis.md",
           "diff": "diff.md", "info": "format.md", "import": "other-tools.md",
           "export": "other-tools.md", "probe": "probe.md", "recover": "format.md",
-          "report": "report.md"}
+          "report": "report.md", "docs": "index.md"}
+
+
+def _manual(page: str) -> str:
+    return f"manual: gputrace docs {page.removesuffix('.md')} (docs/{page})"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -79,14 +85,15 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     """Built once per process (parsing leaves it as it was; `append` copies its default)."""
     p = _Parser(prog="gputrace", description="Where each training iteration's time goes.",
-                epilog="manual: docs/index.md (each command's --help names its page)")
+                epilog="manual: gputrace docs index (docs/index.md; `gputrace docs` lists the "
+                       "pages)")
     from gputrace import __version__
 
     p.add_argument("--version", action="version", version=f"gputrace {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name, cmd in _commands().items():
         sp = sub.add_parser(name, help=cmd.HELP, description=cmd.HELP,
-                            epilog=f"manual: docs/{MANUAL[name]}")
+                            epilog=_manual(MANUAL[name]))
         cmd.prepare_parser(sp)
         sp.set_defaults(_run=cmd.run)
     return p
