@@ -28,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         n = export.write(trace, out, args.format)
     except export.ExportUnavailable as e:
-        raise CommandError(str(e), code=1) from None
+        raise CommandError(str(e)) from None
     except OSError as e:
         raise CommandError(f"cannot write {out}: {e}") from None
     print(f"{out}: {count(n['slices'], 'slice')} on {count(n['tracks'], 'track')}, "

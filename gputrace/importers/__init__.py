@@ -32,6 +32,8 @@ def detect(path: str) -> str:
         raise ImportFailed(f"{path}: no such file or directory") from None
     except OSError as e:
         raise ImportFailed(f"{path}: {e.strerror or e}") from None
+    if not head:
+        raise ImportFailed(f"{path}: the file is empty (0 bytes)")
     if head.startswith(_ARROW):
         return "gputrace"
     if head.startswith(_SQLITE):

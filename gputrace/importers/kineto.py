@@ -67,6 +67,7 @@ def read(path: str, rank: int, rows: Rows, *, phases: Sequence[tuple[Any, int, i
     base_ns = as_int(base) if base is not None else 0
     if base_ns < 0:
         raise ImportFailed(f"baseTimeNanoseconds = {base!r} is not a time in ns")
+    absent = doc.top.traceEvents is None
     raws = doc.top.traceEvents or []
     doc.top.traceEvents = None
     del doc
@@ -80,7 +81,8 @@ def read(path: str, rank: int, rows: Rows, *, phases: Sequence[tuple[Any, int, i
     groups.resolve(rows)
     del raws
     if counts["events"] == 0:
-        raise ImportFailed("no 'traceEvents' in it: not a Kineto/Chrome trace")
+        raise ImportFailed("no 'traceEvents' in it: not a Kineto/Chrome trace" if absent else
+                           "its 'traceEvents' is empty: the profiler recorded no events")
     if loops is None:
         loops = loop_threads(phases, iter_threads)
     inferred = ops.infer(loops)
