@@ -45,6 +45,17 @@ class Iterations:
         if reopen:
             self.open_iteration(t_ns)
 
+    def close_evaluation(self, t_ns: int) -> None:
+        """End the open iteration at t_ns as an evaluation batch, not a training iteration:
+        an `evaluation` span named `batch` (step -1); the step is not counted, and the next
+        iteration opens at t_ns with it (watchers see the one that was open dropped)."""
+        start, self._iter_start = self._iter_start, None
+        if start is not None:
+            self.span("evaluation", "batch", start, t_ns, step=-1)
+            for w in self.iteration_watchers:
+                w("drop", self.step, start, "")
+        self.open_iteration(t_ns)
+
     def drop_iteration(self) -> None:
         if self._iter_start is not None:
             for w in self.iteration_watchers:

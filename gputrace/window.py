@@ -254,6 +254,11 @@ class Window:
                 out_rows.extend(keep_rows)
         mine = self.pending.pop(step, [])
         mine_rows = self.pending_rows.pop(step, [])
+        if any(s[2] < start for s in mine):
+            # spans of its step before it began (an evaluation batch's, which counts no
+            # step): decided by their time, never folded into its phase sums
+            out.extend(s for s in mine if s[2] < start and self._in_time(s[2]))
+            mine = [s for s in mine if s[2] >= start]
         inside = self._inside(step, start, end)
         self.decided[step] = inside
         self.last_decided = max(self.last_decided, step)

@@ -72,14 +72,22 @@ def test_gradient_accumulation_is_one_iteration_per_optimizer_step(tmp_path):
 
 def test_evaluation_batches_are_not_training_iterations(tmp_path):
     truth, out = run_job(tmp_path, "--loader", "--eval-every", "4", "--steps", "12")
-    rows = load(out).table.to_pylist()
-    names = [r["name"] for r in sorted(rows, key=lambda r: r["start_ns"])
-             if r["cat"] == "iteration"]
-    assert names.count("iteration") == 12
+    rows = sorted(load(out).table.to_pylist(), key=lambda r: r["start_ns"])
+    its = [r for r in rows if r["cat"] == "iteration"]
+    # steps are the optimizer's: evaluation batches count none
+    assert [r["step"] for r in its] == list(range(12))
+    assert {r["name"] for r in its} == {"iteration"}
+    ev = [r for r in rows if r["cat"] == "evaluation"]
     # three evaluation batches after steps 4, 8 and 12; the run's very last batch has no
-    # next request to end it and is left out
-    assert names.count("inference") == 3 + 3 + 2
-    assert names[4:7] == ["inference"] * 3 and names[7] == "iteration"
+    # next request to end it and is left out; the batches in a row are one pass
+    assert sum(r["name"] == "batch" for r in ev) == 3 + 3 + 2
+    passes = [r for r in ev if r["name"] == "pass"]
+    assert [json.loads(r["args"])["batches"] for r in passes] == [3, 3, 2]
+    # each pass lies between the iterations of the steps the loop ran it between
+    for k, ps in zip((3, 7, 11), passes, strict=False):
+        assert its[k]["end_ns"] <= ps["start_ns"]
+        if k + 1 < len(its):
+            assert ps["end_ns"] <= its[k + 1]["start_ns"]
     p = run_gputrace("analyze", str(out), "--json", check=True)
     assert json.loads(p.stdout)["iterations"]["count"] == 12
 

@@ -150,7 +150,8 @@ class _State:
         if self.depth == 0:
             self.mem("forward", 0, t)
             self.root_ran = True
-            self.its.forward(t, torch.is_grad_enabled())
+            # a forward in eval mode trains nothing either (evaluation)
+            self.its.forward(t, torch.is_grad_enabled() and module.training)
             self.root_t0 = t
             self.root_name = type(module).__name__
             if module not in self.modules.seen:

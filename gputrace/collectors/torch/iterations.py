@@ -14,7 +14,15 @@ class _Iterations:
     (at the next batch request with a loader, so the logging after the step belongs to it;
     at the step's end without one). Until the first optimizer step it is not known whether
     one will come: the boundaries seen so far wait, and become one iteration (accumulation)
-    at the first step, or one iteration each (a loop with no optimizer) when the run ends."""
+    at the first step, or one iteration each (a loop with no optimizer) when the run ends.
+
+    Once an optimizer step ran, a micro-batch that only ran forward passes without grad (or
+    with the model in eval mode) is an evaluation batch, not an iteration: an `evaluation`
+    span named `batch` (step -1), its step not counted, so steps are the optimizer's; the
+    batches in a row are one `evaluation` span named `pass`, from the start of the loader
+    that serves them (its workers' start) where it began after the last iteration. A
+    training iteration ends where something that is none of it began after its step (a
+    DataLoader's start, a checkpoint), not at the next batch request."""
 
     def __init__(self, rec: Recorder) -> None:
         self.rec = rec
@@ -22,22 +30,48 @@ class _Iterations:
         self.seen_step = False       # an optimizer step ran in this process
         self.pending: list[int] = []  # boundaries before the first step
         self.last_bwd = 0
+        self.cut = 0                 # the first thing after the step that is not of it
+        self.loader_at = 0           # the last DataLoader start (its __iter__)
+        self.train_end = 0           # where the last training iteration ended
+        self.pass_from = 0           # the evaluation pass in progress: first batch's start
+        self.pass_to = 0             # ... its last batch's end
+        self.pass_batches = 0
         self._reset()
         rec.close_hooks.append(self.finish)
 
     def _reset(self) -> None:
         self.fwd = self.grad_fwd = self.bwd = self.step = False   # in this micro-batch
         self.step_end = 0
+        self.cut = 0
 
     def _boundary(self, t: int) -> None:
         """A micro-batch ends at t; what it ran decides whether an iteration ends too."""
         rec = self.rec
+        evaluating = self.fwd and not self.bwd and not self.grad_fwd
+        if not (evaluating and self.seen_step and rec._iter_start is not None):
+            self.end_pass()
         if rec._iter_start is None:
             rec.open_iteration(t)
         elif self.step:          # (with a loader: without one the step closed it)
-            rec.close_iteration(t, reopen=True)
-        elif self.fwd and not self.bwd and not self.grad_fwd:
-            # forward only, without grad: an evaluation batch, not a training iteration
+            if self.cut and self.cut < t:
+                # a loader's start or a checkpoint after the step: no part of the iteration
+                rec.close_iteration(self.cut)
+                rec.open_iteration(t)
+            else:
+                rec.close_iteration(t, reopen=True)
+            self.train_end = min(self.cut or t, t)
+        elif evaluating and self.seen_step:
+            # forward only, without grad, in a job that trains: an evaluation batch
+            start = rec._iter_start
+            if not self.pass_batches:
+                after = self.loader_at >= self.train_end and self.loader_at <= start
+                self.pass_from = self.loader_at if after and self.loader_at else start
+            self.pass_to = t
+            self.pass_batches += 1
+            rec.close_evaluation(t)
+        elif evaluating:
+            # forward only, without grad, before any optimizer step: an `inference`
+            # iteration (a job that never steps is all of them)
             self._flush_pending()
             rec.close_iteration(t, name="inference", reopen=True)
         elif self.bwd and not self.seen_step:
@@ -45,6 +79,22 @@ class _Iterations:
         else:
             return      # accumulating gradients, or nothing ran: the micro-batch goes on
         self._reset()
+
+    def end_pass(self) -> None:
+        """The evaluation batches in a row so far are one pass (an `evaluation` span)."""
+        if self.pass_batches:
+            self.rec.span("evaluation", "pass", self.pass_from, self.pass_to, step=-1,
+                          args={"batches": self.pass_batches})
+        self.pass_batches = 0
+
+    def aside(self, t: int, loader: bool = False) -> None:
+        """Something that is no part of a training iteration began at t on the loop's
+        thread (a DataLoader's start: `loader`; a checkpoint): an iteration whose step ran
+        before it ends there."""
+        if loader:
+            self.loader_at = t
+        if self.step and t >= self.step_end and not self.cut:
+            self.cut = t
 
     def _flush_pending(self) -> None:
         """No optimizer step came: every waiting boundary ends an iteration of its own."""
@@ -58,9 +108,12 @@ class _Iterations:
         self.loader = True
         self._boundary(t)
 
-    def exhausted(self) -> None:
-        """The loader ran out: an iteration opened by that request, with nothing in it,
-        is none (the next epoch's first request opens the next)."""
+    def exhausted(self, t0: int = 0, t: int = 0) -> None:
+        """The loader ran out: an iteration opened by that request (at t0), with nothing in
+        it, is none (the next epoch's first request opens the next); an evaluation pass
+        ended by it ends when it returned (t: its workers shut down)."""
+        if self.pass_batches and self.pass_to == t0 and t:
+            self.pass_to = t
         if self.rec._iter_start is not None and not self.rec._iter_live:
             self.rec.drop_iteration()
 
@@ -91,6 +144,7 @@ class _Iterations:
 
     def finish(self, t: int) -> None:
         rec = self.rec
+        self.end_pass()
         if rec._iter_start is None:
             return
         if self.step and self.loader:
