@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from gputrace.analyzers import RankAnalysis
-from gputrace.analyzers.parallel import pipesim
+from gputrace.analyzers.parallel import ep_whatif, pipesim
 from gputrace.analyzers.parallel.registry import beyond_dp
 
 _SHORT_DIM = {"tp": "TP", "pp": "PP", "ep": "EP", "cp": "CP"}
@@ -187,6 +187,10 @@ def _ep(con: Console, ep, imb) -> None:  # noqa: ANN001 - ep.ExpertParallel, ep.
                       "them, per iteration: " + "; ".join(
                           f"rank {r} {_ms(w)}" + _layers(g.wait_by_layer.get(r, {}))
                           for r, w in sorted(g.wait_s.items())))
+        if g.balanced_saves_s == g.balanced_saves_s:
+            con.print(f"{head}what if routing were balanced (each rank the group's mean "
+                      f"tokens): the all-to-alls replayed give {_ms(g.balanced_saves_s)} "
+                      f"less per iteration; {ep_whatif.BAND}")
 
 
 def _layers(by: dict[int, float]) -> str:

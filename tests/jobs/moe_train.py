@@ -2,10 +2,12 @@
 counting its own collectives at the ProcessGroup (collective_truth) and timing itself.
 
     torchrun --nproc_per_node {2,4} moe_train.py OUT_PREFIX [--iterations N] [--balanced]
+        [--alternate]
 
 2 MoE blocks, 4 experts, 2 per rank (expert-parallel groups of 2 ranks: 0+1, and 2+3 with
 4 ranks, whose expert-data-parallel groups are 0+2 and 1+3); a top-2 router with a fixed
-bias so the experts get uneven loads (`--balanced`: no bias). Per block, in the forward: the
+bias so the experts get uneven loads (`--balanced`: no bias; `--alternate`: no bias in the
+odd iterations, each iteration's `balanced` says which). Per block, in the forward: the
 per-expert token counts exchanged (an all_to_all_single of an int64 tensor of 4), the tokens
 dispatched to their experts and combined back (all_to_all_single with split sizes, in an
 autograd Function whose backward runs the reverse all-to-all: the combine's gradient first,
@@ -146,6 +148,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--d", type=int, default=64)
     p.add_argument("--balanced", action="store_true")
+    p.add_argument("--alternate", action="store_true",
+                   help="odd iterations routed without the bias, even ones with it")
     a = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -176,8 +180,11 @@ def main() -> None:
     for i in range(a.iterations):
         truth.begin(i)
         LOG.update(a2a=[], expert_s=0.0, bwd_a2a_s=0.0)
+        unbiased = a.alternate and i % 2 == 1
         for b in model.blocks:
             b.received = [0] * PER_RANK
+            if a.alternate:
+                b.bias = torch.zeros(EXPERTS) if unbiased else torch.tensor(BIAS)
         ready.clear()
         loss = truth.timed("forward", ddp, x)
         t0 = time.perf_counter()
@@ -198,7 +205,7 @@ def main() -> None:
         moe.append({"it": i, "a2a": list(LOG["a2a"]), "expert_s": LOG["expert_s"],
                     "backward_compute_s": (ready[-1] if ready else t1) - t0
                     - LOG["bwd_a2a_s"], "grad_wait_s": wait, "dense_grads": len(ready),
-                    "edp_sync_s": edp,
+                    "edp_sync_s": edp, "balanced": a.balanced or unbiased,
                     "received": {f"{b.block}.{rank % ep * PER_RANK + e}": n
                                  for b in model.blocks for e, n in enumerate(b.received)}})
     truth.dump(f"{a.out}.rank{rank}.json")

@@ -24,6 +24,7 @@ import pyarrow as pa
 
 from gputrace.analyzers.collectives import Rows
 from gputrace.analyzers.frame import Spans
+from gputrace.analyzers.parallel import ep_whatif
 from gputrace.analyzers.parallel.rows import rows_in
 from gputrace.analyzers.parallel.tp import _stood_s
 
@@ -52,7 +53,9 @@ class ExpertParallel:
     # the combine's gradient's end and the dispatch's gradient's start (backward)
     expert_s: float = 0.0
     # each all-to-all's entry, to match the group's members: (step, its place among the
-    # iteration's all-to-alls, its MoE layer (0: none known), start and end ns, own clock)
+    # iteration's all-to-alls, its MoE layer (0: none known), start and end ns, own clock,
+    # 1 where it is a dispatch or combine, 1 where the experts' compute ran just before it:
+    # the second of a pair that follows its first, the bytes it received)
     entries: tuple[np.ndarray, ...] = ()
     iterations: int = 0
 
@@ -114,6 +117,7 @@ def analyze(sp: Spans, r: Rows, it_start: np.ndarray, it_end: np.ndarray,
         else:
             groups.setdefault((int(it[x]), r.phase[j[x]] or "none"), []).append(x)
     expert_ns = 0
+    after = np.zeros(j.size, np.int64)
     for (k, ph), xs in groups.items():
         if ph not in FIRST_SECOND:
             continue
@@ -122,6 +126,7 @@ def analyze(sp: Spans, r: Rows, it_start: np.ndarray, it_end: np.ndarray,
             role[a], role[b] = FIRST_SECOND[ph]
             # the backward runs the layers last to first
             layer[a] = layer[b] = n + 1 if ph == "forward" else len(pairs) - n
+            after[b] = int(b == a + 1)
             gap = sp.start[r.idx[j[b]]] - sp.end[r.idx[j[a]]]
             expert_ns += max(int(gap), 0)
         if ph == "forward":
@@ -159,7 +164,9 @@ def analyze(sp: Spans, r: Rows, it_start: np.ndarray, it_end: np.ndarray,
     first = np.r_[True, it[1:] != it[:-1]]
     place = np.arange(j.size) - np.maximum.accumulate(np.where(first, np.arange(j.size), 0))
     entries = (step, place, layer, sp.start[r.idx[j]].astype(np.int64),
-               sp.end[r.idx[j]].astype(np.int64))
+               sp.end[r.idx[j]].astype(np.int64),
+               np.array([x in ("dispatch", "combine") for x in role], np.int64), after,
+               np.where(nout > 0, nout, nb).astype(np.int64))
     return ExpertParallel(sp.rank, int(sizes.max()) if (sizes > 0).any() else 0,
                           float(j.size) / n_it, float(nb.sum()) / n_it,
                           float(stood.sum()) / n_it, float(dur.sum()) / n_it, phases, roles,
@@ -192,8 +199,9 @@ class GroupImbalance:
     most_loaded: int          # by tokens where known, else by bytes
     tokens_by_rank: dict[int, float] = field(default_factory=dict)
     tokens_ratio: float = float("nan")   # the most-loaded rank's tokens over the mean
-    # what if routing were balanced (every rank the group's mean tokens): the most-loaded
-    # rank's expert compute scaled to the mean load, the others waiting for it no more
+    # what if routing were balanced (every rank the group's mean tokens): the all-to-alls
+    # replayed with the experts' compute and the transfers at the group's mean
+    # (ep_whatif), seconds per iteration
     balanced_saves_s: float = float("nan")
     most_expert_s: float = 0.0     # the most-loaded rank's expert compute per iteration
     # per rank, per iteration: the time it waited in its all-to-alls for the group's last
@@ -260,7 +268,7 @@ def _group(ranks: tuple[int, ...], parts: dict[int, ExpertParallel],
         tok, tr = {}, float("nan")
         most = max(by, key=lambda r: by[r])
     top = max(by.values())
-    saves = parts[most].expert_s * (1 - 1 / tr) if tr == tr and tr > 0 else float("nan")
+    saves, _ = ep_whatif.balanced_saves(ranks, parts, offsets or {})
     wait, by_layer = _waits(ranks, parts, offsets or {})
     return GroupImbalance(ranks, by, top / mean if mean > 0 else 1.0, most, tok, tr, saves,
                           parts[most].expert_s, wait, by_layer)
