@@ -35,8 +35,10 @@ from typing import Any
 
 import torch
 
+from gputrace.collectors.torch import checkpoint as torch_checkpoint
 from gputrace.collectors.torch import comm as torch_comm
 from gputrace.collectors.torch import guard as torch_guard
+from gputrace.collectors.torch import startup as torch_startup
 from gputrace.collectors.torch.batch import BatchOnce, describe
 from gputrace.collectors.torch.dataloader import patch_dataloader
 from gputrace.collectors.torch.ddp import maybe_hook_ddp, patch_ddp
@@ -349,6 +351,8 @@ def auto_instrument(rec: Recorder) -> str:
     patch_dataloader(state)
     patch_ddp(lambda: _installed)
     torch_comm.install(lambda: _installed)
+    torch_checkpoint.install(lambda: _installed)
+    torch_startup.install(rec, lambda: _installed)
     learn_rank_from_torch(rec)
     _flops(state)
     rec.metadata.setdefault("software", {})["torch"] = torch.__version__

@@ -1,0 +1,179 @@
+"""A whole training run that times itself: start-up, training steps, a validation pass every
+N steps, checkpoints and the end, the ground truth of the whole-run (goodput) tests.
+
+    python run_phases.py OUT.json [--steps 40] [--eval-every 10] [--eval-batches 4]
+                         [--save-every 0] [--ddp] [--async-save]
+    torchrun --nproc-per-node 2 run_phases.py OUT.json --ddp   (OUT.json: one per rank,
+                                                                 OUT.rank<R>.json)
+
+A small CNN, a DataLoader with 2 workers for training and one for validation. Its own
+clocks (perf_counter, put on time.time_ns once): each training step from its batch request
+to the end of its logging (`steps[]`: `start`, `end` ns), each validation pass from the
+loader's start to its end (`evals[]`), each save (`saves[]`: `start`, `end`, `bytes`,
+`kind`), `init` (init_process_group), the process's start from the kernel (/proc, on
+CLOCK_BOOTTIME: 10 ms ticks) and `end` (the last line of main). Single process: `torch.save`
+of the model and optimizer at the end (and every `--save-every` steps); `--ddp`: 2 ranks
+over gloo, `torch.distributed.checkpoint.save` at the end (`--async-save`: `async_save`
+every `--save-every` steps, waited for before the next one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+
+def process_start_ns() -> int:
+    """This process's start on time.time_ns's clock, from the kernel's count of ticks since
+    boot (CLOCK_BOOTTIME)."""
+    with open("/proc/self/stat") as f:
+        ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+    boot, wall = time.clock_gettime_ns(time.CLOCK_BOOTTIME), time.time_ns()
+    return wall - (boot - ticks * 10**9 // os.sysconf("SC_CLK_TCK"))
+
+
+T0_PROCESS = process_start_ns()
+_PC0, _WALL0 = time.perf_counter_ns(), time.time_ns()
+
+
+def now() -> int:
+    """perf_counter, on time.time_ns's clock (read once)."""
+    return _WALL0 + time.perf_counter_ns() - _PC0
+
+
+class Images(Dataset):
+    def __init__(self, n: int, cost_s: float = 0.0002) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 3, 16, 16, generator=g)
+        self.y = torch.randint(0, 10, (n,), generator=g)
+        self.cost_s = cost_s
+
+    def __len__(self) -> int:
+        return self.x.shape[0]
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        t = time.perf_counter() + self.cost_s
+        while time.perf_counter() < t:
+            pass
+        return self.x[i], self.y[i]
+
+
+def cnn() -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.ReLU(),
+        torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+        torch.nn.Flatten(), torch.nn.Linear(32 * 8 * 8, 64), torch.nn.ReLU(),
+        torch.nn.Linear(64, 10))
+
+
+def dir_bytes(path: str, prefix: str = "") -> int:
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)
+               if f.startswith(prefix))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--eval-batches", type=int, default=4)
+    p.add_argument("--save-every", type=int, default=0)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--ddp", action="store_true")
+    p.add_argument("--async-save", action="store_true")
+    p.add_argument("--ckpt-dir")
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    truth: dict = {"process_start": T0_PROCESS, "steps": [], "evals": [], "saves": []}
+    rank = 0
+    ckpt_group = None
+    import torch.distributed as dist
+    if a.ddp:
+        t0 = now()
+        dist.init_process_group("gloo")
+        truth["init"] = [t0, now()]
+        rank = dist.get_rank()
+        # the checkpoint's own group: an async save's collectives run on a background
+        # thread, beside DDP's on the default group (one gloo group for both deadlocks)
+        ckpt_group = dist.new_group(backend="gloo")
+    model = cnn()
+    if a.ddp:
+        from torch.nn.parallel import DistributedDataParallel
+        model = DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    world = dist.get_world_size() if a.ddp else 1
+    train = Images(a.batch * (a.steps + 2) * world)
+    val = Images(a.batch * a.eval_batches)
+    sampler = None
+    if a.ddp:
+        from torch.utils.data.distributed import DistributedSampler
+        sampler = DistributedSampler(train, shuffle=False)
+    loader = DataLoader(train, batch_size=a.batch, num_workers=2, sampler=sampler)
+    val_loader = DataLoader(val, batch_size=a.batch, num_workers=1)
+    ckpt = a.ckpt_dir or os.path.splitext(a.out)[0] + ".ckpt"
+    pending = None        # an async_save's future
+
+    def save(step: int, final: bool) -> None:
+        nonlocal pending
+        if not a.ddp:
+            path = f"{ckpt}.{step}.pt"
+            t0 = now()
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
+            truth["saves"].append({"kind": "torch.save", "start": t0, "end": now(),
+                                   "bytes": os.path.getsize(path)})
+            return
+        import torch.distributed.checkpoint as dcp
+        where = f"{ckpt}.{step}"
+        state = {"model": model.state_dict()}
+        if pending is not None:
+            pending.result()
+        t0 = now()
+        if a.async_save and not final:
+            pending = dcp.async_save(state, checkpoint_id=where, process_group=ckpt_group)
+            truth["saves"].append({"kind": "async_save", "start": t0, "end": now()})
+            return
+        dcp.save(state, checkpoint_id=where, process_group=ckpt_group)
+        truth["saves"].append({"kind": "dcp.save", "start": t0, "end": now(),
+                               "bytes": dir_bytes(where, f"__{rank}_")})
+
+    it = iter(loader)
+    for step in range(a.steps):
+        t0 = now()
+        x, y = next(it)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        float(loss.detach())             # logging
+        truth["steps"].append({"step": step, "start": t0, "end": now()})
+        if a.eval_every and (step + 1) % a.eval_every == 0:
+            t1 = now()
+            model.eval()
+            with torch.no_grad():
+                for xv, _yv in val_loader:
+                    model(xv)
+            model.train()
+            truth["evals"].append({"start": t1, "end": now(), "batches": a.eval_batches})
+        if a.save_every and (step + 1) % a.save_every == 0 and step + 1 < a.steps:
+            save(step, False)
+    if pending is not None:
+        pending.result()
+    save(a.steps, True)
+    if a.ddp:
+        dist.barrier()
+        dist.destroy_process_group()
+    truth["end"] = now()
+    out = a.out if not a.ddp else f"{os.path.splitext(a.out)[0]}.rank{rank}.json"
+    with open(out, "w") as f:
+        json.dump(truth, f)
+
+
+if __name__ == "__main__":
+    main()
