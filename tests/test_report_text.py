@@ -82,7 +82,8 @@ def test_bandwidth_leaves_out_links_nothing_moved_over(tmp_path):
         b.sample("proc.read_chars", k * 100, k * 50e6)
     p = run_gputrace("analyze", str(_case2(tmp_path, b)), check=True)
     (line,) = [ln for ln in p.stdout.splitlines() if ln.startswith("Bandwidth:")]
-    assert line.startswith("Bandwidth: cache ") and "disk" not in line, line
+    assert line.startswith("Bandwidth: page-cache reads (files already in memory) ") and \
+        "disk" not in line, line
     b = Builder()
     for k in range(7):
         b.sample("proc.read_bytes", k * 100, 4096)

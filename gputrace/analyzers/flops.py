@@ -139,9 +139,10 @@ def finding(rows: list[dict[str, Any]], peak_source: str | None) -> str | None:
             f"{named}{more}")
 
 
-def line(d: dict[str, Any]) -> str:
+def line(d: dict[str, Any], advise_probe: bool = True) -> str:
     """The terminal's line: FLOPs per iteration, FLOP/s, MFU of each peak; where there is
-    no count, why (none for a trace that could not hold one: an older or imported one)."""
+    no count, why (none for a trace that could not hold one: an older or imported one).
+    `advise_probe`: False where the output has advised running `gputrace probe` already."""
     if not d.get("counted"):
         why = str(d.get("unavailable") or "")
         return "" if not why or "holds no FLOP count" in why else why
@@ -156,7 +157,8 @@ def line(d: dict[str, Any]) -> str:
             if r.get("hfu") and r["hfu"].get(k) is not None:
                 out += f" (HFU {r['hfu'][k]:.1%})"
     if all(d["peaks"].get(k) is None for k in ("vendor", "probed")):
-        out += " (no peak known: run gputrace probe on this machine)"
+        out += " (no peak known: run gputrace probe on this machine)" if advise_probe else \
+            " (no peak known)"
     if r.get("mfu_withheld"):
         out += f"\n  {r['mfu_withheld']}"
     held = withheld_line(d.get("layers") or [])

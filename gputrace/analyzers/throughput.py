@@ -101,12 +101,21 @@ def rank(sp: Spans, it_start: np.ndarray, it_end: np.ndarray, sel: np.ndarray,
         samples, source = batch_size, "--batch-size"
     else:
         samples, source = int(batch["samples"]), (
-            f"the input of {batch.get('input', 'the model')} ({batch.get('dtype', '?')} "
-            f"{batch.get('shape')})")
+            f"{_input(batch)} ({batch.get('dtype', '?')} {batch.get('shape')})")
     tokens = tokens_per_sample or batch.get("tokens_per_sample") or None
     per_it = samples * forwards
     return Throughput(per_it, per_it / t_iter, forwards, int(tokens) if tokens else None,
                       batch, source)
+
+
+def _input(batch: dict[str, Any]) -> str:
+    """Where the batch was read, in words: 'the input of Net.forward' (its first positional
+    argument), 'input_ids, the input of Net.forward' (a keyword argument)."""
+    mod, _, arg = str(batch.get("input") or "the model").partition(".forward ")
+    if not arg:
+        return f"the input of {mod}"
+    return f"the input of {mod}.forward" if arg == "input" else \
+        f"{arg}, the input of {mod}.forward"
 
 
 def _first_stage_forwards(sp: Spans, it_start: np.ndarray, it_end: np.ndarray,

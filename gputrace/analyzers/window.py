@@ -152,7 +152,7 @@ def _captured(table: pa.Table, rank: int) -> list[dict[str, Any]]:
     and when asked (Unix time, seconds)."""
     m = pc.and_(pc.equal(table["kind"], "instant"), pc.equal(table["cat"], "window"))
     m = pc.and_(m, pc.equal(table["rank"], rank))
-    out = []
+    out: dict[tuple[Any, Any], dict[str, Any]] = {}
     for r in table.filter(m).select(["name", "step", "args"]).to_pylist():
         if r["name"] != "capture":
             continue
@@ -161,9 +161,11 @@ def _captured(table: pa.Table, rank: int) -> list[dict[str, Any]]:
         except ValueError:
             a = {}
         asked = a.get("asked_ns")
-        out.append({"step": r["step"], "count": a.get("count"),
-                    "asked_unix_s": asked / 1e9 if isinstance(asked, int) else None})
-    return sorted(out, key=lambda c: c["step"])
+        # one window, however many of the rank's processes (its DataLoader workers) noted it
+        out.setdefault((r["step"], a.get("count")), {
+            "step": r["step"], "count": a.get("count"),
+            "asked_unix_s": asked / 1e9 if isinstance(asked, int) else None})
+    return sorted(out.values(), key=lambda c: c["step"])
 
 
 def _finding(t: np.ndarray, steps: np.ndarray, inside: np.ndarray, sp: np.ndarray
@@ -181,8 +183,8 @@ def _finding(t: np.ndarray, steps: np.ndarray, inside: np.ndarray, sp: np.ndarra
         q75, q25 = np.percentile(tin, [75, 25])
         noise = max(0.10, 2 * float(q75 - q25) / med_in) if med_in > 0 else 0.10
         if med_in > 0 and abs(med_out / med_in - 1) > noise:
-            notes.append(f"the median iteration outside the window takes {med_out * 1e3:.3g} "
-                         f"ms, inside it {med_in * 1e3:.3g} ms "
+            notes.append(f"the median iteration outside the window takes {med_out * 1e3:.1f} "
+                         f"ms, inside it {med_in * 1e3:.1f} ms "
                          f"({med_out / med_in - 1:+.0%}, beyond the window's noise "
                          f"{noise:.0%})")
     # spikes outside the window longer than any iteration it recorded in full
@@ -190,7 +192,7 @@ def _finding(t: np.ndarray, steps: np.ndarray, inside: np.ndarray, sp: np.ndarra
     if out_spikes:
         worst = sorted(out_spikes, key=lambda i: -t[i])[:3]
         notes.append(f"{len(out_spikes)} iteration(s) outside it spike: " + ", ".join(
-            f"{int(steps[i])} ({t[i] * 1e3:.3g} ms)" for i in worst))
+            f"{int(steps[i])} ({t[i] * 1e3:.1f} ms)" for i in worst))
     if not notes:
         return None
     return "the window did not catch the problem: " + "; ".join(notes) + \

@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
         from gputrace.analyzers.memory import memory_line
         from gputrace.report.terminal import render
 
-        render(a, args.rank)
+        advised = render(a, args.rank)
         line = memory_line(more["memory"], args.rank if args.rank is not None
                            else a.main.rank)
         if line:
@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         from gputrace.analyzers.flops import line as flops_line
 
         if flops_line(more["flops"]):
-            print(flops_line(more["flops"]))
+            print(flops_line(more["flops"], advise_probe=not advised))
         if "window" in more:
             from gputrace.report.window import render_window
 

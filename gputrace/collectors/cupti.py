@@ -34,13 +34,14 @@ HELD_ELSEWHERE = "(another profiler, e.g. torch.profiler or nsys, holds CUPTI)"
 
 
 def availability() -> str:
-    """'ok', or 'unavailable: <one-line reason>'."""
-    if importlib.util.find_spec("cupti") is None:
-        return "unavailable: cupti-python is not installed (pip install 'gputrace[gpu]')"
+    """'ok', or 'unavailable: <one-line reason>'. A machine without NVIDIA's driver is told
+    so, not to install the gpu extra, which would not help it."""
     try:
         ctypes.CDLL("libcuda.so.1")
     except OSError:
         return "unavailable: no CUDA driver (libcuda.so.1) on this machine"
+    if importlib.util.find_spec("cupti") is None:
+        return "unavailable: cupti-python is not installed (pip install 'gputrace[gpu]')"
     return "ok"
 
 

@@ -21,7 +21,7 @@ def print_summary(output: str, duration: float, exit_code: int, s: dict[str, Any
     size = os.path.getsize(output)
     ranks = s["ranks"]
     con.print(f"[bold]gputrace[/]: recorded {duration:.1f} s, exit code {exit_code}, "
-              f"{'ranks ' + ', '.join(map(str, ranks)) if ranks else 'no ranks'}, "
+              f"{'ranks ' + ', '.join(map(str, ranks)) if ranks else 'not distributed'}, "
               f"{count(s['rows'], 'row')} from {count(s['shards'], 'shard')} "
               f"-> {escape(output)} ({size / 1e6:.2f} MB)")
     rows_by_source: dict[str, int] = {}

@@ -13,12 +13,13 @@ from rich.table import Table
 from gputrace.analyzers import Analysis, RankAnalysis
 from gputrace.analyzers.model import UnitStats
 from gputrace.analyzers.replay import MIB, Outcome, Replay, Scenario
-from gputrace.fmt import MB_SHOWN, mb, ranges, rate
+from gputrace.fmt import ranges, rate
 from gputrace.report import console
 from gputrace.report.checks import render_withheld, shares_withheld
 from gputrace.report.collectives import headline_case, render_kinds, render_sharded
 from gputrace.report.device import busy_line
 from gputrace.report.parallel import render_parallel
+from gputrace.report.solo import ProbeAdvice, iterations_line, link_text, shown_links, solo
 from gputrace.report.throughput import rate_text, throughput_line
 
 PHASES = (("t_io", "waiting for data (I/O)"), ("t_h2d", "host to device copies"),
@@ -196,14 +197,13 @@ def _withheld(con: Console, which: list[tuple[str, str | None]]) -> None:
 
 
 def render(a: Analysis, rank: int | None = None, file: IO[str] | None = None,
-           width: int | None = None) -> None:
+           width: int | None = None) -> bool:
+    """Print the analysis; True where it advised running `gputrace probe` (said once)."""
     con = console(file, width)
     ra = a.ranks[rank] if rank is not None else a.main
+    one, advise = solo(a, ra), ProbeAdvice()
     con.print(f"[bold]{escape(headline(ra))}[/]")
-    ranks_note = f"rank {ra.rank} of {a.world_size}" + \
-        (" (slowest)" if len(a.ranks) > 1 and ra.rank == a.slowest_rank else "")
-    con.print(f"{ranks_note}; {ra.analyzed} iterations analyzed, "
-              f"first {ra.warmup_skipped} skipped as warm-up"
+    con.print(iterations_line(a, ra)
               + ("; no iteration marks: the whole trace is one window" if ra.synthetic_iterations
                  else ""))
     if ra.left_out_line:
@@ -220,6 +220,8 @@ def render(a: Analysis, rank: int | None = None, file: IO[str] | None = None,
     bt.add_column("± std", justify="right", style="dim")
     bt.add_column("share", justify="right")
     for key, label in (("t_iter", "iteration"), *phase_rows(ra)):
+        if one and key == "t_comm":
+            continue
         s = ra.breakdown[key]
         bt.add_row(key, label, _ms(s.mean), _ms(s.std), "" if key == "t_iter" or t_iter == 0
                    else "-" if shares_withheld(ra) else f"{s.mean / t_iter:.0%}")
@@ -237,7 +239,7 @@ def render(a: Analysis, rank: int | None = None, file: IO[str] | None = None,
                padding=(0, 2))
     for c in ("", "total", "hidden", "exposed", "hidden %"):
         ot.add_column(c, justify="right" if c else "left")
-    for name, d in (("gradient comm", ra.comm), ("input I/O", ra.io)):
+    for name, d in ((("gradient comm", ra.comm),) if not one else ()) + (("input I/O", ra.io),):
         ot.add_row(name, _ms(d["total_s"]), _ms(d["hidden_s"]), _ms(d["exposed_s"]),
                    f"{d['hidden_fraction']:.0%}")
     con.print(ot)
@@ -276,8 +278,9 @@ def render(a: Analysis, rank: int | None = None, file: IO[str] | None = None,
     elif ra.sharded is not None:
         strategy = f"{ra.sharded.label}: sharded iteration (docs/sharded.md)"
     con.print(f"[bold]Model[/]: {strategy}" + (f", Case {m.case}" if m.case else ""))
-    con.print(f"  eq. {m.equation} predicts {_ms(m.predicted_t_iter)} per iteration; measured "
-              f"{_ms(m.measured_t_iter)} ({m.relative_error:+.1%})")
+    if not one or abs(m.relative_error) >= 5e-4:   # one process: the sum of its phases
+        con.print(f"  eq. {m.equation} predicts {_ms(m.predicted_t_iter)} per iteration; "
+                  f"measured {_ms(m.measured_t_iter)} ({m.relative_error:+.1%})")
     if m.eq7_t_iter is not None:
         con.print(f"  [dim]the paper's eq. 7 (exposed units end to end) gives "
                   f"{_ms(m.eq7_t_iter)}[/]")
@@ -285,7 +288,7 @@ def render(a: Analysis, rank: int | None = None, file: IO[str] | None = None,
         con.print(f"  [dim]{escape(n)}[/]")
     sp = ra.speedup
     if sp.unavailable:
-        con.print(f"Predicted speedup: not computed ({escape(sp.unavailable)})")
+        con.print(f"Predicted speedup: not computed ({escape(advise(sp.unavailable))})")
     if sp.points:
         st = Table(title=f"Predicted speedup (eq. {sp.equation}, from {sp.world_size} "
                    f"rank{'s' if sp.world_size != 1 else ''})", title_justify="left",
@@ -318,28 +321,22 @@ def render(a: Analysis, rank: int | None = None, file: IO[str] | None = None,
         _what_if(con, ra.replay, m.measured_t_iter)
     elif ra.replay_unavailable:
         con.print()
-        con.print(f"[bold]What if[/]: not replayed: {escape(ra.replay_unavailable)}")
+        con.print(f"[bold]What if[/]: not replayed: {escape(advise(ra.replay_unavailable))}")
     bw = ra.bandwidth
     # a link with nothing moved over it says nothing, nor one with less than its figure
     # shows (a job's page-cache reads of its own files: "0.0 MB at 0 MB/s")
-    moved = [link for link in bw.links if link.bytes >= MB_SHOWN] if bw is not None else []
+    moved = shown_links(bw.links) if bw is not None else []
     if moved:
         con.print()
-        parts = []
-        for link in moved:
-            s = f"{link.name} {mb(link.bytes)} at {rate(link.bytes_per_s)}"
-            if link.fraction_of_peak is not None:
-                s += (f" ({link.fraction_of_peak:.0%} of the probed "
-                      f"{rate(link.peak_bytes_per_s or 0)})")
-            parts.append(s)
-        con.print("Bandwidth: " + "; ".join(parts))
+        con.print("Bandwidth: " + "; ".join(map(link_text, moved)))
         probe = a.metadata.get("probe")
         if isinstance(probe, dict):
             con.print(f"  [dim]peaks from `gputrace probe` on {escape(str(probe.get('host')))} "
                       f"at {escape(str(probe.get('created')))}[/]")
         else:
-            con.print("  [dim]no peaks to compare with: run `gputrace probe` once on this host, "
-                      "and traces recorded afterwards carry them[/]")
+            con.print("  [dim]" + advise("no peaks to compare with: run `gputrace probe` once "
+                      "on this host, and traces recorded afterwards carry them") + "[/]"
+                      if not advise.given else "  [dim]no probed peaks to compare with[/]")
     if ra.findings:
         con.print()
         con.print("[bold]Findings[/]")
@@ -350,6 +347,7 @@ def render(a: Analysis, rank: int | None = None, file: IO[str] | None = None,
     if len(a.ranks) > 1:
         con.print()
         _ranks(con, a)
+    return advise.given
 
 
 def _ranks(con: Console, a: Analysis) -> None:

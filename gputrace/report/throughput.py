@@ -23,7 +23,8 @@ def throughput_line(a: Any, ra: Any) -> str:
     tok = f", {rate_text(t.tokens_per_s)} tokens/s" if t.tokens_per_s else ""
     fw = (f": {t.forwards:.3g} forwards of {t.samples / t.forwards:.4g}"
           if t.forwards != 1 else "")
-    out = (f"throughput: {rate_text(t.samples_per_s)} samples/s{tok} on this rank "
+    on = "rank" if a.world_size > 1 else "process"
+    out = (f"throughput: {rate_text(t.samples_per_s)} samples/s{tok} on this {on} "
            f"({t.samples:.4g} samples per iteration{fw}; batch from {escape(t.source)})")
     j = a.throughput
     if j is not None and a.world_size > 1:

@@ -8,7 +8,13 @@ import numpy as np
 from rich.markup import escape
 
 from gputrace.analyzers.window import sparkline
+from gputrace.fmt import mb
 from gputrace.report import console
+
+
+def _t(s: float) -> str:
+    """A time as the rest of the output gives it: 1402.7 ms below 10 s, else 12.31 s."""
+    return f"{s * 1e3:.1f} ms" if abs(s) < 10 else f"{s:.2f} s"
 
 
 def render_window(w: dict[str, Any], file: IO[str] | None = None) -> None:
@@ -16,7 +22,7 @@ def render_window(w: dict[str, Any], file: IO[str] | None = None) -> None:
     win, run = w["window"], w["run"]
     t = np.array(run["t_iter_s"], float)
     what = ("on demand" if win.get("on_demand") else
-            f"of the last {win['max_size'] / 1e6:.3g} MB (--max-size)"
+            f"of the last {mb(win['max_size'])} (--max-size)"
             if "max_size" in win and not {"steps", "delay_s"} & set(win) else
             f"iterations {win['steps'][0]}..{win['steps'][0] + win['steps'][1] - 1}"
             if "steps" in win else
@@ -36,17 +42,16 @@ def render_window(w: dict[str, Any], file: IO[str] | None = None) -> None:
             f"{w['first_step']}..{w['last_step']}" for w in win["windows"]))
     s = run["summary"]
     if s:
-        con.print(f"  iteration time: mean {s['mean_s'] * 1e3:.3g} ms, p50 "
-                  f"{s['p50_s'] * 1e3:.3g}, p95 {s['p95_s'] * 1e3:.3g}, max "
-                  f"{s['max_s'] * 1e3:.3g}")
+        con.print(f"  iteration time: mean {_t(s['mean_s'])}, p50 {_t(s['p50_s'])}, p95 "
+                  f"{_t(s['p95_s'])}, max {_t(s['max_s'])}")
         con.print(f"  {sparkline(t)}  [dim](max per column, iteration 0 to "
                   f"{run['step'][-1]})[/]")
-        slow = ", ".join(f"{x['step']} ({x['t_iter_s'] * 1e3:.3g} ms"
+        slow = ", ".join(f"{x['step']} ({_t(x['t_iter_s'])}"
                          + ("" if x["inside_window"] else ", outside") + ")"
                          for x in s["slowest"])
         con.print(f"  slowest: {slow}")
     if run["spikes"]:
-        con.print("  spikes: " + ", ".join(f"{x['step']} ({x['t_iter_s'] * 1e3:.3g} ms)"
+        con.print("  spikes: " + ", ".join(f"{x['step']} ({_t(x['t_iter_s'])})"
                                            for x in run["spikes"][:8])
                   + (f" and {len(run['spikes']) - 8} more" if len(run["spikes"]) > 8 else ""))
     if run["finding"]:

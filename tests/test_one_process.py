@@ -1,0 +1,115 @@
+"""What one process's output says, as a newcomer reads it (samples/train_cnn.py recorded as a
+user would, no distributed set-up): no communication rows, tables or model line that only
+restate the phases, one word of advice to run `gputrace probe`, no GPU hint on a machine
+without a GPU, times in ms or s (never 1.46e+03), and one line per event."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import GPUTRACE, run_gputrace
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLE = str(ROOT / "samples" / "train_cnn.py")
+ITERATIONS = 8
+SCIENTIFIC = re.compile(r"\d(\.\d+)?e[+-]\d")
+
+
+def _gpu() -> bool:
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        return True
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> dict:
+    d = tmp_path_factory.mktemp("one")
+    times = d / "times.json"
+    rec = run_gputrace("record", "-o", str(d / "t.arrow"), "--", sys.executable, SAMPLE,
+                       "--iterations", str(ITERATIONS), "--batch-size", "8", "--workers", "1",
+                       "--samples", "128", "--data", str(d / "data"), "--times-json",
+                       str(times), cwd=d, check=True, timeout=300)
+    text = run_gputrace("analyze", "t.arrow", cwd=d, check=True).stdout
+    doc = json.loads(run_gputrace("analyze", "t.arrow", "--json", cwd=d, check=True).stdout)
+    return {"record": rec.stderr, "text": text, "doc": doc,
+            "times": json.loads(times.read_text())}
+
+
+def test_one_process_has_no_comm_rows_tables_or_restated_model(run):
+    text, doc = run["text"], run["doc"]
+    assert doc["world_size"] == 1 and doc["breakdown"]["t_comm"]["mean"] == 0
+    lines = text.splitlines()
+    assert not [ln for ln in lines if ln.split()[:1] == ["t_comm"]], text
+    assert "gradient comm" not in text.split("Hidden vs exposed")[1].split("\n\n")[0]
+    assert "Gradient units" not in text
+    # eq. 1 is the sum of the phases the table gives: a prediction of +0.0 % says nothing
+    assert " predicts " not in text, text
+    assert lines[1].startswith(f"one process; {doc['iterations']['analyzed']} iterations "
+                               "analyzed"), lines[1]
+    assert "rank 0 of 1" not in text and "on this process (" in text
+    # the job's own iterations, every one of them in the trace
+    assert doc["iterations"]["count"] == len(run["times"]) == ITERATIONS
+
+
+def test_probe_is_advised_once_and_no_gpu_hint_without_a_gpu(run):
+    said = [ln for ln in (run["text"]).splitlines() if "gputrace probe" in ln]
+    assert len(said) == 1, said
+    assert "not distributed" in run["record"].splitlines()[1] or \
+        any("not distributed" in ln for ln in run["record"].splitlines()), run["record"]
+    if not _gpu():
+        assert "gputrace[gpu]" not in run["record"], run["record"]
+        assert "no CUDA driver" in run["record"]
+
+
+def test_times_are_in_ms_or_s_and_reads_in_words(run):
+    assert not SCIENTIFIC.search(run["text"]), SCIENTIFIC.search(run["text"])
+    assert "forward input" not in run["text"]
+    assert "batch from the input of Sequential.forward (torch.float32 [8, " in run["text"]
+    bw = [ln for ln in run["text"].splitlines() if ln.startswith("Bandwidth:")]
+    for part in bw[0].removeprefix("Bandwidth: ").split("; ") if bw else []:
+        # a figure that shows: never "0.0 MB" nor "0 MB/s"
+        assert " 0.0 MB " not in part and not part.endswith(" 0 MB/s of loading"), part
+        if "cache" in part:
+            assert part.startswith("page-cache reads (files already in memory) "), part
+
+
+def test_one_capture_is_one_line_however_many_processes_noted_it(tmp_path):
+    """A window opened on demand in a job with a DataLoader worker: the worker notes the
+    window as its rank's main process does; the analysis names it once."""
+    env = {**os.environ, "GPUTRACE_RUN_DIR": str(tmp_path / "run")}
+    rec = subprocess.Popen(
+        [*GPUTRACE, "record", "-q", "-o", "od.arrow", "--on-demand", "--", sys.executable,
+         SAMPLE, "--iterations", "40", "--batch-size", "8", "--workers", "2", "--samples",
+         "128", "--image-size", "32", "--data", str(tmp_path / "data")], cwd=tmp_path, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            p = run_gputrace("capture", str(rec.pid), "--steps", "3", "--json", env=env)
+            if p.returncode == 0 or rec.poll() is not None or time.monotonic() > deadline:
+                break
+            time.sleep(1.0)
+        assert p.returncode == 0, p.stderr
+        (asked,) = json.loads(p.stdout)
+    finally:
+        _, err = rec.communicate(timeout=300)
+    assert rec.returncode == 0, err[-2000:]
+    doc = json.loads(run_gputrace("analyze", "od.arrow", "--json", cwd=tmp_path,
+                                  check=True).stdout)
+    assert [c["count"] for c in doc["window"]["captured"]] == [3], doc["window"]
+    text = run_gputrace("analyze", "od.arrow", cwd=tmp_path, check=True).stdout
+    (line,) = [ln for ln in text.splitlines() if "opened on demand:" in ln]
+    assert line.strip() == f"opened on demand: 3 from step {asked['start']}", line
+    assert not SCIENTIFIC.search(text), SCIENTIFIC.search(text)
