@@ -114,7 +114,9 @@ def test_ep2_dp2_groups_and_expert_gradient_sync(moe4):
     groups (0+2, 1+3) is gradient comm, exposed as long as the job stood in it and in DDP's
     wait, never more, with DDP's wait's tail in no phase (t_other) as for 2 ranks (within
     15 % or 1 ms); peers by global rank; the imbalance per EP group (0+1,
-    2+3), each group's tokens per rank as the job counted them."""
+    2+3), each group's tokens per rank as the job counted them, and each rank's wait for
+    its group's last rank to enter the all-to-alls as the job's own entries give it (within
+    15 % or 1 ms)."""
     run = moe4
     assert "DP 2 x EP 2, 4 ranks" in run.text
     tokens: dict[int, float] = {}
@@ -142,6 +144,11 @@ def test_ep2_dp2_groups_and_expert_gradient_sync(moe4):
         got = {int(k): v for k, v in g["tokens_by_rank"].items()}
         assert got == pytest.approx({r: tokens[r] for r in g["ranks"]}, rel=0.02)
         assert g["most_loaded_rank"] == max(g["ranks"], key=lambda r: tokens[r])
+        # each rank's wait for its own group's last rank, never the other group's
+        want = _job_waits(run, g["ranks"])
+        for r in g["ranks"]:
+            assert g["wait_s"][str(r)] == pytest.approx(sum(want[r].values()), rel=TIME_TOL,
+                                                        abs=1e-3), (g["ranks"], r, want)
 
 
 def _job_waits(run, ranks: list[int]) -> dict[int, dict[int, float]]:
