@@ -160,7 +160,11 @@ def analyze(sp: Spans, r: Rows, it_start: np.ndarray, it_end: np.ndarray,
             for q, n in enumerate(sp_):
                 g = ranks[q] if q < len(ranks) else q
                 rows_to[g] = rows_to.get(g, 0.0) + float(n) / n_it
-    step = (steps[it] if steps is not None else it).astype(np.int64)
+    # the step numbers match the members' iterations; where some are unknown (-1) or
+    # repeat, the iteration's place among the analyzed ones
+    known = steps is not None and steps.size > int(sel.max()) and \
+        (steps[sel] >= 0).all() and np.unique(steps[sel]).size == sel.size
+    step = (steps[it] if known else np.searchsorted(np.sort(sel), it)).astype(np.int64)
     first = np.r_[True, it[1:] != it[:-1]]
     place = np.arange(j.size) - np.maximum.accumulate(np.where(first, np.arange(j.size), 0))
     entries = (step, place, layer, sp.start[r.idx[j]].astype(np.int64),
