@@ -185,6 +185,8 @@ def test_expert_parallel_table(traces):
     assert t[0]["bytes_over_mean"] == pytest.approx(8000 / 6000)
     assert t[1]["bytes_over_mean"] == pytest.approx(4000 / 6000)
     assert t[0]["most_loaded"] and not t[1]["most_loaded"]
+    # both ranks enter each all-to-all at once: neither waits for the other
+    assert (t[0]["wait_s"], t[1]["wait_s"]) == pytest.approx((0.0, 0.0))
     imb = doc["parallelism"]["expert_parallel"]["imbalance"]
     assert imb["ratio"] == pytest.approx(t[0]["bytes_over_mean"])
     _empty(r, "tp_layers", "tp_what_if", "pipeline_stages", "pipeline_what_if")

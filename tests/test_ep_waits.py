@@ -39,10 +39,14 @@ def _trace(path: Path, steps: bool = True) -> Path:
 
 
 def _group(path: Path) -> dict:
-    doc = gputrace.analyze(path, progress=False).to_dict()
+    r = gputrace.analyze(path, progress=False)
+    doc = r.to_dict()
     ep = doc["ranks"]["0"]["parallelism"]["expert_parallel"]
     assert ep["moe_layers"] == 1 and ep["roles"]["counts"]["count"] == 1
-    return ep["imbalance"]["groups"][0]
+    g = ep["imbalance"]["groups"][0]
+    table = {x["rank"]: x["wait_s"] for x in r.table("expert_parallel").records()}
+    assert table == {int(k): v for k, v in g["wait_s"].items()}
+    return g
 
 
 def test_wait_for_the_last_rank_and_the_balanced_replay(tmp_path):

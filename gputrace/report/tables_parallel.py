@@ -24,7 +24,7 @@ PIPELINE_WHAT_IF_COLUMNS = ("what", "schedule", "microbatches", "t_iter", "bubbl
 EP_COLUMNS = ("rank", "degree", "moe_layers", "count", "bytes", "time_s", "exposed_s",
               "dispatch_count", "dispatch_bytes", "dispatch_exposed_s", "combine_count",
               "combine_bytes", "combine_exposed_s", "peer_bytes", "bytes_over_mean",
-              "most_loaded")
+              "most_loaded", "wait_s")
 TABLES = ("tp_layers", "tp_what_if", "pipeline_stages", "pipeline_what_if",
           "expert_parallel")
 
@@ -92,7 +92,9 @@ def expert_parallel(doc: dict[str, Any]) -> Table:
     """Per rank, its expert-parallel all-to-alls per iteration: count, bytes, time, the time
     it stood in them, its dispatches and combines (forward), its bytes to each peer of the
     group (`peer_bytes`, rank 0 of the group first; () when not recorded) and its bytes over
-    the mean rank's (`bytes_over_mean`; `most_loaded`: the imbalance's most-loaded rank)."""
+    the mean rank's (`bytes_over_mean`; `most_loaded`: the imbalance's most-loaded rank),
+    its wait per iteration for its group's last rank to enter the all-to-alls (`wait_s`,
+    None where not known)."""
     rows = []
     for r, ep in _sections(doc, "expert_parallel"):
         imb = ep.get("imbalance") or {}
@@ -106,8 +108,11 @@ def expert_parallel(doc: dict[str, Any]) -> Table:
             row.update({f"{role}_count": x.get("count", 0.0),
                         f"{role}_bytes": x.get("bytes", 0.0),
                         f"{role}_exposed_s": x.get("exposed_s", 0.0)})
+        waits = next((g.get("wait_s") or {} for g in imb.get("groups") or ()
+                      if r in g.get("ranks", ())), {})
         row.update(peer_bytes=tuple(ep.get("peers") or ()),
                    bytes_over_mean=by[r] / mean if r in by and mean > 0 else None,
-                   most_loaded=imb.get("most_loaded_rank") == r if imb else None)
+                   most_loaded=imb.get("most_loaded_rank") == r if imb else None,
+                   wait_s=waits.get(str(r)))
         rows.append(row)
     return _table("expert_parallel", rows, EP_COLUMNS)
