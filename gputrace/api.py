@@ -37,7 +37,7 @@ __all__ = ["AnalysisError", "AnalysisOptions", "ChartView", "DiffResult", "Missi
 
 
 TABLES = ("breakdown", "iterations", "units", "ranks", "findings", "speedup", "what_if",
-          "throughput", "memory", "layers", "flops", "withheld", "recompute",
+          "throughput", "memory", "layers", "flops", "withheld", "recompute", "goodput",
           # tensor, pipeline and expert parallelism (report.tables_parallel)
           "tp_layers", "tp_what_if", "pipeline_stages", "pipeline_what_if", "expert_parallel")
 
@@ -227,7 +227,9 @@ class Result:
         iteration, FLOP/s, MFU and HFU), `withheld` (each figure withheld because one of the
         analysis's invariants did not hold, with the invariant and why), `recompute` (per rank
         the forward recomputed in the backward under activation checkpointing, a part of
-        t_b: the whole, layer None, and each layer's); the parallelisms': `tp_layers` (every rank's tensor-parallel
+        t_b: the whole, layer None, and each layer's), `goodput` (the whole run, per rank and
+        for the job, rank None: the training steps' and each badput category's seconds and
+        share of the wall time); the parallelisms': `tp_layers` (every rank's tensor-parallel
         collectives per layer and phase), `tp_what_if` (the TP-degree what-if),
         `pipeline_stages`, `pipeline_what_if`, `expert_parallel` (per rank, with its bytes
         to each peer): with their columns and no rows for a run without them."""

@@ -13,6 +13,7 @@ from gputrace import progress
 from gputrace.analyzers import collective_totals as ct
 from gputrace.analyzers import collectives as col
 from gputrace.analyzers import frame as fr
+from gputrace.analyzers import goodput as gp
 from gputrace.analyzers import invariants, sanity, zero_whatif
 from gputrace.analyzers import recompute as rcp
 from gputrace.analyzers import sharded as shd
@@ -112,6 +113,7 @@ class RankPart:
     groups: dict[str, dict[str, Any]] = field(default_factory=dict)  # registry.groups
     left_out: int | None = None   # the analyzed iteration whose FLOPs were counted (its index)
     recompute: rcp.Recompute | None = None   # the forward recomputed in the backward
+    goodput: gp.Goodput | None = None   # the whole run: its training share, its badput
 
     @property
     def sel(self) -> np.ndarray:
@@ -132,6 +134,7 @@ def analyze_spans(sp: fr.Spans, o: Options) -> RankPart:
     cr = col.rows(sp)
     msp = col.for_model(sp, cr)
     rs = analyze_rank(msp, col.stood(sp, cr), col.not_units(sp, cr), col.stood_by_dim(sp, cr))
+    good = gp.of_rank(sp, rs.iterations)
     extra = _extra_findings(sp, rs)
     n = rs.iterations.start.size
     skipped = warmup_skip(n, o.skip)
@@ -165,7 +168,7 @@ def analyze_spans(sp: fr.Spans, o: Options) -> RankPart:
                    if k in rs.terms},
         comm=comm, io=_overlap(rs.io, sel),
         comm_exposed_s=comm["exposed_s"],
-        model=model, findings=extra, steps=rs,
+        model=model, findings=extra + gp.findings(good), steps=rs,
         devices=tuple(int(d) for d in np.unique(sp.device[sp.on_gpu()])),
         all_units=UnitTimes(its.step[u.it], u.index, u.start, u.end),
         analyzed=(int(its.start[skipped]), int(its.end[n - 1]), int(n - skipped))
@@ -176,7 +179,8 @@ def analyze_spans(sp: fr.Spans, o: Options) -> RankPart:
         dims=dims, degrees=registry.degrees(cr, inside), groups=registry.groups(cr, inside),
         throughput=tput.rank(sp, its.start, its.end, sel, float(rs.terms["t_iter"][sel].mean())
                              if sel.size else 0.0, *o.batch), left_out=left,
-        recompute=rcp.summarize(sp, rs.recompute_s, rs.layer_recompute_s, rs.terms["t_b"], sel))
+        recompute=rcp.summarize(sp, rs.recompute_s, rs.layer_recompute_s, rs.terms["t_b"], sel),
+        goodput=good)
 
 
 def _fsdp_part(p: RankPart, o: Options) -> Any:
@@ -352,7 +356,8 @@ def combine(parts: list[FramePart], md: dict[str, Any], opts: Options, probe: An
             dims=p.dims, degrees=degrees, parallel=parallel, groups=groups,
             dimensions=registry.describe(degrees, world), throughput=p.throughput,
             flops_left_out=None if p.left_out is None else int(p.steps.iterations.step[p.left_out]),
-            recompute=rcp.seen(p.recompute, md), device_busy=_device_busy(p))
+            recompute=rcp.seen(p.recompute, md), device_busy=_device_busy(p),
+            goodput=p.goodput)
     slowest = max(out, key=lambda r: out[r].breakdown["t_iter"].mean)
     main = out[slowest]
     if main.replay is not None:

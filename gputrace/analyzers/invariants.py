@@ -34,11 +34,14 @@ INVARIANTS = {
               "the whole",
     "one_value": "one figure has one value wherever it is printed",
     "what_if_asked": "a what-if asked for is either a row or a line saying why not",
+    "goodput_sum": "each rank's training time and badput categories sum to its wall time, "
+                   "none of them negative",
 }
 # consistency invariants: broken, a figure is wrong (a fault of the analysis); of the
 # others, a model may miss the run it replays, and a what-if that cannot be replayed gets
 # its reason here (the check is what keeps that invariant)
-CONSISTENCY = frozenset({"degrees", "terms_sum", "shares", "hidden", "one_value"})
+CONSISTENCY = frozenset({"degrees", "terms_sum", "shares", "hidden", "one_value",
+                         "goodput_sum"})
 TERMS_TOL = 0.01       # the terms' sum against t_iter
 TERMS_ABS_S = 20e-6    # and never tighter than this (a clock's tick on tiny iterations)
 REPLAY_TOL = 0.05      # the replay of the measured configuration against the measurement
@@ -212,6 +215,22 @@ def _speedup_point(ra: RankAnalysis, world: int) -> tuple[Any, Check | None]:
     return sp, None
 
 
+def _goodput_sum(ra: RankAnalysis) -> Check | None:
+    """The run's time: training and every badput category make its wall time."""
+    g = ra.goodput
+    if g is None:
+        return None
+    parts = [g.training_s, *g.badput_s.values()]
+    total = sum(parts)
+    if abs(total - g.wall_s) <= max(1e-6 * g.wall_s, TERMS_ABS_S) and min(parts) >= 0:
+        return None
+    from gputrace.analyzers.goodput import WITHHELD
+    return Check("goodput_sum", WITHHELD,
+                 f"training ({_ms(g.training_s)}) and the badput categories sum to "
+                 f"{_ms(total)} against the run's wall time of {_ms(g.wall_s)}: some time is "
+                 "counted twice or not at all", ra.rank)
+
+
 def _replay_baseline(ra: RankAnalysis) -> Check | None:
     rp = ra.replay
     if rp is None or not rp.measured_t_iter > 0:
@@ -258,6 +277,8 @@ def check_rank(ra: RankAnalysis, world: int, asked: Sequence[Scenario] = ()
     checks += _shares(ra)
     checks += _hidden(ra)
     c = _kinds_agree(ra)
+    checks += [c] if c else []
+    c = _goodput_sum(ra)
     checks += [c] if c else []
     sp, c = _speedup_point(ra, world)
     checks += [c] if c else []

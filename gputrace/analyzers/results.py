@@ -68,6 +68,9 @@ class RankAnalysis:
     # the forward recomputed in the backward (activation checkpointing), a part of t_b:
     # analyzers.recompute.Recompute
     recompute: Any = None
+    # the whole run (analyzers.goodput.Goodput): its training iterations' share of the
+    # rank's wall time and the badput by category; None where the trace does not hold it
+    goodput: Any = None
 
     @property
     def analyzed(self) -> int:

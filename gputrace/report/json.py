@@ -9,6 +9,7 @@ from gputrace.analyzers import Analysis, RankAnalysis
 from gputrace.analyzers.invariants import INVARIANTS
 from gputrace.analyzers.outliers import Outlier
 from gputrace.analyzers.replay import Replay
+from gputrace.report.goodput import goodput_dict, job_dict
 from gputrace.report.json_comm import collectives_dict, parallelism_dict, sharded_dict
 
 FORMAT = "gputrace-analysis"
@@ -79,6 +80,7 @@ def rank_dict(ra: RankAnalysis) -> dict[str, Any]:
         "withheld": dict(ra.withheld),
         "device_busy": dict(ra.device_busy) if ra.device_busy is not None else None,
         "recompute": ra.recompute.as_dict() if ra.recompute is not None else None,
+        "goodput": goodput_dict(ra),
     }
 
 
@@ -130,6 +132,8 @@ def to_dict(a: Analysis, rank: int | None = None) -> dict[str, Any]:
     doc["throughput"] = {**(doc["throughput"] or {}), "job": a.throughput.as_dict()
                          if a.throughput is not None else None,
                          "unavailable": None if main.throughput is not None else NO_BATCH}
+    if doc["goodput"] is not None:
+        doc["goodput"] = {**doc["goodput"], "job": job_dict(a)}
     doc["hosts"] = _hosts(a)
     doc["clock"] = _clock(a)
     doc["slowest"] = _outlier(a.slowest_why) if a.slowest_why else None

@@ -264,3 +264,23 @@ def iterations(a: Analysis) -> Table:
     # flops_left_out last: the columns before it are as they were (extended, never moved)
     return Table("iterations", ("rank", "step", "warmup", "start_s", *TERMS,
                                 "comm_exposed_s", "flops_left_out"), tuple(rows))
+
+
+GOODPUT_COLUMNS = ("rank", "category", "seconds", "share")
+
+
+def goodput(doc: dict[str, Any]) -> Table:
+    """The whole run (the JSON's `goodput`): per rank, and for the job (rank None: its
+    ranks' seconds summed), the training steps' and each badput category's seconds and
+    share of the wall time; the rows of a rank sum to its wall time."""
+    out: list[dict[str, Any]] = []
+    job = (doc.get("goodput") or {}).get("job")
+    for r, g in [*((int(r), rd.get("goodput")) for r, rd in doc["ranks"].items()),
+                 *([(None, job)] if job and len(doc["ranks"]) > 1 else [])]:
+        if not g:
+            continue
+        out.append({"rank": r, "category": "training", "seconds": g["training_s"],
+                    "share": g["goodput"]})
+        out += [{"rank": r, "category": k, "seconds": s, "share": g["badput_share"][k]}
+                for k, s in g["badput_s"].items()]
+    return _table("goodput", out, GOODPUT_COLUMNS)

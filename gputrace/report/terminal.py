@@ -18,6 +18,7 @@ from gputrace.report import console
 from gputrace.report.checks import render_withheld, shares_withheld
 from gputrace.report.collectives import headline_case, render_kinds, render_sharded
 from gputrace.report.device import busy_line
+from gputrace.report.goodput import goodput_line, render_goodput
 from gputrace.report.parallel import render_parallel
 from gputrace.report.solo import ProbeAdvice, iterations_line, link_text, shown_links, solo
 from gputrace.report.throughput import rate_text, throughput_line
@@ -203,6 +204,8 @@ def render(a: Analysis, rank: int | None = None, file: IO[str] | None = None,
     ra = a.ranks[rank] if rank is not None else a.main
     one, advise = solo(a, ra), ProbeAdvice()
     con.print(f"[bold]{escape(headline(ra))}[/]")
+    if (good := goodput_line(a, ra)) is not None:
+        con.print(good)
     con.print(iterations_line(a, ra)
               + ("; no iteration marks: the whole trace is one window" if ra.synthetic_iterations
                  else ""))
@@ -233,6 +236,7 @@ def render(a: Analysis, rank: int | None = None, file: IO[str] | None = None,
     con.print(bt)
     for line in filter(None, (busy_line(ra), throughput_line(a, ra))):
         con.print(line)
+    render_goodput(con, a, ra)
     con.print()
 
     ot = Table(title="Hidden vs exposed (per iteration)", title_justify="left", box=None,

@@ -6,6 +6,8 @@ from typing import Any
 
 from rich.markup import escape
 
+from gputrace.report.goodput import run_samples_per_s
+
 
 def rate_text(x: float) -> str:
     """A rate as people read it: 30,885 or 12.3."""
@@ -26,6 +28,9 @@ def throughput_line(a: Any, ra: Any) -> str:
     on = "rank" if a.world_size > 1 else "process"
     out = (f"throughput: {rate_text(t.samples_per_s)} samples/s{tok} on this {on} "
            f"({t.samples:.4g} samples per iteration{fw}; batch from {escape(t.source)})")
+    run = run_samples_per_s(ra)
+    if run is not None:
+        out += f"; over the whole run {rate_text(run)} samples/s (every training step over the wall time)"
     j = a.throughput
     if j is not None and a.world_size > 1:
         jt = f", {rate_text(j.tokens_per_s)} tokens/s" if j.tokens_per_s else ""

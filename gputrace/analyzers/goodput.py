@@ -1,0 +1,238 @@
+"""The whole run, not only its training iterations: each rank's wall time (its process's
+start to the recording's end, the `process` span) split into its training iterations'
+time (the goodput) and the badput by category, each instant counted once, in this order:
+
+- evaluation: the evaluation passes and batches (`evaluation` spans);
+- checkpointing: the blocking part of saves and loads (`checkpoint` spans; an async save's
+  background part runs beside the job and is not counted);
+- data_stalls: between the first and the last iteration, the loop's waits for data and its
+  loaders' starts and ends (`io` spans on the loop's thread, `loader` spans) outside the
+  iterations (whose own wait is their t_io);
+- startup: the rest before the first training iteration;
+- shutdown: the rest after the last one;
+- other: the rest between iterations where some span of the job's shows it at work;
+- stalls: the rest between iterations, where nothing recorded explains the time.
+
+Training time plus the categories is the wall time (invariants.goodput)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from gputrace.analyzers import overlap as ov
+from gputrace.analyzers.findings import Finding
+from gputrace.analyzers.frame import Spans
+from gputrace.analyzers.steps import Iterations
+
+CATEGORIES = ("startup", "evaluation", "checkpointing", "data_stalls", "stalls", "shutdown",
+              "other")
+SEC = 1e9
+WITHHELD = "the run's goodput and badput"   # the figure invariants.goodput_sum withholds
+
+
+@dataclass(frozen=True)
+class Goodput:
+    """One rank's run (or the job's: ranks' seconds summed), in seconds."""
+
+    wall_s: float
+    training_s: float
+    badput_s: dict[str, float]          # category -> seconds (CATEGORIES, all present)
+    iterations: int
+    startup_parts_s: dict[str, float] = field(default_factory=dict)
+    evaluation: dict[str, float] = field(default_factory=dict)
+    checkpoint: dict[str, float] = field(default_factory=dict)
+    ranks: int = 1
+
+    @property
+    def goodput(self) -> float:
+        return self.training_s / self.wall_s if self.wall_s > 0 else float("nan")
+
+    def share(self, category: str) -> float:
+        return self.badput_s[category] / self.wall_s if self.wall_s > 0 else float("nan")
+
+    def as_dict(self) -> dict[str, object]:
+        return {"wall_s": self.wall_s, "training_s": self.training_s,
+                "goodput": _n(self.goodput), "badput_s": dict(self.badput_s),
+                "badput_share": {k: _n(self.share(k)) for k in CATEGORIES},
+                "iterations": self.iterations, "startup_parts_s": dict(self.startup_parts_s),
+                "evaluation": {k: _n(v) for k, v in self.evaluation.items()},
+                "checkpoint": {k: _n(v) for k, v in self.checkpoint.items()},
+                "ranks": self.ranks}
+
+
+def _n(x: float) -> float | None:
+    """A figure for JSON: null where it cannot be computed (NaN)."""
+    return None if x != x else x
+
+
+def _u(sp: Spans, m: np.ndarray) -> ov.Union:
+    m = m & sp.lasting()
+    return ov.union(sp.start[m], sp.end[m])
+
+
+def _clip(u: ov.Union, lo: int, hi: int) -> ov.Union:
+    return ov.intersect(u, (np.array([lo], np.int64), np.array([hi], np.int64)))
+
+
+def _s(u: ov.Union) -> float:
+    return ov.total(u) / SEC
+
+
+def of_rank(sp: Spans, its: Iterations) -> Goodput | None:
+    """The rank's goodput and badput; None without the process's `run` span (a trace
+    recorded before it, an import) or without a training iteration."""
+    run = np.flatnonzero(sp.of("process") & (sp.name == _code(sp, "run")))
+    if not run.size or its.synthetic or not its.start.size:
+        return None
+    lo, hi = int(sp.start[run].min()), int(sp.end[run].max())
+    if hi <= lo:
+        return None
+    first, last = int(its.start.min()), int(its.end.max())
+    train = _clip(ov.union(its.start, its.end), lo, hi)
+    # evaluation batches recorded as iterations (before the first optimizer step, or by an
+    # older recorder) are evaluation where training iterations are the run's
+    ev_m = sp.of("evaluation") | (sp.of("iteration") & (sp.name == _code(sp, "inference")))
+    ck_m = sp.of("checkpoint") & ~_background(sp)
+    pid, tid = its.loop
+    loop = (sp.pid == pid) & (sp.tid == tid)
+    data_m = (sp.of("io") & loop) | sp.of("loader")
+    taken = train
+    out: dict[str, ov.Union] = {}
+    # the loaders' start before the first iteration is start-up's, after the last one
+    # shut-down's
+    for name, m, a, b in (("evaluation", ev_m, lo, hi), ("checkpointing", ck_m, lo, hi),
+                          ("data_stalls", data_m, first, last)):
+        out[name] = ov.subtract(_clip(_u(sp, m), a, b), taken)
+        taken = ov.merge(taken, out[name])
+    rest = ov.subtract((np.array([lo], np.int64), np.array([hi], np.int64)), taken)
+    startup = _clip(rest, lo, first)
+    shutdown = _clip(rest, last, hi)
+    between = _clip(rest, first, last)
+    # the job's own spans, host side (a phase, the framework's, the user's): at work
+    work = _u(sp, (sp.device < 0) & ~sp.of("iteration") & ~sp.of("process") & ~sp.of("run"))
+    other = ov.intersect(between, work)
+    badput = {"startup": _s(startup), "evaluation": _s(out["evaluation"]),
+              "checkpointing": _s(out["checkpointing"]), "data_stalls": _s(out["data_stalls"]),
+              "stalls": _s(ov.subtract(between, work)), "shutdown": _s(shutdown),
+              "other": _s(other)}
+    return Goodput((hi - lo) / SEC, _s(train), badput, int(its.start.size),
+                   _startup_parts(sp, lo, first), _evaluation(sp), _checkpoint(sp))
+
+
+def _code(sp: Spans, name: str) -> int:
+    return sp.names.index(name) if name in sp.names else -2
+
+
+def _background(sp: Spans) -> np.ndarray:
+    return sp.name == _code(sp, "dcp.async_save (background)")
+
+
+def _startup_parts(sp: Spans, lo: int, first: int) -> dict[str, float]:
+    """What start-up shows of itself: the distributed initialization, the loaders' start
+    before the first iteration, and the process's time before either (imports, the
+    model's construction: not told apart)."""
+    init = _clip(_u(sp, sp.of("startup") & (sp.name == _code(sp, "init_process_group"))),
+                 lo, first)
+    loader = ov.subtract(_clip(_u(sp, sp.of("loader")), lo, first), init)
+    return {"init_process_group_s": _s(init), "loader_start_s": _s(loader)}
+
+
+def _evaluation(sp: Spans) -> dict[str, float]:
+    passes = sp.of("evaluation") & (sp.name == _code(sp, "pass"))
+    batches = sp.of("evaluation") & (sp.name == _code(sp, "batch"))
+    n, b = int(passes.sum()), int(batches.sum())
+    if not n and not b:
+        return {}
+    dp = (sp.end[passes] - sp.start[passes]) / SEC
+    db = (sp.end[batches] - sp.start[batches]) / SEC
+    return {"passes": n, "batches": b,
+            "per_pass_s": float(dp.mean()) if n else float("nan"),
+            "per_batch_s": float(db.mean()) if b else float("nan")}
+
+
+def _checkpoint(sp: Spans) -> dict[str, float]:
+    m = sp.of("checkpoint")
+    if not m.any():
+        return {}
+    bg = _background(sp) & m
+    fg = m & ~bg
+    idx = np.flatnonzero(fg)
+    dur = (sp.end[idx] - sp.start[idx]) / SEC
+    known = ~np.isnan(sp.nbytes[idx])
+    nbytes = float(np.nansum(sp.nbytes[idx]))
+    bg_dur = (sp.end[bg] - sp.start[bg]) / SEC
+    bg_bytes = float(np.nansum(sp.nbytes[bg])) if bg.any() else 0.0
+    # a save's rate: its bytes over its own time (those whose bytes are known)
+    timed = float(dur[known].sum())
+    return {"count": int(idx.size), "seconds": float(dur.sum()), "bytes": nbytes,
+            "per_save_s": float(dur.mean()) if idx.size else float("nan"),
+            "bytes_per_s": nbytes / timed if timed > 0 and nbytes > 0 else float("nan"),
+            "background_count": int(bg.sum()), "background_s": float(bg_dur.sum()),
+            "background_bytes": bg_bytes}
+
+
+def job(ranks: list[Goodput | None]) -> Goodput | None:
+    """The job's: every rank's seconds summed (rank-seconds), so its goodput is the ranks'
+    training time over their wall time; None where no rank has one."""
+    got = [g for g in ranks if g is not None]
+    if not got:
+        return None
+    if len(got) == 1:
+        return got[0]
+    return Goodput(sum(g.wall_s for g in got), sum(g.training_s for g in got),
+                   {k: sum(g.badput_s[k] for g in got) for k in CATEGORIES},
+                   max(g.iterations for g in got), ranks=len(got))
+
+
+# a category's share of the run from which it is a finding
+EVALUATION_LARGE = 0.10
+CHECKPOINT_LARGE = 0.05
+STALLS_LARGE = 0.05
+STARTUP_LARGE = 0.25
+
+
+def findings(g: Goodput | None) -> list[Finding]:
+    """What the run's time beyond its iterations says, where a category is large."""
+    if g is None or not g.wall_s > 0:
+        return []
+    out = []
+    ev, ck = g.evaluation, g.checkpoint
+    sh = g.share("evaluation")
+    if sh >= EVALUATION_LARGE and ev.get("passes"):
+        out.append(Finding(
+            "evaluation_large", "high" if sh >= 0.25 else "moderate",
+            f"evaluation takes {sh:.0%} of the run ({g.badput_s['evaluation']:.2f} s of "
+            f"{g.wall_s:.2f} s): {ev['passes']} passes of {ev['per_pass_s']:.2f} s, "
+            f"{ev['batches']} batches of {ev['per_batch_s'] * 1e3:.0f} ms, beside "
+            f"{g.iterations} training steps; evaluating less often or on fewer batches "
+            "gives the time back to training"))
+    sh = g.share("checkpointing")
+    if sh >= CHECKPOINT_LARGE and ck.get("count"):
+        rate = ck.get("bytes_per_s", float("nan"))
+        moved = (f", {ck['bytes'] / ck['count'] / 1e6:.1f} MB each at {rate / 1e6:.0f} MB/s"
+                 if rate == rate else "")
+        out.append(Finding(
+            "checkpoint_large", "high" if sh >= 0.20 else "moderate",
+            f"checkpointing takes {sh:.0%} of the run: {ck['count']} saves or loads of "
+            f"{ck['per_save_s']:.2f} s{moved}; torch.distributed.checkpoint's async_save "
+            "would take the writes off the training loop (only its staging blocks)"))
+    sh = g.share("stalls")
+    if sh >= STALLS_LARGE:
+        out.append(Finding(
+            "stalls_large", "moderate",
+            f"{g.badput_s['stalls']:.2f} s ({sh:.0%} of the run) pass between training "
+            "steps with nothing recorded at work: waits outside the recorded phases "
+            "(a sleep, a lock, a peer, I/O the loop does itself)"))
+    sh = g.share("startup")
+    if sh >= STARTUP_LARGE:
+        parts = g.startup_parts_s
+        seen = ", ".join(f"{k.removesuffix('_s').replace('_', ' ')} {v:.2f} s"
+                         for k, v in parts.items() if v > 0)
+        out.append(Finding(
+            "startup_large", "info",
+            f"start-up takes {sh:.0%} of the run ({g.badput_s['startup']:.2f} s from the "
+            f"process's start to the first training step{': ' + seen if seen else ''}; "
+            "the rest imports and the model's construction): a longer run spreads it"))
+    return out

@@ -1,0 +1,85 @@
+"""The whole run in words: the goodput line under the headline, the badput table, and the
+`goodput` document of `--json` (analyzers.goodput)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.markup import escape
+from rich.table import Table
+
+from gputrace.analyzers.goodput import CATEGORIES, WITHHELD, Goodput, job
+
+LABELS = {"startup": "start-up (process start to the first training step)",
+          "evaluation": "evaluation passes",
+          "checkpointing": "checkpoint saves and loads (blocking part)",
+          "data_stalls": "data stalls outside the iterations (loader starts, waits)",
+          "stalls": "stalls between steps, nothing recorded at work",
+          "shutdown": "shut-down (last training step to the end)",
+          "other": "other work between steps (recorded, in no category)"}
+
+
+NAMES = {"startup": "start-up", "shutdown": "shut-down", "data_stalls": "data stalls"}
+
+
+def _s(x: float) -> str:
+    return f"{x * 1e3:.0f} ms" if abs(x) < 1 else f"{x:.2f} s"
+
+
+def run_samples_per_s(ra: Any) -> float | None:
+    """Samples per second over the rank's whole run: every training step's samples over
+    its wall time (the throughput's batch, the goodput's steps); None where either is
+    unknown."""
+    g, t = ra.goodput, ra.throughput
+    if g is None or t is None or not g.wall_s > 0 or WITHHELD in ra.withheld:
+        return None
+    return float(t.samples * g.iterations / g.wall_s)
+
+
+def goodput_line(a: Any, ra: Any) -> str | None:
+    """The line under the headline: the training steps' share of the run and its largest
+    badput."""
+    g: Goodput | None = ra.goodput
+    if g is None:
+        return None
+    if WITHHELD in ra.withheld:
+        return f"[dim]goodput: withheld ({escape(ra.withheld[WITHHELD])})[/]"
+    top = max(CATEGORIES, key=lambda k: g.badput_s[k])
+    jg = job([r.goodput for r in a.ranks.values()]) if len(a.ranks) > 1 else None
+    jt = f"; the job's {jg.goodput:.0%} over {jg.ranks} ranks" if jg is not None else ""
+    return (f"Goodput {g.goodput:.0%}: training steps took {_s(g.training_s)} of the run's "
+            f"{_s(g.wall_s)}{jt}; the largest badput is {NAMES.get(top, top)} "
+            f"({_s(g.badput_s[top])}, {g.share(top):.0%})")
+
+
+def render_goodput(con: Any, a: Any, ra: Any) -> None:
+    """The small table of the run's time by category."""
+    g: Goodput | None = ra.goodput
+    if g is None or WITHHELD in ra.withheld:
+        return
+    t = Table(title=f"The whole run ({_s(g.wall_s)} on this rank)", title_justify="left",
+              box=None, padding=(0, 2))
+    for c in ("", "", "time", "share"):
+        t.add_column(c, justify="right" if c else "left")
+    t.add_row("training", f"{g.iterations} training steps", _s(g.training_s),
+              f"{g.goodput:.0%}")
+    for k in CATEGORIES:
+        if g.badput_s[k] > 0:
+            t.add_row(NAMES.get(k, k), LABELS[k], _s(g.badput_s[k]), f"{g.share(k):.0%}")
+    con.print(t)
+
+
+def goodput_dict(ra: Any) -> dict[str, Any] | None:
+    """A rank's `goodput` document: None where the trace does not hold the run or an
+    invariant withheld it."""
+    g: Goodput | None = ra.goodput
+    if g is None or WITHHELD in ra.withheld:
+        return None
+    return {**g.as_dict(), "run_samples_per_s": run_samples_per_s(ra)}
+
+
+def job_dict(a: Any) -> dict[str, Any] | None:
+    """The job's: its ranks' seconds summed."""
+    got = [r.goodput for r in a.ranks.values() if WITHHELD not in r.withheld]
+    g = job(got)
+    return g.as_dict() if g is not None else None

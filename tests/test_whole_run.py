@@ -1,0 +1,127 @@
+"""The whole run, not only its iterations: a real training job (tests/jobs/run_phases.py)
+times its own steps, validation passes, checkpoints, start-up and wall time, is recorded by
+`gputrace record`, and gputrace's steps, evaluation, checkpointing, start-up and goodput are
+held to the job's own clocks (10 % or 50 ms; goodput within 2 points)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from gputrace import load  # noqa: E402
+from tests.conftest import run_gputrace  # noqa: E402
+
+JOB = str(Path(__file__).resolve().parent / "jobs" / "run_phases.py")
+pytestmark = pytest.mark.slow
+
+
+def close(got: float, want: float, what: str) -> None:
+    """Within 10 % or 50 ms of the job's own clock."""
+    assert abs(got - want) <= max(0.10 * want, 0.050), (what, got, want)
+
+
+def spans(rows: list[dict], cat: str, name: str | None = None, rank: int | None = None
+          ) -> list[dict]:
+    return sorted((r for r in rows if r["cat"] == cat and (name is None or r["name"] == name)
+                   and (rank is None or r["rank"] == rank)), key=lambda r: r["start_ns"])
+
+
+def job_goodput(t: dict) -> float:
+    """The job's own: its training steps' time over its wall time (process start to the
+    last line of main)."""
+    return sum(s["end"] - s["start"] for s in t["steps"]) / (t["end"] - t["process_start"])
+
+
+def check_rank(rows: list[dict], doc: dict, t: dict, rank: int | None) -> None:
+    its = spans(rows, "iteration", rank=rank)
+    # steps as the job numbers them: the validation passes between them count none
+    assert [r["step"] for r in its] == [s["step"] for s in t["steps"]]
+    assert {r["name"] for r in its} == {"iteration"}
+    for r, s in zip(its, t["steps"], strict=True):
+        close((r["end_ns"] - r["start_ns"]) / 1e9, (s["end"] - s["start"]) / 1e9,
+              f"step {s['step']}")
+    # each validation pass, on the job's clock, and its batches
+    passes = spans(rows, "evaluation", "pass", rank)
+    assert len(passes) == len(t["evals"])
+    for p, e in zip(passes, t["evals"], strict=True):
+        close((p["end_ns"] - p["start_ns"]) / 1e9, (e["end"] - e["start"]) / 1e9, "pass")
+        assert json.loads(p["args"])["batches"] == e["batches"]
+    # each save's blocking part, and its bytes where the job counted them
+    saves = [r for r in spans(rows, "checkpoint", rank=rank)
+             if not json.loads(r["args"]).get("background")]
+    assert len(saves) == len(t["saves"])
+    for r, s in zip(saves, t["saves"], strict=True):
+        close((r["end_ns"] - r["start_ns"]) / 1e9, (s["end"] - s["start"]) / 1e9, s["kind"])
+        if "bytes" in s:
+            assert r["bytes"] == s["bytes"], (s["kind"], r["bytes"], s["bytes"])
+    g = doc["goodput"]
+    # the categories and the training steps make the wall time
+    assert sum(g["badput_s"].values()) + g["training_s"] == pytest.approx(g["wall_s"],
+                                                                           abs=1e-6)
+    close(g["training_s"], sum(s["end"] - s["start"] for s in t["steps"]) / 1e9, "training")
+    close(g["badput_s"]["startup"], (t["steps"][0]["start"] - t["process_start"]) / 1e9,
+          "start-up")
+    close(g["badput_s"]["evaluation"], sum(e["end"] - e["start"] for e in t["evals"]) / 1e9,
+          "evaluation")
+    blocking = sum(s["end"] - s["start"] for s in t["saves"]) / 1e9
+    close(g["badput_s"]["checkpointing"], blocking, "checkpointing")
+    assert abs(g["goodput"] - job_goodput(t)) <= 0.02, (g["goodput"], job_goodput(t))
+    assert g["evaluation"]["passes"] == len(t["evals"])
+
+
+def test_a_training_run_with_validation_and_checkpoints(tmp_path):
+    truth, out = tmp_path / "t.json", tmp_path / "t.arrow"
+    p = run_gputrace("record", "-q", "-o", str(out), "--", sys.executable, JOB, str(truth),
+                     "--steps", "40", "--eval-every", "10", "--save-every", "20",
+                     timeout=300)
+    assert p.returncode == 0, p.stderr
+    t = json.loads(truth.read_text())
+    rows = load(out).table.to_pylist()
+    a = run_gputrace("analyze", str(out), "--json", check=True)
+    doc = json.loads(a.stdout)
+    check_rank(rows, doc, t, None)
+    assert doc["iterations"]["count"] == 40
+    assert not [c for c in doc["checks"]["violated"] if c["invariant"] == "goodput_sum"]
+    # the run's rate: every step's samples over the wall time, below the steps' own rate
+    run_rate = doc["goodput"]["run_samples_per_s"]
+    assert run_rate == pytest.approx(32 * 40 / doc["goodput"]["wall_s"])
+    assert run_rate < doc["throughput"]["samples_per_s"]
+    text = run_gputrace("analyze", str(out), check=True).stdout
+    assert f"Goodput {doc['goodput']['goodput']:.0%}" in text
+    assert "over the whole run" in text
+
+
+def test_two_ranks_with_distributed_checkpoints(tmp_path):
+    """DDP over gloo on 2 ranks: DCP's async_save every 10 steps (its blocking call and its
+    background part apart) and save at the end, evaluation on every rank."""
+    truth, out = tmp_path / "t.json", tmp_path / "t.arrow"
+    p = run_gputrace("record", "-q", "-o", str(out), "--", sys.executable, "-m",
+                     "torch.distributed.run", "--standalone", "--nproc_per_node", "2", JOB,
+                     str(truth), "--ddp", "--steps", "30", "--eval-every", "10",
+                     "--save-every", "10", "--async-save", timeout=400)
+    assert p.returncode == 0, p.stderr
+    rows = load(out).table.to_pylist()
+    full = json.loads(run_gputrace("analyze", str(out), "--json", check=True).stdout)
+    for rank in (0, 1):
+        t = json.loads((tmp_path / f"t.rank{rank}.json").read_text())
+        doc = full["ranks"][str(rank)]
+        check_rank(rows, doc, t, rank)
+        init = spans(rows, "startup", "init_process_group", rank)
+        assert len(init) == 1
+        close((init[0]["end_ns"] - init[0]["start_ns"]) / 1e9,
+              (t["init"][1] - t["init"][0]) / 1e9, "init_process_group")
+        assert doc["goodput"]["startup_parts_s"]["init_process_group_s"] == pytest.approx(
+            (init[0]["end_ns"] - init[0]["start_ns"]) / 1e9)
+        # the async saves' background parts, apart from their blocking calls
+        bg = [r for r in spans(rows, "checkpoint", rank=rank)
+              if json.loads(r["args"]).get("background")]
+        assert len(bg) == sum(s["kind"] == "async_save" for s in t["saves"]) == 2
+    job = full["goodput"]["job"]
+    assert job["ranks"] == 2
+    assert job["wall_s"] == pytest.approx(sum(full["ranks"][r]["goodput"]["wall_s"]
+                                              for r in ("0", "1")))
