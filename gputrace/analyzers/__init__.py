@@ -34,6 +34,7 @@ from gputrace.analyzers.findings_comm import shd_findings
 from gputrace.analyzers.findings_replay import _agree, _extra_findings, _replay_findings
 from gputrace.analyzers.model import ModelResult, Speedup, build_model, speedup, unit_waits
 from gputrace.analyzers.outliers import find_outliers
+from gputrace.analyzers.overlap import EMPTY as EMPTY_UNION
 from gputrace.analyzers.overlap import summary as _overlap
 from gputrace.analyzers.parallel import registry
 from gputrace.analyzers.parallel.findings import findings as par_findings
@@ -168,7 +169,9 @@ def analyze_spans(sp: fr.Spans, o: Options) -> RankPart:
                    if k in rs.terms},
         comm=comm, io=_overlap(rs.io, sel),
         comm_exposed_s=comm["exposed_s"],
-        model=model, findings=extra + gp.findings(good), steps=rs,
+        # the compute union served the hidden-vs-exposed comm above; kept, it would be the
+        # largest part of every rank's part (as big as its GPU records) until the end
+        model=model, findings=extra + gp.findings(good), steps=replace(rs, compute=EMPTY_UNION),
         devices=tuple(int(d) for d in np.unique(sp.device[sp.on_gpu()])),
         all_units=UnitTimes(its.step[u.it], u.index, u.start, u.end),
         analyzed=(int(its.start[skipped]), int(its.end[n - 1]), int(n - skipped))
