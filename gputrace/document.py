@@ -2,8 +2,8 @@
 Python API returns it: the analyzers' results (report.json.to_dict), and what is read from
 the trace's rows beside them: a windowed recording's `window` and `run` (with its
 `window_missed` finding), `memory` (with its findings, and the report's chart of memory
-over one iteration) and `flops` (with its finding, and the report's per-layer efficiency
-chart)."""
+over one iteration), `flops` (with its finding, and the report's per-layer efficiency
+chart) and `hangs` (the collectives some rank waited in too long, each a finding)."""
 
 from __future__ import annotations
 
@@ -39,16 +39,31 @@ def extras(a: Any, rank: int | None, inputs: Sequence[str],
     from gputrace.document_flops import flops_doc
 
     out["flops"] = flops_doc(a, shown, inputs)
+    out["hangs"] = _hangs(table, inputs)
     return out
 
 
+def _hangs(table: pa.Table | None, inputs: Sequence[str]) -> dict[str, Any]:
+    """`hangs`: the collectives some rank waited in too long (analyzers.hangs), from the
+    table read, or from the shards of a recording not closed (killed, or still running)."""
+    from gputrace.analyzers import hangs
+    from gputrace.trace.reader import unclosed
+
+    if table is None and any(unclosed(p) is not None for p in inputs):
+        from gputrace.inputs import load_inputs
+
+        table = load_inputs(list(inputs), quiet=True).table
+    return hangs.as_json(hangs.find(hangs.rows_of(table)))
+
+
 def more_findings(more: dict[str, Any]) -> list[Any]:
-    """The findings of what extras() read (analyzers.Finding): the window's, memory's and
-    the FLOP count's."""
+    """The findings of what extras() read (analyzers.Finding): the hangs', the window's,
+    memory's and the FLOP count's."""
     from gputrace.analyzers.findings import Finding
     from gputrace.analyzers.findings_memory import memory_findings
 
-    out = []
+    out = [Finding("collective_hang", "high", h["message"])
+           for h in (more.get("hangs") or {}).get("collectives", [])]
     if "run" in more and more["run"]["finding"]:
         out.append(Finding("window_missed", "moderate", more["run"]["finding"]))
     if (more.get("flops") or {}).get("finding"):

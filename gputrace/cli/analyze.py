@@ -40,6 +40,9 @@ def run(args: argparse.Namespace) -> int:
         from gputrace.report.terminal import render
 
         advised = render(a, args.rank)
+        for h in more["hangs"]["collectives"]:
+            print(f"Hang (over {more['hangs']['threshold_s']:g} s in a collective): "
+                  f"{h['message']}")
         line = memory_line(more["memory"], args.rank if args.rank is not None
                            else a.main.rank)
         if line:

@@ -1,5 +1,7 @@
 """`gputrace capture [PID | --all] [--steps N]`: open a recording window in a job running
-under `gputrace record --on-demand` (or `--steps`, `--delay`), from another shell."""
+under `gputrace record --on-demand` (or `--steps`, `--delay`), from another shell; first,
+the collectives a process of it has waited in too long so far (a hang), with the ranks that
+have not arrived."""
 
 from __future__ import annotations
 
@@ -35,7 +37,14 @@ def run(args: argparse.Namespace) -> int:
                                            "is running on this host")
         else:
             jobs = [capture.find(args.pid)]
-        results = [capture.request(j, args.steps) for j in jobs]
+        results = []
+        for j in jobs:   # what it waits in now, read before the window is asked for
+            found = capture.hangs(j)
+            if not args.json:
+                for h in found["collectives"]:
+                    print(f"hang (over {found['threshold_s']:g} s in a collective): "
+                          f"{h['message']}", flush=True)
+            results.append({**capture.request(j, args.steps), "hangs": found})
     except capture.CaptureError as e:
         raise CommandError(f"gputrace capture: {e}") from None
     if args.json:

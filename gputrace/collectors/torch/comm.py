@@ -25,6 +25,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from gputrace.collectors.torch import flight
 from gputrace.collectors.torch.comm_args import (
     _SPECS,
     _c10d,
@@ -123,7 +124,7 @@ def _phase(st: Any) -> str:
 # -- records --------------------------------------------------------------------------------
 class _Entry:
     __slots__ = ("rec", "kind", "t0", "tid", "step", "layer", "nin", "head", "out", "ws",
-                 "we", "waiting", "done", "emitted")
+                 "we", "waiting", "done", "emitted", "flight")
 
     def __init__(self, rec: Any, kind: str, t0: int, tid: int, step: int, layer: int,
                  nin: int, head: str) -> None:
@@ -134,15 +135,17 @@ class _Entry:
         self.waiting = 0             # waits in progress
         self.done = 0                # when its last future completed
         self.emitted = False
+        self.flight: Any = None      # its flight.enter token
 
     def emit(self, end: int, wait: bool) -> None:
+        flight.leave(self.flight, end)
         args = self.head + (f',"wait":[{self.ws},{self.we}]}}' if wait else "}")
         self.rec.span("comm", self.kind, self.t0, end, layer=self.layer, nbytes=self.nin,
                       args=args, step=self.step, tid=self.tid)
 
 
 def _record(st: Any, kind: str, a: tuple[Any, ...], k: dict[str, Any], ex: Any,
-            t0: int, t1: int, res: Any) -> None:
+            t0: int, t1: int, res: Any, tok: Any = None) -> None:
     rec = st.rec
     if rec.rank_source is not None:   # the group exists: this process's rank, at once
         rec.learn_rank()
@@ -173,12 +176,14 @@ def _record(st: Any, kind: str, a: tuple[Any, ...], k: dict[str, Any], ex: Any,
     head = (f'{{"kind":"{kind}","bytes_out":{nout},"group":{_group_json(group)},'
             f'"async":{"true" if works else "false"},"phase":"{phase}"{fsdp}{more}')
     if not works:    # on this thread (the recorder notes it): GPU launches inside are comm
+        flight.leave(tok, t1)
         rec.span("comm", kind, t0, t1, layer=layer, nbytes=nin, args=head + "}")
         return
     tid = _native_tid()
     if tid not in rec.threads:
         rec._new_thread(tid)
     e = _Entry(rec, kind, t0, tid, rec.step, layer, nin, head)
+    e.flight = tok
     with _lock:
         for w in works:
             _pending[id(w)] = e
@@ -244,6 +249,7 @@ def _wrap(name: str, orig: Any) -> Any:
     ex = (_extractor(spec[1], True), _extractor(spec[2], True),
           _extractor(spec[3], False)) if spec else ()
     tls = TLS
+    seq = kind not in flight.P2P
 
     @functools.wraps(orig)
     def collective(*a: Any, **k: Any) -> Any:
@@ -254,15 +260,25 @@ def _wrap(name: str, orig: Any) -> Any:
             return orig(*a, **k)
         now = st.now
         t0 = now()
+        tok = None
+        if seq:   # its place in its group's sequence, seen at once (a hang's evidence)
+            try:
+                tok = flight.enter(st.rec, kind, ex[2](a, k), t0)
+            except Exception as e:  # noqa: BLE001
+                _hook_failed(f"torch.distributed.{name} (entry)", e)
         tls.busy = True
         try:
             res = orig(*a, **k)
+        except BaseException:
+            flight.leave(tok, now())
+            raise
         finally:
             tls.busy = False
         t1 = now()
         try:
-            _record(st, kind, a, k, ex, t0, t1, res)
+            _record(st, kind, a, k, ex, t0, t1, res, tok)
         except Exception as e:  # noqa: BLE001 - the collective ran; only its record is lost
+            flight.leave(tok, t1)
             _hook_failed(f"torch.distributed.{name}", e)
         return res
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from gputrace.collectors.torch import flight
 from gputrace.collectors.torch.comm import ddp_hook_enter, ddp_hook_exit
 from gputrace.collectors.torch.guard import _hook_failed
 
@@ -88,10 +89,15 @@ def timed_hook(self: Any, hook: Any) -> Any:
             _hook_failed("the DDP comm hook", e)
             return hook(state, bucket)
         step = rec.step
+        tok = None
         prev = ddp_hook_enter()   # the bucket's collectives are this span, not their own
         try:
             if own:
                 group = state if state is not None else dist.group.WORLD
+                try:
+                    tok = flight.enter(rec, "all_reduce", group, t0)
+                except Exception as e:  # noqa: BLE001
+                    _hook_failed("the DDP comm hook (entry)", e)
                 buf.div_(group.size())
                 fut = _all_reduce(dist)(buf, group=group, async_op=True).get_future()
             else:
@@ -100,7 +106,9 @@ def timed_hook(self: Any, hook: Any) -> Any:
             ddp_hook_exit(prev)
 
         def done(f: Any) -> Any:
-            rec.span("comm", "allreduce", t0, now(), layer=index, nbytes=nbytes, args=args,
+            t1 = now()
+            flight.leave(tok, t1)
+            rec.span("comm", "allreduce", t0, t1, layer=index, nbytes=nbytes, args=args,
                      step=step)
             return f.value()[0] if own else f.value()
 
