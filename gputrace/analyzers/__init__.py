@@ -50,6 +50,7 @@ from gputrace.analyzers.replay import Replay, Scenario, replay, why_no_replay
 from gputrace.analyzers.results import Analysis, NothingToAnalyze, RankAnalysis, Stat, _stat
 from gputrace.analyzers.shardinputs import Inputs as ShardInputs
 from gputrace.analyzers.shardinputs import iteration_of
+from gputrace.analyzers.stalls import findings as stall_findings
 from gputrace.analyzers.steps import (
     PARALLEL_TERMS,
     TERMS,
@@ -136,7 +137,7 @@ def analyze_spans(sp: fr.Spans, o: Options) -> RankPart:
     msp = col.for_model(sp, cr)
     rs = analyze_rank(msp, col.stood(sp, cr), col.not_units(sp, cr), col.stood_by_dim(sp, cr))
     good = gp.of_rank(sp, rs.iterations)
-    extra = _extra_findings(sp, rs)
+    extra = _extra_findings(sp, rs) + stall_findings(rs)
     n = rs.iterations.start.size
     skipped = warmup_skip(n, o.skip)
     sel = np.arange(skipped, n)
