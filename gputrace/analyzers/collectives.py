@@ -128,11 +128,16 @@ def rows(sp: Spans) -> Rows:
         enc = taken.dictionary_encode()
         parsed = [_parse(a) for a in enc.dictionary.to_pylist()] + [{}]
         codes = enc.indices.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
-        args = [parsed[c] for c in codes.tolist()]
     else:
-        args = []
+        parsed, codes = [{}], np.zeros(0, np.int64)
+    # a row's fields come from its args, name and (role) bytes: each combination read once
+    nbytes_all = sp.nbytes[idx]
+    key = np.stack([codes, sp.name[idx].astype(np.int64), nbytes_all.view(np.int64)], axis=1)
+    firsts, inv = (a.reshape(-1) for a in np.unique(key, axis=0, return_index=True,
+                                                   return_inverse=True)[1:])
+    args = [parsed[c] for c in codes[firsts].tolist()]
     kinds, phase, fsdp, unit, roles, mdims, granks = [], [], [], [], [], [], []
-    n = idx.size
+    n = firsts.size
     contract = np.zeros(n, bool)
     bout = np.full(n, np.nan)
     asy = np.zeros(n, bool)
@@ -142,7 +147,7 @@ def rows(sp: Spans) -> Rows:
     gsize = np.full(n, -1, np.int64)
     cs = np.full(n, -1, np.int64)
     ce = np.full(n, -1, np.int64)
-    for j, (i, a) in enumerate(zip(idx.tolist(), args, strict=True)):
+    for j, (i, a) in enumerate(zip(idx[firsts].tolist(), args, strict=True)):
         k = a.get("kind")
         contract[j] = isinstance(k, str) and k in KINDS
         if not contract[j]:
@@ -176,9 +181,14 @@ def rows(sp: Spans) -> Rows:
         mdims.append(mesh_dim(a))
     # FSDP's own mesh dimensions: the groups its units ran their collectives on
     own = frozenset(group_name(a) for a, f in zip(args, fsdp, strict=True) if f) - {""}
-    nbytes = sp.nbytes[idx]
-    told = [role(k, bool(c), a, float(nb), own)
-            for k, c, a, nb in zip(kinds, contract.tolist(), args, nbytes.tolist(), strict=True)]
+    told = [role(k, bool(c), a, float(nb), own) for k, c, a, nb
+            in zip(kinds, contract.tolist(), args, nbytes_all[firsts].tolist(), strict=True)]
+    at = inv.tolist()    # each row as its combination's
+    kinds, phase, fsdp, unit, roles, mdims, granks, told = (
+        [v[j] for j in at] for v in (kinds, phase, fsdp, unit, roles, mdims, granks, told))
+    contract, bout, asy, ws, we, pre, gsize, cs, ce = (
+        v[inv] for v in (contract, bout, asy, ws, we, pre, gsize, cs, ce))
+    nbytes = nbytes_all
     dims = [d for d, _ in told]
     r = Rows(idx, kinds, contract, nbytes, bout, asy, phase, ws, we, fsdp, unit,
              roles, pre, gsize, call_s=cs, call_e=ce, dim=dims, mesh_dim=mdims,

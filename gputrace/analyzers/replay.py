@@ -191,7 +191,7 @@ def _plan(rs: RankSteps, sel: np.ndarray, m: ModelResult, world: int,
     b_end = b_end_m - contention
     sequential = m.strategy == "sequential" and len(m.units) > 1
     units_ = unit_stats(rs, sel) if sel.size else []
-    timing = unit_timing(rs, sel, taken, sequential)
+    timing = unit_timing(rs, sel, taken if rate > 0 and busy else None, sequential)
     # comm on the CPU: its cost was fitted from when the last rank arrived, so the wait for
     # it, with the link idle, is the unit's own (it stays, as in the speedup model)
     waits = idle_waits(rs, sel, arrivals) if on_cpu and arrivals is not None else {}

@@ -97,27 +97,41 @@ def idle_waits(rs: RankSteps, sel: np.ndarray, arrivals: np.ndarray) -> dict[int
     return {i: float(mean[i]) for i in np.flatnonzero(cnt).tolist()}
 
 
-def unit_timing(rs: RankSteps, sel: np.ndarray, taken: Callable[[int, float], float],
+def unit_timing(rs: RankSteps, sel: np.ndarray, taken: Callable[[int, float], float] | None,
                 after_backward: bool = False) -> dict[int, tuple[float, float]]:
     """Per unit index, the means over the iterations `sel` of: its ready time (s from the
-    iteration start) on the clock of a backward freed of the measured comm's CPU (less what
-    the comm busy before it, beside backward, took from it: nothing for an iteration's first
-    unit); and its launch delay, the time it started after it could (its gradients ready, or
-    backward over where `after_backward` or it was ready later, and the unit before it
-    ended): TensorFlow launches a collective some time after backward."""
+    iteration start) on the clock of a backward freed of the measured comm's CPU (`taken`,
+    None where it took none: less what the comm busy before it, beside backward, took from
+    it: nothing for an iteration's first unit); and its launch delay, the time it started
+    after it could (its gradients ready, or backward over where `after_backward` or it was
+    ready later, and the units before it in its iteration ended): TensorFlow launches a
+    collective some time after backward. Columns, not a loop over the units."""
     u = rs.units
-    got: dict[int, list[tuple[float, float]]] = {}
-    prev_it, prev_end = -1, -math.inf
-    for row in u.rows(sel).tolist():
-        k = int(u.it[row])
-        t0 = rs.iterations.start[k]
-        ready, start = (u.ready[row] - t0) / 1e9, (u.start[row] - t0) / 1e9
-        bend = (rs.backward_end[k] - t0) / 1e9 if rs.backward_end[k] >= 0 else ready
-        before = prev_end if prev_it == k else -math.inf
-        could = bend if after_backward else min(ready, bend)
-        delay = max(start - max(could, before), 0.0)
-        got.setdefault(int(u.index[row]), []).append(
-            (ready - taken(k, min(ready, bend)), delay))
-        prev_it, prev_end = k, max(before, (u.end[row] - t0) / 1e9)
-    return {i: (float(np.mean([r for r, _ in v])), float(np.mean([d for _, d in v])))
-            for i, v in got.items()}
+    rows = u.rows(sel)
+    if not rows.size:
+        return {}
+    k = u.it[rows]
+    t0 = rs.iterations.start[k]
+    ready, start = (u.ready[rows] - t0) / 1e9, (u.start[rows] - t0) / 1e9
+    be = rs.backward_end[k]
+    bend = np.where(be >= 0, (be - t0) / 1e9, ready)
+    # the latest end of the units before each in its iteration (its rows run together)
+    e = u.end[rows] - t0
+    first = np.concatenate(([True], k[1:] != k[:-1]))
+    g = np.cumsum(first) - 1
+    lo, width = int(e.min()), int(e.max() - e.min()) + 1
+    upto = np.maximum.accumulate(e - lo + g * width) - g * width + lo
+    before = np.where(first, -np.inf, np.concatenate(([0], upto[:-1])) / 1e9)
+    could = bend if after_backward else np.minimum(ready, bend)
+    delay = np.maximum(start - np.maximum(could, before), 0.0)
+    at = np.minimum(ready, bend)
+    got = ready - (np.array([taken(int(i), t) for i, t in zip(k.tolist(), at, strict=True)])
+                   if taken is not None else 0.0)
+    idx = u.index[rows]
+    order = np.argsort(idx, kind="stable")
+    cuts = np.flatnonzero(np.diff(idx[order])) + 1
+    out = {}
+    for part in np.split(order, cuts):   # each unit index, in the order the units came
+        out[int(idx[part[0]])] = (part.min(), float(np.mean(got[part])),
+                                  float(np.mean(delay[part])))
+    return {i: v[1:] for i, v in sorted(out.items(), key=lambda kv: kv[1][0])}
