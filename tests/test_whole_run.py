@@ -125,3 +125,28 @@ def test_two_ranks_with_distributed_checkpoints(tmp_path):
     assert job["ranks"] == 2
     assert job["wall_s"] == pytest.approx(sum(full["ranks"][r]["goodput"]["wall_s"]
                                               for r in ("0", "1")))
+
+
+def test_diff_gives_each_category_before_and_after(tmp_path):
+    """Two runs whose validation passes take 2 and 8 batches: diff's evaluation before and
+    after are each run's own, and the change theirs."""
+    docs = {}
+    for side, batches in (("before", "2"), ("after", "8")):
+        truth, out = tmp_path / f"{side}.json", tmp_path / f"{side}.arrow"
+        p = run_gputrace("record", "-q", "-o", str(out), "--", sys.executable, JOB,
+                         str(truth), "--steps", "20", "--eval-every", "10", "--eval-batches",
+                         batches, timeout=300)
+        assert p.returncode == 0, p.stderr
+        docs[side] = json.loads(truth.read_text())
+    d = json.loads(run_gputrace("diff", str(tmp_path / "before.arrow"),
+                                str(tmp_path / "after.arrow"), "--json", check=True).stdout)
+    ev = d["goodput"]["categories"]["evaluation"]
+    for side in ("before", "after"):
+        t = docs[side]
+        close(ev[side], sum(e["end"] - e["start"] for e in t["evals"]) / 1e9, side)
+        assert abs(d["goodput"]["goodput"][side] - job_goodput(t)) <= 0.02
+    assert ev["change"] == pytest.approx(ev["after"] - ev["before"])
+    assert ev["change"] > 0
+    text = run_gputrace("diff", str(tmp_path / "before.arrow"), str(tmp_path / "after.arrow"),
+                        check=True).stdout
+    assert "The whole run: goodput" in text

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from gputrace.analyzers import Analysis, RankAnalysis
+from gputrace.analyzers import Analysis, RankAnalysis, diff_goodput
 from gputrace.analyzers.diff_noise import (  # noqa: F401 (interval: here too)
     METHOD,
     RESAMPLES,
@@ -269,7 +269,7 @@ def compare(b: Analysis, a: Analysis, rank_b: int, rank_a: int, pb: Parts, pa: P
             "ranks": ranks(b, a), "kernels": named(pb.kernels, pa.kernels, series_before=pb.series.get("kernels"),
                              series_after=pa.series.get("kernels")),
             "model": {"before": model(rb), "after": model(ra)}, "made": made(b, a),
-            "throughput": throughput(b, a)}
+            "throughput": throughput(b, a), "goodput": diff_goodput.goodput(rb, ra)}
 
 
 def throughput(b: Analysis, a: Analysis) -> dict[str, Any] | None:

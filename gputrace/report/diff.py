@@ -9,6 +9,7 @@ from rich.table import Table
 
 from gputrace.fmt import count, mb
 from gputrace.report import console
+from gputrace.report.diff_goodput import render_goodput
 
 
 def _ms(s: float | None, sign: bool = False) -> str:
@@ -99,6 +100,7 @@ def render(doc: dict[str, Any], file: IO[str] | None = None) -> None:
     _ranks(con, doc["ranks"])
     _model(con, doc["model"])
     _made(con, doc["made"])
+    render_goodput(con, doc)
 
 
 def _named(con: Any, title: str, d: dict[str, Any], what: str, count: bool = False,
