@@ -87,6 +87,7 @@ class Recorder(Iterations):
         self.window: Any = None
         # bytes of iterations' detail kept on disk, a ring of the latest (gputrace.ring)
         self.max_size: int | None = None
+        self.ring_every_row = False   # with max_size: every row is detail (record.thin's)
         # collectors.memory.PhaseMemory: the memory at each phase's start and end (`mark`)
         self.memory: Any = None
 
@@ -192,7 +193,8 @@ class Recorder(Iterations):
             if self.max_size:
                 from gputrace.ring import RingWriter
 
-                return RingWriter(self.path, self.metadata, self.max_size, quiet=self.quiet)
+                return RingWriter(self.path, self.metadata, self.max_size, quiet=self.quiet,
+                                  every_row=self.ring_every_row)
             return FrameWriter(self.path, self.metadata, quiet=self.quiet)
         except Exception as e:  # noqa: BLE001 - a recorder never breaks its process
             dead = _DeadWriter(reason(e))

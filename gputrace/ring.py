@@ -87,9 +87,12 @@ class RingWriter:
     rows_written) that splits each flush between the process's shard and the segments."""
 
     def __init__(self, path: str, metadata: dict[str, Any], max_size: int,
-                 quiet: bool = False) -> None:
+                 quiet: bool = False, every_row: bool = False) -> None:
         self.base = FrameWriter(path, metadata, quiet=quiet)   # raises as FrameWriter does
         self.path, self.metadata, self.max_size = path, metadata, int(max_size)
+        # every row is detail, cut at any flush (the sampler's full-rate ticks outside a
+        # window: gputrace.record.thin): the process's shard holds its metadata only
+        self.every_row = every_row
         self.quiet = quiet
         self.segments: list[FrameWriter] = []     # oldest first
         self._made = 0
@@ -110,6 +113,10 @@ class RingWriter:
               rows: list[tuple[Any, ...]]) -> None:
         """One flush: what belongs to no iteration and a `run` entry per iteration into the
         process's shard, each iteration's detail into the newest segment."""
+        if self.every_row:
+            self._detail(host, rank, pid, [(list(spans), list(rows))])
+            self._rotate()
+            return
         base_spans: list[tuple[Any, ...]] = []
         base_rows: list[tuple[Any, ...]] = []
         groups: dict[int, tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]] = {}

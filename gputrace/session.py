@@ -107,7 +107,9 @@ class Session:
                 [sys.executable, "-m", "gputrace.record.sampler", "--pid", str(os.getpid()),
                  "--out", os.path.join(self._dir, "sampler" + frames.SUFFIX),
                  "--hz", str(self.hz),
-                 "--collectors", ",".join(self.collectors)],
+                 "--collectors", ",".join(self.collectors),
+                 *(["--window", self.window.env()] if self.window is not None else []),
+                 *(["--max-size", str(self.max_size)] if self.max_size else [])],
                 env=env, stdout=subprocess.PIPE)
         except OSError as e:
             print(f"gputrace: the sampler did not start ({reason(e)}); {self.path} gets "

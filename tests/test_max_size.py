@@ -61,7 +61,8 @@ def _progress(path: Path, rank: int) -> list[tuple[int, float, float]]:
 
 
 def _detail_bytes(shard_dir: str) -> dict[str, int]:
-    """Bytes of detail segments on disk per process (its shard's name before `.dN`)."""
+    """Bytes of detail segments on disk per process (its shard's name before `.dN`; the
+    host sampler's ticks left out: `samples`)."""
     out: dict[str, int] = {}
     try:
         names = os.listdir(shard_dir)
@@ -83,7 +84,8 @@ def killed(tmp_path_factory):
     d = tmp_path_factory.mktemp("maxsize")
     out, prog = d / "k.arrow", d / "prog"
     rec = subprocess.Popen(
-        [*GPUTRACE, "record", "-q", "-o", str(out), "--max-size", "300KB", *DETAIL, "--",
+        [*GPUTRACE, "record", "-q", "-o", str(out), "--max-size", "300KB", *DETAIL[:-1],
+         "torch,host", "--",
          sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
          "2", JOB, str(d / "k.json"), "--iterations", "100000", "--progress", str(prog)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -122,7 +124,9 @@ def test_detail_on_disk_stays_within_max_size(killed):
     # many segments were made and dropped: the ring turned over
     assert len(killed["segments"]) >= 8, killed["segments"]
     assert 0 < killed["most"] <= SIZE, killed["most"]
-    assert len(killed["at_kill"]) == 2 and all(0 < b <= SIZE for b in killed["at_kill"].values())
+    # the two ranks' and the host sampler's (its ticks outside a window: samples.dN)
+    assert "samples" in killed["at_kill"], killed["at_kill"]
+    assert len(killed["at_kill"]) == 3 and all(0 < b <= SIZE for b in killed["at_kill"].values())
 
 
 def test_last_iterations_before_the_kill_are_there_in_full(killed):

@@ -229,9 +229,28 @@ def _start_sampler(opts: RecordOptions, rec: Recorder, clock: Clock, pid: int
             rec.set_collector(name, f"unavailable: {reason(e)}")
             continue
         collectors.append(c)
-    sampler = Sampler(collectors, rec, opts.hz, clock.now_ns)
+    sampler = Sampler(collectors, thinner(rec, opts, os.path.dirname(rec.path)), opts.hz,
+                      clock.now_ns)
     sampler.start()
     return sampler, collectors
+
+
+def thinner(rec: Recorder, opts: RecordOptions, shard_dir: str) -> Any:
+    """Where the sampler's rows go: with a window or --max-size, a Thinner (full rate in
+    the window, one tick a second outside it: gputrace.record.thin), else the recorder."""
+    if opts.steps is None and opts.delay_s is None and opts.duration_s is None \
+            and not opts.on_demand and opts.max_size is None:
+        return rec
+    from gputrace.record.thin import Thinner, tail_recorder
+    from gputrace.ring import parse_size
+
+    try:
+        tail = None if opts.max_size is None else \
+            tail_recorder(shard_dir, parse_size(opts.max_size), rec.clock)
+        return Thinner(rec, rec.metadata.get("window"), shard_dir, tail)
+    except Exception as e:  # noqa: BLE001 - sampled at full rate instead
+        print(f"gputrace: samples at full rate throughout ({reason(e)})", file=sys.stderr)
+        return rec
 
 
 def record(opts: RecordOptions) -> RecordResult:
@@ -346,6 +365,12 @@ def _finish(rec: Recorder, sampler: Sampler | None, collectors: list[SystemColle
     """Stop sampling, close record's own shard; the run's metadata for the merged file."""
     if sampler is not None:
         sampler.stop()
+        thin = sampler.sink if sampler.sink is not rec else None
+        if thin is not None:
+            try:
+                thin.close()
+            except Exception as e:  # noqa: BLE001 - the samples held are lost, said once
+                print(f"gputrace: the last samples are lost: {reason(e)}", file=sys.stderr)
         for c in collectors:
             rec.set_collector(c.name, "ok", **c.settings())
         for name, why in sampler.failed.items():
@@ -355,7 +380,8 @@ def _finish(rec: Recorder, sampler: Sampler | None, collectors: list[SystemColle
             "ticks": sampler.ticks,
             # CPU of the recording process (sampler and its writer)
             "cpu_s": round(time.process_time() - cpu0, 3),
-            "wall_s": round(time.perf_counter() - wall0, 3)}
+            "wall_s": round(time.perf_counter() - wall0, 3),
+            **({"thinned": thin.describe()} if thin is not None else {})}
     rec.metadata["exit_code"] = exit_code
     rec.metadata["end"] = Clock.anchor()
     step = anchors_report(rec.metadata["start"], rec.metadata["end"])

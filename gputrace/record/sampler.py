@@ -7,9 +7,12 @@ until that process exits or this one is told to stop (SIGTERM/SIGINT).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
+import sys
 import threading
+from typing import Any
 
 import psutil
 
@@ -36,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--hz", type=float, default=50.0)
     p.add_argument("--collectors", default=",".join(SYSTEM_COLLECTORS))
+    # the Session's window (Window.env()) and --max-size: full rate in the window only
+    p.add_argument("--window", default="")
+    p.add_argument("--max-size", type=int, default=0)
     a = p.parse_args(argv)
     stop = threading.Event()
     for s in (signal.SIGTERM, signal.SIGINT):
@@ -55,17 +61,30 @@ def main(argv: list[str] | None = None) -> int:
             continue
         rec.set_collector(name, "ok", **c.settings())
         collectors.append(c)
-    sampler = Sampler(collectors, rec, a.hz, clock.now_ns)
+    sink: Any = rec
+    if a.window or a.max_size:
+        from gputrace.record.thin import Thinner, tail_recorder
+
+        where = os.path.dirname(os.path.abspath(a.out))
+        sink = Thinner(rec, json.loads(a.window) if a.window else None, where,
+                       tail_recorder(where, a.max_size, clock) if a.max_size else None)
+    sampler = Sampler(collectors, sink, a.hz, clock.now_ns)
     sampler.start()
     print("ready", flush=True)
     while not stop.wait(0.2):
         if _gone(a.pid):
             break
     sampler.stop()
+    if sink is not rec:
+        try:
+            sink.close()
+        except Exception as e:  # noqa: BLE001 - the samples held are lost, said once
+            print(f"gputrace: the last samples are lost: {e}", file=sys.stderr)
     for name, why in sampler.failed.items():
         rec.set_collector(name, why)
     rec.metadata["sampler"] = {"hz": a.hz, "achieved_hz": round(sampler.achieved_hz(), 2),
-                               "ticks": sampler.ticks}
+                               "ticks": sampler.ticks,
+                               **({"thinned": sink.describe()} if sink is not rec else {})}
     rec.close()
     return WRITE_FAILED if rec.write_error else 0
 
