@@ -15,6 +15,11 @@ def rate(bytes_per_s: float) -> str:
 MB_SHOWN = 0.05e6
 
 
+# the what-if's buckets where none were measured (one process): DDP's, a first bucket of
+# 1 MiB, then 25 MiB ones (a row of bucket_cap_mb=25 has no small first bucket)
+DDP_DEFAULT = "DDP's default (1 MiB first, then 25)"
+
+
 def mb(nbytes: float) -> str:
     return f"{nbytes / 1e6:.1f} MB" if nbytes < 1e9 else f"{nbytes / 1e9:.2f} GB"
 

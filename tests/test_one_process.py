@@ -6,6 +6,7 @@ without a GPU, times in ms or s (never 1.46e+03), and one line per event."""
 from __future__ import annotations
 
 import ctypes
+import html
 import json
 import os
 import re
@@ -43,7 +44,8 @@ def run(tmp_path_factory) -> dict:
                        str(times), cwd=d, check=True, timeout=300)
     text = run_gputrace("analyze", "t.arrow", cwd=d, check=True).stdout
     doc = json.loads(run_gputrace("analyze", "t.arrow", "--json", cwd=d, check=True).stdout)
-    return {"record": rec.stderr, "text": text, "doc": doc,
+    run_gputrace("report", "t.arrow", "-o", "r.html", cwd=d, check=True)
+    return {"dir": d, "record": rec.stderr, "text": text, "doc": doc, "page": (d / "r.html").read_text(),
             "times": json.loads(times.read_text())}
 
 
@@ -56,8 +58,9 @@ def test_one_process_has_no_comm_rows_tables_or_restated_model(run):
     assert "Gradient units" not in text
     # eq. 1 is the sum of the phases the table gives: a prediction of +0.0 % says nothing
     assert " predicts " not in text, text
-    assert lines[1].startswith(f"one process; {doc['iterations']['analyzed']} iterations "
-                               "analyzed"), lines[1]
+    (who,) = [ln for ln in lines if ln.endswith("skipped as warm-up")]
+    assert who.startswith(f"one process; {doc['iterations']['analyzed']} iterations "
+                          "analyzed"), who
     assert "rank 0 of 1" not in text and "on this process (" in text
     # the job's own iterations, every one of them in the trace
     assert doc["iterations"]["count"] == len(run["times"]) == ITERATIONS
@@ -113,3 +116,24 @@ def test_one_capture_is_one_line_however_many_processes_noted_it(tmp_path):
     (line,) = [ln for ln in text.splitlines() if "opened on demand:" in ln]
     assert line.strip() == f"opened on demand: 3 from step {asked['start']}", line
     assert not SCIENTIFIC.search(text), SCIENTIFIC.search(text)
+
+
+def test_the_report_says_why_a_chart_is_not_drawn_as_the_terminal_does(run):
+    (said,) = [ln for ln in run["text"].splitlines()
+               if ln.startswith("Predicted speedup: not computed (")]
+    why = said.removeprefix("Predicted speedup: not computed (").removesuffix(")")
+    assert f"<li>Speedup vs GPU count: {html.escape(why)}</li>" in run["page"]
+
+
+def test_what_if_rows_have_labels_that_tell_them_apart(run, tmp_path):
+    """With a link given, one process's what-if replays DDP's default buckets (1 MiB first,
+    then 25) beside bucket_cap_mb=25 (no small first bucket): two rows, two labels."""
+    d = run["dir"]
+    text = run_gputrace("analyze", "t.arrow", "--link-bandwidth", "1e9", cwd=d,
+                        check=True).stdout
+    table = text.split("What if: t_iter from a replay")[1].split("\n")[2:]
+    labels = [ln.split("  ")[1].strip() for ln in table if ln.startswith("  ") and "GPUs" not in ln
+              and ln.strip()[:1].isalpha() and " ms" in ln and ":" not in ln]
+    assert len(labels) >= 3 and len(set(labels)) == len(labels), labels
+    assert any(x.startswith("DDP's default (1 MiB first, then 25)") for x in labels), labels
+    assert not [ln for ln in text.splitlines() if ln.startswith("  2 GPUs, measured buckets")]

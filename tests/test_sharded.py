@@ -95,6 +95,9 @@ def test_fsdp_collectives_and_phases_match_the_jobs_own_count(fsdp, mode):
     # the breakdown's comm row names what it holds: not only gradients
     assert "comm: all-gathers, reduce-scatters" in p.stdout
     assert "gradient comm (all of it)" not in p.stdout
+    # nor does the hidden-vs-exposed table call the parameters' all-gathers gradient comm
+    hidden = p.stdout.split("Hidden vs exposed")[1].split("\n\n")[0]
+    assert "all-gathers, reduce-scatters" in hidden and "gradient comm" not in hidden, hidden
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ from typing import Any
 
 from gputrace.analyzers import RankAnalysis
 from gputrace.analyzers.replay import MIB, Scenario
+from gputrace.fmt import DDP_DEFAULT
 from gputrace.report.charts import WIDTH, Chart, _colour, _columns, _ms, _rule
 
 
@@ -55,9 +56,10 @@ def speedup(ra: RankAnalysis) -> Chart | None:
                  "costs at each size.", spec)
 
 
-def _config(s: Scenario) -> str:
-    b = ("measured buckets" if s.bucket_bytes is None else "one bucket"
-         if math.isinf(s.bucket_bytes) else f"bucket_cap_mb={s.bucket_bytes / MIB:g}")
+def _config(s: Scenario, measured_units: int = 1) -> str:
+    b = (("measured buckets" if measured_units else DDP_DEFAULT) if s.bucket_bytes is None
+         else "one bucket" if math.isinf(s.bucket_bytes)
+         else f"bucket_cap_mb={s.bucket_bytes / MIB:g}")
     return b + ("" if s.bandwidth_x == 1 else f", link x{s.bandwidth_x:g}")
 
 
@@ -66,9 +68,9 @@ def what_if(ra: RankAnalysis) -> Chart | None:
     outs = [o for o in rp.outcomes if o.withheld is None] if rp is not None else []
     if rp is None or not outs:
         return None
-    configs = list(dict.fromkeys(_config(o.scenario) for o in outs))
+    configs = list(dict.fromkeys(_config(o.scenario, rp.measured_units) for o in outs))
     data, flat = _columns(gpus=[o.scenario.gpus for o in outs],
-                          config=[_config(o.scenario) for o in outs],
+                          config=[_config(o.scenario, rp.measured_units) for o in outs],
                           t_iter=_ms([o.t_iter for o in outs]),
                           buckets=[o.buckets for o in outs],
                           comm=_ms([o.comm_s for o in outs]),

@@ -200,6 +200,8 @@ def render(a: Analysis, rank: int | None, script: str, source: str = "",
     reasons = {k: why for k, (_, why) in NOT_DRAWN.items()}
     if ra.replay_unavailable:
         reasons["what-if"] = ra.replay_unavailable
+    if ra.speedup.unavailable:     # the terminal's reason, word for word
+        reasons["speedup"] = ra.speedup.unavailable
     missing = [f"<li>{_e(what)}: {_e(reasons[k])}</li>" for k, (what, _) in NOT_DRAWN.items()
                if k not in drawn]
     missing += [f"<li>{_e(what)}: {_e(why)}</li>" for k, what, why in _parallel_not_drawn(ra)

@@ -13,7 +13,7 @@ from rich.table import Table
 from gputrace.analyzers import Analysis, RankAnalysis
 from gputrace.analyzers.model import UnitStats
 from gputrace.analyzers.replay import MIB, Outcome, Replay, Scenario
-from gputrace.fmt import ranges, rate
+from gputrace.fmt import DDP_DEFAULT, ranges, rate
 from gputrace.report import console
 from gputrace.report.checks import render_withheld, shares_withheld
 from gputrace.report.collectives import headline_case, render_kinds, render_sharded
@@ -131,7 +131,7 @@ def _exposed(units: list[UnitStats], C: int | None) -> str:
 def _bucket_label(b: float | None, n: int, measured_units: int) -> str:
     if b is None:
         return (f"measured ({n} unit{'s' if n != 1 else ''})" if measured_units
-                else f"bucket_cap_mb=25 ({n})")
+                else f"{DDP_DEFAULT} ({n})")
     return f"{'one bucket' if math.isinf(b) else f'bucket_cap_mb={b / MIB:g}'}" + \
         (f" ({n})" if n else "")     # none: not replayed (withheld)
 
@@ -160,14 +160,16 @@ def _what_if(con: Console, rp: Replay, measured: float) -> None:
         t.add_row(label, *(cell(by_n[n]) if n in by_n else "-" for n in gpus))
     con.print(t)
     for o in rp.outcomes:
+        label = o.scenario.label if rp.measured_units else \
+            o.scenario.label.replace("measured buckets", DDP_DEFAULT)
         if o.scenario.bandwidth_x != 1 and o.withheld:
-            con.print(f"  {escape(o.scenario.label)}: withheld")
+            con.print(f"  {escape(label)}: withheld")
         elif o.scenario.bandwidth_x != 1:
             # against the same GPU count at the link as it is: the change the link makes
             ref = o.reference_t_iter if not math.isnan(o.reference_t_iter) else measured
             what = "vs measured" if o.scenario.gpus == rp.cost.world and \
                 rp.cost.source == "measured" else f"vs {o.scenario.gpus} GPUs at link x1"
-            con.print(f"  {escape(o.scenario.label)}: {_ms(o.t_iter)}"
+            con.print(f"  {escape(label)}: {_ms(o.t_iter)}"
                       + (f" [{_ms(o.low)}, {_ms(o.high)}]" if not math.isnan(o.low) else "")
                       + f" ({o.t_iter / ref - 1:+.0%} {what}), {o.speedup:.2f}x over one GPU"
                       + ("*" if o.extrapolated else ""))
@@ -243,7 +245,8 @@ def render(a: Analysis, rank: int | None = None, file: IO[str] | None = None,
                padding=(0, 2))
     for c in ("", "total", "hidden", "exposed", "hidden %"):
         ot.add_column(c, justify="right" if c else "left")
-    for name, d in ((("gradient comm", ra.comm),) if not one else ()) + (("input I/O", ra.io),):
+    comm = "all-gathers, reduce-scatters" if ra.collectives.sharded else "gradient comm"
+    for name, d in (((comm, ra.comm),) if not one else ()) + (("input I/O", ra.io),):
         ot.add_row(name, _ms(d["total_s"]), _ms(d["hidden_s"]), _ms(d["exposed_s"]),
                    f"{d['hidden_fraction']:.0%}")
     con.print(ot)
