@@ -151,3 +151,40 @@ def test_session_sampler_takes_the_same_window(tmp_path):
     span_s = (ticks[-1] - ticks[0]) / 1e9 - (hi - lo)
     assert 0.75 * HZ * (hi - lo) - 1 <= len(inside) <= HZ * (hi - lo) + 1, (len(inside), hi - lo)
     assert len(outside) <= span_s + 5, (len(outside), span_s)
+
+
+def test_a_tick_kept_outside_holds_the_cpu_of_the_second_before_it(tmp_path):
+    """proc.cpu_percent at a tick kept outside the window is the traced process's CPU over
+    the interval since the tick before it, as the process measured itself (process_time):
+    not the last 20 ms alone, which a spin-then-sleep job puts at 0 or 100 %."""
+    out, log = tmp_path / "d.arrow", tmp_path / "d.json"
+    p = run_gputrace("record", "-q", "-o", str(out), "--hz", str(HZ), "--collectors", "host",
+                     "--steps", "1000000:1", "--", sys.executable,
+                     str(Path(__file__).parent / "jobs" / "cpu_duty.py"), str(log),
+                     "--seconds", "8", "--busy", "0.3", "--idle", "0.3", timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    with pa.memory_map(str(out)) as src:
+        table = pa.ipc.open_file(src).read_all()
+    s = _host_samples(table)
+    s = s.filter(pc.equal(s["name"].cast(pa.string()), "proc.cpu_percent"))
+    got = sorted(zip(s["start_ns"].to_pylist(), s["value"].to_pylist(), strict=True))
+    truth = json.loads(log.read_text())
+    wall = [w for w, _ in truth]
+    cpu = [c for _, c in truth]
+
+    def cpu_at(t: float) -> float:
+        import numpy as np
+        return float(np.interp(t, wall, cpu))
+
+    errs = []
+    for (t0, _), (t1, v) in zip(got, got[1:], strict=False):
+        a, b = t0 / 1e9, t1 / 1e9
+        if a < wall[0] + 0.1 or b > wall[-1] - 0.1:
+            continue    # the interpreter's start and end, before and after its log
+        assert b - a > 0.9, (a, b)     # thinned: one tick a second
+        errs.append(v - 100 * (cpu_at(b) - cpu_at(a)) / (b - a))
+    assert len(errs) >= 5, got
+    # the tick's own 20 ms would be off by ~50 points half the time; the mean over its
+    # second is within the CPU clock's 10 ms ticks (1 point of a second) and the jitter
+    # of 20 ms ticks on a shared machine
+    assert max(abs(e) for e in errs) <= 8, errs
