@@ -224,10 +224,13 @@ def test_diff_page_agrees_with_the_json_and_shows_the_slowed_layer(runs, page):
     n = doc["iterations"]["after"]
     extra = float(np.mean([s["extra"] for s in runs["slowed"][1][-n:]]))
     first = doc["layers"]["backward"]["top"][0]
-    assert first["name"] == "2 Linear" and first["beyond_noise"] and first["low"] > 0
+    # named by its module path (the FLOP count's), its class beside it
+    assert first["name"] == "2 Sequential.2 (Linear)" and first["beyond_noise"] and \
+        first["low"] > 0
     assert first["change"] == pytest.approx(extra, rel=0.2)
     rows = p.text["layers-backward"]
-    assert rows.index("2 Linear") < rows.index("1 Linear") and "beyond noise" in rows
+    assert rows.index("2 Sequential.2 (Linear)") < rows.index("1 Sequential.0 (Linear)") and \
+        "beyond noise" in rows
     # both runs' iterations, one above the other, on one time scale; the wait is inside
     # layer 2's backward in the one after, as long as that step's own wait at least
     lanes = {}
@@ -239,14 +242,15 @@ def test_diff_page_agrees_with_the_json_and_shows_the_slowed_layer(runs, page):
         specs["timeline-after"]["layer"][0]["encoding"]["x"]["scale"]
     step = int(p.text["timeline-after"].split("(step ")[1].split(")")[0])
     own = runs["slowed"][1][step]["extra"] * 1e3
-    assert lanes["after"][("layer 2", "backward")] >= own * 0.99
-    assert lanes["before"][("layer 2", "backward")] < own / 4
+    lane = "layer 2 Sequential.2 (Linear)"   # the report's lane: the diff's name of it
+    assert lanes["after"][(lane, "backward")] >= own * 0.99
+    assert lanes["before"][(lane, "backward")] < own / 4
     assert p.text.keys() >= {"made"} and "--backward-extra-ms" in p.text["made"]
     # every chart is valid Vega-Lite: the report extra's own renderer draws each
     vl = pytest.importorskip("vl_convert")
     svg = {k: vl.vegalite_to_svg(v, vl_version=VEGA_LITE) for k, v in specs.items()}
     assert all(s.startswith("<svg") for s in svg.values())
-    assert "2 Linear" in svg["layers-backward"]
+    assert "2 Sequential.2 (Linear)" in svg["layers-backward"]
 
 
 def test_report_diff_writes_the_same_page_and_bad_input_is_exit_2(runs, page, tmp_path):
@@ -282,7 +286,7 @@ def test_diff_page_in_chromium(browser, page, tmp_path):  # noqa: F811
     state, _ = open_in_browser(browser, path, tmp_path / "shots")
     assert {"breakdowns", "waterfall", "layers-backward", "timeline-before",
             "timeline-after"} <= set(state)
-    assert "2 Linear" in state["layers-backward"]["y"]
+    assert "2 Sequential.2 (Linear)" in state["layers-backward"]["y"]
 
 
 def test_different_models_are_not_comparable_and_matching_layers_still_compared(runs):

@@ -38,7 +38,8 @@ def _gpu() -> bool:
 def run(tmp_path_factory) -> dict:
     d = tmp_path_factory.mktemp("one")
     times = d / "times.json"
-    rec = run_gputrace("record", "-o", str(d / "t.arrow"), "--", sys.executable, SAMPLE,
+    rec = run_gputrace("record", "-o", str(d / "t.arrow"), "--layers", "leaves", "--",
+                       sys.executable, SAMPLE,
                        "--iterations", str(ITERATIONS), "--batch-size", "8", "--workers", "1",
                        "--samples", "128", "--data", str(d / "data"), "--times-json",
                        str(times), cwd=d, check=True, timeout=300)
@@ -137,3 +138,28 @@ def test_what_if_rows_have_labels_that_tell_them_apart(run, tmp_path):
     assert len(labels) >= 3 and len(set(labels)) == len(labels), labels
     assert any(x.startswith("DDP's default (1 MiB first, then 25)") for x in labels), labels
     assert not [ln for ln in text.splitlines() if ln.startswith("  2 GPUs, measured buckets")]
+
+
+def test_a_layer_has_one_name_in_the_terminal_diff_and_report(run):
+    """Each layer by its module path (the FLOP count's, as --json gives it) and its class:
+    the same words in `diff`, the report's timeline and --json."""
+    layers = run["doc"]["flops"]["layers"]
+    assert len(layers) == 5 and all(ly["module"].startswith("Sequential.") for ly in layers)
+    names = {f"{ly['layer']} {ly['module']} ({ly['name']})" for ly in layers}
+    doc = json.loads(run_gputrace("diff", "t.arrow", "t.arrow", "--json", cwd=run["dir"],
+                                  check=True).stdout)
+    assert {r["name"] for r in doc["layers"]["backward"]["top"]} <= names
+    assert doc["layers"]["backward"]["top"]
+    # the timeline's lanes, in the page's data
+    assert all(f'"layer {n}"' in run["page"] for n in names), names
+
+
+def test_long_module_paths_keep_their_last_parts():
+    from gputrace.analyzers.layer_names import label, short
+
+    assert short("Sequential.0") == "Sequential.0"
+    assert short("ResNetish.layer3.short.0") == "ResNetish.layer3.short.0"
+    assert short("GPT.transformer.h.11.attn.c_attn") == "…11.attn.c_attn"
+    assert label(17, "Conv2d", "ResNetish.layer3.short.0") == \
+        "17 ResNetish.layer3.short.0 (Conv2d)"
+    assert label(3, "Linear") == "3 Linear"

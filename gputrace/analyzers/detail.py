@@ -15,6 +15,7 @@ import numpy as np
 from gputrace.analyzers import overlap as ov
 from gputrace.analyzers.bandwidth import LinkSeries
 from gputrace.analyzers.frame import Spans
+from gputrace.analyzers.layer_names import label, modules_of_spans
 from gputrace.analyzers.steps import RankSteps
 
 HOST_PHASES = ("io", "h2d", "forward", "backward", "update")
@@ -140,10 +141,17 @@ def iteration_timeline(sp: Spans, rs: RankSteps, k: int) -> IterationTimeline:
         (sp.layer >= 1)
     layers = sorted(set(sp.layer[per_layer].tolist()), reverse=True)
     first = len(bars)
+    modules = modules_of_spans(sp) if layers else {}
     for ly in layers:
-        lanes.append(f"layer {ly}")
-        spans(f"layer {ly}", per_layer & (sp.layer == ly) & ~sp.of("recompute"))
-        spans(f"layer {ly}", per_layer & (sp.layer == ly) & sp.of("recompute"))  # on top
+        mine = per_layer & (sp.layer == ly)
+        # named by its module path and class, as `diff` names it (a span named only by its
+        # phase, as some imports name them: its number alone)
+        cls = sp.names[sp.name[np.flatnonzero(mine)[0]]]
+        lane = f"layer {ly}" if cls in ("forward", "backward", "recompute", "layer") and \
+            ly not in modules else f"layer {label(ly, cls, modules.get(ly))}"
+        lanes.append(lane)
+        spans(lane, mine & ~sp.of("recompute"))
+        spans(lane, mine & sp.of("recompute"))  # on top
     if len(layers) > MAX_LANES:
         del lanes[-len(layers):]
         lanes += _pack(bars, first, "layers")

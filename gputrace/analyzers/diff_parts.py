@@ -10,6 +10,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from gputrace.analyzers.layer_names import label, modules_of
+
 Totals = dict[str, dict[str, float]]
 Series = dict[str, np.ndarray]      # name -> its time (s) in each analyzed iteration
 
@@ -75,8 +77,10 @@ def parts(table: pa.Table, rank: int, starts_ns: np.ndarray, end_ns: int,
         idx = np.flatnonzero(mask)
         return _totals([label(i) for i in idx], dur[idx], it[idx], n)
 
+    modules = modules_of(table, rank)
+
     def layer_name(i: int) -> str:
-        return f"{int(layer[i])} {name[i]}"
+        return label(int(layer[i]), name[i], modules.get(int(layer[i])))
 
     made = {"forward": pick((cat == "forward") & (layer >= 0), layer_name),
             "backward": pick((cat == "backward") & (layer >= 0), layer_name),

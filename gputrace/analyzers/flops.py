@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from gputrace.analyzers.layer_names import named
 from gputrace.analyzers.peaks import vendor_peak
 
 FAR_BELOW = 0.25          # a layer under this share of the peak is far below it
@@ -111,7 +112,7 @@ def layers(args: dict[str, Any], times: dict[int, tuple[float | None, float | No
         t = (tf or 0.0) + (tb or 0.0)
         known = (f if tf else 0.0) + (b - r if tb else 0.0)
         rate = _div(known, t) if known else None
-        why = above_peak(f"layer {ly['layer']} {ly['name']}",
+        why = above_peak(f"layer {named(ly)}",
                          {"forward": af, "backward": ab, "both": rate}, peak, source)
         out.append({"layer": ly["layer"], "name": ly["name"], "module": ly.get("module"),
                     "flops_f": f, "flops_b": b - r, "flops_recompute": r,
@@ -130,13 +131,13 @@ def finding(rows: list[dict[str, Any]], peak_source: str | None) -> str | None:
     if not low or not peak_source:
         return None
     low.sort(key=lambda r: -(r["share_of_iteration"] or 0))
-    named = "; ".join(f"layer {r['layer']} {r['name']}: {r['achieved_flops_per_s'] / 1e12:.3g} "
+    said = "; ".join(f"layer {named(r)}: {r['achieved_flops_per_s'] / 1e12:.3g} "
                       f"TFLOP/s ({r['share_of_peak']:.0%} of the peak), "
                       f"{r['share_of_iteration']:.0%} of the iteration" for r in low[:5])
     more = f" and {len(low) - 5} more" if len(low) > 5 else ""
     total = sum(r["share_of_iteration"] or 0 for r in low)
     return (f"Layers far below the {peak_source} peak take {total:.0%} of the iteration: "
-            f"{named}{more}")
+            f"{said}{more}")
 
 
 def line(d: dict[str, Any], advise_probe: bool = True) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from gputrace.analyzers.flops import withheld_line
+from gputrace.analyzers.layer_names import named
 from gputrace.report.charts import PALETTE, WIDTH, Chart, _colour, _columns
 
 PHASES = ("forward", "backward")
@@ -31,7 +32,7 @@ def flops_chart(f: dict[str, Any]) -> Chart | None:
     held = withheld_line(rows) if peak else None
     if held:
         rows = [ly for ly in rows if not ly.get("share_of_peak_withheld")]
-    label = [f"{ly['layer']} {ly['name']}" for ly in rows]
+    label = [named(ly) for ly in rows]
     cols: dict[str, list[Any]] = {k: [] for k in ("layer", "label", "phase", "value",
                                                   "tflops_per_s", "flops", "t_ms")}
     for ly, lb in zip(rows, label, strict=True):
