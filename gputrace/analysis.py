@@ -170,19 +170,62 @@ class Compared:
     after: Analysis
 
 
-def run_diff(opts: AnalysisOptions, before: str, after: str) -> Compared:
+def run_diff(opts: AnalysisOptions, before: str | Sequence[str],
+             after: str | Sequence[str]) -> Compared:
     """Two runs, each analyzed as run_analysis does under `opts` (with their detail), and
-    their diff: `opts.rank` of both, else each run's slowest rank. Every user error an
+    their diff: `opts.rank` of both, else each run's slowest rank. A side may be several
+    runs of the same job (each input one run, see runs_of): the diff is then of the runs'
+    means, its intervals across the runs (analyzers.diff_runs). Every user error an
     AnalysisError."""
     from gputrace.analyzers.diff import compare
+    from gputrace.analyzers.diff_runs import Run, compare_runs
 
-    (ab, pb), (aa, pa) = (_side(opts, path) for path in (before, after))
-    rb = opts.rank if opts.rank is not None else ab.slowest_rank
-    ra = opts.rank if opts.rank is not None else aa.slowest_rank
+    sides = [runs_of([x] if isinstance(x, str) else list(x)) for x in (before, after)]
+    names = [" ".join([x] if isinstance(x, str) else list(x)) for x in (before, after)]
+    done = [[_side(opts, path) for path in side] for side in sides]
+
+    def rank(a: Analysis) -> int:
+        return opts.rank if opts.rank is not None else a.slowest_rank
+
     doc: dict[str, Any] = {"format": DIFF_FORMAT, "version": DIFF_VERSION,
-                           "before": before, "after": after}
-    doc.update(compare(ab, aa, rb, ra, pb, pa))
+                           "before": names[0], "after": names[1]}
+    (ab, pb), (aa, pa) = done[0][0], done[1][0]
+    if len(sides[0]) == 1 and len(sides[1]) == 1:
+        doc.update(compare(ab, aa, rank(ab), rank(aa), pb, pa))
+    else:
+        doc.update(compare_runs(*([Run(a, rank(a), p) for a, p in side] for side in done)))
+    doc["runs"] = {"before": sides[0], "after": sides[1]}
     return Compared(doc, ab, aa)
+
+
+def runs_of(inputs: Sequence[str]) -> list[str]:
+    """The runs of one side of a diff: each input one run, except a glob (quoted) whose
+    files were recorded at different moments (their metadata's windows apart), which is
+    one run per file. Files of one moment (the shards or per-node files of one run) stay
+    one run, as a glob is everywhere else."""
+    import glob
+    import os
+
+    from gputrace.trace.parts import metadata_of, same_moment
+
+    out: list[str] = []
+    for p in inputs:
+        if os.path.exists(p) or not glob.has_magic(p):
+            out.append(p)
+            continue
+        found = sorted(glob.glob(p))
+        mds = [metadata_of(f) for f in found]
+        apart = len(found) > 1 and all(
+            not same_moment(mds[i], mds[j]) for i in range(len(found))
+            for j in range(i + 1, len(found)))
+        if apart:
+            out.extend(found)
+        elif len(found) > 1 and any(not same_moment(mds[0], m) for m in mds[1:]):
+            raise AnalysisError(f"{p} matches files of several runs, some of several files "
+                                "each: name each run (or its glob) on its own")
+        else:
+            out.append(p)
+    return out
 
 
 def _side(opts: AnalysisOptions, path: str) -> tuple[Analysis, Any]:
@@ -199,7 +242,8 @@ def _side(opts: AnalysisOptions, path: str) -> tuple[Analysis, Any]:
     if table is None:
         return a, Parts()
     return a, parts(table, ra.rank, s.start_ns[s.warmup:], int(s.end_ns[-1]),
-                    None if s.left_out is None else s.left_out - s.warmup)
+                    None if s.left_out is None else s.left_out - s.warmup,
+                    cpus=a.metadata.get("cpus") if isinstance(a.metadata, dict) else None)
 
 
 def _calibration(opts: AnalysisOptions) -> Any:

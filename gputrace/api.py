@@ -82,7 +82,8 @@ def analyze(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *,
                   _inputs=tuple(names))
 
 
-def diff(before: str | os.PathLike[str], after: str | os.PathLike[str], *,
+def diff(before: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+         after: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *,
          rank: int | None = None, skip: int | None = None,
          gpus: Sequence[int] | str = (2, 4, 8, 16), link_bandwidth: float | str | None = None,
          what_if: Sequence[str | Scenario] | str = (), shared_io: bool = False,
@@ -90,15 +91,20 @@ def diff(before: str | os.PathLike[str], after: str | os.PathLike[str], *,
          ) -> DiffResult:
     """Compare two runs as `gputrace diff BEFORE AFTER --json` does, with analyze's options:
     the same document, as a dict (a DiffResult: also its tables, its page and the two
-    analyses). Raises AnalysisError on bad input."""
+    analyses). `before`, `after`: one run each, or several runs of each side (a list, or a
+    glob of runs recorded one after the other): the intervals then hold the drift between
+    runs (`diff A1 A2 A3 -- B1 B2 B3`). Raises AnalysisError on bad input."""
     from gputrace import progress as bars
     from gputrace.analysis import run_diff
+
+    def side(x: Any) -> str | list[str]:
+        return os.fspath(x) if isinstance(x, (str, os.PathLike)) else [os.fspath(p) for p in x]
 
     opts = AnalysisOptions.of(rank=rank, skip=skip, gpus=gpus,
                               link_bandwidth=link_bandwidth, what_if=what_if,
                               shared_io=shared_io, jobs=jobs, align=align)
     with bars.shown(progress):
-        c = run_diff(opts, os.fspath(before), os.fspath(after))
+        c = run_diff(opts, side(before), side(after))
     return DiffResult(c.doc, before=c.before, after=c.after)
 
 

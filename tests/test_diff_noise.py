@@ -1,19 +1,23 @@
 """The interval of a change between two runs (gputrace.analyzers.diff_noise), on iteration
 series made here with known stalls and known changes: a run whose machine preempted it in
 some iterations against a run that was not is within noise; a change made in every
-iteration is beyond it, stalls or not; the excursions are the stalls put in."""
+iteration is beyond it, stalls or not; the excursions are the stalls put in; the job's
+wait for a CPU behind its own processes is not the machine's load."""
 
 from __future__ import annotations
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
 from gputrace.analyzers.diff_noise import (
+    Noise,
     excursions,
     interval,
     iteration_excursions,
     net_of_wait,
 )
+from gputrace.analyzers.diff_parts import parts
 
 N = 17          # the analyzed iterations of a 20-step recording
 
@@ -105,3 +109,44 @@ def test_a_run_slowed_throughout_by_the_machine_is_within_noise_by_its_measured_
     loaded = net_of_wait(ci, tx, ty, tx / 2, ty / 2)
     assert loaded.low == pytest.approx(ci.low) and loaded.high == pytest.approx(ci.high)
     assert loaded.low > 0
+
+
+def samples(tree_cpus: float, wait_per_s: float, host_pct: float = 100.0) -> pa.Table:
+    """One host's samples over 2 s, every 20 ms, as the host collector writes them: the host's
+    busy share of its CPUs (`cpu.percent`), the traced tree's CPU (`proc.cpu_percent`, % of
+    one CPU) and its run-queue wait (`proc.run_wait_s`, cumulative)."""
+    at = np.arange(0, 2_000_000_000, 20_000_000)
+    rows = {"cpu.percent": np.full(at.size, host_pct),
+            "proc.cpu_percent": np.full(at.size, 100 * tree_cpus),
+            "proc.run_wait_s": at / 1e9 * wait_per_s}
+    names = [n for n in rows for _ in at]
+    return pa.table({"cat": ["cpu"] * len(names), "name": names,
+                     "start_ns": np.tile(at, 3), "end_ns": np.tile(at, 3),
+                     "rank": [-1] * len(names), "layer": [-1] * len(names),
+                     "device": [-1] * len(names), "host": ["h"] * len(names),
+                     "value": np.concatenate(list(rows.values()))})
+
+
+def test_the_jobs_own_cpu_demand_is_not_counted_as_noise():
+    """num_workers 0 -> 2 on a 2-CPU host kept busy: the loop's own clock +8.2 ms, its wait
+    for a CPU 0.58 -> 11.2 ms per iteration. Before, the job's one process took one CPU of
+    the two busy: it waited behind the others only (all its wait the load); after, it and
+    its workers took 1.9: 0.9 of their own beside the others' 0.1 (the load's share: 10 %).
+    The load's wait is the others' share only: the change stays beyond noise; counted
+    whole (as where the CPUs are not recorded), it was within."""
+    starts = np.arange(10) * 100_000_000 + 500_000_000       # 10 iterations of 100 ms
+    end = int(starts[-1]) + 100_000_000
+    before = parts(samples(1.0, 0.58e-3 / 0.1), 0, starts, end, cpus=2)
+    after = parts(samples(1.9, 11.2e-3 / 0.1), 0, starts, end, cpus=2)
+    assert before.run_wait_s + before.own_wait_s == pytest.approx(0.58e-3)
+    assert after.run_wait_s + after.own_wait_s == pytest.approx(11.2e-3)
+    assert before.run_wait_s == pytest.approx(0.58e-3)        # all the others'
+    assert after.run_wait_s == pytest.approx(1.12e-3)         # the others' 10 %
+    ci = Noise(5.0e-3, 11.0e-3, 0.0)                          # the iterations' own interval
+    tx, ty = 100e-3, 108.2e-3
+    net = net_of_wait(ci, tx, ty, before.run_wait_s, after.run_wait_s)
+    assert net.low > 0                                        # the job's change, beyond noise
+    whole = net_of_wait(ci, tx, ty, 0.58e-3, 11.2e-3)
+    assert whole.low < 0 < whole.high
+    unknown = parts(samples(1.9, 11.2e-3 / 0.1), 0, starts, end, cpus=None)
+    assert unknown.run_wait_s == pytest.approx(11.2e-3) and unknown.own_wait_s is None

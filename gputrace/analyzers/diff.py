@@ -12,6 +12,7 @@ from gputrace.analyzers import Analysis, RankAnalysis, diff_goodput
 from gputrace.analyzers.diff_noise import (  # noqa: F401 (interval: here too)
     METHOD,
     RESAMPLES,
+    RUNS_FOR_DRIFT,
     SEED,
     Noise,
     interval,
@@ -143,54 +144,65 @@ def named(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]
             "only_after": sorted(n for n in after if n not in before)}
 
 
+def unit_rows(ra: RankAnalysis) -> tuple[dict[str, dict[str, float]], Series]:
+    """A rank's comm units by name, and each DDP unit's duration per iteration."""
+    if ra.sharded is not None:     # FSDP units' figures are their own: no series
+        return {f"{u.name or u.unit} {u.role}": {
+            "time_s": u.duration_s, "exposed_s": u.exposed_s, "bytes": u.nbytes,
+            "count": u.count} for u in ra.sharded.units}, {}
+    out, per = {}, {}
+    durations = ra.detail.unit_durations if ra.detail is not None else {}
+    for u in ra.model.units:
+        name = ("layers " + ",".join(map(str, u.layers))) if u.layers else f"unit {u.index}"
+        out[name] = {"time_s": u.duration_s, "hidden": float(u.hidden),
+                     "bytes": float(u.nbytes) if u.nbytes == u.nbytes else None}
+        if u.index in durations:
+            per[name] = durations[u.index]
+    return out, per
+
+
+def units_match(b: RankAnalysis, a: RankAnalysis, d: dict[str, Any]) -> bool:
+    """The same units on both sides (FSDP: the same unit names, whatever their roles)."""
+    if b.sharded is not None and a.sharded is not None:
+        names = [{u.name or str(u.unit) for u in x.sharded.units} for x in (b, a)]
+        return names[0] == names[1]
+    return not d["only_before"] and not d["only_after"]
+
+
 def units(b: RankAnalysis, a: RankAnalysis) -> dict[str, Any]:
     """Comm units (DDP buckets, FSDP units) matched by their unit names or their layers,
     by position only where neither is known. An FSDP unit has a row per role of its
     collectives ("blocks.0 reshard_gather": the backward's re-gather), with their count per
     iteration: a role that one run has and the other not (reshard_after_forward off) is a
     row on one side only, its unit still matched (`units_match`)."""
-    def keyed(ra: RankAnalysis) -> tuple[dict[str, dict[str, float]], Series]:
-        if ra.sharded is not None:     # FSDP units' figures are their own: no series
-            return {f"{u.name or u.unit} {u.role}": {
-                "time_s": u.duration_s, "exposed_s": u.exposed_s, "bytes": u.nbytes,
-                "count": u.count} for u in ra.sharded.units}, {}
-        out, per = {}, {}
-        durations = ra.detail.unit_durations if ra.detail is not None else {}
-        for u in ra.model.units:
-            name = ("layers " + ",".join(map(str, u.layers))) if u.layers else f"unit {u.index}"
-            out[name] = {"time_s": u.duration_s, "hidden": float(u.hidden),
-                         "bytes": float(u.nbytes) if u.nbytes == u.nbytes else None}
-            if u.index in durations:
-                per[name] = durations[u.index]
-        return out, per
-
-    (kb, sb), (ka, sa) = keyed(b), keyed(a)
+    (kb, sb), (ka, sa) = unit_rows(b), unit_rows(a)
     out = named(kb, ka, series_before=sb, series_after=sa)  # type: ignore[arg-type]
-    if b.sharded is not None and a.sharded is not None:
-        names = [{u.name or str(u.unit) for u in x.sharded.units} for x in (b, a)]
-        out["units_match"] = names[0] == names[1]
-    else:
-        out["units_match"] = not out["only_before"] and not out["only_after"]
+    out["units_match"] = units_match(b, a, out)
+    return out
+
+
+def kind_rows(ra: RankAnalysis) -> dict[str, dict[str, float]]:
+    """A rank's collectives per kind: time, count and bytes."""
+    out: dict[str, dict[str, float]] = {}
+    for k in ra.collectives.kinds:
+        d = out.setdefault(k.kind, {"time_s": 0.0, "count": 0.0, "bytes": 0.0})
+        d["time_s"] += k.time_s
+        d["count"] += k.count
+        d["bytes"] += k.nbytes
     return out
 
 
 def collectives(b: RankAnalysis, a: RankAnalysis) -> dict[str, Any]:
-    def kinds(ra: RankAnalysis) -> dict[str, dict[str, float]]:
-        out: dict[str, dict[str, float]] = {}
-        for k in ra.collectives.kinds:
-            d = out.setdefault(k.kind, {"time_s": 0.0, "count": 0.0, "bytes": 0.0})
-            d["time_s"] += k.time_s
-            d["count"] += k.count
-            d["bytes"] += k.nbytes
-        return out
+    return named(kind_rows(b), kind_rows(a))
 
-    return named(kinds(b), kinds(a))
+
+def rank_rows(x: Analysis) -> dict[str, dict[str, float]]:
+    """Each rank's mean iteration."""
+    return {str(r): {"time_s": ra.breakdown["t_iter"].mean} for r, ra in x.ranks.items()}
 
 
 def ranks(b: Analysis, a: Analysis) -> dict[str, Any]:
-    def t(x: Analysis) -> dict[str, dict[str, float]]:
-        return {str(r): {"time_s": ra.breakdown["t_iter"].mean} for r, ra in x.ranks.items()}
-
+    t = rank_rows
     sb, sa = {o.rank for o in b.outliers}, {o.rank for o in a.outliers}
     return {"slowest_before": b.slowest_rank, "slowest_after": a.slowest_rank,
             "stragglers_before": sorted(sb), "stragglers_after": sorted(sa),
@@ -236,14 +248,18 @@ def made(b: Analysis, a: Analysis) -> dict[str, Any]:
 
 def noise(b: RankAnalysis, a: RankAnalysis, pb: Parts, pa: Parts) -> dict[str, Any]:
     """How the intervals are made, each run's excursions per iteration (the time of its
-    iterations above their fence: the between-run term of `t_iter`'s interval) and its
-    run-queue wait per iteration."""
+    iterations above their fence: the between-run term of `t_iter`'s interval), its
+    run-queue wait per iteration behind other processes (the load) and behind its own (not
+    noise), and that with one run a side the drift between runs is not in the interval."""
     ex = {side: float(np.mean(iteration_excursions(s, LEAVES))) if s.get("t_iter") is not None
           and s["t_iter"].size else None for side, s in (("before", series(b)),
                                                          ("after", series(a)))}
     waited = pb.run_wait_s is not None and pa.run_wait_s is not None
     return {"method": METHOD + ("+run_wait" if waited else ""), "resamples": RESAMPLES, "confidence": 0.95, "excursions_s": ex,
-            "run_wait_s": {"before": pb.run_wait_s, "after": pa.run_wait_s}}
+            "run_wait_s": {"before": pb.run_wait_s, "after": pa.run_wait_s},
+            "run_wait_own_s": {"before": pb.own_wait_s, "after": pa.own_wait_s},
+            "runs": {"before": 1, "after": 1}, "drift_in_interval": False,
+            "runs_for_drift": RUNS_FOR_DRIFT}
 
 
 def compare(b: Analysis, a: Analysis, rank_b: int, rank_a: int, pb: Parts, pa: Parts

@@ -28,6 +28,9 @@ RESAMPLES = 2000
 SEED = 0
 METHOD = "bootstrap+excursions"
 FENCE = 3.5           # robust standard deviations above the median
+# runs per side that put the drift between runs in the interval (analyzers.diff_runs): 2
+# give a variance, 3 interleaved are what bench/diff_aa.py measured the false alarms with
+RUNS_FOR_DRIFT = 3
 
 
 class Noise(NamedTuple):

@@ -23,9 +23,12 @@ class Parts:
     kernels: Totals = field(default_factory=dict)
     # "forward", "backward", "kernels" -> each name's per-iteration time (its mean: time_s)
     series: dict[str, Series] = field(default_factory=dict)
-    # the traced tree's time runnable and waiting for a CPU, per analyzed iteration (None:
-    # not recorded)
+    # the traced tree's time runnable and waiting for a CPU behind other processes than its
+    # own, per analyzed iteration (None: not recorded): the machine's load on the job
     run_wait_s: float | None = None
+    # the rest of that wait: behind the job's own processes (its loader workers, its other
+    # ranks), part of what the job does, not noise (None: not recorded or not told apart)
+    own_wait_s: float | None = None
 
 
 def _totals(names: list[str], dur_s: np.ndarray, it: np.ndarray, n: int
@@ -41,17 +44,22 @@ def _totals(names: list[str], dur_s: np.ndarray, it: np.ndarray, n: int
 
 
 def parts(table: pa.Table, rank: int, starts_ns: np.ndarray, end_ns: int,
-          skip: int | None = None) -> Parts:
+          skip: int | None = None, cpus: object = None) -> Parts:
     """Totals per iteration over the analyzed iterations of `rank` (-1 and the rank itself
     where a trace of one process has no rank), which start at `starts_ns` (in order) and
     end by `end_ns`; a span belongs to the iteration it starts in. `skip`: the index of one
-    of them left out (its FLOPs were counted)."""
+    of them left out (its FLOPs were counted). `cpus`: the host's CPU count, that the
+    job's wait for a CPU is told apart by (others_share)."""
     starts_ns = np.asarray(starts_ns, dtype=np.int64)
     n = starts_ns.size
     if n < 1 or table.num_rows == 0:
         return Parts()
     start_ns = int(starts_ns[0])
     wait = run_wait(table, start_ns, end_ns, n)
+    share = others_share(table, start_ns, end_ns, cpus)
+    own = None if wait is None or share is None else wait * (1 - share)
+    if wait is not None and share is not None:
+        wait *= share
     cols = ["cat", "name", "start_ns", "end_ns", "rank", "layer", "device"]
     t = table.select([c for c in cols if c in table.column_names])
     m = pc.and_(pc.greater_equal(t["start_ns"], start_ns), pc.less_equal(t["end_ns"], end_ns))
@@ -86,7 +94,8 @@ def parts(table: pa.Table, rank: int, starts_ns: np.ndarray, end_ns: int,
             "backward": pick((cat == "backward") & (layer >= 0), layer_name),
             "kernels": pick((cat == "kernel") & (dev >= 0), lambda i: name[i])}
     return Parts(**{k: v[0] for k, v in made.items()},
-                 series={k: v[1] for k, v in made.items()}, run_wait_s=wait)
+                 series={k: v[1] for k, v in made.items()}, run_wait_s=wait,
+                 own_wait_s=own)
 
 
 def run_wait(table: pa.Table, start_ns: int, end_ns: int, n: int) -> float | None:
@@ -107,3 +116,37 @@ def run_wait(table: pa.Table, start_ns: int, end_ns: int, n: int) -> float | Non
     ranks = [r for r in pc.unique(table["rank"]).to_pylist() if r is not None and r >= 0] \
         if "rank" in table.column_names else []
     return float(max(hi - lo, 0.0)) / n / max(len(ranks), 1)
+
+
+def _mean_sample(table: pa.Table, name: str, start_ns: int, end_ns: int) -> float | None:
+    t = table.filter(pc.equal(table["name"], name))
+    at = t["start_ns"].to_numpy(zero_copy_only=False)
+    v = t["value"].to_numpy(zero_copy_only=False).astype(float)
+    v = v[(at >= start_ns) & (at <= end_ns)]
+    return float(np.mean(v)) if v.size else None
+
+
+def others_share(table: pa.Table, start_ns: int, end_ns: int, cpus: object
+                 ) -> float | None:
+    """The share of a wait of the traced tree for a CPU from `start_ns` to `end_ns` that
+    other processes than the job's caused: the part of the wait that is the machine's load;
+    the rest the job's own processes did (more loader workers, more threads: the job's
+    demand, not noise). A process waits behind the CPU time of every process but itself: the
+    others' (the host's busy CPUs, `cpu.percent` over its `cpus`, less the tree's
+    `proc.cpu_percent`) and the job's own beyond one CPU (a process of one busy thread
+    takes one; more are its workers or its other ranks); the share is the others' part of
+    the two. `cpus`: the host's CPU count (the run's metadata). None where a sample is not
+    recorded, the trace holds several hosts, or the CPU count is unknown."""
+    if "name" not in table.column_names or "value" not in table.column_names:
+        return None
+    host = _mean_sample(table, "cpu.percent", start_ns, end_ns)
+    tree = _mean_sample(table, "proc.cpu_percent", start_ns, end_ns)
+    if not isinstance(cpus, int) or cpus < 1 or host is None or tree is None:
+        return None
+    if "host" in table.column_names and len(pc.unique(table["host"]).drop_null()) > 1:
+        return None
+    others = max(host / 100 * cpus - tree / 100, 0.0)
+    own = max(tree / 100 - 1.0, 0.0)
+    if others + own <= 0:
+        return 1.0
+    return float(others / (others + own))

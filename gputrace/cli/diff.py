@@ -1,4 +1,5 @@
-"""`gputrace diff BEFORE AFTER`: did a change help, and where, beside the run-to-run noise."""
+"""`gputrace diff BEFORE AFTER` (or `BEFORE... -- AFTER...`, several runs a side): did a change
+help, and where, beside the run-to-run noise."""
 
 from __future__ import annotations
 
@@ -18,21 +19,64 @@ HELP = "compare two runs: what changed, where, and whether beyond the noise"
 __all__ = ["FORMAT", "HELP", "VERSION", "prepare_parser", "run", "slower_beyond"]
 
 
-def prepare_parser(p: argparse.ArgumentParser) -> None:
+SEP = "\0--"      # the runs' `--`, kept through the second reading of the command line
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise CommandError(f"gputrace diff: {message}")
+
+
+def prepare_parser(p: argparse.ArgumentParser, runs: bool = True) -> None:
     what = ("a trace, a directory of shards, a multi-node recording's name or a glob "
             "(quoted), Kineto JSON or Nsight Systems SQLite")
-    p.add_argument("before", help=f"the run before the change: {what}")
-    p.add_argument("after", help="the run after it, the same kinds of input")
+    if runs:    # as given, `--` and the options after the runs included (read in run())
+        p.add_argument("runs", nargs=argparse.REMAINDER, metavar="BEFORE... [--] AFTER...",
+                       help=f"the run before the change and the run after it ({what}); or "
+                       "several runs of each side, `--` between them (A1 A2 A3 -- B1 B2 "
+                       "B3), or a glob a side whose files are runs recorded one after the "
+                       "other ('base-*.arrow' 'new-*.arrow', as `record --repeat` names "
+                       "them): the intervals then hold the drift between runs")
+    else:
+        p.add_argument("inputs", nargs="*")
     add_options(p, inputs=False)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--fail-if-slower", type=float, metavar="PCT",
                    help="exit 1 when the iteration got slower by more than PCT %% beyond "
-                   "the noise (the interval's lower bound above PCT %%)")
+                   "the noise (the interval's lower bound above PCT %%; with several runs a "
+                   "side, the interval across them)")
     p.add_argument("--report", metavar="PATH", help="also write the diff's HTML page there "
                    "(as `gputrace report BEFORE AFTER --diff`)")
 
 
+def sides(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """The runs before and after, from the command line as given (`args.runs`); options
+    written after the runs are read here into `args`."""
+    tokens = list(args.runs)
+    if "--" in tokens:
+        tokens[tokens.index("--")] = SEP
+    q = _Parser(prog="gputrace diff", add_help=False)
+    prepare_parser(q, runs=False)
+    rest = q.parse_args(tokens)
+    for k, v in vars(rest).items():
+        if k != "inputs" and v != q.get_default(k):
+            setattr(args, k, v)
+    inputs = rest.inputs
+    if SEP in inputs:
+        i = inputs.index(SEP)
+        before, after = inputs[:i], inputs[i + 1:]
+        if not before or not after:
+            raise CommandError("gputrace diff: a run on each side of `--` (A1 A2 -- B1 B2)")
+        return before, after
+    if len(inputs) != 2:
+        raise CommandError(f"gputrace diff: two runs, BEFORE and AFTER, not {len(inputs)}; "
+                           "several runs a side go with `--` between them (A1 A2 A3 -- B1 B2 "
+                           "B3)")
+    return [inputs[0]], [inputs[1]]
+
+
 def run(args: argparse.Namespace) -> int:
+    before, after = sides(args)
     pct = args.fail_if_slower
     if pct is not None and not (math.isfinite(pct) and pct >= 0):
         raise CommandError(f"--fail-if-slower takes a percentage, 0 or more, not {pct}")
@@ -45,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
 
     opts = options_of(args)
     with progress.shown(not args.json):
-        c = run_diff(opts, args.before, args.after)
+        c = run_diff(opts, before, after)
     doc = c.doc
     if args.json:
         json.dump(doc, sys.stdout, indent=1)

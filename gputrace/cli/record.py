@@ -64,6 +64,15 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("-q", "--quiet", action="store_true", help="no summary")
     p.add_argument("--report", metavar="PATH",
                    help="at the end, write the HTML report of the trace there")
+    p.add_argument("--repeat", type=int, metavar="N",
+                   help="record the command N times, one trace each, numbered: -o base.arrow "
+                   "writes base-1.arrow ... base-N.arrow (the runs `gputrace diff` compares "
+                   "with the drift between them)")
+    p.add_argument("--interleave", metavar="PATH",
+                   help="with --repeat: a second command, after a second `--`, recorded N "
+                   "times into PATH's numbered names, alternating with the first (A B, B A, "
+                   "A B, ...): -o base.arrow --interleave new.arrow -- CMD_A ... -- CMD_B ... "
+                   "(CMD_A holds no `--` of its own)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
 
 
@@ -73,6 +82,21 @@ def run(args: argparse.Namespace) -> int:
     cmd = list(args.command)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
+    second: list[str] | None = None
+    if args.repeat is not None and args.repeat < 1:
+        raise CommandError(f"--repeat takes a count of runs, 1 or more, not {args.repeat}")
+    if args.interleave is not None:
+        if args.repeat is None:
+            raise CommandError("--interleave goes with --repeat N")
+        if "--" not in cmd:
+            raise CommandError("--interleave: the second command after a second `--` "
+                               "(-- CMD_A ... -- CMD_B ...)")
+        i = cmd.index("--")
+        cmd, second = cmd[:i], cmd[i + 1:]
+        if not cmd or not second:
+            raise CommandError("--interleave: a command on each side of the second `--`")
+    if args.repeat is not None and args.report:
+        raise CommandError("--report records one run; with --repeat, `gputrace report` each")
     opts = RecordOptions(
         command=cmd, output=args.output, hz=args.hz,
         collectors=[c.strip() for c in args.collectors.split(",") if c.strip()],
@@ -86,6 +110,18 @@ def run(args: argparse.Namespace) -> int:
         from gputrace.cli.pages import check_output
 
         check_output(args.report)
+    if args.repeat is not None:
+        from dataclasses import replace
+
+        from gputrace.record.repeat import repeat
+
+        sides = [opts] + ([replace(opts, command=second, output=args.interleave)]
+                          if second is not None else [])
+        try:
+            done = repeat(sides, args.repeat)
+        except RecordError as e:
+            raise CommandError(str(e)) from None
+        return done[-1].exit_code
     try:
         res = record(opts)
     except RecordError as e:

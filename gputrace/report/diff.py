@@ -59,6 +59,31 @@ def stalls(doc: dict[str, Any]) -> str:
     return f", and their {' and '.join(said)} as noise between runs" if said else ""
 
 
+def method(doc: dict[str, Any]) -> str:
+    """How the intervals were made: '95 % intervals by bootstrap resampling ...' with one
+    run a side, '95 % intervals across the runs ...' with several."""
+    nz = doc.get("noise") or {}
+    runs = nz.get("runs") or {"before": 1, "after": 1}
+    if nz.get("drift_in_interval"):
+        how = ("Student's t on the differences of the runs made in pairs" if nz.get("paired")
+               else "Welch's t on their means")
+        return (f"{runs['before']} runs before, {runs['after']} after; 95 % intervals across "
+                f"the runs ({how}): the drift between runs is in them")
+    return ("95 % intervals by bootstrap resampling of each run's iterations" + stalls(doc))
+
+
+def drift_line(doc: dict[str, Any]) -> str:
+    """With one run a side: the line saying the drift between runs is not in the intervals
+    and how many runs a side put it there ('' with several)."""
+    nz = doc.get("noise") or {}
+    if nz.get("drift_in_interval") or "runs_for_drift" not in nz:
+        return ""
+    n = nz["runs_for_drift"]
+    return (f"One run a side: the drift between runs of the same code is not in these "
+            f"intervals; {n} runs a side, interleaved, put it there (gputrace record --repeat "
+            f"{n}, then gputrace diff A1 A2 A3 -- B1 B2 B3)")
+
+
 def only_line(doc: dict[str, Any]) -> str:
     """'Terms only one run has: before: comm (all of it); after: waiting for data (I/O)'
     ('' when both have the same)."""
@@ -73,7 +98,9 @@ def render(doc: dict[str, Any], file: IO[str] | None = None) -> None:
     con.print(escape(headline(doc)))
     it = doc["iterations"]
     con.print(f"{count(it['before'], 'iteration')} analyzed before, {it['after']} after; "
-              "95 % intervals by bootstrap resampling of each run's iterations" + stalls(doc))
+              + method(doc))
+    if drift_line(doc):
+        con.print(escape(drift_line(doc)))
     if doc["not_comparable"]:
         con.print(escape(f"Not comparable: {doc['not_comparable']}; what matches is "
                          "compared below"))

@@ -10,7 +10,7 @@ from typing import Any
 
 from gputrace.analyzers import Analysis
 from gputrace.report.charts_diff import _ci, _ms, _noise, charts
-from gputrace.report.diff import headline, only_line, stalls
+from gputrace.report.diff import drift_line, headline, method, only_line
 from gputrace.report.html import _e, page, vega_script
 
 NOT_DRAWN = {    # chart id: (what it would show, why it is not drawn)
@@ -31,8 +31,10 @@ def _summary(doc: dict[str, Any]) -> list[str]:
     out = [f'<p class="headline" data-verdict="{_e(h["verdict"])}">{_e(headline(doc))}</p>',
            f'<p class="meta">before: {_e(doc["before"])} (rank {doc["rank_before"]}, '
            f'{it["before"]} iterations analyzed) &middot; after: {_e(doc["after"])} (rank '
-           f'{doc["rank_after"]}, {it["after"]} iterations analyzed) &middot; 95 % intervals '
-           f"by bootstrap resampling of each run's iterations{_e(stalls(doc))}</p>"]
+           f'{doc["rank_after"]}, {it["after"]} iterations analyzed) &middot; '
+           f"{_e(method(doc))}</p>"]
+    if drift_line(doc):
+        out.append(f'<p class="drift">{_e(drift_line(doc))}</p>')
     if doc["not_comparable"]:
         out.append(f'<p class="not-comparable">Not comparable: {_e(doc["not_comparable"])}; '
                    "what matches is compared below.</p>")

@@ -9,7 +9,8 @@ backward (between the gradient of its output and that of its input). The forward
 one does (a sleep of 0-12 ms drawn with a fixed seed: the same in every run). The model is small
 so that the run's length depends little on what else the machine is doing. Per step it writes
 `forward`, `backward`, `update`, `iteration` (seconds) and `extra` (the wait the hook itself
-measured).
+measured); an OUT ending in .jsonl gets the run's steps appended as one line (a job recorded
+several times, `gputrace record --repeat`, keeps every run's).
 """
 
 from __future__ import annotations
@@ -83,8 +84,10 @@ def main() -> None:
         t4 = now()
         steps.append({"forward": t1 - t0, "backward": t2 - t1, "update": t3 - t2,
                       "iteration": t4 - t0, "extra": extra[-1] if extra else 0.0})
-    with open(a.out, "w") as f:
+    with open(a.out, "a" if a.out.endswith(".jsonl") else "w") as f:
         json.dump(steps, f)
+        if a.out.endswith(".jsonl"):
+            f.write("\n")
 
 
 if __name__ == "__main__":
