@@ -150,3 +150,34 @@ def test_diff_gives_each_category_before_and_after(tmp_path):
     text = run_gputrace("diff", str(tmp_path / "before.arrow"), str(tmp_path / "after.arrow"),
                         check=True).stdout
     assert "The whole run: goodput" in text
+
+
+def test_lightning_fit_with_validation_and_model_checkpoint(tmp_path):
+    """Lightning's sanity check, its validation every 10 steps and ModelCheckpoint's saves
+    against its own hooks (tests/jobs/trainers/lightning_whole.py)."""
+    pytest.importorskip("lightning")
+    job = Path(JOB).parent / "trainers" / "lightning_whole.py"
+    truth, out = tmp_path / "t.json", tmp_path / "t.arrow"
+    p = run_gputrace("record", "-q", "-o", str(out), "--", sys.executable, str(job),
+                     str(truth), "--steps", "30", "--val-every", "10", timeout=300)
+    assert p.returncode == 0, p.stderr
+    t = json.loads(truth.read_text())
+    rows = load(out).table.to_pylist()
+    # steps as Lightning counts them (global_step): the sanity check and the validation
+    # batches count none
+    assert [r["step"] for r in spans(rows, "iteration")] == t["steps"] == list(range(30))
+    passes = spans(rows, "evaluation", "pass")
+    assert [json.loads(r["args"])["sanity"] for r in passes] == [e["sanity"] for e in t["evals"]]
+    for r, e in zip(passes, t["evals"], strict=True):
+        close((r["end_ns"] - r["start_ns"]) / 1e9, (e["end"] - e["start"]) / 1e9, "pass")
+    saves = spans(rows, "checkpoint")
+    assert [r["name"] for r in saves] == ["lightning.save_checkpoint"] * len(t["saves"])
+    for r, s in zip(saves, t["saves"], strict=True):
+        close((r["end_ns"] - r["start_ns"]) / 1e9, (s["end"] - s["start"]) / 1e9, "save")
+        assert r["bytes"] == s["bytes"]
+    doc = json.loads(run_gputrace("analyze", str(out), "--json", check=True).stdout)
+    g = doc["goodput"]
+    assert sum(g["badput_s"].values()) + g["training_s"] == pytest.approx(g["wall_s"],
+                                                                           abs=1e-6)
+    close(g["badput_s"]["evaluation"],
+          sum(r["end_ns"] - r["start_ns"] for r in passes) / 1e9, "evaluation")

@@ -36,6 +36,7 @@ class _Iterations:
         self.pass_from = 0           # the evaluation pass in progress: first batch's start
         self.pass_to = 0             # ... its last batch's end
         self.pass_batches = 0
+        self.fw_pass = False         # inside a framework's evaluation loop
         self._reset()
         rec.close_hooks.append(self.finish)
 
@@ -80,8 +81,30 @@ class _Iterations:
             return      # accumulating gradients, or nothing ran: the micro-batch goes on
         self._reset()
 
+    def framework_pass(self, begin: bool, t: int) -> int:
+        """A framework's own evaluation loop (Lightning's) begins or ends at t: it is the
+        pass (its span is the framework collector's), not the batches in a row. At its end
+        an evaluation batch still open ends there; before any optimizer step, the batches
+        it ran, which no hook saw (the model is found at its first backward), are no part
+        of the first iteration, which begins there. Returns its batches."""
+        if begin:
+            self.end_pass()
+            self.fw_pass = True
+            return 0
+        rec = self.rec
+        if self.fwd and not self.bwd and not self.grad_fwd and self.seen_step and \
+                rec._iter_start is not None:
+            self._boundary(t)
+        elif not (self.fwd or self.bwd or self.step or self.seen_step) and \
+                rec._iter_start is not None:
+            rec._iter_start = t
+        n, self.pass_batches, self.fw_pass = self.pass_batches, 0, False
+        return n
+
     def end_pass(self) -> None:
         """The evaluation batches in a row so far are one pass (an `evaluation` span)."""
+        if self.fw_pass:
+            return      # inside a framework's evaluation loop: that one is the pass
         if self.pass_batches:
             self.rec.span("evaluation", "pass", self.pass_from, self.pass_to, step=-1,
                           args={"batches": self.pass_batches})

@@ -1,0 +1,72 @@
+"""PyTorch Lightning's whole run on the recorder: each run of its evaluation loop (the sanity
+check, validation, test) an `evaluation` span named `pass` (`args.framework` lightning,
+`args.sanity`, `args.batches`: the batches the recorder saw end in it), and
+`Trainer.save_checkpoint` (ModelCheckpoint's saves) a `checkpoint` span named
+`lightning.save_checkpoint` with the file's bytes; the `torch.save` inside it is part of
+it. Patched when Lightning is imported (`lightning` or `pytorch_lightning`)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from gputrace.collectors.torch import checkpoint, lazy
+from gputrace.collectors.torch.guard import _guarded
+
+PACKAGES = ("lightning.pytorch", "pytorch_lightning")
+
+
+def _file_bytes(args: Any, kwargs: Any, out: Any, before: Any) -> int | None:
+    return checkpoint._size(args[1] if len(args) > 1 else kwargs.get("filepath"))
+
+
+def _patch_loop(get_state: Any, mod: Any) -> None:
+    cls = mod._EvaluationLoop
+    orig = cls.run
+    if getattr(orig, "_gputrace", False):
+        return
+
+    @_guarded
+    def begin() -> int:
+        st = get_state()
+        t = st.now()
+        st.its.framework_pass(True, t)
+        return t
+
+    @_guarded
+    def end(loop: Any, t0: int) -> None:
+        st = get_state()
+        t = st.now()
+        n = st.its.framework_pass(False, t)
+        trainer = getattr(loop, "trainer", None)
+        st.rec.span("evaluation", "pass", t0, t, step=-1,
+                    args={"batches": n, "framework": "lightning",
+                          "sanity": bool(getattr(trainer, "sanity_checking", False))})
+
+    @functools.wraps(orig)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if get_state() is None:
+            return orig(self, *args, **kwargs)
+        t0 = begin()
+        try:
+            return orig(self, *args, **kwargs)
+        finally:
+            if t0 is not None:
+                end(self, t0)
+
+    run._gputrace = True  # type: ignore[attr-defined]
+    cls.run = run
+
+
+def _patch_trainer(get_state: Any, mod: Any) -> None:
+    cls = mod.Trainer
+    cls.save_checkpoint = checkpoint._wrap(get_state, "lightning.save_checkpoint", "save",
+                                           cls.save_checkpoint, _file_bytes)
+
+
+def install(get_state: Any) -> None:
+    for pkg in PACKAGES:
+        lazy.when_imported(f"{pkg}.loops.evaluation_loop",
+                           lambda m: _patch_loop(get_state, m), "Lightning's evaluation loop")
+        lazy.when_imported(f"{pkg}.trainer.trainer",
+                           lambda m: _patch_trainer(get_state, m), "Lightning's checkpoints")
