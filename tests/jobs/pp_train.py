@@ -1,13 +1,14 @@
 """Pipeline parallelism as torch.distributed.pipelining's docs write it: the model split by
 hand into stages (`PipelineStage`), one per rank or several (`--stages-per-rank`: rank r
 holds stages r, r + p, ... or, for the V schedules, r and 2p - 1 - r), a schedule over
-microbatches, the optimizer stepped after each `schedule.step`; with `--dp D` the ranks
+microbatches, the optimizer stepped after each `schedule.step` (`--then M2,...`: as many
+iterations again at each of these microbatch counts, one recording at several counts); with `--dp D` the ranks
 form D pipelines (pipeline x data parallel: rank = replica * p + pipeline rank), each
 replica's gradients all-reduced over its data-parallel group after the step:
 
     torchrun --nproc_per_node 2 pp_train.py OUT [--schedule gpipe|1f1b|interleaved|
         loopedbfs|izb|zbv|dualpipev] [--stages-per-rank V] [--microbatches M] [--dp D]
-        [--iterations N] [--blocks L] [--width D] [--batch B]
+        [--iterations N] [--blocks L] [--width D] [--batch B] [--then M2,M3]
 
 Each stage times its own work per microbatch: its forward (in the stage module's own
 forward), its loss (the last stage's, in the loss function the schedule calls) and, with one
@@ -210,6 +211,10 @@ def main() -> None:
     p.add_argument("--blocks", type=int, default=4)
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--then", default="",
+                   help="M2,M3,...: after the iterations, as many more at each of these "
+                        "microbatch counts in turn (a schedule over new stages of the same "
+                        "modules each)")
     a = p.parse_args()
     v = a.stages_per_rank or (1 if a.schedule in SINGLE else 2)
     if a.schedule in SINGLE and v != 1 or a.schedule in V_SHAPED and v != 2:
@@ -257,15 +262,30 @@ def main() -> None:
         clock.loss(time.perf_counter() - t0)
         return loss
 
-    sched = cls(stages[0], a.microbatches, loss_fn=loss_fn) if v == 1 and \
-        a.schedule in SINGLE else cls(stages, a.microbatches, loss_fn=loss_fn)
+    def schedule(sts: list, m: int):  # noqa: ANN202 - a torch schedule
+        return cls(sts[0], m, loss_fn=loss_fn) if v == 1 and a.schedule in SINGLE else \
+            cls(sts, m, loss_fn=loss_fn)
+
+    sched = schedule(stages, a.microbatches)
+    counts = [a.microbatches] * a.iterations
+    blocks = [(0, sched, passes)]
+    for m2 in (int(x) for x in a.then.split(",") if x):
+        more, spent2 = [], []
+        for idx, mod in zip(indices, mods, strict=True):
+            st = PipelineStage(mod, idx, n, torch.device("cpu"), group=pp_group)
+            spent2.append(time_chunks(st, clock, chunks))
+            more.append(st)
+        blocks.append((len(counts), schedule(more, m2), spent2))
+        counts += [m2] * a.iterations
     params = [q for m in mods for q in m.parameters()]
     opt = torch.optim.SGD(params, lr=0.01)
     g = torch.Generator().manual_seed(replica)
     x = torch.randn(a.batch, a.width, generator=g)
     y = torch.randint(0, 10, (a.batch,), generator=g)
     truth = Truth()
-    for i in range(a.iterations):
+    for i in range(len(counts)):
+        if blocks and blocks[0][0] == i:
+            _, sched, passes = blocks.pop(0)
         truth.begin(i)
         clock.begin(i)
         for s in passes:
@@ -296,7 +316,8 @@ def main() -> None:
         truth.iterations[-1].update({
             "step_s": t1 - t0, "grad_sync_s": t2 - t1, "update": t3 - t2,
             "passes_s": sum(s[0] for s in passes), "waits_s": waits[0],
-            "loss_s": sum(m["loss"] for m in clock.mb if m["it"] == i)})
+            "loss_s": sum(m["loss"] for m in clock.mb if m["it"] == i),
+            "microbatches": counts[i]})
     with open(f"{a.out}.rank{rank}.json", "w") as f:
         json.dump({"calls": truth.calls, "iterations": truth.iterations,
                    "microbatches": clock.mb if v == 1 else [], "chunks": chunks,

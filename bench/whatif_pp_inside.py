@@ -1,0 +1,106 @@
+"""The pipeline microbatch what-ifs against the runs they predict, inside one recording:
+tests/jobs/pp_train.py on 2 ranks over gloo runs N iterations at A microbatches, N at B,
+then N at A again (`--then B,A`: one schedule over new stages of the same modules per
+block), under `gputrace record --steps 2:N-2` (the first A block in full detail, after two
+iterations of warm-up: every other iteration keeps its time only). The what-if of that
+window at B microbatches (`pp_whatif.predict`, the proportional model `analyze` gives from
+one run) predicts the B block's median iteration on the job's own clock (stage 0's rank,
+the block's first two iterations left out: a new schedule's first step infers its shapes);
+the second A block against the first says how far the machine's speed moved meanwhile.
+
+    python bench/whatif_pp_inside.py [--schedules gpipe,1f1b,interleaved]
+        [--pairs 4:8,8:4,8:16,16:8] [--iterations 8] [--width 1024] [--batch 256]
+        [--blocks 4] [--keep DIR | --reuse DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from common import PY, ROOT, machine
+
+JOB = ROOT / "tests" / "jobs" / "pp_train.py"
+CLASS = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
+         "interleaved": "ScheduleInterleaved1F1B"}
+SETTLE = 2     # a block's first iterations left out
+
+
+def record(prefix: Path, sched: str, a: int, b: int, args: argparse.Namespace) -> None:
+    n = args.iterations
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    subprocess.run([PY, "-m", "gputrace", "record", "-q", "-f", "-o", f"{prefix}.arrow",
+                    "--steps", f"{SETTLE}:{n - SETTLE}", "--", PY, "-m",
+                    "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                    str(JOB), str(prefix), "--schedule", sched, "--microbatches", str(a),
+                    "--then", f"{b},{a}", "--iterations", str(n), "--width",
+                    str(args.width), "--batch", str(args.batch), "--blocks",
+                    str(args.blocks)], check=True, capture_output=True, text=True,
+                   timeout=1800, env=env)
+
+
+def blocks(prefix: Path, n: int) -> list[float]:
+    """Each block's median iteration on the job's clock (stage 0's rank), seconds."""
+    t = json.loads(Path(f"{prefix}.rank0.json").read_text())
+    its = t["iterations"]
+    return [float(np.median([(i["end"] - i["start"]) / 1e9
+                             for i in its[k * n + SETTLE:(k + 1) * n]])) for k in range(3)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--schedules", default="gpipe,1f1b,interleaved")
+    ap.add_argument("--pairs", default="4:8,8:4,8:16,16:8")
+    ap.add_argument("--iterations", type=int, default=8)
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--blocks", type=int, default=4)
+    ap.add_argument("--keep", type=Path)
+    ap.add_argument("--reuse", type=Path)
+    a = ap.parse_args()
+    out = a.reuse or a.keep or Path(tempfile.mkdtemp(prefix="whatif-pp-inside-"))
+    out.mkdir(parents=True, exist_ok=True)
+    sys.path.insert(0, str(ROOT))
+    from gputrace import load
+    from gputrace.analyzers import analyze
+    from gputrace.analyzers.parallel import pp_whatif
+
+    print(f"machine: {machine()}")
+    print(f"pp_train.py: {a.blocks} blocks per stage, width {a.width}, batch {a.batch}, "
+          f"{a.iterations} iterations per block")
+    print("| schedule | from | to | window t_iter (job) | predicted | measured | error | "
+          "first block again (drift) |")
+    print("|---|---|---|---|---|---|---|---|")
+    errs = []
+    for sched in a.schedules.split(","):
+        for pair in a.pairs.split(","):
+            x, y = (int(v) for v in pair.split(":"))
+            prefix = out / f"{sched}_{x}_{y}"
+            if not a.reuse:
+                record(prefix, sched, x, y, a)
+            first, then, again = blocks(prefix, a.iterations)
+            pl = analyze(load(f"{prefix}.arrow"), skip=0).main.parallel.get("pp")
+            if pl is None:
+                print(f"| {sched} | {x} | {y} | no pipeline in the window |")
+                continue
+            pred = pp_whatif.predict(pl, CLASS[sched], y).t_iter
+            err = pred / then - 1
+            errs.append(err)
+            print(f"| {sched} | {x} | {y} | {first * 1e3:.0f} ms | {pred * 1e3:.0f} ms | "
+                  f"{then * 1e3:.0f} ms | {err:+.1%} | {again * 1e3:.0f} ms "
+                  f"({again / first - 1:+.1%}) |", flush=True)
+    if errs:
+        e = np.abs(errs)
+        print(f"\n{len(errs)} predictions: median |error| {np.median(e):.1%}, at most "
+              f"{e.max():.1%}; within 10 %: {int((e <= 0.10).sum())}")
+
+
+if __name__ == "__main__":
+    main()
