@@ -124,6 +124,10 @@ def test_the_report_says_why_a_chart_is_not_drawn_as_the_terminal_does(run):
                if ln.startswith("Predicted speedup: not computed (")]
     why = said.removeprefix("Predicted speedup: not computed (").removesuffix(")")
     assert f"<li>Speedup vs GPU count: {html.escape(why)}</li>" in run["page"]
+    # and the page, like the terminal, has no comm row, restated model or "rank 0 of 1"
+    summary = run["page"].split('<p class="headline">')[1].split("</table>")[0]
+    assert "one process &middot;" in summary and "rank 0 of 1" not in summary, summary
+    assert " predicts " not in summary and "<td>t_comm</td>" not in summary, summary
 
 
 def test_what_if_rows_have_labels_that_tell_them_apart(run, tmp_path):

@@ -19,6 +19,7 @@ from gputrace.analyzers.findings import Finding
 from gputrace.report.charts import Chart, charts, evidence
 from gputrace.report.charts_comm import kinds_table
 from gputrace.report.checks import withheld
+from gputrace.report.solo import ProbeAdvice, iterations_line, solo
 from gputrace.report.terminal import STRATEGY, headline, phase_rows
 
 VEGA_LITE = "6.4"      # the Vega-Lite version the specs are written for
@@ -115,12 +116,11 @@ def _ms(s: float) -> str:
 def _summary(a: Analysis, ra: RankAnalysis, source: str) -> list[str]:
     from gputrace import __version__
 
-    m = ra.model
-    slowest = " (slowest)" if len(a.ranks) > 1 and ra.rank == a.slowest_rank else ""
+    m, one = ra.model, solo(a, ra)
     out = [f'<p class="headline">{_e(headline(ra))}</p>',
-           f'<p class="meta">{_e(source)} &middot; rank {ra.rank} of {a.world_size}{slowest}'
-           f" &middot; {ra.analyzed} iterations analyzed, first "
-           f"{ra.warmup_skipped} skipped as warm-up &middot; gputrace {_e(__version__)}</p>"]
+           f'<p class="meta">{_e(source)} &middot; '
+           + _e(iterations_line(a, ra)).replace("; ", " &middot; ", 1)
+           + f" &middot; gputrace {_e(__version__)}</p>"]
     if ra.left_out_line:
         out.append(f'<p class="meta">{_e(ra.left_out_line)}</p>')
     held = withheld(a, ra)
@@ -130,13 +130,16 @@ def _summary(a: Analysis, ra: RankAnalysis, source: str) -> list[str]:
     strategy = STRATEGY.get(m.strategy, m.strategy) if ra.comm["total_s"] > 0 else \
         "single process, no gradient comm"
     case = f", Case {m.case}" + (f" (C = {m.C})" if m.C is not None else "") if m.case else ""
-    out.append(f"<p>Model: {_e(strategy)}{_e(case)}; eq. {_e(m.equation)} predicts "
-               f"{_ms(m.predicted_t_iter)} per iteration against {_ms(m.measured_t_iter)} "
-               f"measured ({m.relative_error:+.1%}).</p>")
+    # one process: eq. 1 is the sum of the phases below, its +0.0 % says nothing
+    said = "." if one and abs(m.relative_error) < 5e-4 else \
+        (f"; eq. {_e(m.equation)} predicts {_ms(m.predicted_t_iter)} per iteration against "
+         f"{_ms(m.measured_t_iter)} measured ({m.relative_error:+.1%}).")
+    out.append(f"<p>Model: {_e(strategy)}{_e(case)}{said}</p>")
     rows = "".join(f"<tr><td>{k}</td><td>{_e(label)}</td><td>{_ms(ra.breakdown[k].mean)}</td>"
                    f"<td>{_ms(ra.breakdown[k].std)}</td></tr>"
                    + (_recompute_row(ra) if k == "t_b" else "")
-                   for k, label in (("t_iter", "iteration"), *phase_rows(ra)))
+                   for k, label in (("t_iter", "iteration"), *phase_rows(ra))
+                   if not (one and k == "t_comm"))
     out.append("<table><tr><th>term</th><th></th><th>mean</th><th>&plusmn; std</th></tr>"
                f"{rows}</table>")
     return out
@@ -198,10 +201,11 @@ def render(a: Analysis, rank: int | None, script: str, source: str = "",
                     f'<p class="caption">{_e(c.caption)}</p>'
                     f'<div class="vis" id="vis-{c.id}"></div>{c.extra}</section>')
     reasons = {k: why for k, (_, why) in NOT_DRAWN.items()}
+    advise = ProbeAdvice()     # the terminal's reasons, word for word, in its order
+    if ra.speedup.unavailable:
+        reasons["speedup"] = advise(ra.speedup.unavailable)
     if ra.replay_unavailable:
-        reasons["what-if"] = ra.replay_unavailable
-    if ra.speedup.unavailable:     # the terminal's reason, word for word
-        reasons["speedup"] = ra.speedup.unavailable
+        reasons["what-if"] = advise(ra.replay_unavailable)
     missing = [f"<li>{_e(what)}: {_e(reasons[k])}</li>" for k, (what, _) in NOT_DRAWN.items()
                if k not in drawn]
     missing += [f"<li>{_e(what)}: {_e(why)}</li>" for k, what, why in _parallel_not_drawn(ra)
