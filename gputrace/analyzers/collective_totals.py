@@ -93,6 +93,15 @@ def summarize(sp: Spans, r: Rows, it_of: np.ndarray, sel: np.ndarray, compute: o
     out = []
     dims = np.array(r.dim if len(r.dim) == r.n else [""] * r.n)
     why = np.array(r.why if len(r.why) == r.n else [""] * r.n, dtype=object)
+    memo: dict[bytes, float] = {}
+
+    def exposed(m: np.ndarray) -> float:
+        """exposed_ns per iteration, each set of rows once (a run's only kind: the model's)"""
+        key = np.packbits(m).tobytes()
+        if key not in memo:
+            memo[key] = exposed_ns(sp, r, compute, m, device_compute) / 1e9 / n_it
+        return memo[key]
+
     for k in [k for k in KINDS if k in set(r.kind)]:
         for d in sorted(set(dims[kinds == k].tolist())):   # a row per parallelism served
             for w in sorted(set(why[(kinds == k) & (dims == d)].tolist())):  # and reason
@@ -104,14 +113,13 @@ def summarize(sp: Spans, r: Rows, it_of: np.ndarray, sel: np.ndarray, compute: o
                                          float(np.nansum(r.nbytes[m])) / n_it,
                                          float(np.nansum(r.bytes_out[m])) / n_it,
                                          _in_flight(sp, r, m) / n_it,
-                                         exposed_ns(sp, r, compute, m, device_compute)
-                                         / 1e9 / n_it,
+                                         exposed(m),
                                          bool(grad[m].any()) and not few, few, d, w))
     sharded = next((f for f in r.fsdp if f), None)
     sizes = tuple(sorted({int(g) for g in r.group_size if g > 0}))
     model = inside & gradient_mask(sp, r)   # the comm the data-parallel model reads
     return Collectives(out, r.n, int(inside.sum()), sharded, sizes, r.small_below,
-                       exposed_ns(sp, r, compute, model, device_compute) / 1e9 / n_it)
+                       exposed(model))
 
 
 def missing_message(world: int, tf_unprofiled: bool = False, outside: int = 0) -> str:
