@@ -181,3 +181,34 @@ def test_lightning_fit_with_validation_and_model_checkpoint(tmp_path):
                                                                            abs=1e-6)
     close(g["badput_s"]["evaluation"],
           sum(r["end_ns"] - r["start_ns"] for r in passes) / 1e9, "evaluation")
+
+
+def test_hf_trainer_with_steps_evaluation_and_checkpoints(tmp_path):
+    """HF Trainer, eval_strategy and save_strategy "steps": each evaluate and each
+    checkpoint against its own clock, the checkpoint's bytes its folder's
+    (tests/jobs/trainers/hf_whole.py)."""
+    pytest.importorskip("transformers")
+    job = Path(JOB).parent / "trainers" / "hf_whole.py"
+    truth, out = tmp_path / "t.json", tmp_path / "t.arrow"
+    p = run_gputrace("record", "-q", "-o", str(out), "--", sys.executable, str(job),
+                     str(truth), "--steps", "30", "--every", "10", timeout=300)
+    assert p.returncode == 0, p.stderr
+    t = json.loads(truth.read_text())
+    rows = load(out).table.to_pylist()
+    assert [r["step"] for r in spans(rows, "iteration")] == t["steps"] == list(range(30))
+    passes = spans(rows, "evaluation", "pass")
+    assert len(passes) == len(t["evals"]) == 3
+    for r, e in zip(passes, t["evals"], strict=True):
+        close((r["end_ns"] - r["start_ns"]) / 1e9, (e["end"] - e["start"]) / 1e9, "evaluate")
+        assert json.loads(r["args"])["batches"] == 4
+    saves = spans(rows, "checkpoint")
+    assert [r["name"] for r in saves] == ["transformers.save_checkpoint"] * len(t["saves"])
+    for r, s in zip(saves, t["saves"], strict=True):
+        close((r["end_ns"] - r["start_ns"]) / 1e9, (s["end"] - s["start"]) / 1e9, "save")
+        assert r["bytes"] == s["bytes"]
+    doc = json.loads(run_gputrace("analyze", str(out), "--json", check=True).stdout)
+    g = doc["goodput"]
+    assert sum(g["badput_s"].values()) + g["training_s"] == pytest.approx(g["wall_s"],
+                                                                           abs=1e-6)
+    close(g["badput_s"]["checkpointing"],
+          sum(s["end"] - s["start"] for s in t["saves"]) / 1e9, "checkpointing")

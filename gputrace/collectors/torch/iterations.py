@@ -86,18 +86,21 @@ class _Iterations:
         pass (its span is the framework collector's), not the batches in a row. At its end
         an evaluation batch still open ends there; before any optimizer step, the batches
         it ran, which no hook saw (the model is found at its first backward), are no part
-        of the first iteration, which begins there. Returns its batches."""
+        of the first iteration. The next batch request opens the next iteration (what runs
+        between, a checkpoint, is none of it). Returns its batches."""
         if begin:
             self.end_pass()
+            self.aside(t)
             self.fw_pass = True
             return 0
         rec = self.rec
         if self.fwd and not self.bwd and not self.grad_fwd and self.seen_step and \
                 rec._iter_start is not None:
             self._boundary(t)
+            rec.drop_iteration()    # the next batch request opens the next one
         elif not (self.fwd or self.bwd or self.step or self.seen_step) and \
                 rec._iter_start is not None:
-            rec._iter_start = t
+            rec.drop_iteration()
         n, self.pass_batches, self.fw_pass = self.pass_batches, 0, False
         return n
 
