@@ -129,6 +129,9 @@ def test_a_known_wait_in_one_layer_is_slower_by_the_jobs_own_change(runs):
     # base-3): Welch's interval
     w = gputrace.diff(tb[1:], ts[:2], progress=False)
     assert w["noise"]["method"] == "runs+welch" and not w["noise"]["paired"]
+    # the samples/s a side's runs had, as its mean iteration (the same batch in all)
+    assert d["throughput"]["samples_per_s"]["ratio"] == pytest.approx(
+        h["before"] / h["after"], rel=0.01)
     assert w["headline"]["before"] == pytest.approx(np.mean(d["noise"]["t_iter_runs"]
                                                             ["before"][1:]), rel=1e-9)
 

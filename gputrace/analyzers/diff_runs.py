@@ -205,13 +205,20 @@ def _model(runs: list[Run]) -> dict[str, Any]:
     return out
 
 
+def _rate(values: list[Any]) -> float | None:
+    """A side's rate: the harmonic mean of its runs' (the batch over the runs' mean
+    iteration, as the side's t_iter is their mean)."""
+    vals = [v for v in values if v]
+    return len(vals) / sum(1 / v for v in vals) if vals and len(vals) == len(values) else None
+
+
 def _throughput(before: list[Run], after: list[Run]) -> dict[str, Any] | None:
     tb, ta = ([r.analysis.throughput for r in side] for side in (before, after))
     if any(t is None for t in tb + ta):
         return None
     out: dict[str, Any] = {}
     for k in ("samples_per_s", "tokens_per_s"):
-        b, a = (_mean_of([getattr(t, k) or None for t in side]) for side in (tb, ta))
+        b, a = (_rate([getattr(t, k) for t in side]) for side in (tb, ta))
         if b is None or a is None:
             continue
         out[k] = {"before": b, "after": a, "ratio": a / b if b else None}
