@@ -10,7 +10,8 @@ time (the goodput) and the badput by category, each instant counted once, in thi
   iterations (whose own wait is their t_io);
 - startup: the rest before the first training iteration;
 - shutdown: the rest after the last one;
-- other: the rest between iterations where some span of the job's shows it at work;
+- other: the rest between iterations where a span of the training loop's thread shows it
+  at work;
 - stalls: the rest between iterations, where nothing recorded explains the time.
 
 Training time plus the categories is the wall time (invariants.goodput)."""
@@ -110,8 +111,10 @@ def of_rank(sp: Spans, its: Iterations) -> Goodput | None:
     startup = _clip(rest, lo, first)
     shutdown = _clip(rest, last, hi)
     between = _clip(rest, first, last)
-    # the job's own spans, host side (a phase, the framework's, the user's): at work
-    work = _u(sp, (sp.device < 0) & ~sp.of("iteration") & ~sp.of("process") & ~sp.of("run"))
+    # the training loop's thread at work: its own spans (a phase, the framework's, the
+    # user's), not a loader worker's prefetch or a background save beside a stall
+    work = _u(sp, loop & (sp.device < 0) & ~sp.of("iteration") & ~sp.of("process")
+              & ~sp.of("run"))
     other = ov.intersect(between, work)
     badput = {"startup": _s(startup), "evaluation": _s(out["evaluation"]),
               "checkpointing": _s(out["checkpointing"]), "data_stalls": _s(out["data_stalls"]),
