@@ -54,6 +54,7 @@ def d(tmp_path_factory) -> Path:
     events = [{"ph": "X", "name": "ProfilerStep#1", "cat": "user_annotation", "ts": 0,
                "dur": 100, "pid": 1, "tid": 1}]
     (root / "kineto.json").write_text(json.dumps({"traceEvents": events}))
+    (root / "t.xplane.pb").write_bytes(b"\x0a\x03not an xplane")   # read by its name
     return root
 
 
@@ -131,11 +132,12 @@ def _without(tmp_path: Path, *modules: str) -> dict[str, str]:
     (["export", "{d}/good.arrow", "--format", "perfetto", "-o", "{out}/t.pftrace"], "export"),
     (["analyze", "{d}/good.arrow", "--dask", "tcp://127.0.0.1:1"], "cluster"),
     (["analyze", "{d}/good.arrow", "--ray", "auto"], "ray"),
+    (["import", "{d}/t.xplane.pb", "-o", "{out}/x.arrow"], "tf"),
 ])
 def test_a_missing_extra_exits_2_with_the_line_to_install_it(argv, extra, d, tmp_path):
-    env = _without(tmp_path, "vl_convert", "perfetto", "dask", "ray")
+    env = _without(tmp_path, "vl_convert", "perfetto", "dask", "ray", "tensorflow")
     p = run_gputrace(*[a.format(d=d, out=tmp_path) for a in argv], env=env)
     assert p.returncode == 2, p.stderr
     assert p.stderr.count("\n") == 1 and f"pip install 'gputrace[{extra}]'" in p.stderr, \
         p.stderr
-    assert not (tmp_path / "r.html").exists() and not (tmp_path / "t.pftrace").exists()
+    assert not [p for p in ("r.html", "t.pftrace", "x.arrow") if (tmp_path / p).exists()]
