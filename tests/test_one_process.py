@@ -63,6 +63,7 @@ def test_one_process_has_no_comm_rows_tables_or_restated_model(run):
     assert who.startswith(f"one process; {doc['iterations']['analyzed']} iterations "
                           "analyzed"), who
     assert "rank 0 of 1" not in text and "on this process (" in text
+    assert "Memory: peak RSS " in text and "Memory (rank" not in text
     # the job's own iterations, every one of them in the trace
     assert doc["iterations"]["count"] == len(run["times"]) == ITERATIONS
 

@@ -177,4 +177,5 @@ def memory_line(m: dict[str, Any], rank: int) -> str | None:
     if big is not None and big != rank and len(m["ranks"]) > 1:
         parts.append(f"largest on rank {big}: "
                      f"{_gib(m['ranks'][str(big)]['rss_peak_bytes'])}")
-    return f"Memory (rank {rank}): " + "; ".join(parts)
+    who = f" (rank {rank})" if len(m["ranks"]) > 1 or rank > 0 else ""   # one process: none
+    return f"Memory{who}: " + "; ".join(parts)
