@@ -1,5 +1,23 @@
-"""A/A: the same short job recorded twice, `gputrace diff` of the pair, many pairs: how
-often does the headline call the change within noise (it should, nothing changed)?
+"""A/A: the same short job recorded again and again, `gputrace diff` of the runs: how often
+does it call a change beyond noise where nothing changed, and how large a change does it
+find?
+
+Repeated runs (the default): each round records the job 3 times as it is (A) and 3 times
+with a busy wait of `--extra-ms` in one layer's backward (B), interleaved A B, B A, A B
+(`gputrace record --repeat 3 --interleave`), and diffs the 3 against the 3 (A/B: is the
+wait found, in t_iter and in its layer's row, and by how much beside the job's own clock).
+Two rounds after another make two null comparisons of 3 runs against 3 of the same code,
+interleaved in time (the A runs of both rounds taken alternately, and so the B runs): the
+fraction of them called beyond noise in t_iter, and the share of every other row with an
+interval (terms, layers, units, kinds, kernels, ranks) called beyond noise. The target: at
+most 5 % at the stated 95 %, and a 5 % change found in 9 of 10. From the null
+comparisons' standard errors it also estimates the smallest change found 9 times in 10
+((t 0.975 + t 0.90) standard errors).
+
+    python bench/diff_aa.py [--rounds 10] [--steps 30] [--extra-ms 0.6] [--keep DIR]
+
+One run against one (`--pairs N`): the job recorded twice, one after the other, N pairs;
+how often the headline calls the change within noise:
 
 The job is tests/jobs/slowed_phase.py as it is (no slowing): a small CPU training loop whose
 forward has a cost that varies from step to step. Each pair is recorded one run after the
@@ -9,7 +27,7 @@ its interval and the verdict; at the end the count, and the loops' own change (t
 perf_counter) beside the diff's, the change of the job's wait for a CPU per iteration and
 each run's stalls per iteration (the between-run noise the interval holds).
 
-    python bench/diff_aa.py [--pairs 20] [--steps 20] [--hog] [--keep DIR] [--tiny]
+    python bench/diff_aa.py --pairs 20 [--steps 20] [--hog] [--keep DIR] [--tiny]
 """
 
 from __future__ import annotations
@@ -21,10 +39,13 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 from common import PY, ROOT, machine, run, table
 
 JOB = ROOT / "tests" / "jobs" / "slowed_phase.py"
+SLOWED = "2"    # the layer whose backward waits (model[2]), as the diff numbers it
 HOG = "import time\nwhile True:\n    time.perf_counter()\n"
 
 
@@ -48,19 +69,147 @@ def pair(out: Path, i: int, steps: int) -> dict[str, float | str | bool]:
             "wait": wait, "stalls": doc["noise"]["excursions_s"]}
 
 
+def record_round(out: Path, r: int, steps: int, extra_ms: float, reuse: bool = False
+                 ) -> dict[str, Any]:
+    """Round `r`: A and B, 3 runs each, interleaved: side -> (traces, each run's steps);
+    `reuse`: a round whose traces are there already (--keep) is diffed, not recorded again."""
+    a, b = out / f"r{r}-a", out / f"r{r}-b"
+    job = [PY, str(JOB)]
+    have = [Path(f"{x}-{i}.arrow") for x in (a, b) for i in (1, 2, 3)]
+    if not (reuse and all(f.is_file() for f in have)):
+        for x in (a, b):
+            Path(f"{x}.jsonl").unlink(missing_ok=True)
+        run([PY, "-m", "gputrace", "record", "-q", "-f", "--repeat", "3", "-o",
+             f"{a}.arrow", "--interleave", f"{b}.arrow",
+             "--", *job, f"{a}.jsonl", "--steps", str(steps),
+             "--", *job, f"{b}.jsonl", "--steps", str(steps),
+             "--backward-extra-ms", str(extra_ms)], timeout=1800)
+    return {k: ([f"{x}-{i}.arrow" for i in (1, 2, 3)],
+                [json.loads(ln) for ln in Path(f"{x}.jsonl").read_text().splitlines()])
+            for k, x in (("a", a), ("b", b))}
+
+
+def diff_doc(before: list[str], after: list[str]) -> dict[str, Any]:
+    _, p = run([PY, "-m", "gputrace", "diff", *before, "--", *after, "--json"], timeout=900)
+    return json.loads(p.stdout)
+
+
+def rows_called(doc: dict[str, Any]) -> tuple[int, int]:
+    """Rows other than t_iter with an interval, and those called beyond noise."""
+    rows = [v for k, v in doc["breakdown"].items() if k != "t_iter"]
+    for tab in (doc["layers"]["forward"], doc["layers"]["backward"], doc["units"],
+                doc["collectives"], doc["kernels"], doc["ranks"]):
+        rows += tab["top"]
+    rows = [r for r in rows if r.get("low") is not None]
+    return len(rows), sum(bool(r["beyond_noise"]) for r in rows)
+
+
+def own(steps: list[list[dict[str, float]]], key: str, n: int) -> float:
+    return float(np.mean([np.mean([s[key] for s in run_[-n:]]) for run_ in steps]))
+
+
+def t_pct(df: float, q: float) -> float:
+    return float(np.percentile(np.random.default_rng(0).standard_t(df, 200_000), q))
+
+
+def repeated(a: argparse.Namespace, out: Path) -> None:
+    rounds = [record_round(out, r, a.steps, a.extra_ms, a.reuse) for r in range(a.rounds)]
+    ab, null, dfs = [], [], []
+    for r, rd in enumerate(rounds):
+        d = diff_doc(rd["a"][0], rd["b"][0])
+        n = d["iterations"]["before"] // 3
+        top = d["layers"]["backward"]["top"]    # the slowed layer: model[2], the 2nd Linear
+        layer = next((x for x in top if x["name"].split()[0] == SLOWED),
+                     max(top, key=lambda x: x["change"]))
+        want = own(rd["b"][1], "iteration", n) - own(rd["a"][1], "iteration", n)
+        ab.append([str(r), f"{d['headline']['before'] * 1e3:.1f}",
+                   f"{d['headline']['change'] * 1e3:+.2f}",
+                   f"[{d['headline']['low'] * 1e3:+.2f}, {d['headline']['high'] * 1e3:+.2f}]",
+                   d["headline"]["verdict"], f"{want * 1e3:+.2f}",
+                   f"{layer['name']} {layer['change'] * 1e3:+.2f}",
+                   "found" if layer["beyond_noise"] and layer["change"] > 0 else "missed",
+                   f"{own(rd['b'][1], 'extra', n) * 1e3:.2f}"])
+        print(" ".join(ab[-1]), file=sys.stderr)
+        if r % 2 == 1:      # rounds r-1 and r: each side's 6 runs, taken alternately
+            for side in ("a", "b"):
+                t = rounds[r - 1][side][0] + rd[side][0]
+                d = diff_doc(t[0::2], t[1::2])
+                h, (rows, beyond) = d["headline"], rows_called(d)
+                se = [d["breakdown"]["t_iter"]["between_s"]] + [
+                    x["between_s"] for x in d["layers"]["backward"]["top"] if x["between_s"]]
+                dfs.append(2 if d["noise"]["paired"] else 4)
+                null.append([f"{r - 1}+{r} {side.upper()}", f"{h['before'] * 1e3:.1f}",
+                             f"{h['change'] * 1e3:+.2f}",
+                             f"[{h['low'] * 1e3:+.2f}, {h['high'] * 1e3:+.2f}]", h["verdict"],
+                             f"{beyond}/{rows}", f"{se[0] * 1e3:.2f}",
+                             f"{max(se[1:] or [0]) * 1e3:.3f}"])
+                print(" ".join(null[-1]), file=sys.stderr)
+    print(f"machine: {machine()}")
+    print(table(f"A/B: tests/jobs/slowed_phase.py, {a.steps} steps, 3 runs a side "
+                f"interleaved, B with a {a.extra_ms:g} ms busy wait in one layer's backward "
+                "(ms)", ["round", "t_iter", "change", "95 % interval", "verdict",
+                         "job's own change", "top backward layer, change", "layer",
+                         "job's own wait"], ab))
+    found = sum(r[4] == "slower" for r in ab)
+    layer_found = sum(r[7] == "found" for r in ab)
+    print(f"t_iter found slower: {found} of {len(ab)}; the layer's row: {layer_found} of "
+          f"{len(ab)}")
+    if not null:
+        return
+    print(table("Null: 3 runs against 3 of the same code, interleaved (ms)",
+                ["rounds", "t_iter", "change", "95 % interval", "verdict",
+                 "rows beyond noise", "t_iter std. error", "largest layer std. error"],
+                null))
+    called = sum(r[4] != "within noise" for r in null)
+    rows = [tuple(map(int, r[5].split("/"))) for r in null]
+    print(f"t_iter beyond noise: {called} of {len(null)} null comparisons; rows beyond noise: "
+          f"{sum(b for b, _ in rows)} of {sum(n for _, n in rows)} "
+          f"({100 * sum(b for b, _ in rows) / max(sum(n for _, n in rows), 1):.1f} %)")
+    df = max(set(dfs), key=dfs.count)   # 3 pairs: 2 degrees of freedom; Welch's: about 4
+    se = float(np.median([float(r[6]) for r in null]))
+    base = float(np.median([float(r[1]) for r in null]))
+    k = t_pct(df, 97.5) + t_pct(df, 90)
+    print(f"smallest change found 9 times in 10, estimated from the null comparisons' "
+          f"median standard error ({se:.2f} ms, df {df}): t_iter {k * se:.2f} ms "
+          f"({100 * k * se / base:.0f} % of {base:.1f} ms)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--pairs", type=int, default=20)
-    p.add_argument("--steps", type=int, default=20, help="iterations of each run (20)")
+    p.add_argument("--pairs", type=int, help="one run against one, N pairs (the older "
+                   "bench); without it, repeated runs")
+    p.add_argument("--rounds", type=int, default=10, help="repeated runs: rounds of A B, B A, "
+                   "A B (10); two rounds make two null comparisons")
+    p.add_argument("--extra-ms", type=float, default=0.6,
+                   help="repeated runs: B's busy wait in one layer's backward (0.6 ms: about "
+                   "5 %% of the job's iteration on the bench machine)")
+    p.add_argument("--steps", type=int, help="iterations of each run (20; repeated: 30)")
     p.add_argument("--hog", action="store_true", help="a busy process beside each run")
     p.add_argument("--keep", metavar="DIR", help="keep the recordings there")
-    p.add_argument("--tiny", action="store_true", help="2 pairs of 8 steps (a smoke run)")
+    p.add_argument("--reuse", action="store_true", help="repeated runs, with --keep: diff "
+                   "the rounds already recorded there instead of recording them again")
+    p.add_argument("--tiny", action="store_true", help="2 rounds (with --pairs: 2 pairs) of "
+                   "8 steps (a smoke run)")
     a = p.parse_args()
-    if a.tiny:
+    if a.tiny and a.pairs is None:
+        a.rounds, a.steps = 2, 8
+    elif a.tiny:
         a.pairs, a.steps = 2, 8
     out = Path(a.keep) if a.keep else Path(tempfile.mkdtemp(prefix="diff_aa-"))
     out.mkdir(parents=True, exist_ok=True)
     hog = subprocess.Popen([sys.executable, "-c", HOG]) if a.hog else None
+    if a.pairs is None:
+        a.steps = a.steps or 30
+        try:
+            repeated(a, out)
+        finally:
+            if hog is not None:
+                hog.kill()
+                hog.wait()
+            if not a.keep:
+                shutil.rmtree(out, ignore_errors=True)
+        return
+    a.steps = a.steps or 20
     rows, within = [], 0
     try:
         for i in range(a.pairs):
