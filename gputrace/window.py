@@ -224,13 +224,13 @@ class Window:
         out: list[tuple[Any, ...]] = []
         out_rows: list[tuple[Any, ...]] = []
         iters = []
+        timeless = []
         for sp in spans:
             step = sp[5]
             if sp[0] == "iteration":
                 iters.append(sp)
             elif step is None or step < 0:
-                if self._in_time(sp[2]):
-                    out.append(sp)
+                timeless.append(sp)
             elif step in self.decided:
                 if self.decided[step]:
                     out.append(sp)
@@ -253,6 +253,9 @@ class Window:
                 held[1].append(sp)      # a capture is being agreed: decided once it is
             else:
                 self._iteration(sp, out, out_rows)
+        # spans of no iteration by their time, once this flush's iterations gave the window
+        # its times (an evaluation pass between two of its steps, flushed with them)
+        out.extend(sp for sp in timeless if self._in_time(sp[2]))
         if closing:
             for step in sorted(set(self.pending) | set(self.pending_rows)):
                 keep_sp, keep_rows = self.pending.get(step, []), self.pending_rows.get(step, [])

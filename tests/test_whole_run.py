@@ -212,3 +212,18 @@ def test_hf_trainer_with_steps_evaluation_and_checkpoints(tmp_path):
                                                                            abs=1e-6)
     close(g["badput_s"]["checkpointing"],
           sum(s["end"] - s["start"] for s in t["saves"]) / 1e9, "checkpointing")
+
+
+def test_a_window_of_steps_counts_training_steps_and_keeps_its_passes(tmp_path):
+    """`record --steps 15:10` records the job's steps 15..24, and the validation pass it ran
+    between steps 19 and 20, on its clock; not the passes outside."""
+    truth, out = tmp_path / "t.json", tmp_path / "t.arrow"
+    p = run_gputrace("record", "-q", "-o", str(out), "--steps", "15:10", "--",
+                     sys.executable, JOB, str(truth), "--steps", "40", timeout=300)
+    assert p.returncode == 0, p.stderr
+    t = json.loads(truth.read_text())
+    rows = load(out).table.to_pylist()
+    assert [r["step"] for r in spans(rows, "iteration")] == list(range(15, 25))
+    (ps,) = spans(rows, "evaluation", "pass")
+    close((ps["end_ns"] - ps["start_ns"]) / 1e9, (t["evals"][1]["end"] - t["evals"][1]["start"])
+          / 1e9, "the pass after step 19")
