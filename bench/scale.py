@@ -12,6 +12,13 @@ merge's peak flat in the rank count.
 
     python bench/scale.py [--ranks 256,1024] [--events 1e8] [--merge-events-per-rank 2e4]
                           [--keep DIR] [--tiny]
+    python bench/scale.py --compare REF[,REF...] [--ranks 256] [--events 1e7] [--jobs 1,2]
+                          [--rounds 2] [--keep DIR]
+
+--compare: `analyze --json` of this tree beside gputrace at each git REF (`git archive`),
+in alternating rounds on the same files, and a raw columnar scan of them (every file read,
+`start_ns` and `end_ns` only, their difference summed): wall time, CPU (one job: the
+command's own) and peak RSS, the best of the rounds each.
 
 --keep DIR writes the traces there once and reuses them on later runs (writing 1e8 events
 takes minutes and ~1 GB).
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import shutil
 import subprocess
@@ -78,16 +86,16 @@ def children_cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def measure(cmd: list[str], also: list[psutil.Process] = (), timeout: float = 1800
-            ) -> dict:
+def measure(cmd: list[str], also: list[psutil.Process] = (), timeout: float = 1800,
+            env: dict[str, str] | None = None, cwd: Path = ROOT) -> dict:
     """Run cmd; its wall time, the CPU seconds of it, its children and the processes `also`
     (with theirs) while it ran, and the peak of their summed RSS less what `also` held
     before it started."""
     base = tree_rss(list(also))
     cpu = children_cpu() + tree_cpu(list(also))
     t = time.perf_counter()
-    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                         text=True)
+    p = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                         text=True, env=None if env is None else dict(os.environ, **env))
     me = psutil.Process(p.pid)
     peak = 0
     while p.poll() is None:
@@ -131,16 +139,84 @@ def start_cluster(workers: int) -> tuple[subprocess.Popen[str], str]:
     return p, address
 
 
+SCAN = """import sys, glob, pyarrow as pa, pyarrow.compute as pc
+total = 0
+for f in sorted(glob.glob(sys.argv[1] + '/*.arrow')):
+    with pa.OSFile(f) as src:
+        at = [pa.ipc.open_file(src).schema.get_field_index(c) for c in ('start_ns', 'end_ns')]
+        t = pa.ipc.open_file(src, options=pa.ipc.IpcReadOptions(included_fields=at)).read_all()
+        total += pc.sum(pc.subtract(t.column('end_ns'), t.column('start_ns'))).as_py()
+print(total)
+"""
+
+
+def compare(refs: list[str], path: Path, events: int, n_ranks: int, jobs: list[int],
+            rounds: int) -> None:
+    """This tree beside each ref, alternating, and the raw scan, on the same files."""
+    tmp = Path(tempfile.mkdtemp(prefix="gputrace-compare-"))
+    trees = {}
+    try:
+        for ref in refs:
+            archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "gputrace"],
+                                     capture_output=True, check=True).stdout
+            (tmp / ref).mkdir()
+            subprocess.run(["tar", "-x", "-C", str(tmp / ref)], input=archive, check=True)
+            trees[ref] = str(tmp / ref)
+        trees["this tree"] = str(ROOT)
+        runs: dict[tuple[str, str], list[dict]] = {}
+        for _ in range(rounds):
+            runs.setdefault(("raw columnar scan", ""), []).append(
+                measure([PY, "-c", SCAN, str(path.parent)]))
+            for j in jobs:
+                for name, tree in trees.items():
+                    # run outside the checkout (`-m` puts the directory first on
+                    # sys.path): the tree on PYTHONPATH, for the pool's workers too
+                    cmd = [PY, "-m", "gputrace", "analyze", "--json", "-j", str(j), str(path)]
+                    runs.setdefault((name, f"-j {j}"), []).append(
+                        measure(cmd, env={"PYTHONPATH": tree}, cwd=tmp))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    scan = {k: min(m[k] for m in runs[("raw columnar scan", "")]) for k in ("wall_s", "cpu_s")}
+    rows = []
+    for (name, how), ms in runs.items():
+        wall, cpu = min(m["wall_s"] for m in ms), min(m["cpu_s"] for m in ms)
+        one = how in ("", "-j 1")  # a pool's workers are not the command's children: no CPU
+        rows.append([name, how, f"{wall:.1f} s", f"{cpu:.1f} s" if one else "n/a",
+                     gib(min(m["peak_rss_bytes"] for m in ms)), f"{wall / scan['wall_s']:.1f}x",
+                     f"{cpu / scan['cpu_s']:.1f}x" if one else "n/a"])
+    print(table(f"analyze --json of {events:.2g} events over {n_ranks} ranks, side by side "
+                f"({rounds} rounds, the best of each; peak RSS summed over its processes)",
+                ["tree", "jobs", "time", "CPU", "peak RSS", "time / scan", "CPU / scan"],
+                rows))
+    print(f"machine: {machine()}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", default="256,1024")
-    ap.add_argument("--events", type=float, default=1e8, help="events at the largest size")
+    ap.add_argument("--events", type=float,
+                    help="events at the largest size (default 1e8; with --compare 1e7)")
     ap.add_argument("--merge-events-per-rank", type=float, default=2e4)
     ap.add_argument("--keep", help="write the traces here once, and reuse them")
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--compare", metavar="REFS", help="this tree beside git REF[,REF...]")
+    ap.add_argument("--jobs", default="1,2", help="with --compare: the -j values")
+    ap.add_argument("--rounds", type=int, default=2, help="with --compare")
     a = ap.parse_args()
+    if a.compare:
+        n_ranks = 16 if a.tiny else int(a.ranks.split(",")[0])
+        events = int(2e5 if a.tiny else a.events or 1e7)
+        root = Path(a.keep) if a.keep else Path(tempfile.mkdtemp(prefix="gputrace-scale-"))
+        try:
+            path, n = traces(root, n_ranks, events)
+            compare(a.compare.split(","), path, n, n_ranks,
+                    [int(j) for j in a.jobs.split(",")], a.rounds)
+        finally:
+            if not a.keep:
+                shutil.rmtree(root, ignore_errors=True)
+        return
     ranks = [16, 32] if a.tiny else [int(x) for x in a.ranks.split(",")]
-    top = 2e5 if a.tiny else a.events
+    top = 2e5 if a.tiny else a.events or 1e8
     per_rank = top / max(ranks)
     merge_per_rank = 2e3 if a.tiny else a.merge_events_per_rank
     tmp = tempfile.mkdtemp(prefix="gputrace-scale-")
