@@ -141,19 +141,24 @@ def test_ddp_case2_is_exposed(recorded, data_dir):
     # flight together are exposed once)
     ar = d["collectives"]["kinds"]["all_reduce"]["exposed_s"]
     assert ar == pytest.approx(d["overlap"]["comm"]["exposed_s"], rel=1e-6), (ar, d["overlap"])
-    # eq. 11's speedup and the replay of the measured timeline agree at every GPU count, and
-    # both fall in efficiency as GPUs are added
-    replayed = {s["gpus"]: s for s in d["what_if"]["scenarios"]
-                if s["bucket_rule"] == "measured" and s["bandwidth_x"] == 1}
+    # eq. 11's speedup falls in efficiency as GPUs are added
     assert d["speedup"]["points"] and d["speedup"]["unavailable"] is None
-    for p in d["speedup"]["points"]:   # a wait for the other rank is not scaled by either
-        assert abs(replayed[p["gpus"]]["speedup"] / p["speedup"] - 1) < 0.10, (p, replayed)
     eff = [p["efficiency"] for p in d["speedup"]["points"]]
     assert eff == sorted(eff, reverse=True)
-    assert all(replayed[p["gpus"]]["speedup"] / p["gpus"] <= replayed[2]["speedup"] / 2 + 1e-9
-               for p in d["speedup"]["points"])
     # the two ranks shared this host's cores, and the speedup says so
     assert "CPU cores of host" in (d["speedup"]["shared"] or "")
+    # the replay of the measured timeline agrees with it at every GPU count, and falls in
+    # efficiency too; where the replay of the run itself missed it by over 5 % (a loaded
+    # machine: the iterations it replays were not alike) it is withheld, saying so
+    if d["what_if"] is None:
+        assert "replaying the measured configuration gives" in d["what_if_unavailable"], d
+        return
+    replayed = {s["gpus"]: s for s in d["what_if"]["scenarios"]
+                if s["bucket_rule"] == "measured" and s["bandwidth_x"] == 1}
+    for p in d["speedup"]["points"]:   # a wait for the other rank is not scaled by either
+        assert abs(replayed[p["gpus"]]["speedup"] / p["speedup"] - 1) < 0.10, (p, replayed)
+    assert all(replayed[p["gpus"]]["speedup"] / p["gpus"] <= replayed[2]["speedup"] / 2 + 1e-9
+               for p in d["speedup"]["points"])
 
 
 @pytest.mark.serial
@@ -170,7 +175,11 @@ def test_replay_of_one_bucket_predicts_the_run_with_small_buckets(recorded, data
     assert sum(per_layer.values()) == grad_bytes("case2")
     d = analysis(big)
     w = d["what_if"]
-    assert len(d["units"]) == 1 and w["layers_known"]
+    assert len(d["units"]) == 1
+    if w is None:      # its replay of the run itself over 5 % off (a loaded machine): said
+        assert "replaying the measured configuration gives" in d["what_if_unavailable"], d
+        return
+    assert w["layers_known"]
     pred = next(s for s in w["scenarios"] if s["gpus"] == 2 and s["bucket_rule"] == "cap"
                 and s["bucket_bytes"] == 1 << 20)
     ds = analysis(small)
