@@ -6,6 +6,7 @@ held to the job's own clocks (10 % or 50 ms; goodput within 2 points)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -74,17 +75,97 @@ def check_rank(rows: list[dict], doc: dict, t: dict, rank: int | None) -> None:
     assert g["evaluation"]["passes"] == len(t["evals"])
 
 
+def tol(s: float) -> float:
+    return max(0.10 * s, 0.050)
+
+
+def asked(doc: dict, t: dict, own_s: float, large: float) -> bool | None:
+    """Whether the job's own seconds of a category make it a finding (its share of the run
+    from `large`): True where they less their tolerance reach it over the recorded wall
+    time (its start-up and training held to the job's clocks), False where they and their
+    tolerance stay below it over the job's own wall time (process start to main's end),
+    None in between."""
+    if (own_s - tol(own_s)) / doc["goodput"]["wall_s"] >= large:
+        return True
+    if (own_s + tol(own_s)) / ((t["end"] - t["process_start"]) / 1e9) < large:
+        return False
+    return None
+
+
+def disk_write_of(trace: Path) -> float | None:
+    """The disk's probed write bandwidth the trace carries, if a probe came with it."""
+    r = ((load(trace).metadata or {}).get("probe") or {}).get("results", {})
+    return r.get("disk_write", {}).get("bytes_per_s")
+
+
+def check_findings(doc: dict, t: dict, disk_write: float | None) -> int:
+    """The evaluation, checkpoint and stalls findings where the job's own time makes them
+    one, their figures the job's; how many were asked either way."""
+    from gputrace.analyzers import goodput as gp
+    got = {f["id"]: f["message"] for f in doc["findings"]}
+    own = {"evaluation_large": (sum(e["end"] - e["start"] for e in t["evals"]) / 1e9,
+                                gp.EVALUATION_LARGE),
+           "checkpoint_large": (sum(s["end"] - s["start"] for s in t["saves"]) / 1e9,
+                                gp.CHECKPOINT_LARGE),
+           "stalls_large": (sum(s["end"] - s["start"] for s in t["stalls"]) / 1e9,
+                            gp.STALLS_LARGE)}
+    decided = 0
+    for fid, (own_s, large) in own.items():
+        want = asked(doc, t, own_s, large)
+        if want is None:
+            continue
+        decided += 1
+        assert (fid in got) == want, (fid, own_s, doc["goodput"]["wall_s"], got)
+    if "evaluation_large" in got:
+        assert f"{len(t['evals'])} passes" in got["evaluation_large"]
+    if "checkpoint_large" in got:
+        m = got["checkpoint_large"]
+        assert f"{len(t['saves'])} saves or loads" in m, m
+        each = sum(s["bytes"] for s in t["saves"]) / len(t["saves"]) / 1e6
+        assert f"{each:.1f} MB each" in m, (m, each)
+        # the rate: the job's bytes over its own save time, within the time's tolerance
+        rate = float(m.split(" MB each at ")[1].split(" MB/s")[0])
+        secs = sum(s["end"] - s["start"] for s in t["saves"]) / 1e9
+        own_rate = sum(s["bytes"] for s in t["saves"]) / 1e6
+        assert own_rate / (secs + tol(secs)) - 1 <= rate <= own_rate / max(
+            secs - tol(secs), 1e-3) + 1, (m, own_rate / secs)
+        if disk_write is None:
+            assert "not probed" in m, m
+        else:
+            assert f"against {disk_write / 1e6:.0f} MB/s probed" in m, (m, disk_write)
+    if "stalls_large" in got:
+        m = got["stalls_large"]
+        secs = sum(s["end"] - s["start"] for s in t["stalls"]) / 1e9
+        assert abs(float(m.split(" s ")[0]) - secs) <= tol(secs) + 0.005, (m, secs)
+    return decided
+
+
 def test_a_training_run_with_validation_and_checkpoints(tmp_path):
+    """Besides the steps, passes and saves on the job's clock: validation every 10 steps of
+    16 batches, saves of 128 MB more than the model and a 0.3 s sleep every 10 steps, so
+    that evaluation, checkpointing and stalls can each be a finding; the disk probed first
+    (`gputrace probe --only disk`), so that a save's rate stands beside its bandwidth."""
     truth, out = tmp_path / "t.json", tmp_path / "t.arrow"
+    env = dict(os.environ, GPUTRACE_CACHE_DIR=str(tmp_path / "cache"))
+    run_gputrace("probe", "--only", "disk", "--size", "32MiB", "--dir", str(tmp_path),
+                 env=env, check=True)
+    probe = json.loads(next((tmp_path / "cache").glob("probe-*.json")).read_text())
+    disk_write = probe["results"]["disk_write"].get("bytes_per_s")
     p = run_gputrace("record", "-q", "-o", str(out), "--", sys.executable, JOB, str(truth),
-                     "--steps", "40", "--eval-every", "10", "--save-every", "20",
-                     timeout=300)
+                     "--steps", "40", "--eval-every", "10", "--eval-batches", "16",
+                     "--save-every", "20", "--save-mb", "128", "--stall-every", "10",
+                     "--stall-ms", "300", timeout=300, env=env)
     assert p.returncode == 0, p.stderr
     t = json.loads(truth.read_text())
     rows = load(out).table.to_pylist()
     a = run_gputrace("analyze", str(out), "--json", check=True)
     doc = json.loads(a.stdout)
     check_rank(rows, doc, t, None)
+    assert disk_write_of(out) == disk_write
+    close(doc["goodput"]["badput_s"]["stalls"],
+          sum(s["end"] - s["start"] for s in t["stalls"]) / 1e9, "stalls")
+    # the job's shares here make at least one of the three a finding, or not, either way
+    assert check_findings(doc, t, disk_write) >= 1
     assert doc["iterations"]["count"] == 40
     assert not [c for c in doc["checks"]["violated"] if c["invariant"] == "goodput_sum"]
     # the run's rate: every step's samples over the wall time, below the steps' own rate
@@ -111,6 +192,7 @@ def test_two_ranks_with_distributed_checkpoints(tmp_path):
         t = json.loads((tmp_path / f"t.rank{rank}.json").read_text())
         doc = full["ranks"][str(rank)]
         check_rank(rows, doc, t, rank)
+        check_findings(doc, t, disk_write_of(out))
         init = spans(rows, "startup", "init_process_group", rank)
         assert len(init) == 1
         close((init[0]["end_ns"] - init[0]["start_ns"]) / 1e9,

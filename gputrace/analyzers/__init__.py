@@ -18,7 +18,7 @@ from gputrace.analyzers import invariants, sanity, zero_whatif
 from gputrace.analyzers import recompute as rcp
 from gputrace.analyzers import sharded as shd
 from gputrace.analyzers import throughput as tput
-from gputrace.analyzers.bandwidth import analyze_bandwidth, bandwidth_series
+from gputrace.analyzers.bandwidth import _peaks, analyze_bandwidth, bandwidth_series
 from gputrace.analyzers.clocks import UnitTimes, estimate
 from gputrace.analyzers.detail import (
     IterationSeries,
@@ -79,6 +79,7 @@ class Options:
     engine: tuple[tuple[str, Any], ...] = ()   # a training engine's settings (DeepSpeed's)
     calibration: Any = None   # another run of a pipeline (pp_whatif.Calibration)
     batch: tuple[int | None, int | None] = (None, None)   # samples per forward, tokens each
+    disk_write_bytes_per_s: float | None = None   # the probe's, beside a checkpoint's rate
 
 
 @dataclass(frozen=True)
@@ -172,7 +173,8 @@ def analyze_spans(sp: fr.Spans, o: Options) -> RankPart:
         comm_exposed_s=comm["exposed_s"],
         # the compute union served the hidden-vs-exposed comm above; kept, it would be the
         # largest part of every rank's part (as big as its GPU records) until the end
-        model=model, findings=extra + gp.findings(good), steps=replace(rs, compute=EMPTY_UNION),
+        model=model, findings=extra + gp.findings(good, o.disk_write_bytes_per_s),
+        steps=replace(rs, compute=EMPTY_UNION),
         devices=tuple(int(d) for d in np.unique(sp.device[sp.on_gpu()])),
         all_units=UnitTimes(its.step[u.it], u.index, u.start, u.end),
         analyzed=(int(its.start[skipped]), int(its.end[n - 1]), int(n - skipped))
@@ -257,7 +259,8 @@ def analyze(trace: Any, *, skip: int | None = None, gpus: Sequence[int] = (2, 4,
     world = _md_world(md)
     opts = Options(skip, tuple(gpus), link_bytes_per_s, shared_io, tuple(what_if), detail, 1,
                    host_bytes_per_s or _host_bandwidth(md),
-                   tuple(sorted(zero_whatif.settings(md).items())), calibration, batch)
+                   tuple(sorted(zero_whatif.settings(md).items())), calibration, batch,
+                   _peaks(probe).get("disk_write"))
     parts: list[FramePart] = []
     if isinstance(trace, RankedTrace):
         ranked = any(r >= 0 for r in trace.groups)

@@ -189,6 +189,12 @@ def job(ranks: list[Goodput | None]) -> Goodput | None:
                    max(g.iterations for g in got), ranks=len(got))
 
 
+def _probed(bytes_per_s: float | None) -> str:
+    if bytes_per_s is None or not bytes_per_s > 0:
+        return "a disk write bandwidth not probed (gputrace probe measures it)"
+    return f"{bytes_per_s / 1e6:.0f} MB/s probed (disk write with fsync)"
+
+
 # a category's share of the run from which it is a finding
 EVALUATION_LARGE = 0.10
 CHECKPOINT_LARGE = 0.05
@@ -196,8 +202,11 @@ STALLS_LARGE = 0.05
 STARTUP_LARGE = 0.25
 
 
-def findings(g: Goodput | None) -> list[Finding]:
-    """What the run's time beyond its iterations says, where a category is large."""
+def findings(g: Goodput | None, disk_write_bytes_per_s: float | None = None
+             ) -> list[Finding]:
+    """What the run's time beyond its iterations says, where a category is large; a save's
+    rate beside the disk's probed write bandwidth (`gputrace probe`'s disk_write) where a
+    probe came with the trace."""
     if g is None or not g.wall_s > 0:
         return []
     out = []
@@ -215,7 +224,7 @@ def findings(g: Goodput | None) -> list[Finding]:
     if sh >= CHECKPOINT_LARGE and ck.get("count"):
         rate = ck.get("bytes_per_s", float("nan"))
         moved = (f", {ck['bytes'] / ck['count'] / 1e6:.1f} MB each at {rate / 1e6:.0f} MB/s"
-                 if rate == rate else "")
+                 f" against {_probed(disk_write_bytes_per_s)}" if rate == rate else "")
         out.append(Finding(
             "checkpoint_large", "high" if sh >= 0.20 else "moderate",
             f"checkpointing takes {sh:.0%} of the run: {ck['count']} saves or loads of "

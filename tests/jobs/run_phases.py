@@ -2,7 +2,8 @@
 N steps, checkpoints and the end, the ground truth of the whole-run (goodput) tests.
 
     python run_phases.py OUT.json [--steps 40] [--eval-every 10] [--eval-batches 4]
-                         [--save-every 0] [--ddp] [--async-save]
+                         [--save-every 0] [--save-mb 0] [--stall-every 0 --stall-ms 0]
+                         [--ddp] [--async-save]
     torchrun --nproc-per-node 2 run_phases.py OUT.json --ddp   (OUT.json: one per rank,
                                                                  OUT.rank<R>.json)
 
@@ -14,7 +15,9 @@ loader's start to its end (`evals[]`), each save (`saves[]`: `start`, `end`, `by
 CLOCK_BOOTTIME: 10 ms ticks) and `end` (the last line of main). Single process: `torch.save`
 of the model and optimizer at the end (and every `--save-every` steps); `--ddp`: 2 ranks
 over gloo, `torch.distributed.checkpoint.save` at the end (`--async-save`: `async_save`
-every `--save-every` steps, waited for before the next one).
+every `--save-every` steps, waited for before the next one). `--save-mb`: a buffer of that many
+MB saved with the model (a larger checkpoint). `--stall-every N --stall-ms M`: a sleep of M
+ms after every N-th step, outside any phase (`stalls[]`: `start`, `end`).
 """
 
 from __future__ import annotations
@@ -87,10 +90,14 @@ def main() -> None:
     p.add_argument("--ddp", action="store_true")
     p.add_argument("--async-save", action="store_true")
     p.add_argument("--ckpt-dir")
+    p.add_argument("--save-mb", type=int, default=0)
+    p.add_argument("--stall-every", type=int, default=0)
+    p.add_argument("--stall-ms", type=float, default=0.0)
     a = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    truth: dict = {"process_start": T0_PROCESS, "steps": [], "evals": [], "saves": []}
+    truth: dict = {"process_start": T0_PROCESS, "steps": [], "evals": [], "saves": [],
+                   "stalls": []}
     rank = 0
     ckpt_group = None
     import torch.distributed as dist
@@ -119,13 +126,15 @@ def main() -> None:
     val_loader = DataLoader(val, batch_size=a.batch, num_workers=1)
     ckpt = a.ckpt_dir or os.path.splitext(a.out)[0] + ".ckpt"
     pending = None        # an async_save's future
+    extra = torch.ones(a.save_mb * 2**20 // 4)      # float32: save_mb MiB
 
     def save(step: int, final: bool) -> None:
         nonlocal pending
         if not a.ddp:
             path = f"{ckpt}.{step}.pt"
             t0 = now()
-            torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, path)
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                        "extra": extra}, path)
             truth["saves"].append({"kind": "torch.save", "start": t0, "end": now(),
                                    "bytes": os.path.getsize(path)})
             return
@@ -163,6 +172,10 @@ def main() -> None:
             truth["evals"].append({"start": t1, "end": now(), "batches": a.eval_batches})
         if a.save_every and (step + 1) % a.save_every == 0 and step + 1 < a.steps:
             save(step, False)
+        if a.stall_every and (step + 1) % a.stall_every == 0 and step + 1 < a.steps:
+            t1 = now()
+            time.sleep(a.stall_ms / 1e3)
+            truth["stalls"].append({"start": t1, "end": now()})
     if pending is not None:
         pending.result()
     save(a.steps, True)
