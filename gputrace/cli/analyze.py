@@ -32,8 +32,8 @@ def run(args: argparse.Namespace) -> int:
         a = run_analysis(opts, detail=bool(args.report))
         more = extras(a, args.rank, args.trace)
     if args.json:
-        json.dump(document(a, args.rank, args.trace, more), sys.stdout, indent=1)
-        sys.stdout.write("\n")
+        # one write: json.dump to a stream writes each of its ~1e5 small pieces apart
+        sys.stdout.write(json.dumps(document(a, args.rank, args.trace, more), indent=1) + "\n")
     else:
         from gputrace.analyzers.findings_memory import memory_findings
         from gputrace.analyzers.memory import memory_line

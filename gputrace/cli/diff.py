@@ -92,8 +92,7 @@ def run(args: argparse.Namespace) -> int:
         c = run_diff(opts, before, after)
     doc = c.doc
     if args.json:
-        json.dump(doc, sys.stdout, indent=1)
-        sys.stdout.write("\n")
+        sys.stdout.write(json.dumps(doc, indent=1) + "\n")
     else:
         from gputrace.report.diff import render
 
