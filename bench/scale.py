@@ -139,17 +139,6 @@ def start_cluster(workers: int) -> tuple[subprocess.Popen[str], str]:
     return p, address
 
 
-SCAN = """import sys, glob, pyarrow as pa, pyarrow.compute as pc
-total = 0
-for f in sorted(glob.glob(sys.argv[1] + '/*.arrow')):
-    with pa.OSFile(f) as src:
-        at = [pa.ipc.open_file(src).schema.get_field_index(c) for c in ('start_ns', 'end_ns')]
-        t = pa.ipc.open_file(src, options=pa.ipc.IpcReadOptions(included_fields=at)).read_all()
-        total += pc.sum(pc.subtract(t.column('end_ns'), t.column('start_ns'))).as_py()
-print(total)
-"""
-
-
 def compare(refs: list[str], path: Path, events: int, n_ranks: int, jobs: list[int],
             rounds: int) -> None:
     """This tree beside each ref, alternating, and the raw scan, on the same files."""
@@ -166,7 +155,7 @@ def compare(refs: list[str], path: Path, events: int, n_ranks: int, jobs: list[i
         runs: dict[tuple[str, str], list[dict]] = {}
         for _ in range(rounds):
             runs.setdefault(("raw columnar scan", ""), []).append(
-                measure([PY, "-c", SCAN, str(path.parent)]))
+                measure([PY, "-c", synth.SCAN, str(path.parent)]))
             for j in jobs:
                 for name, tree in trees.items():
                     # run outside the checkout (`-m` puts the directory first on

@@ -50,24 +50,12 @@ from pathlib import Path
 
 import pytest
 
-from bench.synth import shape, write_arrow, write_nodes
+from bench.synth import SCAN, shape, write_arrow, write_nodes
 
 RANKS = 64
 SMALL, BIG = 200_000, 2_000_000
 CPU_RATIO_MAX = 21.0
 BYTES_PER_EVENT_MAX = 16.0
-
-# the raw scan: every file of the trace, two columns read (projection in the reader), the
-# spans' durations summed
-SCAN = """import sys, glob, pyarrow as pa, pyarrow.compute as pc
-total = 0
-for f in sorted(glob.glob(sys.argv[1] + '/*.arrow')):
-    with pa.OSFile(f) as src:
-        at = [pa.ipc.open_file(src).schema.get_field_index(c) for c in ('start_ns', 'end_ns')]
-        t = pa.ipc.open_file(src, options=pa.ipc.IpcReadOptions(included_fields=at)).read_all()
-        total += pc.sum(pc.subtract(t.column('end_ns'), t.column('start_ns'))).as_py()
-print(total)
-"""
 
 # runs a command and reports its CPU seconds and peak RSS: a small process of its own, since
 # Linux carries the RSS a child had at its fork (this test's, ~200 MB) into its maxrss
