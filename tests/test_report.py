@@ -288,7 +288,9 @@ def test_recorded_run_report_in_chromium(browser, tmp_path):
     replayed = doc["what_if"] is not None
     assert replayed or doc["what_if_unavailable"]
     assert sorted(state) == sorted(["breakdown", "timeline", "ranks", "comm-wait", "bandwidth",
-                                    "speedup", "memory", "flops"] + ["what-if"] * replayed)
+                                    "speedup", "memory", "flops"] + ["what-if"] * replayed
+                                   + ["goodput"] * (doc["goodput"] is not None))
+    assert doc["goodput"] is not None      # a recorded run: the process's start to its end
     n = doc["iterations"]["count"]
     bd = state["breakdown"]
     assert bd["colour"] == STACK and bd["items"] == {"layer_0_marks": 7 * n, "layer_1_marks": n}

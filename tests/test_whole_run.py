@@ -175,6 +175,63 @@ def test_a_training_run_with_validation_and_checkpoints(tmp_path):
     text = run_gputrace("analyze", str(out), check=True).stdout
     assert f"Goodput {doc['goodput']['goodput']:.0%}" in text
     assert "over the whole run" in text
+    check_report_chart(out, tmp_path / "r.html", doc, t)
+
+
+def page_specs(page: Path) -> dict:
+    """The Vega-Lite specs the page carries (report.html's `const specs = ...;`)."""
+    text = page.read_text()
+    head = text.index("const specs = ") + len("const specs = ")
+    return json.loads(text[head:text.index(";\nwindow.gputraceViews", head)])
+
+
+def check_report_chart(trace: Path, page: Path, doc: dict, t: dict) -> None:
+    """The report's whole-run chart: each evaluation pass, save and stall as a band where
+    the job's own clock has it (seconds from the process's start), the goodput bar the
+    analysis's shares; drawn in Chromium where it is installed."""
+    run_gputrace("report", str(trace), "-o", str(page), check=True)
+    spec = page_specs(page)["goodput"]
+    bands, bar = (c["data"]["values"][0] for c in spec["vconcat"])
+    rows = list(zip(bands["what"], bands["start"], bands["end"], strict=True))
+    t0 = t["process_start"]
+    for what, own in (("evaluation", t["evals"]), ("checkpointing", t["saves"]),
+                      ("stalls", t["stalls"])):
+        got = [(a, b) for w, a, b in rows if w == what and b - a > 0.02]
+        assert len(got) == len(own), (what, got, own)
+        for (a, b), o in zip(got, own, strict=True):
+            # the job's process start is the kernel's, in 10 ms ticks
+            assert abs(a - (o["start"] - t0) / 1e9) <= 0.06, (what, a, o)
+            close(b - a, (o["end"] - o["start"]) / 1e9, what)
+    g = doc["goodput"]
+    share = dict(zip(bar["what"], bar["share"], strict=True))
+    assert share["training steps"] == pytest.approx(g["goodput"] * 100, abs=0.01)
+    assert share["evaluation"] == pytest.approx(g["badput_share"]["evaluation"] * 100,
+                                                abs=0.01)
+    assert sum(share.values()) == pytest.approx(100, abs=0.05)
+    drawn = browser_state(page)
+    if drawn is not None:
+        assert drawn["items"] == {"concat_0_marks": len(rows),
+                                  "concat_1_marks": len(bar["what"])}
+        assert drawn["colour"] == bar["what"]
+
+
+def browser_state(page: Path) -> dict | None:
+    """The whole-run chart as Chromium draws it (tests/test_report's checks: no error, no
+    fetch, every chart drawn); None where playwright or Chromium is missing."""
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        return None
+    from tests.test_report import CHROMIUM, CHROMIUM_ARGS, open_in_browser
+    if not os.access(CHROMIUM, os.X_OK):
+        return None
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            state, _ = open_in_browser(b, page, page.parent / "shots")
+        finally:
+            b.close()
+    return state["goodput"]
 
 
 def test_two_ranks_with_distributed_checkpoints(tmp_path):

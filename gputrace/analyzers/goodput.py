@@ -45,6 +45,11 @@ class Goodput:
     evaluation: dict[str, float] = field(default_factory=dict)
     checkpoint: dict[str, float] = field(default_factory=dict)
     ranks: int = 1
+    # where each category lies on the run's clock, for the report's chart: (category or
+    # "training", start, end) in seconds from the process's start, the MAX_BANDS longest of
+    # each category; the seconds of those left out
+    bands: tuple[tuple[str, float, float], ...] = ()
+    bands_left_out_s: float = 0.0
 
     @property
     def goodput(self) -> float:
@@ -116,12 +121,34 @@ def of_rank(sp: Spans, its: Iterations) -> Goodput | None:
     work = _u(sp, loop & (sp.device < 0) & ~sp.of("iteration") & ~sp.of("process")
               & ~sp.of("run"))
     other = ov.intersect(between, work)
+    stalls = ov.subtract(between, work)
+    parts = {"training": train, "startup": startup, **out, "stalls": stalls,
+             "shutdown": shutdown, "other": other}
+    bands, left = _bands(parts, lo)
     badput = {"startup": _s(startup), "evaluation": _s(out["evaluation"]),
               "checkpointing": _s(out["checkpointing"]), "data_stalls": _s(out["data_stalls"]),
-              "stalls": _s(ov.subtract(between, work)), "shutdown": _s(shutdown),
+              "stalls": _s(stalls), "shutdown": _s(shutdown),
               "other": _s(other)}
     return Goodput((hi - lo) / SEC, _s(train), badput, int(its.start.size),
-                   _startup_parts(sp, lo, first), _evaluation(sp), _checkpoint(sp))
+                   _startup_parts(sp, lo, first), _evaluation(sp), _checkpoint(sp),
+                   bands=bands, bands_left_out_s=left)
+
+
+MAX_BANDS = 500     # a category's intervals the report's chart draws at most
+
+
+def _bands(parts: dict[str, ov.Union], lo: int
+           ) -> tuple[tuple[tuple[str, float, float], ...], float]:
+    """Each category's intervals on the run's clock (s from `lo`), its MAX_BANDS longest,
+    and the seconds of those left out."""
+    out: list[tuple[str, float, float]] = []
+    left = 0
+    for name, (a, b) in parts.items():
+        keep = np.sort(np.argsort(b - a, kind="stable")[::-1][:MAX_BANDS])
+        left += int((b - a).sum() - (b[keep] - a[keep]).sum())
+        out += [(name, (int(x) - lo) / SEC, (int(y) - lo) / SEC)
+                for x, y in zip(a[keep], b[keep], strict=True) if y > x]
+    return tuple(sorted(out, key=lambda r: r[1])), left / SEC
 
 
 def _code(sp: Spans, name: str) -> int:

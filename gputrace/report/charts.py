@@ -331,7 +331,8 @@ EVIDENCE = {"input_bound": "breakdown", "unattributed": "breakdown", "update_hea
             "comm_not_overlapped": "timeline", "comm_hidden": "timeline",
             "h2d_pageable": "timeline", "low_bandwidth_": "bandwidth",
             "what_if_buckets": "what-if", "framework_overhead": "breakdown",
-            "memory_": "memory"}
+            "memory_": "memory", "evaluation_large": "goodput", "checkpoint_large": "goodput",
+            "stalls_large": "goodput", "startup_large": "goodput"}
 
 
 def evidence(finding_id: str) -> str | None:
@@ -344,9 +345,10 @@ def evidence(finding_id: str) -> str | None:
 def charts(a: Analysis, ra: RankAnalysis) -> list[Chart]:
     """Every chart the analysis has data for, in page order."""
     from gputrace.report.charts_comm import unit_bars
+    from gputrace.report.charts_goodput import goodput_chart
     from gputrace.report.charts_parallel import pipeline, tensor_parallel
     from gputrace.report.charts_scaling import speedup, what_if
 
-    made = (breakdown(ra), timeline(ra), unit_bars(ra), pipeline(a, ra), tensor_parallel(ra),
+    made = (breakdown(ra), goodput_chart(ra), timeline(ra), unit_bars(ra), pipeline(a, ra), tensor_parallel(ra),
             rank_heatmap(a), comm_wait(a), bandwidth(ra), speedup(ra), what_if(ra))
     return [c for c in made if c is not None]
