@@ -366,3 +366,51 @@ def test_a_window_of_steps_counts_training_steps_and_keeps_its_passes(tmp_path):
     (ps,) = spans(rows, "evaluation", "pass")
     close((ps["end_ns"] - ps["start_ns"]) / 1e9, (t["evals"][1]["end"] - t["evals"][1]["start"])
           / 1e9, "the pass after step 19")
+
+
+SAVES = Path(JOB).parent / "trainers" / "saves_whole.py"
+
+
+def test_hf_save_pretrained_outside_a_trainer(tmp_path):
+    """`save_pretrained` of a model a plain loop trains, twice into the same folder: each a
+    checkpoint on the job's clock, its bytes the files the folder then holds (all
+    rewritten)."""
+    pytest.importorskip("transformers")
+    truth, out = tmp_path / "t.json", tmp_path / "t.arrow"
+    p = run_gputrace("record", "-q", "-o", str(out), "--", sys.executable, str(SAVES),
+                     str(truth), "--kind", "hf", "--steps", "20", "--every", "10",
+                     timeout=300)
+    assert p.returncode == 0, p.stderr
+    t = json.loads(truth.read_text())
+    saves = spans(load(out).table.to_pylist(), "checkpoint")
+    assert [r["name"] for r in saves] == ["transformers.save_pretrained"] * len(t["saves"])
+    assert len(saves) == 2
+    for r, s in zip(saves, t["saves"], strict=True):
+        close((r["end_ns"] - r["start_ns"]) / 1e9, (s["end"] - s["start"]) / 1e9, "save")
+        assert r["bytes"] == s["bytes"]
+
+
+def test_deepspeed_save_checkpoint(tmp_path):
+    """DeepSpeed ZeRO stage 1 on 2 ranks, `engine.save_checkpoint` every 10 steps: each
+    rank's save on its own clock, and the ranks' bytes together the tag folder's."""
+    pytest.importorskip("deepspeed")
+    truth, out = tmp_path / "t.json", tmp_path / "t.arrow"
+    p = run_gputrace("record", "-q", "-o", str(out), "--", sys.executable, "-m",
+                     "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                     str(SAVES), str(truth), "--kind", "deepspeed", "--steps", "20",
+                     "--every", "10", timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = load(out).table.to_pylist()
+    per_rank = []
+    for rank in (0, 1):
+        t = json.loads((tmp_path / f"t.rank{rank}.json").read_text())
+        saves = spans(rows, "checkpoint", rank=rank)
+        assert [r["name"] for r in saves] == ["deepspeed.save_checkpoint"] * 2
+        for r, s in zip(saves, t["saves"], strict=True):
+            close((r["end_ns"] - r["start_ns"]) / 1e9, (s["end"] - s["start"]) / 1e9, "save")
+        per_rank.append((saves, t))
+    for k in range(2):
+        folder = per_rank[0][1]["saves"][k]["bytes"]
+        assert sum(saves[k]["bytes"] for saves, _ in per_rank) == folder
+        # each rank wrote some of it: its optimizer's partition at least
+        assert all(saves[k]["bytes"] > 0 for saves, _ in per_rank)

@@ -37,6 +37,7 @@ import torch
 
 from gputrace.collectors.torch import checkpoint as torch_checkpoint
 from gputrace.collectors.torch import comm as torch_comm
+from gputrace.collectors.torch import framework_saves as torch_framework_saves
 from gputrace.collectors.torch import guard as torch_guard
 from gputrace.collectors.torch import hf_trainer as torch_hf_trainer
 from gputrace.collectors.torch import lightning as torch_lightning
@@ -357,6 +358,7 @@ def auto_instrument(rec: Recorder) -> str:
     torch_startup.install(rec, lambda: _installed)
     torch_lightning.install(lambda: _installed)
     torch_hf_trainer.install(lambda: _installed)
+    torch_framework_saves.install(lambda: _installed)
     learn_rank_from_torch(rec)
     _flops(state)
     rec.metadata.setdefault("software", {})["torch"] = torch.__version__

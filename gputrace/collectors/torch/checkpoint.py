@@ -55,9 +55,24 @@ def _rank_bytes(metadata: Any) -> int | None:
     return int(sum(x for x in mine if x is not None)) if mine else None
 
 
-def _wrap(get_state: Any, name: str, op: str, fn: Any, nbytes: Any) -> Any:
+def inner_bytes(*_: Any) -> int | None:
+    """The bytes the torch.save calls inside the outermost checkpoint call wrote to files
+    (on its thread), None where none did: a framework's save made of them."""
+    return getattr(_depth, "inner", 0) or None
+
+
+@_guarded
+def _count_inner(nbytes: Any, args: Any, kwargs: Any, out: Any) -> None:
+    n = nbytes(args, kwargs, out, None)
+    if n:
+        _depth.inner = getattr(_depth, "inner", 0) + int(n)
+
+
+def _wrap(get_state: Any, name: str, op: str, fn: Any, nbytes: Any,
+          before_fn: Any = None) -> Any:
     """fn timed as a `checkpoint` span named `name`; nbytes(args, kwargs, result, before)
-    gives its bytes (None: unknown)."""
+    gives its bytes (None: unknown); `before` is before_fn(args, kwargs) where given (what
+    the call's bytes are counted against), else a file object's position."""
     if getattr(fn, "_gputrace", False):
         return fn
 
@@ -68,7 +83,9 @@ def _wrap(get_state: Any, name: str, op: str, fn: Any, nbytes: Any) -> Any:
         st.its.aside(t0)
         f = args[1] if op == "save" and len(args) > 1 else kwargs.get("f")
         before = None
-        if f is not None and hasattr(f, "tell") and hasattr(f, "write"):
+        if before_fn is not None:
+            before = before_fn(args, kwargs)
+        elif f is not None and hasattr(f, "tell") and hasattr(f, "write"):
             before = f.tell()
         return t0, before
 
@@ -80,11 +97,15 @@ def _wrap(get_state: Any, name: str, op: str, fn: Any, nbytes: Any) -> Any:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if get_state() is None or getattr(_depth, "n", 0) or (
+        nested = getattr(_depth, "n", 0)
+        if get_state() is None or nested or (
                 _async_callers and threading.get_ident() not in _async_callers):
-            return fn(*args, **kwargs)
+            out = fn(*args, **kwargs)
+            if nested and name == "torch.save" and get_state() is not None:
+                _count_inner(nbytes, args, kwargs, out)
+            return out
         got = begin(args, kwargs)
-        _depth.n = 1
+        _depth.n, _depth.inner = 1, 0
         try:
             out = fn(*args, **kwargs)
         finally:

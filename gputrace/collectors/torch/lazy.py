@@ -12,15 +12,18 @@ from typing import Any
 
 from gputrace.collectors.torch.guard import _hook_failed
 
-_patches: dict[str, tuple[Callable[[Any], None], str]] = {}   # module -> (patch, what)
+# module -> its patches: (patch, what), in the order given
+_patches: dict[str, list[tuple[Callable[[Any], None], str]]] = {}
 
 
-def _patch(name: str, module: Any) -> None:
-    fn, what = _patches[name]
-    try:
-        fn(module)
-    except Exception as e:  # noqa: BLE001 - the module works unpatched; we lose detail only
-        _hook_failed(f"{what} ({name})", e)
+def _patch(name: str, module: Any, only: str | None = None) -> None:
+    for fn, what in _patches[name]:
+        if only is not None and what != only:
+            continue
+        try:
+            fn(module)
+        except Exception as e:  # noqa: BLE001 - the module works unpatched; we lose detail
+            _hook_failed(f"{what} ({name})", e)
 
 
 class _Finder(importlib.abc.MetaPathFinder):
@@ -47,12 +50,13 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 
 def when_imported(name: str, patch: Callable[[Any], None], what: str) -> None:
-    """patch(module) once `name` is imported: now, if it is."""
-    if name in _patches:
+    """patch(module) once `name` is imported: now, if it is (once per `what`)."""
+    got = _patches.setdefault(name, [])
+    if any(w == what for _, w in got):
         return
-    _patches[name] = (patch, what)
+    got.append((patch, what))
     mod = sys.modules.get(name)
     if mod is not None:
-        _patch(name, mod)
+        _patch(name, mod, what)
     elif not any(isinstance(f, _Finder) for f in sys.meta_path):
         sys.meta_path.insert(0, _Finder())
