@@ -512,3 +512,26 @@ def test_xplane_without_tensorflow_is_one_line_and_exit_2(tmp_path):
     assert p.returncode == 2
     assert len(p.stderr.strip().splitlines()) == 1
     assert "gputrace[tf]" in p.stderr and "Traceback" not in p.stderr
+
+
+@needs_tf
+@pytest.mark.slow
+def test_keras_fit_validation_data_is_an_evaluation_pass(tmp_path):
+    """fit with validation_data (tests/jobs/trainers/keras_whole.py: 3 epochs of 10 steps,
+    5 validation batches after each): each validation an evaluation pass on the job's own
+    callback's clock, between the training steps, which stay the job's 30."""
+    truth = tmp_path / "t.json"
+    out = record(tmp_path, "fit", str(ROOT / "tests" / "jobs" / "trainers" / "keras_whole.py"),
+                 str(truth), opts=("--tf-steps", "all"))
+    tr = load(out)
+    t = json.loads(truth.read_text())
+    its = spans(tr, "iteration")
+    assert [r["step"] for r in its] == list(range(t["steps"])) == list(range(30))
+    passes = spans(tr, "evaluation", "pass")
+    assert len(passes) == len(t["evals"]) == 3
+    for r, e in zip(passes, t["evals"], strict=True):
+        took, own = (r["end_ns"] - r["start_ns"]) / 1e9, (e["end"] - e["start"]) / 1e9
+        assert abs(took - own) <= max(0.10 * own, 0.050), (took, own)
+        assert json.loads(r["args"])["batches"] == e["batches"] == 5
+        # no training step's time: the epoch's last step ends before it
+        assert not [i for i in its if i["start_ns"] < r["end_ns"] and i["end_ns"] > r["start_ns"]]

@@ -1,6 +1,7 @@
 """Keras's `Model.fit`, recorded: a callback gputrace adds to every fit gives the iterations
 (one from a batch's begin to the next one's; with `steps_per_execution` k, a call's time split
-evenly among its k steps); the job's own callbacks run as before."""
+evenly among its k steps) and each validation pass (`validation_data`) as an `evaluation`
+span; the job's own callbacks run as before."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ def _callback_class(keras: Any) -> Any:
             self._end = 0               # the latest batch end (on Keras's thread when async)
             self._graph = True
             self._wrapped: tuple[Any, Any, Any] | None = None
+            self._eval: list[int] = []      # a validation pass's start and its batches
 
         def _steps(self) -> int:
             spe = getattr(getattr(self, "model", None), "steps_per_execution", 1)
@@ -84,6 +86,27 @@ def _callback_class(keras: Any) -> Any:
         @_safe
         def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
             self._last()
+
+        # fit's validation (validation_data) runs its evaluate with fit's callbacks, after
+        # the epoch's last batch: an evaluation pass, no training step's time
+        @_safe
+        def on_test_begin(self, logs: Any = None) -> None:
+            if self._s.in_fit:
+                self._last()
+                self._eval = [self._s.now(), 0]
+
+        @_safe
+        def on_test_batch_end(self, batch: int, logs: Any = None) -> None:
+            if self._eval:
+                self._eval[1] += 1
+
+        @_safe
+        def on_test_end(self, logs: Any = None) -> None:
+            if self._eval:
+                t0, n = self._eval
+                self._eval = []
+                self._s.rec.span("evaluation", "pass", t0, self._s.now(), step=-1,
+                                 args={"batches": n, "framework": "keras"})
 
         @_safe
         def on_train_end(self, logs: Any = None) -> None:
@@ -151,9 +174,13 @@ def _quiet_torch_iterations(rec: Recorder, quiet: bool) -> None:
 
 class _NoIterations:
     last_bwd = 0
+    fw_pass = False
 
     def batch(self, t: int) -> None: ...
-    def exhausted(self) -> None: ...
+    def exhausted(self, t0: int = 0, t: int = 0) -> None: ...
+    def aside(self, t: int, loader: bool = False) -> None: ...
+    def framework_pass(self, begin: bool, t: int) -> int: return 0
+    def end_pass(self) -> None: ...
     def forward(self, t: int, grad: bool) -> None: ...
     def backward(self) -> None: ...
     def stepped(self, t: int) -> None: ...
