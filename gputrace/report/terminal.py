@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-import re
 from typing import IO
 
 from rich.console import Console
@@ -12,8 +10,8 @@ from rich.table import Table
 
 from gputrace.analyzers import Analysis, RankAnalysis
 from gputrace.analyzers.model import UnitStats
-from gputrace.analyzers.replay import MIB, Outcome, Replay, Scenario
-from gputrace.fmt import DDP_DEFAULT, ranges, rate
+from gputrace.analyzers.replay import Scenario
+from gputrace.fmt import ranges, rate
 from gputrace.report import console
 from gputrace.report.checks import render_withheld, shares_withheld
 from gputrace.report.collectives import headline_case, render_kinds, render_sharded
@@ -22,6 +20,7 @@ from gputrace.report.goodput import goodput_line, render_goodput
 from gputrace.report.parallel import render_parallel
 from gputrace.report.solo import ProbeAdvice, iterations_line, link_text, shown_links, solo
 from gputrace.report.throughput import rate_text, throughput_line
+from gputrace.report.what_if import render_what_if, withheld_by_reason
 
 PHASES = (("t_io", "waiting for data (I/O)"), ("t_h2d", "host to device copies"),
            ("t_f", "forward"), ("t_b", "backward"), ("t_u", "update (optimizer)"),
@@ -126,77 +125,6 @@ def _exposed(units: list[UnitStats], C: int | None) -> str:
         text += (f"; C = {C}: the lowest layer {'they hold' if len(exposed) > 1 else 'it holds'},"
                  " counting from 1 at the input")
     return text
-
-
-def _bucket_label(b: float | None, n: int, measured_units: int) -> str:
-    if b is None:
-        return (f"measured ({n} unit{'s' if n != 1 else ''})" if measured_units
-                else f"{DDP_DEFAULT} ({n})")
-    return f"{'one bucket' if math.isinf(b) else f'bucket_cap_mb={b / MIB:g}'}" + \
-        (f" ({n})" if n else "")     # none: not replayed (withheld)
-
-
-def _what_if(con: Console, rp: Replay, measured: float) -> None:
-    """The replay grid: bucket sizes x GPU counts, then link bandwidth and asked scenarios."""
-    con.print()
-    grid = [o for o in rp.outcomes if o.scenario.bandwidth_x == 1]
-    gpus = sorted({o.scenario.gpus for o in grid})
-    rows: dict[float | None, dict[int, Outcome]] = {}
-    for o in grid:
-        rows.setdefault(o.scenario.bucket_bytes, {})[o.scenario.gpus] = o
-    t = Table(title="What if: t_iter from a replay of the measured gradient timeline",
-              title_justify="left", box=None, padding=(0, 2))
-    t.add_column("buckets")
-    for n in gpus:
-        t.add_column(f"{n} GPUs", justify="right")
-    def cell(o: Outcome) -> str:
-        if o.withheld:
-            return "withheld"
-        return _ms(o.t_iter) + ("*" if o.extrapolated else "")
-
-    for b, by_n in rows.items():
-        first = next(iter(by_n.values()))
-        label = _bucket_label(b, first.buckets, rp.measured_units)
-        t.add_row(label, *(cell(by_n[n]) if n in by_n else "-" for n in gpus))
-    con.print(t)
-    for o in rp.outcomes:
-        label = o.scenario.label if rp.measured_units else \
-            o.scenario.label.replace("measured buckets", DDP_DEFAULT)
-        if o.scenario.bandwidth_x != 1 and o.withheld:
-            con.print(f"  {escape(label)}: withheld")
-        elif o.scenario.bandwidth_x != 1:
-            # against the same GPU count at the link as it is: the change the link makes
-            ref = o.reference_t_iter if not math.isnan(o.reference_t_iter) else measured
-            what = "vs measured" if o.scenario.gpus == rp.cost.world and \
-                rp.cost.source == "measured" else f"vs {o.scenario.gpus} GPUs at link x1"
-            con.print(f"  {escape(label)}: {_ms(o.t_iter)}"
-                      + (f" [{_ms(o.low)}, {_ms(o.high)}]" if not math.isnan(o.low) else "")
-                      + f" ({o.t_iter / ref - 1:+.0%} {what}), {o.speedup:.2f}x over one GPU"
-                      + ("*" if o.extrapolated else ""))
-    _withheld(con, [(o.scenario.label, o.withheld) for o in rp.outcomes if o.withheld])
-    spread = [o for o in rp.outcomes if not math.isnan(o.low)]
-    if spread:
-        w = max((o.high - o.low) / 2 / o.t_iter for o in spread if o.t_iter > 0)
-        con.print(f"  [dim]95 % intervals from resampling the analyzed iterations: within "
-                  f"±{w:.0%} (each in --json); * leaves what the run measured (more GPUs, "
-                  "another link, units of other sizes)[/]")
-    con.print(f"  [dim]replaying the measured configuration gives {_ms(rp.baseline_t_iter)} "
-              f"({rp.baseline_error:+.1%}); each prediction is the measured iteration plus "
-              "the replayed change[/]")
-    for a in rp.assumptions:
-        con.print(f"  [dim]assumes {escape(a)}[/]")
-
-
-def _withheld(con: Console, which: list[tuple[str, str | None]]) -> None:
-    """One line for the predictions not shown for the same reason (its figures aside), and
-    why."""
-    kinds: dict[str, list[tuple[str, str | None]]] = {}
-    for w in which:
-        kinds.setdefault(re.sub(r"[\d.]+", "#", w[1] or ""), []).append(w)
-    for same in kinds.values():
-        first, why = same[0]
-        more = f" (and {len(same) - 1} more like it)" if len(same) > 1 else ""
-        con.print(f"  [yellow]withheld[/]: {escape(first)}{more}: {escape(why or '')}")
 
 
 def render(a: Analysis, rank: int | None = None, file: IO[str] | None = None,
@@ -314,7 +242,7 @@ def render(a: Analysis, rank: int | None = None, file: IO[str] | None = None,
                 (f"{o.speedup:.2f}x", _ms(o.t_iter))
             st.add_row(str(p.gpus), *mine, *theirs[:2 if replayed else 0])
         con.print(st)
-        _withheld(con, [(f"{p.gpus} GPUs", p.withheld) for p in sp.points if p.withheld])
+        withheld_by_reason(con, [(f"{p.gpus} GPUs", p.withheld) for p in sp.points if p.withheld])
         for asm in sp.assumptions:
             con.print(f"  [dim]assumes {escape(asm)}[/]")
         if sp.allreduce_efficiency is not None:
@@ -325,7 +253,7 @@ def render(a: Analysis, rank: int | None = None, file: IO[str] | None = None,
     if ra.sharded is not None:
         pass   # its what-ifs are above
     elif ra.replay is not None and ra.replay.outcomes:
-        _what_if(con, ra.replay, m.measured_t_iter)
+        render_what_if(con, ra.replay, m.measured_t_iter)
     elif ra.replay_unavailable:
         con.print()
         con.print(f"[bold]What if[/]: not replayed: {escape(advise(ra.replay_unavailable))}")
