@@ -17,7 +17,8 @@ of the model and optimizer at the end (and every `--save-every` steps); `--ddp`:
 over gloo, `torch.distributed.checkpoint.save` at the end (`--async-save`: `async_save`
 every `--save-every` steps, waited for before the next one). `--save-mb`: a buffer of that many
 MB saved with the model (a larger checkpoint). `--stall-every N --stall-ms M`: a sleep of M
-ms after every N-th step, outside any phase (`stalls[]`: `start`, `end`).
+ms after every N-th step, outside any phase (`stalls[]`: `start`, `end`; with `--async-save`
+also each wait for the previous save before the next one).
 """
 
 from __future__ import annotations
@@ -141,8 +142,10 @@ def main() -> None:
         import torch.distributed.checkpoint as dcp
         where = f"{ckpt}.{step}"
         state = {"model": model.state_dict()}
-        if pending is not None:
+        if pending is not None:     # the loop waits for the last async save: a stall
+            t1 = now()
             pending.result()
+            truth["stalls"].append({"start": t1, "end": now()})
         t0 = now()
         if a.async_save and not final:
             pending = dcp.async_save(state, checkpoint_id=where, process_group=ckpt_group)
@@ -178,6 +181,7 @@ def main() -> None:
             truth["stalls"].append({"start": t1, "end": now()})
     if pending is not None:
         pending.result()
+        pending = None
     save(a.steps, True)
     if a.ddp:
         dist.barrier()
