@@ -299,7 +299,9 @@ def test_recorded_run_report_in_chromium(browser, tmp_path):
     layers = {ly for u in units for ly in u["layers"]}
     assert tl["y"][0] == "host"
     assert {f"unit {u['index']}" for u in units} <= set(tl["y"])
-    assert {f"layer {ly}" for ly in layers} <= set(tl["y"])
+    # a lane per layer, named by its number, then its module path and class where known
+    lanes = {y.split(" ")[1] for y in tl["y"] if y.startswith("layer ")}
+    assert {str(ly) for ly in layers} <= lanes, tl["y"]
     assert {"forward", "backward"} <= set(tl["colour"])
     assert {"comm hidden", "comm exposed"} & set(tl["colour"])
     counts = [doc["ranks"][r]["iterations"]["count"] for r in doc["ranks"]]
