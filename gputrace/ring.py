@@ -38,11 +38,12 @@ def parse_size(text: str | int | float) -> int:
     if isinstance(text, int | float) and not isinstance(text, bool):
         n = float(text)
     else:
-        from gputrace.cli import CommandError, parse_bytes
+        from gputrace.analysis import parse_bytes
+        from gputrace.inputs import AnalysisError
 
         try:
             n = parse_bytes(str(text), "--max-size")
-        except CommandError as e:
+        except AnalysisError as e:
             raise MaxSizeError(str(e).replace("64MiB or 1GB", "500KB or 5MB")) from None
     if not MIN_SIZE <= n < 1 << 62:
         raise MaxSizeError(f"--max-size is at least {size_text(MIN_SIZE)}, not {text!r}")

@@ -218,6 +218,8 @@ def test_bad_max_size_is_one_line_and_exit_2(tmp_path, bad):
     p = run_gputrace("record", "-o", str(tmp_path / "x.arrow"), "--max-size", bad, "--", "true")
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert "--max-size" in p.stderr and not (tmp_path / "x.arrow").exists()
+    if bad == "abc":     # the example a --max-size takes, not --link-bandwidth's
+        assert "write e.g. 500KB or 5MB" in p.stderr, p.stderr
 
 
 def test_session_keeps_the_same_ring(tmp_path):
