@@ -52,6 +52,10 @@ if distributed:
 
 # lines that cannot run as shown, and where what they do is run instead
 CANNOT = {
+    "--repeat": "records its commands 3 times each (test_diff_runs.py records and diffs such "
+                "runs)",
+    "base-1.arrow": "reads the runs `record --repeat` makes (test_diff_runs.py)",
+    "base-*.arrow": "reads the runs `record --repeat` makes (test_diff_runs.py)",
     "...": "an elided command line",
     "capture": "needs a job recording with --on-demand (test_capture.py)",
     "train_tp.py": "names the reader's script (the page's later block runs tests/jobs/tp_train.py)",
