@@ -30,6 +30,7 @@ def extras(a: Any, rank: int | None, inputs: Sequence[str],
     if window_of(a.metadata) is not None:
         table = load_inputs(list(inputs), quiet=True).table
         out.update(analyze_window(table, a.metadata, shown))
+    full = table          # every row (a windowed recording's), else None
     if table is None:
         table = _columns(inputs)
     out["memory"] = analyze_memory(table, shown, a.metadata) if table is not None \
@@ -39,13 +40,14 @@ def extras(a: Any, rank: int | None, inputs: Sequence[str],
     from gputrace.document_flops import flops_doc
 
     out["flops"] = flops_doc(a, shown, inputs)
-    out["hangs"] = _hangs(table, inputs)
+    out["hangs"] = _hangs(full, inputs)
     return out
 
 
 def _hangs(table: pa.Table | None, inputs: Sequence[str]) -> dict[str, Any]:
-    """`hangs`: the collectives some rank waited in too long (analyzers.hangs), from the
-    table read, or from the shards of a recording not closed (killed, or still running)."""
+    """`hangs`: the collectives some rank waited in too long (analyzers.hangs), from
+    `table` where every row was read, else the trace files' `flight` instants alone, or the
+    shards of a recording not closed (killed, or still running)."""
     from gputrace.analyzers import hangs
     from gputrace.trace.reader import unclosed
 
@@ -53,7 +55,17 @@ def _hangs(table: pa.Table | None, inputs: Sequence[str]) -> dict[str, Any]:
         from gputrace.inputs import load_inputs
 
         table = load_inputs(list(inputs), quiet=True).table
+    if table is None:
+        table = _read(inputs, hangs.COLUMNS, _flight)
     return hangs.as_json(hangs.find(hangs.rows_of(table)))
+
+
+def _flight(b: pa.RecordBatch) -> pa.RecordBatch:
+    import pyarrow.compute as pc
+
+    return b.filter(pc.and_(pc.equal(b.column("kind").cast(pa.string()), "instant"),
+                            pc.equal(b.column("cat").cast(pa.string()), "flight"))
+                    .fill_null(False))
 
 
 def more_findings(more: dict[str, Any]) -> list[Any]:
@@ -87,6 +99,13 @@ def _columns(inputs: Sequence[str]) -> pa.Table | None:
         m[np.unique(b.column("rank").fill_null(-(2**31)).to_numpy(), return_index=True)[1]] = True
         return b.filter(pa.array(m))
 
+    return _read(inputs, _MEMORY_COLUMNS, kept)
+
+
+def _read(inputs: Sequence[str], columns: Sequence[str],
+          keep: Any) -> pa.Table | None:
+    """`columns` of the trace files' rows that `keep` (a record batch's filter) keeps, a
+    batch at a time; None for other inputs, or a file that cannot be read (truncated)."""
     parts = []
     for p in inputs:
         if not (p.endswith(".arrow") and os.path.isfile(p)):
@@ -94,13 +113,13 @@ def _columns(inputs: Sequence[str]) -> pa.Table | None:
         try:
             with pa.OSFile(p) as src:
                 r = pa.ipc.open_file(src)
-                idx = [r.schema.get_field_index(c) for c in _MEMORY_COLUMNS]
+                idx = [r.schema.get_field_index(c) for c in columns]
                 r = pa.ipc.open_file(src, options=pa.ipc.IpcReadOptions(
                     included_fields=idx))
                 parts.append(pa.Table.from_batches(
-                    [kept(r.get_batch(i)) for i in range(r.num_record_batches)], r.schema))
+                    [keep(r.get_batch(i)) for i in range(r.num_record_batches)], r.schema))
         except (OSError, pa.ArrowException):
-            return None        # a truncated file: no memory line rather than a full read
+            return None        # a truncated file: no such section rather than a full read
     return pa.concat_tables(parts, promote_options="permissive") if parts else None
 
 

@@ -38,11 +38,14 @@ def _gpu() -> bool:
 def run(tmp_path_factory) -> dict:
     d = tmp_path_factory.mktemp("one")
     times = d / "times.json"
+    # a newcomer's machine: no `gputrace probe` run yet (the suite's session cache may hold
+    # one that another test of this worker made)
+    fresh = {**os.environ, "GPUTRACE_CACHE_DIR": str(d / "no-probe")}
     rec = run_gputrace("record", "-o", str(d / "t.arrow"), "--layers", "leaves", "--",
                        sys.executable, SAMPLE,
                        "--iterations", str(ITERATIONS), "--batch-size", "8", "--workers", "1",
                        "--samples", "128", "--data", str(d / "data"), "--times-json",
-                       str(times), cwd=d, check=True, timeout=300)
+                       str(times), cwd=d, check=True, timeout=300, env=fresh)
     text = run_gputrace("analyze", "t.arrow", cwd=d, check=True).stdout
     doc = json.loads(run_gputrace("analyze", "t.arrow", "--json", cwd=d, check=True).stdout)
     run_gputrace("report", "t.arrow", "-o", "r.html", cwd=d, check=True)
