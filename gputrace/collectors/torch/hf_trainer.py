@@ -7,12 +7,10 @@ imported."""
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import Any
 
-from gputrace.collectors.torch import checkpoint, lazy
-from gputrace.collectors.torch.guard import _guarded
+from gputrace.collectors.torch import checkpoint, framework_pass, lazy
 
 TRAINER = "transformers.trainer"
 
@@ -32,39 +30,7 @@ def _patch(get_state: Any, mod: Any) -> None:
     cls = mod.Trainer
     cls._save_checkpoint = checkpoint._wrap(get_state, "transformers.save_checkpoint", "save",
                                             cls._save_checkpoint, _folder_bytes)
-    orig = cls.evaluate
-    if getattr(orig, "_gputrace", False):
-        return
-
-    @_guarded
-    def begin() -> int:
-        st = get_state()
-        t = st.now()
-        st.its.framework_pass(True, t)
-        return t
-
-    @_guarded
-    def end(t0: int) -> None:
-        st = get_state()
-        t = st.now()
-        n = st.its.framework_pass(False, t)
-        st.rec.span("evaluation", "pass", t0, t, step=-1,
-                    args={"batches": n, "framework": "transformers"})
-
-    @functools.wraps(orig)
-    def evaluate(self: Any, *args: Any, **kwargs: Any) -> Any:
-        st = get_state()
-        if st is None or st.its.fw_pass:        # a nested evaluate: the outer one is it
-            return orig(self, *args, **kwargs)
-        t0 = begin()
-        try:
-            return orig(self, *args, **kwargs)
-        finally:
-            if t0 is not None:
-                end(t0)
-
-    evaluate._gputrace = True  # type: ignore[attr-defined]
-    cls.evaluate = evaluate
+    cls.evaluate = framework_pass.wrap(get_state, cls.evaluate, "transformers")
 
 
 def install(get_state: Any) -> None:

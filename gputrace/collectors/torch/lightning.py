@@ -7,11 +7,9 @@ it. Patched when Lightning is imported (`lightning` or `pytorch_lightning`)."""
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
-from gputrace.collectors.torch import checkpoint, lazy
-from gputrace.collectors.torch.guard import _guarded
+from gputrace.collectors.torch import checkpoint, framework_pass, lazy
 
 PACKAGES = ("lightning.pytorch", "pytorch_lightning")
 
@@ -22,40 +20,12 @@ def _file_bytes(args: Any, kwargs: Any, out: Any, before: Any) -> int | None:
 
 def _patch_loop(get_state: Any, mod: Any) -> None:
     cls = mod._EvaluationLoop
-    orig = cls.run
-    if getattr(orig, "_gputrace", False):
-        return
+    cls.run = framework_pass.wrap(get_state, cls.run, "lightning", _sanity)
 
-    @_guarded
-    def begin() -> int:
-        st = get_state()
-        t = st.now()
-        st.its.framework_pass(True, t)
-        return t
 
-    @_guarded
-    def end(loop: Any, t0: int) -> None:
-        st = get_state()
-        t = st.now()
-        n = st.its.framework_pass(False, t)
-        trainer = getattr(loop, "trainer", None)
-        st.rec.span("evaluation", "pass", t0, t, step=-1,
-                    args={"batches": n, "framework": "lightning",
-                          "sanity": bool(getattr(trainer, "sanity_checking", False))})
-
-    @functools.wraps(orig)
-    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if get_state() is None:
-            return orig(self, *args, **kwargs)
-        t0 = begin()
-        try:
-            return orig(self, *args, **kwargs)
-        finally:
-            if t0 is not None:
-                end(self, t0)
-
-    run._gputrace = True  # type: ignore[attr-defined]
-    cls.run = run
+def _sanity(loop: Any) -> dict[str, Any]:
+    trainer = getattr(loop, "trainer", None)
+    return {"sanity": bool(getattr(trainer, "sanity_checking", False))}
 
 
 def _patch_trainer(get_state: Any, mod: Any) -> None:
