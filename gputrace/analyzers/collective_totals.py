@@ -47,12 +47,13 @@ class Collectives:
 
 
 def exposed_ns(sp: Spans, r: Rows, compute: ov.Union, m: np.ndarray,
-               device_compute: ov.Union | None = None) -> int:
+               device_compute: ov.Union | None = None, window: ov.Union | None = None) -> int:
     """The instants the job stood still for the comm rows `m`, each instant once (two
     collectives in flight together expose the same instant once): a row's `wait` interval
     when recorded (and its issuing `call`, where recorded); a synchronous call on the loop's
     thread in full; else the part no compute covers (a GPU's comm record: no GPU compute
-    record, `device_compute`, where given)."""
+    record, `device_compute`, where given); inside `window` where given (the analyzed
+    iterations, as the hidden-vs-exposed comm of a host trace measures them)."""
     s, e = sp.start[r.idx], sp.end[r.idx]
     has_wait = r.wait_s >= 0
     w = m & has_wait
@@ -69,7 +70,8 @@ def exposed_ns(sp: Spans, r: Rows, compute: ov.Union, m: np.ndarray,
                                  device_compute))
         rest &= ~on_dev
     parts.append(ov.subtract(ov.union(s[rest], e[rest]), compute))
-    return ov.total(ov.merge(*parts))
+    u = ov.merge(*parts)
+    return ov.total(u if window is None else ov.intersect(u, window))
 
 
 def _in_flight(sp: Spans, r: Rows, m: np.ndarray) -> float:
@@ -80,9 +82,10 @@ def _in_flight(sp: Spans, r: Rows, m: np.ndarray) -> float:
 
 
 def summarize(sp: Spans, r: Rows, it_of: np.ndarray, sel: np.ndarray, compute: ov.Union,
-              device_compute: ov.Union | None = None) -> Collectives:
+              device_compute: ov.Union | None = None,
+              window: ov.Union | None = None) -> Collectives:
     """Per-kind totals over the analyzed iterations `sel` (it_of: each comm row's iteration,
-    -1 outside any; compute, device_compute: as exposed_ns)."""
+    -1 outside any; compute, device_compute, window: as exposed_ns)."""
     if not r.n:
         return Collectives()
     grad = gradient_mask(sp, r) & ~told_other(r)   # told `other`: comm, never gradient
@@ -99,7 +102,7 @@ def summarize(sp: Spans, r: Rows, it_of: np.ndarray, sel: np.ndarray, compute: o
         """exposed_ns per iteration, each set of rows once (a run's only kind: the model's)"""
         key = np.packbits(m).tobytes()
         if key not in memo:
-            memo[key] = exposed_ns(sp, r, compute, m, device_compute) / 1e9 / n_it
+            memo[key] = exposed_ns(sp, r, compute, m, device_compute, window) / 1e9 / n_it
         return memo[key]
 
     for k in [k for k in KINDS if k in set(r.kind)]:

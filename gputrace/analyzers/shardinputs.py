@@ -132,11 +132,17 @@ def summarize_rank(sp: Spans, cr: col.Rows, rs: RankSteps, sel: np.ndarray
     if not cr.n:
         return ct.Collectives()
     compute, device = rs.compute, None
+    # a host trace's hidden-vs-exposed comm is measured inside the iterations (a collective
+    # that runs past its iteration's end is exposed there only to its end): the kinds' too
+    its = rs.iterations
+    window = ov.union(its.start[sel], its.end[sel])
     if rs.gpu:   # a host comm span's compute: the host's phases
         compute_m = (sp.of("forward") | sp.of("backward") | sp.of("update") |
                      sp.of("h2d")) & sp.lasting()
         compute, device = ov.union(sp.start[compute_m], sp.end[compute_m]), rs.compute
-    return ct.summarize(sp, cr, iteration_of(rs, sp.start[cr.idx]), sel, compute, device)
+        window = None     # a GPU's comm records count in their launch's iteration, unclipped
+    return ct.summarize(sp, cr, iteration_of(rs, sp.start[cr.idx]), sel, compute, device,
+                        window)
 
 
 def arrivals_of(si: Inputs, unit_start: np.ndarray, unit_arrival: np.ndarray) -> np.ndarray:
