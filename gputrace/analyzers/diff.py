@@ -135,13 +135,18 @@ def named(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]
     for r in top:
         xb, xa = (None if s is None else s.get(r["name"])
                   for s in (series_before, series_after))
-        ci = interval(xb, xa) if xb is not None and xa is not None else None
-        r.update({"low": ci.low if ci else None, "high": ci.high if ci else None,
-                  "beyond_noise": ci is not None and (ci.low > 0 or ci.high < 0),
-                  "between_s": ci.between_s if ci else None})
+        put_interval(r, interval(xb, xa) if xb is not None and xa is not None else None)
     return {"matched": len(both), "top": top,
             "only_before": sorted(n for n in before if n not in after),
             "only_after": sorted(n for n in after if n not in before)}
+
+
+def put_interval(r: dict[str, Any], ci: Any) -> None:
+    """A row's `low`, `high`, `beyond_noise` and `between_s` from its interval `ci`
+    (None: none known)."""
+    r.update({"low": ci.low if ci else None, "high": ci.high if ci else None,
+              "beyond_noise": ci is not None and (ci.low > 0 or ci.high < 0),
+              "between_s": ci.between_s if ci else None})
 
 
 def unit_rows(ra: RankAnalysis) -> tuple[dict[str, dict[str, float]], Series]:

@@ -36,6 +36,7 @@ from gputrace.analyzers.diff import (
     headline,
     kind_rows,
     model,
+    put_interval,
     rank_rows,
     terms_only,
     unit_rows,
@@ -156,10 +157,7 @@ def named_runs(before: list[Rows], after: list[Rows], pairs: Pairs = None) -> di
     both.sort(key=lambda r: -abs(r["change"]))
     top = both[:TOP]
     for r in top:
-        ci = runs_interval(pb[r["name"]], pa[r["name"]], pairs)
-        r.update({"low": ci.low if ci else None, "high": ci.high if ci else None,
-                  "beyond_noise": ci is not None and (ci.low > 0 or ci.high < 0),
-                  "between_s": ci.between_s if ci else None})
+        put_interval(r, runs_interval(pb[r["name"]], pa[r["name"]], pairs))
     return {"matched": len(both), "top": top,
             "only_before": sorted(n for n in b if n not in a),
             "only_after": sorted(n for n in a if n not in b)}
