@@ -110,6 +110,45 @@ def test_sampler_runs_at_its_rate_and_drops_a_broken_collector(capsys):
     assert capsys.readouterr().err.count("device fell off the bus") == 1
 
 
+def test_a_late_tick_is_not_followed_by_a_burst():
+    """A tick that runs late (its thread preempted on a busy core between waking and
+    reading the clock) is followed by the next no sooner than half a period after it: the
+    ticks missed are skipped, and no rate is taken over a sliver of an interval."""
+    period = 0.02
+    calls = [0]
+
+    def late_clock():
+        calls[0] += 1
+        if calls[0] % 3 == 0:      # every third tick wakes late, by 0.8 to 1.4 periods
+            time.sleep(period * (0.8 + 0.2 * (calls[0] % 4)))
+        return time.perf_counter_ns()
+
+    class Ok:
+        name = "ok"
+
+        def sample(self, t):
+            return [("sample", "host", "x", t, None, 1.0, "bytes", "h", -1, -1, -1, -1, -1,
+                     -1, -1, None, None, None, None, None)]
+
+        def close(self):
+            pass
+
+    class Sink:
+        def __init__(self):
+            self.t = []
+
+        def add_rows(self, rows):
+            self.t += [r[3] for r in rows]
+
+    sink = Sink()
+    s = Sampler([Ok()], sink, 1 / period, late_clock)
+    s.start()
+    time.sleep(1.0)
+    s.stop()
+    gaps = [b - a for a, b in zip(sink.t[1:-1], sink.t[2:-1])]   # the thread's own ticks
+    assert len(gaps) > 10 and min(gaps) >= 0.5 * period * 1e9, sorted(gaps)[:3]
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice values are Linux's")
 def test_the_sampler_thread_runs_below_the_job_and_leaves_the_rest_of_its_process_alone():
     from gputrace.collectors import SAMPLER_NICE

@@ -160,10 +160,13 @@ class Sampler:
         nxt = time.perf_counter()
         while True:
             nxt += self.period_s
-            delay = nxt - time.perf_counter()
-            if delay < 0:  # fell behind: skip missed ticks rather than burst
-                nxt = time.perf_counter()
-                delay = 0
+            now = time.perf_counter()
+            # fell behind (a tick that ran late, a preempted thread): the missed ticks are
+            # skipped rather than burst, and the next is at least half a period after the
+            # last, so that no rate ("%" rows) is taken over a sliver of an interval
+            if nxt - max(now, self._t_last + self.period_s / 2) < 0:
+                nxt = max(now, self._t_last + self.period_s / 2)
+            delay = nxt - now
             # a short wait sleeps (a third cheaper than an Event's timed wait, which every
             # tick at 100 Hz pays); a long one waits on the Event so stop() need not
             if delay > _SLEEP_MAX_S:
