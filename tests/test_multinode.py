@@ -258,7 +258,9 @@ def test_two_nodes_under_torchrun_with_skewed_clocks(tmp_path):
     assert a["hosts"] == {"nodeA": [0, 1], "nodeB": [2, 3]} and a["world_size"] == 4
     b = a["clock"]["hosts"]["nodeB"]
     assert b["matched_units"] >= 30
-    assert abs(b["offset_s"] - SHIFT_NS / 1e9) < 1e-3, b
+    # within a millisecond of the skew, or (beside a busy neighbour, whose preemptions
+    # delay each rank's completions by milliseconds) within three of its stated ± uncertainty
+    assert abs(b["offset_s"] - SHIFT_NS / 1e9) < max(1e-3, 3 * b["uncertainty_s"]), b
     lo, hi = b["bounds_s"]
     assert lo <= SHIFT_NS / 1e9 <= hi
     # the same run with node B's clock put back, taken as recorded: the truth

@@ -65,16 +65,19 @@ def jobs_stage_times(t: dict) -> dict[int, dict[str, float]]:
     3-9 % of the chunk on a quiet machine, up to 15 % beside the suite's other worker),
     else the whole chunk (a zero-bubble schedule's split backward)."""
     m = t["stage"]["microbatches"]
-    fwd, bwd = defaultdict(list), defaultdict(float)
+    fwd, bwd, chunk = defaultdict(list), defaultdict(float), defaultdict(list)
     its = {c["it"] for c in t["chunks"] if c["it"] >= WARMUP}
     for f in t["forwards"]:
         if f["it"] >= WARMUP:
             fwd[f["stage"]].append(f["s"])
     for c in t["chunks"]:
-        if c["it"] >= WARMUP and c["kind"] != "forward":
+        if c["it"] >= WARMUP and c["kind"] == "forward":
+            chunk[c["stage"]].append(c["s"])
+        elif c["it"] >= WARMUP:
             own = c.get("autograd_s")
             bwd[c["stage"]] += c["s"] if own is None else own
-    return {k: {"forward": _mean(fwd[k]), "backward": bwd[k] / len(its) / m}
+    return {k: {"forward": _mean(fwd[k]), "forward_chunk": _mean(chunk[k]),
+                "backward": bwd[k] / len(its) / m}
             for k in t["stage"]["indices"]}
 
 
@@ -109,8 +112,12 @@ def test_stages_schedule_and_samples_as_the_job_has_them(recorded, name):
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_per_stage_compute_and_waits_on_the_jobs_clock(recorded, name):
-    """Each stage's forward per microbatch within 15 % of its module's forward as the job
-    timed it, its backward (both parts) of the job's backward chunks; each rank's waits for
+    """Each stage's forward per microbatch between its module's forward as the job timed it
+    inside the module (less 15 %) and the job's forward chunk around it (plus 15 %): gputrace
+    times the module's call, hooks included, which lies between the two (a preemption in
+    the hooks, beside the suite's other worker, is in gputrace's and the chunk's but not in
+    the module's own clock); its backward (both parts) within 15 % of the job's backward
+    chunks; each rank's waits for
     its neighbours within 15 % (or WAIT_FLOOR) of the job's own waits on its sends and
     receives; t_iter within 5 % of the job's iterations."""
     run = recorded(name)
@@ -122,9 +129,12 @@ def test_per_stage_compute_and_waits_on_the_jobs_clock(recorded, name):
         for k, own in jobs_stage_times(t).items():
             mine[k].append(own)
     for k, owns in mine.items():
-        for part in ("forward", "backward"):
-            got, own = per[k][f"{part}_s"], _mean([o[part] for o in owns])
-            assert abs(got / own - 1) <= TIME_TOL, (name, k, part, got, own)
+        got, inner, outer = (per[k]["forward_s"], _mean([o["forward"] for o in owns]),
+                             _mean([o["forward_chunk"] for o in owns]))
+        assert inner * (1 - TIME_TOL) <= got <= outer * (1 + TIME_TOL), \
+            (name, k, "forward", inner, got, outer)
+        got, own = per[k]["backward_s"], _mean([o["backward"] for o in owns])
+        assert abs(got / own - 1) <= TIME_TOL, (name, k, "backward", got, own)
     for r, t in run.truth.items():
         t_iter_on_the_jobs_clock(run, r)
         (st,) = [s for s in pl["stages"] if s["rank"] == r]
