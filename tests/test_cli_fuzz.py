@@ -472,6 +472,16 @@ def test_generated_diff_command_lines_never_give_a_traceback(corpus):
     assert seen["0"] and seen["2"], seen
 
 
+def test_diff_help_after_the_runs(corpus):
+    """`--help` written after the runs (`diff a.arrow b.arrow --help`, or after `--`) prints
+    diff's help and exits 0, as it does before them."""
+    a = str(corpus.arrow)
+    for argv in (["diff", a, a, "--help"], ["diff", a, "--", a, "-h"], ["diff", "--help"]):
+        rc, out, err = _in_process(argv)
+        assert rc == 0 and not err, (argv, rc, err)
+        assert out.startswith("usage: gputrace diff") and "--fail-if-slower" in out, argv
+
+
 @pytest.mark.slow
 def test_generated_command_lines_as_real_processes(corpus):
     gen = Gen(random.Random(1919), corpus)

@@ -53,6 +53,10 @@ def sides(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     """The runs before and after, from the command line as given (`args.runs`); options
     written after the runs are read here into `args`."""
     tokens = list(args.runs)
+    if "-h" in tokens or "--help" in tokens:    # after the runs: argparse left it in them
+        from gputrace.cli import build_parser
+
+        build_parser().parse_args(["diff", "--help"])     # prints the help, exits 0
     if "--" in tokens:
         tokens[tokens.index("--")] = SEP
     q = _Parser(prog="gputrace diff", add_help=False)
