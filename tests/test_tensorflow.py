@@ -523,10 +523,13 @@ def test_xplane_without_tensorflow_is_one_line_and_exit_2(tmp_path):
 def test_keras_fit_validation_data_is_an_evaluation_pass(tmp_path):
     """fit with validation_data (tests/jobs/trainers/keras_whole.py: 3 epochs of 10 steps,
     5 validation batches after each): each validation an evaluation pass on the job's own
-    callback's clock, between the training steps, which stay the job's 30."""
+    callback's clock, between the training steps, which stay the job's 30. Its two
+    ModelCheckpoints (the model each epoch, the weights every 7 batches) each save a
+    checkpoint span of the job's own timing and its file's bytes, in no training step."""
     truth = tmp_path / "t.json"
     out = record(tmp_path, "fit", str(ROOT / "tests" / "jobs" / "trainers" / "keras_whole.py"),
-                 str(truth), opts=("--tf-steps", "all"))
+                 str(truth), "--checkpoint", str(tmp_path / "ck"),
+                 opts=("--tf-steps", "all"))
     tr = load(out)
     t = json.loads(truth.read_text())
     its = spans(tr, "iteration")
@@ -538,4 +541,13 @@ def test_keras_fit_validation_data_is_an_evaluation_pass(tmp_path):
         assert abs(took - own) <= max(0.10 * own, 0.050), (took, own)
         assert json.loads(r["args"])["batches"] == e["batches"] == 5
         # no training step's time: the epoch's last step ends before it
+        assert not [i for i in its if i["start_ns"] < r["end_ns"] and i["end_ns"] > r["start_ns"]]
+    saves = spans(tr, "checkpoint")
+    assert len(saves) == len(t["saves"]) == 3 + 30 // 7
+    for r, s in zip(saves, sorted(t["saves"], key=lambda s: s["start"]), strict=True):
+        took, own = (r["end_ns"] - r["start_ns"]) / 1e9, (s["end"] - s["start"]) / 1e9
+        assert abs(took - own) <= max(0.10 * own, 0.050), (took, own)
+        assert r["bytes"] == s["bytes"] > 0
+        want = "keras.save_weights" if s["path"].endswith(".weights.h5") else "keras.save"
+        assert r["name"] == want and json.loads(r["args"])["op"] == "save"
         assert not [i for i in its if i["start_ns"] < r["end_ns"] and i["end_ns"] > r["start_ns"]]

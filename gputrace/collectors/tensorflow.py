@@ -145,6 +145,7 @@ class _State:
         self.fw_from: int | None = None     # fit: Keras's own work since then (framework)
         self.fw_outside: list[tuple[int, int]] = []   # ... outside its step function
         self.fit_windows: list[tuple[int, int]] = []  # fit's iterations while profiling
+        self.fit_aside: Any = None          # fit's callback: its open step ends at t (a save)
 
     # -- iterations ----------------------------------------------------------------------
     def framework_until(self, t: int) -> None:
@@ -369,8 +370,10 @@ def on_keras(rec: Recorder, keras: Any) -> str:
     state = _state_for(rec)
     from gputrace.collectors.tensorflow_keras import patch_fit
     from gputrace.collectors.tensorflow_optimizers import patch_optimizers
+    from gputrace.collectors.tensorflow_saves import patch_saves
 
     patch_fit(state, keras)
+    patch_saves(state, keras)
     patch_optimizers(state, keras)
     rec.metadata.setdefault("software", {})["keras"] = getattr(keras, "__version__", "?")
     return "ok"

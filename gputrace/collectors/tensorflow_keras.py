@@ -1,7 +1,8 @@
 """Keras's `Model.fit`, recorded: a callback gputrace adds to every fit gives the iterations
 (one from a batch's begin to the next one's; with `steps_per_execution` k, a call's time split
 evenly among its k steps) and each validation pass (`validation_data`) as an `evaluation`
-span; the job's own callbacks run as before."""
+span; a save inside fit (`ModelCheckpoint`: collectors.tensorflow_saves) ends the open step;
+the job's own callbacks run as before."""
 
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ def _callback_class(keras: Any) -> Any:
             self._graph = backend == "tensorflow" and not eager
             self._s.tf_ops = backend == "tensorflow"
             self._s.in_fit += 1
+            self._s.fit_aside = self.aside
             _quiet_torch_iterations(self._s.rec, True)
             if self._graph:
                 self._wrapped = _time_step_function(self._s, model)
@@ -83,6 +85,17 @@ def _callback_class(keras: Any) -> Any:
             self._open = False
             s.open_t = None
 
+        def aside(self, t: int) -> None:
+            """A save at t (ModelCheckpoint's, at a batch's end or the epoch's): the open
+            step ends there, the next begins at the next batch's begin."""
+            s = self._s
+            if self._open:
+                s.framework_until(t)
+                s.end_step(t, self._graph, self._steps(), reopen=False)
+                self._open = False
+                s.open_t = None
+            s.fw_from = None
+
         @_safe
         def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
             self._last()
@@ -113,6 +126,7 @@ def _callback_class(keras: Any) -> Any:
             self._last()
             s = self._s
             s.in_fit = max(s.in_fit - 1, 0)
+            s.fit_aside = None
             _unwrap_step_function(self._wrapped)
             self._wrapped = None
             s.tf_ops = True
