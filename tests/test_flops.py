@@ -223,8 +223,14 @@ def test_mfu_is_against_the_probed_peak_on_the_cpu(runs, cache):
     assert f["peaks"]["vendor"] is None and f["peaks"]["probed"]["flops_per_s"] == peak
     r = f["ranks"]["0"]
     assert r["mfu"]["probed"] == pytest.approx(r["achieved_flops_per_s"] / peak)
-    assert all(ly["share_of_peak"] == pytest.approx(ly["achieved_flops_per_s"] / peak)
-               for ly in f["layers"])
+    # each layer's share of it, or withheld with the reason where the layer ran above it
+    # (a peak probed while a neighbour loaded the machine can be below a quiet moment's rate)
+    for ly in f["layers"]:
+        over = max(ly[k] or 0 for k in ("achieved_flops_per_s", "achieved_flops_per_s_f",
+                                         "achieved_flops_per_s_b")) > peak
+        assert (ly["share_of_peak"] is None) == over == bool(ly["share_of_peak_withheld"]), ly
+        if not over:
+            assert ly["share_of_peak"] == pytest.approx(ly["achieved_flops_per_s"] / peak)
 
 
 def test_counted_iteration_stays_in_the_trace_and_out_of_the_timings(runs, cache):
@@ -318,13 +324,18 @@ def test_report_draws_each_layers_share_of_the_peak(runs):
     bars, shares = (part["data"]["values"][0] for part in made["flops"].spec["vconcat"])
     f = doc["flops"]
     peak = f["peaks"]["probed"]["flops_per_s"]
+    # a layer whose share is withheld (it ran above the probed peak) is not drawn
     want = [(ly["layer"], ph, ly[f"achieved_flops_per_s_{ph[0]}"] / peak)
-            for ly in f["layers"] for ph in ("forward", "backward")]
+            for ly in f["layers"] if not ly["share_of_peak_withheld"]
+            for ph in ("forward", "backward")]
     got = list(zip(bars["layer"], bars["phase"], bars["value"], strict=True))
     assert [g[:2] for g in got] == [w[:2] for w in want]
     assert [g[2] for g in got] == pytest.approx([w[2] for w in want])
-    assert shares["share"] == [ly["share_of_iteration"] for ly in f["layers"]]
+    drawn = [ly for ly in f["layers"] if not ly["share_of_peak_withheld"]]
+    assert shares["share"] == [ly["share_of_iteration"] for ly in drawn]
     assert f["peak_used"] in made["flops"].caption
+    if len(drawn) < len(f["layers"]):      # and the caption says which is left out, and why
+        assert "left out" in made["flops"].caption, made["flops"].caption
     # a trace without a count has no such chart
     off = runs["off"][0]
     assert "flops" not in {c.id for c in page_parts(results[str(off)].analysis, None,
