@@ -371,9 +371,14 @@ def test_diff_of_reshard_after_forward_on_and_off_finds_the_backward_regathers_g
     assert u["units_match"] and d["comparable"] and d["not_comparable"] is None
     assert d["headline"]["change"] == pytest.approx(it_off - it_on, abs=0.05 * it_on)
     # the backward's exposed re-gathers gone: exposed comm drops beyond noise (its units'
-    # exposure in each iteration resampled) and the headline names it first
+    # exposure in each iteration resampled) and the headline names it among the terms
+    # that moved beyond noise, largest first (the backward's own time can fall as much: on
+    # the CPU a re-gather's copy-in and copy-out run inside the backward)
     ce = d["breakdown"]["comm_exposed"]
     assert ce["low"] <= ce["change"] <= ce["high"] < 0 and ce["beyond_noise"]
-    assert d["headline"]["explained_by"][0]["term"] == "comm_exposed"
+    ex = d["headline"]["explained_by"]
+    assert "comm_exposed" in [e["term"] for e in ex], ex
+    assert [abs(e["change"]) for e in ex] == sorted((abs(e["change"]) for e in ex),
+                                                    reverse=True)
     assert f"only before: {', '.join(gone)}" in \
         run_gputrace("diff", str(on), str(off), check=True).stdout
