@@ -65,8 +65,10 @@ def check_rank(rows: list[dict], doc: dict, t: dict, rank: int | None) -> None:
     assert sum(g["badput_s"].values()) + g["training_s"] == pytest.approx(g["wall_s"],
                                                                            abs=1e-6)
     close(g["training_s"], sum(s["end"] - s["start"] for s in t["steps"]) / 1e9, "training")
-    close(g["badput_s"]["startup"], (t["steps"][0]["start"] - t["process_start"]) / 1e9,
-          "start-up")
+    # start-up: to the first step, less a validation pass before it (evaluation)
+    first = t["steps"][0]["start"]
+    before = sum(e["end"] - e["start"] for e in t["evals"] if e["end"] <= first)
+    close(g["badput_s"]["startup"], (first - t["process_start"] - before) / 1e9, "start-up")
     close(g["badput_s"]["evaluation"], sum(e["end"] - e["start"] for e in t["evals"]) / 1e9,
           "evaluation")
     blocking = sum(s["end"] - s["start"] for s in t["saves"]) / 1e9
@@ -366,6 +368,33 @@ def test_a_window_of_steps_counts_training_steps_and_keeps_its_passes(tmp_path):
     (ps,) = spans(rows, "evaluation", "pass")
     close((ps["end_ns"] - ps["start_ns"]) / 1e9, (t["evals"][1]["end"] - t["evals"][1]["start"])
           / 1e9, "the pass after step 19")
+
+
+def test_a_validation_pass_before_the_first_step(tmp_path):
+    """A sanity validation before training (`--eval-first`, the optimizer built): a pass on
+    the job's clock, its batches no training iteration, the steps the job's 0..19; a window
+    (`--steps 5:5`) still the job's steps 5..9."""
+    truth, out = tmp_path / "t.json", tmp_path / "t.arrow"
+    p = run_gputrace("record", "-q", "-o", str(out), "--", sys.executable, JOB, str(truth),
+                     "--steps", "20", "--eval-first", timeout=300)
+    assert p.returncode == 0, p.stderr
+    t = json.loads(truth.read_text())
+    assert len(t["evals"]) == 3 and t["evals"][0]["end"] <= t["steps"][0]["start"]
+    rows = load(out).table.to_pylist()
+    doc = json.loads(run_gputrace("analyze", str(out), "--json", check=True).stdout)
+    check_rank(rows, doc, t, None)
+    assert doc["iterations"]["count"] == 20
+    w = tmp_path / "w.arrow"
+    p = run_gputrace("record", "-q", "-o", str(w), "--steps", "5:5", "--", sys.executable,
+                     JOB, str(tmp_path / "w.json"), "--steps", "12", "--eval-first",
+                     timeout=300)
+    assert p.returncode == 0, p.stderr
+    its = spans(load(w).table.to_pylist(), "iteration")
+    assert [r["step"] for r in its] == list(range(5, 10))
+    # the job's own steps 5..9: each one's middle inside the iteration of its number
+    own = json.loads((tmp_path / "w.json").read_text())["steps"][5:10]
+    for r, s in zip(its, own, strict=True):
+        assert r["start_ns"] < (s["start"] + s["end"]) // 2 < r["end_ns"], (r, s)
 
 
 SAVES = Path(JOB).parent / "trainers" / "saves_whole.py"

@@ -2,8 +2,8 @@
 N steps, checkpoints and the end, the ground truth of the whole-run (goodput) tests.
 
     python run_phases.py OUT.json [--steps 40] [--eval-every 10] [--eval-batches 4]
-                         [--save-every 0] [--save-mb 0] [--stall-every 0 --stall-ms 0]
-                         [--ddp] [--async-save]
+                         [--eval-first] [--save-every 0] [--save-mb 0]
+                         [--stall-every 0 --stall-ms 0] [--ddp] [--async-save]
     torchrun --nproc-per-node 2 run_phases.py OUT.json --ddp   (OUT.json: one per rank,
                                                                  OUT.rank<R>.json)
 
@@ -18,7 +18,8 @@ over gloo, `torch.distributed.checkpoint.save` at the end (`--async-save`: `asyn
 every `--save-every` steps, waited for before the next one). `--save-mb`: a buffer of that many
 MB saved with the model (a larger checkpoint). `--stall-every N --stall-ms M`: a sleep of M
 ms after every N-th step, outside any phase (`stalls[]`: `start`, `end`; with `--async-save`
-also each wait for the previous save before the next one).
+also each wait for the previous save before the next one). `--eval-first`: a validation
+pass before the first step too (a sanity check, with the optimizer built).
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--eval-every", type=int, default=10)
     p.add_argument("--eval-batches", type=int, default=4)
+    p.add_argument("--eval-first", action="store_true")
     p.add_argument("--save-every", type=int, default=0)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--ddp", action="store_true")
@@ -155,6 +157,17 @@ def main() -> None:
         truth["saves"].append({"kind": "dcp.save", "start": t0, "end": now(),
                                "bytes": dir_bytes(where, f"__{rank}_")})
 
+    def validate() -> None:
+        t1 = now()
+        model.eval()
+        with torch.no_grad():
+            for xv, _yv in val_loader:
+                model(xv)
+        model.train()
+        truth["evals"].append({"start": t1, "end": now(), "batches": a.eval_batches})
+
+    if a.eval_first:
+        validate()
     it = iter(loader)
     for step in range(a.steps):
         t0 = now()
@@ -166,13 +179,7 @@ def main() -> None:
         float(loss.detach())             # logging
         truth["steps"].append({"step": step, "start": t0, "end": now()})
         if a.eval_every and (step + 1) % a.eval_every == 0:
-            t1 = now()
-            model.eval()
-            with torch.no_grad():
-                for xv, _yv in val_loader:
-                    model(xv)
-            model.train()
-            truth["evals"].append({"start": t1, "end": now(), "batches": a.eval_batches})
+            validate()
         if a.save_every and (step + 1) % a.save_every == 0 and step + 1 < a.steps:
             save(step, False)
         if a.stall_every and (step + 1) % a.stall_every == 0 and step + 1 < a.steps:

@@ -47,7 +47,7 @@ from gputrace.collectors.torch.dataloader import patch_dataloader
 from gputrace.collectors.torch.ddp import maybe_hook_ddp, patch_ddp
 from gputrace.collectors.torch.grads import _begin, _LayerGrads, _settle
 from gputrace.collectors.torch.guard import _guarded
-from gputrace.collectors.torch.iterations import _Iterations
+from gputrace.collectors.torch.iterations import _Iterations, optimizer_made
 from gputrace.collectors.torch.modules import Modules, env_forward, env_mode
 from gputrace.collectors.torch.rank import learn_rank_from_torch
 from gputrace.collectors.torch.recompute import in_backward
@@ -302,6 +302,24 @@ def _patch_optimizer_step(cls: Any) -> None:
     cls.profile_hook_step = staticmethod(profile_hook_step)
 
 
+def _patch_optimizer_init(cls: Any) -> None:
+    """A job that builds an optimizer trains: its forward-only batches before the first
+    step are evaluation (iterations.optimizer_made)."""
+    orig = cls.__init__
+    if getattr(orig, "_gputrace", False):
+        return
+
+    made = _guarded(optimizer_made)
+
+    @functools.wraps(orig)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        orig(self, *args, **kwargs)
+        made()
+
+    __init__._gputrace = True  # type: ignore[attr-defined]
+    cls.__init__ = __init__
+
+
 def _patch_backward(state: _State) -> None:
     orig = torch.autograd.backward
 
@@ -350,6 +368,7 @@ def auto_instrument(rec: Recorder) -> str:
     optim_module.register_optimizer_step_pre_hook(state.step_pre)
     optim_module.register_optimizer_step_post_hook(state.step_post)
     _patch_optimizer_step(optim_module.Optimizer)
+    _patch_optimizer_init(optim_module.Optimizer)
     _patch_backward(state)
     patch_dataloader(state)
     patch_ddp(lambda: _installed)

@@ -4,6 +4,13 @@ from __future__ import annotations
 
 from gputrace.recorder import Recorder
 
+# optimizers constructed in this process (torch.optim.Optimizer's __init__: collectors.torch)
+_optimizers = [0]
+
+
+def optimizer_made() -> None:
+    _optimizers[0] += 1
+
 
 class _Iterations:
     """Where the loop's iterations begin and end, from what the hooks see: batch requests,
@@ -22,7 +29,11 @@ class _Iterations:
     batches in a row are one `evaluation` span named `pass`, from the start of the loader
     that serves them (its workers' start) where it began after the last iteration. A
     training iteration ends where something that is none of it began after its step (a
-    DataLoader's start, a checkpoint), not at the next batch request."""
+    DataLoader's start, a checkpoint), not at the next batch request.
+
+    Before the first optimizer step, such a micro-batch is an evaluation batch too where the
+    job has built an optimizer (a sanity validation before training, as Lightning runs by
+    default; a loop that builds none is inference: an `inference` iteration each)."""
 
     def __init__(self, rec: Recorder) -> None:
         self.rec = rec
@@ -45,11 +56,17 @@ class _Iterations:
         self.step_end = 0
         self.cut = 0
 
+    def _trains(self) -> bool:
+        """The job trains: an optimizer stepped, or one is built and no gradients wait for
+        its first step."""
+        return self.seen_step or (_optimizers[0] > 0 and not self.pending)
+
     def _boundary(self, t: int) -> None:
         """A micro-batch ends at t; what it ran decides whether an iteration ends too."""
         rec = self.rec
         evaluating = self.fwd and not self.bwd and not self.grad_fwd
-        if not (evaluating and self.seen_step and rec._iter_start is not None):
+        trains = self._trains()
+        if not (evaluating and trains and rec._iter_start is not None):
             self.end_pass()
         if rec._iter_start is None:
             rec.open_iteration(t)
@@ -61,7 +78,7 @@ class _Iterations:
             else:
                 rec.close_iteration(t, reopen=True)
             self.train_end = min(self.cut or t, t)
-        elif evaluating and self.seen_step:
+        elif evaluating and trains:
             # forward only, without grad, in a job that trains: an evaluation batch
             start = rec._iter_start
             if not self.pass_batches:
@@ -71,8 +88,8 @@ class _Iterations:
             self.pass_batches += 1
             rec.close_evaluation(t)
         elif evaluating:
-            # forward only, without grad, before any optimizer step: an `inference`
-            # iteration (a job that never steps is all of them)
+            # forward only, without grad, before any optimizer step and without an
+            # optimizer: an `inference` iteration (a job that never steps is all of them)
             self._flush_pending()
             rec.close_iteration(t, name="inference", reopen=True)
         elif self.bwd and not self.seen_step:
@@ -94,7 +111,7 @@ class _Iterations:
             self.fw_pass = True
             return 0
         rec = self.rec
-        if self.fwd and not self.bwd and not self.grad_fwd and self.seen_step and \
+        if self.fwd and not self.bwd and not self.grad_fwd and self._trains() and \
                 rec._iter_start is not None:
             self._boundary(t)
             rec.drop_iteration()    # the next batch request opens the next one
