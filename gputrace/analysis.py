@@ -163,7 +163,8 @@ DIFF_VERSION = 1
 @dataclass(frozen=True)
 class Compared:
     """The diff document (`diff --json`) and the two analyses it was made from (for the
-    page's timelines)."""
+    page's timelines); with several runs a side, each side's median run
+    (analyzers.diff_runs.median_run of the document's `noise.t_iter_runs`)."""
 
     doc: dict[str, Any]
     before: Analysis
@@ -178,7 +179,7 @@ def run_diff(opts: AnalysisOptions, before: str | Sequence[str],
     means, its intervals across the runs (analyzers.diff_runs). Every user error an
     AnalysisError."""
     from gputrace.analyzers.diff import compare
-    from gputrace.analyzers.diff_runs import Run, compare_runs
+    from gputrace.analyzers.diff_runs import Run, compare_runs, median_run
 
     sides = [runs_of([x] if isinstance(x, str) else list(x)) for x in (before, after)]
     names = [" ".join([x] if isinstance(x, str) else list(x)) for x in (before, after)]
@@ -194,6 +195,8 @@ def run_diff(opts: AnalysisOptions, before: str | Sequence[str],
         doc.update(compare(ab, aa, rank(ab), rank(aa), pb, pa))
     else:
         doc.update(compare_runs(*([Run(a, rank(a), p) for a, p in side] for side in done)))
+        t = doc["noise"]["t_iter_runs"]
+        ab, aa = (done[k][median_run(t[s])][0] for k, s in enumerate(("before", "after")))
     doc["runs"] = {"before": sides[0], "after": sides[1]}
     return Compared(doc, ab, aa)
 

@@ -191,3 +191,44 @@ def test_bad_runs_are_one_line_and_exit_2(runs, tmp_path):
                  ["--repeat", "0", "--", "true"]):
         p = run_gputrace("record", *args, cwd=tmp_path)
         assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, (args, p.stderr)
+
+
+def test_the_page_of_repeated_runs_draws_every_run_and_each_sides_median_run(runs, tmp_path):
+    """`diff A1 A2 A3 -- B1 B2 B3 --report`: the page draws each run's mean iteration (the
+    document's, the runs' own clocks'), and each side's timeline is its median run's,
+    named, with the known wait inside the slowed layer as long as that run's own."""
+    from gputrace.report.html import VEGA_LITE
+    from tests.test_diff import _Page
+
+    (tb, sb), (ts, ss) = runs["base"], runs["slowed"]
+    path = tmp_path / "runs.html"
+    p = run_gputrace("diff", *tb, "--", *ts, "--json", "--report", str(path))
+    assert p.returncode == 0, p.stderr
+    doc, text = json.loads(p.stdout), path.read_text(encoding="utf-8")
+    page = _Page()
+    page.feed(text)
+    assert page.doc == doc
+    specs = json.loads(text.split("const specs = ", 1)[1].split(";\n", 1)[0]
+                       .replace("<\\/", "</"))
+    v = specs["runs"]["layer"][0]["data"]["values"][0]
+    t = doc["noise"]["t_iter_runs"]
+    assert v["t_iter"] == pytest.approx([x * 1e3 for x in t["before"] + t["after"]], abs=1e-3)
+    assert v["trace"] == tb + ts and v["run"] == ["before"] * 3 + ["after"] * 3
+    n = per_run(doc)
+    for side, steps in (("before", sb), ("after", ss)):   # each run's figure, its own clock
+        assert t[side] == pytest.approx(own_runs(steps, "iteration", n), rel=0.1)
+    assert text.count("(3 runs, rank ") == 2          # the meta line, a side each
+    shown = {}
+    for side, traces in (("before", tb), ("after", ts)):
+        k = int(np.argsort(t[side])[1])                  # the median of 3
+        title = page.text[f"timeline-{side}"]
+        assert f"run {k + 1} of 3 ({traces[k]}, the side's median)" in title, title
+        shown[side] = (k, int(title.split("(step ")[1].split(")")[0]))
+    v = specs["timeline-after"]["data"]["values"][0]
+    lanes = {(ln, w): e - s for ln, w, s, e in zip(v["lane"], v["what"], v["start"], v["end"],
+                                                   strict=True)}
+    k, step = shown["after"]
+    own_wait = ss[k][step]["extra"] * 1e3           # that run's own wait in that step
+    assert lanes[("layer 2 Sequential.2 (Linear)", "backward")] >= own_wait * 0.99
+    vl = pytest.importorskip("vl_convert")
+    assert vl.vegalite_to_svg(specs["runs"], vl_version=VEGA_LITE).startswith("<svg")

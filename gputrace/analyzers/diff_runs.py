@@ -118,6 +118,13 @@ def interleaved(before: list[Run], after: list[Run]) -> list[tuple[int, int]] | 
 Pairs = list[tuple[int, int]] | None
 
 
+def median_run(t_iter: Sequence[float]) -> int:
+    """The index of a side's median run: the one whose mean iteration is the middle of its
+    runs' (of an even number, the lower of the two middle ones), the run a page draws as
+    the side's."""
+    return int(np.argsort(np.asarray(t_iter, float), kind="stable")[(len(t_iter) - 1) // 2])
+
+
 def runs_interval(x: Sequence[float], y: Sequence[float], pairs: Pairs) -> Noise | None:
     """The interval of a row's change across the runs: paired where the runs were made in
     pairs, else Welch's."""

@@ -186,8 +186,58 @@ def _noise(r: dict[str, Any]) -> str:
     return "beyond noise" if r["beyond_noise"] else "within noise"
 
 
-def timelines(before: RankAnalysis, after: RankAnalysis) -> list[Chart]:
-    """Each run's representative (median-length) iteration, one above the other."""
+def shown_run(doc: dict[str, Any], side: str) -> str:
+    """' of run 2 of 3 (a-2.arrow, the side's median)': which of a side's several runs
+    its timeline draws ('' with one run a side)."""
+    from gputrace.analyzers.diff_runs import median_run
+
+    t = (doc.get("noise") or {}).get("t_iter_runs") or {}
+    if len(t.get(side) or []) < 2:
+        return ""
+    k = median_run(t[side])
+    name = (doc.get("runs") or {}).get(side) or []
+    what = f"{name[k]}, " if len(name) == len(t[side]) else ""
+    return f" of run {k + 1} of {len(t[side])} ({what}the side's median)"
+
+
+def runs(doc: dict[str, Any]) -> Chart | None:
+    """Each run's mean iteration, a dot a run, beside its side's mean (a tick): the spread
+    of the dots is the drift between runs that the intervals hold (several runs a side)."""
+    t = (doc.get("noise") or {}).get("t_iter_runs") or {}
+    if not t or max(len(t.get(side) or []) for side in RUNS) < 2:
+        return None
+    names = doc.get("runs") or {}
+    rows = [(side, k + 1, (names.get(side) or [""] * len(t[side]))[k], _v(v))
+            for side in RUNS for k, v in enumerate(t[side])]
+    data, flat = _columns(run=[x[0] for x in rows], number=[x[1] for x in rows],
+                          trace=[x[2] for x in rows], t_iter=[x[3] for x in rows])
+    bt = doc["breakdown"]["t_iter"]
+    mdata, mflat = _columns(run=list(RUNS), mean=[_v(bt[side]) for side in RUNS])
+    y = {"field": "run", "type": "nominal", "sort": list(RUNS), "title": None}
+    x = {"field": "t_iter", "type": "quantitative", "title": "mean iteration, ms",
+         "scale": {"zero": False}}
+    spec = {"width": WIDTH - 160, "height": {"step": 42}, "layer": [
+        {"data": data, "transform": flat, "mark": {"type": "point", "filled": True, "size": 70},
+         "encoding": {"y": y, "x": x, "color": _colour("run", RUNS, (TOTAL, SLOWER)),
+                      "tooltip": [{"field": "run"}, {"field": "number", "title": "run"},
+                                  {"field": "trace"},
+                                  {"field": "t_iter", "format": ".2f", "title": "t_iter (ms)"}]}},
+        {"data": mdata, "transform": mflat,
+         "mark": {"type": "tick", "color": "black", "thickness": 2},
+         "encoding": {"y": y, "x": {**x, "field": "mean"},
+                      "tooltip": [{"field": "run"}, {"field": "mean", "format": ".2f",
+                                                     "title": "the runs' mean (ms)"}]}}]}
+    n = {side: len(t[side]) for side in RUNS}
+    return Chart("runs", "Each run's mean iteration",
+                 f"{n['before']} runs before, {n['after']} after: a dot per run, the side's "
+                 "mean (black tick) the figure compared; the spread of the dots is the drift "
+                 "between runs that every interval holds.", spec)
+
+
+def timelines(before: RankAnalysis, after: RankAnalysis, doc: dict[str, Any] | None = None
+              ) -> list[Chart]:
+    """Each run's representative (median-length) iteration, one above the other; with
+    several runs a side, the side's median run's (`before`, `after`), named in the title."""
     out = []
     ends = [0.0]
     for ra in (before, after):
@@ -201,19 +251,20 @@ def timelines(before: RankAnalysis, after: RankAnalysis) -> list[Chart]:
             continue
         spec = copy.deepcopy(c.spec)    # both on one scale: the longer iteration's
         spec["layer"][0]["encoding"]["x"]["scale"] = {"domain": domain}
-        out.append(replace(c, id=f"timeline-{run}", title=c.title.replace("One iteration", f"One iteration {run},"),
-                           spec=spec))
+        which = shown_run(doc, run) if doc is not None else ""
+        out.append(replace(c, id=f"timeline-{run}", spec=spec, title=c.title.replace(
+            "One iteration", f"One iteration {run}{which},")))
     return out
 
 
 def charts(doc: dict[str, Any], before: RankAnalysis, after: RankAnalysis) -> list[Chart]:
     """Every chart of the diff page the runs have data for, in page order."""
     layers, units = doc["layers"], doc["units"]
-    made = (breakdowns(doc), waterfall(doc),
+    made = (runs(doc), breakdowns(doc), waterfall(doc),
             changes("layers-backward", "Layers, backward: top changes", layers["backward"],
                     "layer"),
             changes("layers-forward", "Layers, forward: top changes", layers["forward"],
                     "layer"),
             changes("units", "Comm units: top changes", units, "unit"),
-            *timelines(before, after))
+            *timelines(before, after, doc))
     return [c for c in made if c is not None]

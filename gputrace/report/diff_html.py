@@ -28,11 +28,13 @@ NOT_DRAWN = {    # chart id: (what it would show, why it is not drawn)
 def _summary(doc: dict[str, Any]) -> list[str]:
     h = doc["headline"]
     it = doc["iterations"]
+    n = (doc.get("noise") or {}).get("runs") or {}
+    runs = {k: f"{n[k]} runs, " if n.get(k, 1) > 1 else "" for k in ("before", "after")}
     out = [f'<p class="headline" data-verdict="{_e(h["verdict"])}">{_e(headline(doc))}</p>',
-           f'<p class="meta">before: {_e(doc["before"])} (rank {doc["rank_before"]}, '
-           f'{it["before"]} iterations analyzed) &middot; after: {_e(doc["after"])} (rank '
-           f'{doc["rank_after"]}, {it["after"]} iterations analyzed) &middot; '
-           f"{_e(method(doc))}</p>"]
+           f'<p class="meta">before: {_e(doc["before"])} ({runs["before"]}rank '
+           f'{doc["rank_before"]}, {it["before"]} iterations analyzed) &middot; after: '
+           f'{_e(doc["after"])} ({runs["after"]}rank {doc["rank_after"]}, {it["after"]} '
+           f"iterations analyzed) &middot; {_e(method(doc))}</p>"]
     if drift_line(doc):
         out.append(f'<p class="drift">{_e(drift_line(doc))}</p>')
     if doc["not_comparable"]:
