@@ -134,6 +134,34 @@ def test_the_report_says_why_a_chart_is_not_drawn_as_the_terminal_does(run):
     assert " predicts " not in summary and "<td>t_comm</td>" not in summary, summary
 
 
+def test_the_report_advises_probe_once_where_the_terminal_does(run, tmp_path):
+    """No probe on this machine: the page's bandwidth and FLOPs captions say there is no
+    peak, and the advice to run `gputrace probe` is given once, in the speedup's reason as
+    the terminal gives it. With a link bandwidth the speedup is computed: the advice moves
+    to the first caption that lacks a peak (the bandwidth's, as the terminal's bandwidth
+    line), still once."""
+    def said(page: str) -> list[str]:
+        return re.findall(r"[^<>]*gputrace probe[^<>]*", page)
+
+    (advice,) = said(run["page"])
+    assert advice.startswith("Speedup vs GPU count: "), advice
+    assert "no probed peaks in this trace" in run["page"]
+    assert "achieved TFLOP/s (no peak known)" in run["page"]
+    d = run["dir"]
+    run_gputrace("analyze", "t.arrow", "--link-bandwidth", "1GB/s", "--report", "l.html",
+                 cwd=d, check=True)
+    text = run_gputrace("analyze", "t.arrow", "--link-bandwidth", "1GB/s", cwd=d,
+                        check=True).stdout
+    (terminal,) = [ln for ln in text.splitlines() if "gputrace probe" in ln]
+    (advice,) = said((d / "l.html").read_text())
+    if "no peaks to compare with" in terminal:     # a file read the bandwidth line shows
+        assert advice.startswith("One panel per kind of link") and \
+            "no probed peaks in this trace: run `gputrace probe`" in advice, advice
+    else:
+        assert terminal.startswith("FLOPs: ") and "no peak known: run gputrace probe" in \
+            advice, (terminal, advice)
+
+
 def test_what_if_rows_have_labels_that_tell_them_apart(run, tmp_path):
     """With a link given, one process's what-if replays DDP's default buckets (1 MiB first,
     then 25) beside bucket_cap_mb=25 (no small first bucket): two rows, two labels."""

@@ -196,16 +196,16 @@ def render(a: Analysis, rank: int | None, script: str, source: str = "",
             "<nav>" + "".join(f'<a href="#{c.id}">{_e(c.title.split(":")[0])}</a>'
                               for c in drawn.values()) + "</nav>",
             *_findings(ra, drawn, findings), *kinds_table(ra)]
-    for c in drawn.values():
-        body.append(f'<section id="{c.id}" class="chart"><h2>{_e(c.title)}</h2>'
-                    f'<p class="caption">{_e(c.caption)}</p>'
-                    f'<div class="vis" id="vis-{c.id}"></div>{c.extra}</section>')
     reasons = {k: why for k, (_, why) in NOT_DRAWN.items()}
     advise = ProbeAdvice()     # the terminal's reasons, word for word, in its order
     if ra.speedup.unavailable:
         reasons["speedup"] = advise(ra.speedup.unavailable)
     if ra.replay_unavailable:
         reasons["what-if"] = advise(ra.replay_unavailable)
+    for c in drawn.values():   # then the captions, as the terminal's bandwidth and FLOPs lines
+        body.append(f'<section id="{c.id}" class="chart"><h2>{_e(c.title)}</h2>'
+                    f'<p class="caption">{_e(advise(c.caption))}</p>'
+                    f'<div class="vis" id="vis-{c.id}"></div>{c.extra}</section>')
     missing = [f"<li>{_e(what)}: {_e(reasons[k])}</li>" for k, (what, _) in NOT_DRAWN.items()
                if k not in drawn]
     missing += [f"<li>{_e(what)}: {_e(why)}</li>" for k, what, why in _parallel_not_drawn(ra)

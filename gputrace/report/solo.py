@@ -17,6 +17,10 @@ PROBE_CLAUSES = (
     (": give the link's bandwidth (--link-bandwidth, or `gputrace probe` before recording)",
      " (as for the speedup: --link-bandwidth, or the probe above)"),
     ("no link bandwidth known (`gputrace probe` or", "no link bandwidth known (the probe above or"),
+    # the report's captions of the bandwidth and FLOPs charts
+    ("no probed peaks in this trace: run `gputrace probe` once on the host",
+     "no probed peaks in this trace"),
+    ("(no peak known: run gputrace probe on this machine)", "(no peak known)"),
 )
 
 
