@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import GPUTRACE, run_gputrace
+from tests.test_docs import CASE2_UNITS
+from tests.tracebuilder import Builder, ddp_iterations
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,6 +69,7 @@ def test_one_process_has_no_comm_rows_tables_or_restated_model(run):
                           "analyzed"), who
     assert "rank 0 of 1" not in text and "on this process (" in text
     assert "Memory: peak RSS " in text and "Memory (rank" not in text
+    assert "on this rank" not in text and "The whole run (" in text, text
     # the job's own iterations, every one of them in the trace
     assert doc["iterations"]["count"] == len(run["times"]) == ITERATIONS
 
@@ -188,6 +191,16 @@ def test_a_layer_has_one_name_in_the_terminal_diff_and_report(run):
     assert doc["layers"]["backward"]["top"]
     # the timeline's lanes, in the page's data
     assert all(f'"layer {n}"' in run["page"] for n in names), names
+
+
+def test_diff_of_one_process_restates_no_model(run, tmp_path):
+    """Two runs of one process: the model's t_iter is the sum of the phases the diff's table
+    gives, so no model section; a run with comm units keeps it."""
+    text = run_gputrace("diff", "t.arrow", "t.arrow", cwd=run["dir"], check=True).stdout
+    assert "t_iter" in text and "predicted t_iter" not in text and "Model," not in text, text
+    ddp_iterations(Builder(), CASE2_UNITS, n=8).write(tmp_path / "ddp.arrow", world_size=1)
+    text = run_gputrace("diff", "ddp.arrow", "ddp.arrow", cwd=tmp_path, check=True).stdout
+    assert "Model, before -> after" in text and "predicted t_iter" in text, text
 
 
 def test_long_module_paths_keep_their_last_parts():

@@ -125,7 +125,8 @@ def render(doc: dict[str, Any], file: IO[str] | None = None) -> None:
     _named(con, "Collectives by kind", doc["collectives"], "kind", count=True, nbytes=True)
     _named(con, "GPU kernels (per iteration)", doc["kernels"], "kernel", count=True)
     _ranks(con, doc["ranks"])
-    _model(con, doc["model"])
+    if not _one_process_without_comm(doc):
+        _model(con, doc["model"])
     _made(con, doc["made"])
     render_goodput(con, doc)
 
@@ -177,6 +178,17 @@ def _ranks(con: Any, d: dict[str, Any]) -> None:
         if d[k]:
             con.print(f"  stragglers that {what}: {', '.join(map(str, d[k]))}")
     _named(con, "Ranks, t_iter", d, "rank")
+
+
+def _one_process_without_comm(doc: dict[str, Any]) -> bool:
+    """Both runs one process with no communication: their models' t_iter is the sum of the
+    phases the table gives (eq. 1), and their speedups are not computed."""
+    rk, units, t_comm = doc["ranks"], doc["units"], doc["breakdown"].get("t_comm")
+    return (rk["matched"] == 1 and not rk["only_before"] and not rk["only_after"]
+            and not units["matched"] and not units["only_before"] and not units["only_after"]
+            and (t_comm is None or not (t_comm["before"] or t_comm["after"]))
+            and not any(v is not None for side in ("before", "after")
+                        for v in doc["model"][side]["speedup"].values()))
 
 
 def _model(con: Any, d: dict[str, Any]) -> None:

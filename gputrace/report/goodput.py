@@ -9,6 +9,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from gputrace.analyzers.goodput import CATEGORIES, WITHHELD, Goodput, job
+from gputrace.report.solo import one_process
 
 LABELS = {"startup": "start-up (process start to the first training step)",
           "evaluation": "evaluation passes",
@@ -57,7 +58,8 @@ def render_goodput(con: Any, a: Any, ra: Any) -> None:
     g: Goodput | None = ra.goodput
     if g is None or WITHHELD in ra.withheld:
         return
-    t = Table(title=f"The whole run ({_s(g.wall_s)} on this rank)", title_justify="left",
+    who = "this process" if one_process(a) else "this rank"
+    t = Table(title=f"The whole run ({_s(g.wall_s)} on {who})", title_justify="left",
               box=None, padding=(0, 2))
     for c in ("", "", "time", "share"):
         t.add_column(c, justify="right" if c else "left")

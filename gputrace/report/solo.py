@@ -24,15 +24,20 @@ PROBE_CLAUSES = (
 )
 
 
+def one_process(a: Any) -> bool:
+    """One process, not distributed: no ranks to tell apart."""
+    return bool(a.world_size <= 1 and len(a.ranks) == 1)
+
+
 def solo(a: Any, ra: Any) -> bool:
     """One process and no collective measured: no communication to show."""
-    return a.world_size <= 1 and len(a.ranks) == 1 and not ra.comm["total_s"] > 0
+    return one_process(a) and not ra.comm["total_s"] > 0
 
 
 def iterations_line(a: Any, ra: Any) -> str:
     """'rank 1 of 2 (slowest); 27 iterations analyzed, ...' ('one process' where there are
     no ranks to tell apart)."""
-    who = "one process" if a.world_size <= 1 and len(a.ranks) == 1 else \
+    who = "one process" if one_process(a) else \
         f"rank {ra.rank} of {a.world_size}" + \
         (" (slowest)" if len(a.ranks) > 1 and ra.rank == a.slowest_rank else "")
     n = ra.analyzed
