@@ -6,6 +6,7 @@ disk stayed within SIZE per process the whole time."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -60,16 +61,20 @@ def _progress(path: Path, rank: int) -> list[tuple[int, float, float]]:
     return out
 
 
-def _detail_bytes(shard_dir: str) -> dict[str, int]:
+def _detail_bytes(shard_dir: str, every: bool = False) -> dict[str, int]:
     """Bytes of detail segments on disk per process (its shard's name before `.dN`; the
-    host sampler's ticks left out: `samples`)."""
+    host sampler's ticks left out: `samples`, those kept: `ticks`); `every`: every file by
+    its name."""
     out: dict[str, int] = {}
     try:
         names = os.listdir(shard_dir)
     except OSError:
         return out
     for n in names:
-        if ".d" in n and n.endswith(".spans"):
+        if every:
+            with contextlib.suppress(OSError):
+                out[n] = os.path.getsize(os.path.join(shard_dir, n))
+        elif ".d" in n and n.endswith(".spans"):
             try:
                 size = os.path.getsize(os.path.join(shard_dir, n))
             except OSError:   # deleted as it was listed
@@ -89,7 +94,7 @@ def killed(tmp_path_factory):
          sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
          "2", JOB, str(d / "k.json"), "--iterations", "100000", "--progress", str(prog)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    most, seen_segments = 0, set()
+    most, seen_segments, sampler_most = 0, set(), 0
     try:
         deadline = time.time() + 240
         # until each rank has done far more iterations than SIZE holds, watching the disk
@@ -99,6 +104,7 @@ def killed(tmp_path_factory):
             if dirs:
                 sizes = _detail_bytes(dirs[0])
                 most = max([most, *sizes.values()])
+                sampler_most = max(sampler_most, sizes.get("samples", 0) + sizes.get("ticks", 0))
                 seen_segments.update(n for n in os.listdir(dirs[0]) if ".d" in n)
             time.sleep(0.05)
         time.sleep(0.5)
@@ -108,10 +114,12 @@ def killed(tmp_path_factory):
         rec.communicate(timeout=60)
     (shard_dir,) = find(str(out))
     at_kill = _detail_bytes(shard_dir)
+    files = _detail_bytes(shard_dir, every=True)
     p = run_gputrace("recover", str(out), check=True)
     truth = {r: _progress(prog, r) for r in (0, 1)}
     return {"out": out, "truth": truth, "kill_wall": kill_wall, "most": most,
-            "segments": seen_segments, "at_kill": at_kill, "recover": p.stdout}
+            "segments": seen_segments, "at_kill": at_kill, "recover": p.stdout,
+            "sampler_most": sampler_most, "files": files}
 
 
 @pytest.fixture(scope="module")
@@ -124,9 +132,35 @@ def test_detail_on_disk_stays_within_max_size(killed):
     # many segments were made and dropped: the ring turned over
     assert len(killed["segments"]) >= 8, killed["segments"]
     assert 0 < killed["most"] <= SIZE, killed["most"]
-    # the two ranks' and the host sampler's (its ticks outside a window: samples.dN)
-    assert "samples" in killed["at_kill"], killed["at_kill"]
-    assert len(killed["at_kill"]) == 3 and all(0 < b <= SIZE for b in killed["at_kill"].values())
+    # the two ranks' and the host sampler's two (its ticks left out: samples.dN, those
+    # kept: ticks.dN)
+    assert {"samples", "ticks"} <= set(killed["at_kill"]), killed["at_kill"]
+    assert len(killed["at_kill"]) == 4 and all(0 < b <= SIZE for b in killed["at_kill"].values())
+
+
+# what docs/recording.md allows beside SIZE per process: a process's own shard holds its
+# metadata (a few KB, written again as it learns more) and, a rank's, a `run` entry per
+# iteration (~25 bytes before the merge) and its few instants and memory samples a second
+SHARD_BASE, PER_ITERATION = 16_000, 40
+
+
+def test_everything_on_disk_within_max_size(killed):
+    """The host sampler's ticks count in SIZE (both its rings together, at every look while
+    the job ran), and the whole shard directory at the kill holds SIZE per process and what
+    the docs allow beside it, by the iterations the job itself logged."""
+    assert 0 < killed["sampler_most"] <= SIZE, killed["sampler_most"]
+    files = killed["files"]
+    sampler = sum(b for n, b in files.items() if n.split(".")[0] in ("samples", "ticks",
+                                                                     "record"))
+    assert sampler <= SIZE + SHARD_BASE, files
+    # the sampler's own shards (record's, and each ring's beside its segments) grow by no
+    # tick but the first
+    for n, b in files.items():
+        if n in ("record.spans", "samples.spans", "ticks.spans"):
+            assert b <= SHARD_BASE, (n, b)
+    iterations = sum(len(v) for v in killed["truth"].values())
+    allowed = 3 * SIZE + 3 * SHARD_BASE + PER_ITERATION * iterations
+    assert sum(files.values()) <= allowed, (sum(files.values()), allowed, files)
 
 
 def test_last_iterations_before_the_kill_are_there_in_full(killed):
@@ -246,3 +280,4 @@ def test_session_keeps_the_same_ring(tmp_path):
     with pytest.raises(ValueError):
         import gputrace
         gputrace.Session(str(tmp_path / "y.arrow"), max_size="1KB")
+

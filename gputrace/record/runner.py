@@ -241,13 +241,13 @@ def thinner(rec: Recorder, opts: RecordOptions, shard_dir: str) -> Any:
     if opts.steps is None and opts.delay_s is None and opts.duration_s is None \
             and not opts.on_demand and opts.max_size is None:
         return rec
-    from gputrace.record.thin import Thinner, tail_recorder
+    from gputrace.record.thin import Thinner, rings
     from gputrace.ring import parse_size
 
     try:
-        tail = None if opts.max_size is None else \
-            tail_recorder(shard_dir, parse_size(opts.max_size), rec.clock)
-        return Thinner(rec, rec.metadata.get("window"), shard_dir, tail)
+        tail, kept = (None, None) if opts.max_size is None else \
+            rings(shard_dir, parse_size(opts.max_size), rec.clock)
+        return Thinner(rec, rec.metadata.get("window"), shard_dir, tail, kept)
     except Exception as e:  # noqa: BLE001 - sampled at full rate instead
         print(f"gputrace: samples at full rate throughout ({reason(e)})", file=sys.stderr)
         return rec

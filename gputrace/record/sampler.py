@@ -63,11 +63,11 @@ def main(argv: list[str] | None = None) -> int:
         collectors.append(c)
     sink: Any = rec
     if a.window or a.max_size:
-        from gputrace.record.thin import Thinner, tail_recorder
+        from gputrace.record.thin import Thinner, rings
 
         where = os.path.dirname(os.path.abspath(a.out))
-        sink = Thinner(rec, json.loads(a.window) if a.window else None, where,
-                       tail_recorder(where, a.max_size, clock) if a.max_size else None)
+        tail, kept = rings(where, a.max_size, clock) if a.max_size else (None, None)
+        sink = Thinner(rec, json.loads(a.window) if a.window else None, where, tail, kept)
     sampler = Sampler(collectors, sink, a.hz, clock.now_ns)
     sampler.start()
     print("ready", flush=True)

@@ -11,9 +11,12 @@ it is; else it is written only when OUTSIDE_S passed since the last tick written
 rows (rates over the interval since the previous tick: cpu.percent, proc.cpu_percent, GPU
 utilisation) the time-weighted mean over the ticks it stands for, its other rows (counters,
 cumulative: bytes, run-queue wait) as read, so a counter's difference between two ticks
-kept is exact. With `--max-size SIZE` the ticks left out go to a ring of their own
-(`tail_recorder`: segment shards beside the sampler's, the oldest deleted before they would
-hold more than SIZE), so the most recent ones are there at full rate.
+kept is exact. With `--max-size SIZE` the sampler's ticks count in SIZE: the ticks left out
+go to a ring of their own (`tail_recorder`: segment shards beside the sampler's, the oldest
+deleted before they would hold more than SIZE / 2), so the most recent ones are there at
+full rate, and the ticks kept (one a second, the window's at full rate) to another (KEPT,
+SIZE / 2: `rings`), the most recent ones; the sampler's own shard holds its metadata and
+the first tick.
 
 This module is imported by the job's processes (publish): nothing heavy here."""
 
@@ -32,6 +35,7 @@ OUTSIDE_HZ = 1.0 / OUTSIDE_S
 _READ_EVERY_S = 0.5  # the job's window files are listed at most this often
 PREFIX = "window-"
 TAIL = "samples"     # the ring of the ticks left out (--max-size): samples.dN.spans
+KEPT = "ticks"       # the ring of the ticks kept (--max-size): ticks.dN.spans
 
 
 def publish(shard_dir: str, ranges: list[tuple[int, int | None]]) -> None:
@@ -74,9 +78,13 @@ class Thinner:
     `max_size` only); `shard_dir`: where the job's processes publish their windows."""
 
     def __init__(self, rec: Any, window: dict[str, Any] | None, shard_dir: str,
-                 tail: Any = None) -> None:
-        """`tail`: where the ticks left out go (tail_recorder), None: nowhere."""
-        self.rec, self.dir, self.tail = rec, shard_dir, tail
+                 tail: Any = None, kept: Any = None) -> None:
+        """`tail`: where the ticks left out go (tail_recorder), None: nowhere; `kept`: where
+        the ticks kept go when not `rec` (a ring of its own: `rings`), closed with this."""
+        self.rec, self.dir, self.tail, self.kept = kept or rec, shard_dir, tail, kept
+        # with a ring of the ticks kept, the first goes to `rec` all the same: its shard is
+        # made then, with the recording's metadata (a kill -9 later keeps it)
+        self._first: Any = rec if kept is not None else None
         w = window or {}
         # a window that can begin later, where the job says (not --max-size's alone)
         opens = bool(set(w) - {"max_size", "run_phases", "run_unit"})
@@ -111,6 +119,8 @@ class Thinner:
             self._before = None
         if self.tail is not None:
             self.tail.close()
+        if self.kept is not None:
+            self.kept.close()
 
     def describe(self) -> dict[str, Any]:
         """What the sampler's metadata says of it."""
@@ -173,6 +183,10 @@ class Thinner:
         self._kept_t = max(t, self._kept_t or 0)
         self._acc.clear()
         self._before = None
+        if self._first is not None:
+            self._first.add_rows(rows)
+            self._first = None
+            return
         self.rec.add_rows(rows)
 
     def _keep_tail(self, rows: list[Any]) -> None:
@@ -180,15 +194,27 @@ class Thinner:
             self.tail.add_rows(rows)
 
 
-def tail_recorder(shard_dir: str, max_size: int, clock: Any) -> Any:
-    """The ring the ticks left out go to with --max-size (started): a recorder of its own
-    whose every row is detail (ring.RingWriter), the sampler's own metadata beside."""
+def rings(shard_dir: str, max_size: int, clock: Any) -> tuple[Any, Any]:
+    """With --max-size SIZE, the rings of the ticks left out and of those kept (started),
+    SIZE / 2 each: every tick the sampler writes is in SIZE."""
+    half = max_size // 2
+    tail = tail_recorder(shard_dir, half, clock)
+    try:
+        return tail, tail_recorder(shard_dir, max_size - half, clock, KEPT)
+    except BaseException:
+        tail.close()
+        raise
+
+
+def tail_recorder(shard_dir: str, max_size: int, clock: Any, name: str = TAIL) -> Any:
+    """A ring of the sampler's ticks with --max-size (started): a recorder of its own whose
+    every row is detail (ring.RingWriter), the sampler's own metadata beside."""
     from gputrace.metadata import base_metadata
     from gputrace.recorder import Recorder
     from gputrace.ring import attach
     from gputrace.trace.frames import SUFFIX
 
-    rec = Recorder(os.path.join(shard_dir, TAIL + SUFFIX), base_metadata("sampler", rank=-1),
+    rec = Recorder(os.path.join(shard_dir, name + SUFFIX), base_metadata("sampler", rank=-1),
                    clock=clock, quiet=True)
     attach(rec, max_size)
     rec.ring_every_row = True
