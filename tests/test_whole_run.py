@@ -10,6 +10,7 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -291,6 +292,48 @@ def test_diff_gives_each_category_before_and_after(tmp_path):
     text = run_gputrace("diff", str(tmp_path / "before.arrow"), str(tmp_path / "after.arrow"),
                         check=True).stdout
     assert "The whole run: goodput" in text
+
+
+def test_diff_of_repeated_runs_gives_each_category_its_interval(tmp_path):
+    """Two runs a side, interleaved (`record --repeat 2 --interleave`), whose validation
+    passes take 2 and 8 batches: each category a side's mean of its runs' own seconds, and
+    its change's interval across the runs holds the job's own change."""
+    from gputrace.analyzers.diff_runs import paired
+    p = run_gputrace("record", "-q", "--repeat", "2", "-o", str(tmp_path / "b.arrow"),
+                     "--interleave", str(tmp_path / "a.arrow"),
+                     "--", sys.executable, JOB, str(tmp_path / "b.jsonl"), "--steps", "10",
+                     "--eval-every", "5", "--eval-batches", "2",
+                     "--", sys.executable, JOB, str(tmp_path / "a.jsonl"), "--steps", "10",
+                     "--eval-every", "5", "--eval-batches", "8", timeout=600)
+    assert p.returncode == 0, p.stderr
+    own = {k: [json.loads(ln) for ln in (tmp_path / f"{k}.jsonl").read_text().splitlines()]
+           for k in ("b", "a")}
+    assert [len(v) for v in own.values()] == [2, 2]
+    runs = [str(tmp_path / f"{k}-{i}.arrow") for k in ("b", "a") for i in (1, 2)]
+    d = json.loads(run_gputrace("diff", *runs[:2], "--", *runs[2:], "--json",
+                                check=True).stdout)
+    g = d["goodput"]
+    assert g["runs"] == {"before": 2, "after": 2} and d["noise"]["paired"]
+
+    def evals(t: dict) -> float:
+        return sum(e["end"] - e["start"] for e in t["evals"]) / 1e9
+
+    ev = g["categories"]["evaluation"]
+    for side, k in (("before", "b"), ("after", "a")):
+        close(ev[side], float(np.mean([evals(t) for t in own[k]])), side)
+        assert abs(g["goodput"][side] - np.mean([job_goodput(t) for t in own[k]])) <= 0.02
+    for r in [g["goodput"], g["wall_s"], *g["categories"].values()]:
+        assert r["low"] is not None and r["low"] <= r["change"] <= r["high"], r
+        assert r["change"] == pytest.approx(r["after"] - r["before"])
+    # the job's own change, and its own interval across the same pairs
+    xb, xa = ([evals(t) for t in own[k]] for k in ("b", "a"))
+    own_change = float(np.mean(xa) - np.mean(xb))
+    assert ev["low"] - tol(np.mean(xb)) <= own_change <= ev["high"] + tol(np.mean(xb))
+    ci = paired(xb, xa)
+    if ci.low > 0.1 * (ci.high - ci.low):       # the job's own clock calls it a change
+        assert ev["beyond_noise"], (ev, ci)
+    text = run_gputrace("diff", *runs[:2], "--", *runs[2:], check=True).stdout
+    assert "means of 2 runs before, 2 after" in text and "95 % interval" in text
 
 
 def test_lightning_fit_with_validation_and_model_checkpoint(tmp_path):

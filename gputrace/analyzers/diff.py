@@ -18,6 +18,7 @@ from gputrace.analyzers.diff_noise import (  # noqa: F401 (interval: here too)
     interval,
     iteration_excursions,
     net_of_wait,
+    put_interval,
 )
 from gputrace.analyzers.diff_parts import Parts
 
@@ -139,14 +140,6 @@ def named(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]
     return {"matched": len(both), "top": top,
             "only_before": sorted(n for n in before if n not in after),
             "only_after": sorted(n for n in after if n not in before)}
-
-
-def put_interval(r: dict[str, Any], ci: Any) -> None:
-    """A row's `low`, `high`, `beyond_noise` and `between_s` from its interval `ci`
-    (None: none known)."""
-    r.update({"low": ci.low if ci else None, "high": ci.high if ci else None,
-              "beyond_noise": ci is not None and (ci.low > 0 or ci.high < 0),
-              "between_s": ci.between_s if ci else None})
 
 
 def unit_rows(ra: RankAnalysis) -> tuple[dict[str, dict[str, float]], Series]:

@@ -20,7 +20,7 @@ well as the change measured, and its excursions are left out."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -102,3 +102,11 @@ def net_of_wait(ci: Noise | None, t_x: float, t_y: float, wait_x: float | None,
         return ci
     d = (t_x * own_y / own_x - t_x) - (t_y - t_x)   # same-load change less the measured
     return Noise(min(ci.low, ci.low + d), max(ci.high, ci.high + d), ci.between_s)
+
+
+def put_interval(r: dict[str, Any], ci: Noise | None) -> None:
+    """A row's `low`, `high`, `beyond_noise` and `between_s` from its interval `ci`
+    (None: none known)."""
+    r.update({"low": ci.low if ci else None, "high": ci.high if ci else None,
+              "beyond_noise": ci is not None and (ci.low > 0 or ci.high < 0),
+              "between_s": ci.between_s if ci else None})

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from gputrace.analyzers import Analysis, RankAnalysis
+from gputrace.analyzers import Analysis, RankAnalysis, diff_goodput
 from gputrace.analyzers.diff import (
     TERMS,
     TOP,
@@ -283,5 +283,7 @@ def compare_runs(before: list[Run], after: list[Run]) -> dict[str, Any]:
         "ranks": _ranks(before, after, pairs),
         "kernels": named_runs(_rows(before, "kernels"), _rows(after, "kernels"), pairs),
         "model": {"before": _model(before), "after": _model(after)},
-        "throughput": _throughput(before, after)})
+        "throughput": _throughput(before, after),
+        "goodput": diff_goodput.goodput_runs(rb, ra,
+                                             lambda x, y: runs_interval(x, y, pairs))})
     return doc

@@ -19,7 +19,8 @@ every `--save-every` steps, waited for before the next one). `--save-mb`: a buff
 MB saved with the model (a larger checkpoint). `--stall-every N --stall-ms M`: a sleep of M
 ms after every N-th step, outside any phase (`stalls[]`: `start`, `end`; with `--async-save`
 also each wait for the previous save before the next one). `--eval-first`: a validation
-pass before the first step too (a sanity check, with the optimizer built).
+pass before the first step too (a sanity check, with the optimizer built). OUT ending in
+`.jsonl`: the run's truth appended as one line (repeated runs).
 """
 
 from __future__ import annotations
@@ -195,6 +196,10 @@ def main() -> None:
         dist.destroy_process_group()
     truth["end"] = now()
     out = a.out if not a.ddp else f"{os.path.splitext(a.out)[0]}.rank{rank}.json"
+    if out.endswith(".jsonl"):      # one line a run (record --repeat)
+        with open(out, "a") as f:
+            f.write(json.dumps(truth) + "\n")
+        return
     with open(out, "w") as f:
         json.dump(truth, f)
 
