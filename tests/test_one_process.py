@@ -203,6 +203,21 @@ def test_diff_of_one_process_restates_no_model(run, tmp_path):
     assert "Model, before -> after" in text and "predicted t_iter" in text, text
 
 
+def test_export_to_a_json_name_writes_json_and_names_the_process(run, tmp_path):
+    """`export -o run.json` without --format: a file named .json holds the Trace Event
+    JSON that chrome://tracing and Perfetto open (it held Perfetto's protobuf), and the
+    process's track is named as record's summary names it, not 'no rank'."""
+    p = run_gputrace("export", str(run["dir"] / "t.arrow"), "-o", "run.json", cwd=tmp_path,
+                     check=True)
+    assert p.stdout.startswith("run.json: "), p.stdout
+    events = json.loads((tmp_path / "run.json").read_text())["traceEvents"]
+    names = {e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    assert names == {"process (not distributed)"}, names
+    # the job's own iterations, each a slice on the timeline
+    assert len([e for e in events if e.get("ph") == "X" and e.get("name") == "iteration"]) \
+        == len(run["times"]), sorted({e.get("name") for e in events})[:40]
+
+
 def test_long_module_paths_keep_their_last_parts():
     from gputrace.analyzers.layer_names import label, short
 

@@ -11,7 +11,8 @@ HELP = "export a trace as a Perfetto (protobuf) or Chrome Trace Event (JSON) tim
 
 def prepare_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace", nargs="+", help="trace file(s), shards, or another tool's trace")
-    p.add_argument("--format", choices=("perfetto", "chrome"), default="perfetto")
+    p.add_argument("--format", choices=("perfetto", "chrome"),
+                   help="default: chrome where the output's name ends in .json, else perfetto")
     p.add_argument("-o", "--output", help="file to write (default: the first trace's name "
                    "without .arrow/.json/.json.gz/.sqlite, plus .pftrace for perfetto or "
                    ".trace.json for chrome: run.arrow -> run.pftrace, run.trace.json)")
@@ -23,10 +24,13 @@ def run(args: argparse.Namespace) -> int:
     from gputrace.report import export
 
     trace = load_trace(args.trace)
-    out = args.output or output_name(args.trace[0], ".pftrace" if args.format == "perfetto"
+    # a file named .json holds JSON: the Trace Event format, not Perfetto's protobuf
+    fmt = args.format or ("chrome" if (args.output or "").lower().endswith(".json")
+                          else "perfetto")
+    out = args.output or output_name(args.trace[0], ".pftrace" if fmt == "perfetto"
                                      else ".trace.json")
     try:
-        n = export.write(trace, out, args.format)
+        n = export.write(trace, out, fmt)
     except export.ExportUnavailable as e:
         raise CommandError(str(e)) from None
     except OSError as e:

@@ -168,7 +168,7 @@ def write(trace: Any, path: str, fmt: str) -> dict[str, int]:
 
 
 def _proc_name(rank: int) -> str:
-    return f"rank {rank}" if rank >= 0 else "no rank"
+    return f"rank {rank}" if rank >= 0 else "process (not distributed)"
 
 
 def _write_chrome(path: str, cols: dict[str, Any], span_tracks: list[_Track],
