@@ -328,8 +328,9 @@ def pack(folded: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
     the first one's step, and in `args` one list per key, an entry per iteration: `step`
     (left out where the steps follow one another from the span's: 1.3 of the 12 bytes an
     iteration takes), `gap_us` (since the previous one's end), `t_us` (its length) and the
-    phase sums in microseconds. Times are rounded from the span's start, so no rounding
-    accumulates."""
+    phase sums in microseconds; `gap_us` or a phase that is 0 throughout is left out (0.3
+    bytes an iteration for io, h2d and the gaps of a loop whose iterations tile). Times are
+    rounded from the span's start, so no rounding accumulates."""
     groups: dict[tuple[Any, Any], list[tuple[Any, ...]]] = {}
     for f in sorted(folded, key=lambda f: f[0]):
         groups.setdefault((f[2], f[3]), []).append(f)
@@ -350,6 +351,8 @@ def pack(folded: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
         first = its[0][4]
         if first is not None and cols["step"] == list(range(first, first + len(its))):
             del cols["step"]
+        for k in [k for k in ("gap_us", *PHASES) if not any(cols[k])]:
+            del cols[k]      # a list of zeros (no gap, a phase the job has not): left out
         out.append(("run", name, t0, its[-1][1], tid, first, -1, None,
                     json.dumps(cols, separators=(",", ":"))))
     return out
@@ -357,9 +360,10 @@ def pack(folded: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
 
 def unpack(start_ns: int, end_ns: int | None, step: int, args: str | None
            ) -> list[tuple[int, int, int, dict[str, int]]]:
-    """A `run` span's iterations: (step, start, end, phase sums), times in ns. A span of
-    one iteration whose `args` is a list of its phase sums (microseconds in PHASES' order)
-    is read too."""
+    """A `run` span's iterations: (step, start, end, phase sums), times in ns; a list left
+    out (`step`: they follow one another; `gap_us` or a phase: 0 throughout) as `pack` means
+    it. A span of one iteration whose `args` is a list of its phase sums (microseconds in
+    PHASES' order) is read too."""
     try:
         v = json.loads(args or "[]")
     except ValueError:

@@ -250,6 +250,27 @@ def test_packed_run_span_keeps_every_iteration_to_the_microsecond():
         assert all(abs(sums[p] - f[5][p]) <= 500 for p in PHASES), step
 
 
+def test_packed_run_span_leaves_out_lists_of_zeros():
+    """Iterations that tile the loop (no gap) of a job without io or h2d: their `run` span
+    holds no list of zeros, and reads back the same as one that holds them."""
+    import json as _json
+
+    from gputrace.window import PHASES, pack
+    t, folded = 10**18, []
+    for step in range(40):
+        n = 9_000_000 + 1000 * step
+        folded.append((t, t + n, "iteration", 11, step, {**dict.fromkeys(PHASES, 0),
+                                                         "forward": n // 3, "update": n // 9}))
+        t += n
+    (span,) = pack(folded)
+    assert set(_json.loads(span[8])) == {"t_us", "forward", "update"}, span[8]
+    got = unpack(span[2], span[3], span[5], span[8])
+    assert [g[0] for g in got] == list(range(40))
+    for (_, s, e, sums), f in zip(got, folded, strict=True):
+        assert abs(s - f[0]) <= 500 and abs(e - f[1]) <= 500
+        assert all(abs(sums[p] - f[5][p]) <= 500 for p in PHASES)
+
+
 def test_report_draws_the_whole_run_with_its_spike(runs, tmp_path):
     pytest.importorskip("vl_convert")
     page = tmp_path / "page.html"
