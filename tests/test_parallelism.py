@@ -546,6 +546,32 @@ def test_moe_all_to_alls_are_expert_parallel(recorded):
     assert f"; bytes {ratio:.2f}x the mean" in run.text
 
 
+def test_moe_exposed_comm_is_the_jobs_wait_once(recorded):
+    """The exposed comm of the MoE exchange (its gradient comm: the all-reduce it waits on
+    in update, rank 1 joining 50 ms late) is the time the job stood in that wait(), to the
+    wait's end, which comes after the collective's (the thread wakes after it): the same
+    value in the hidden-vs-exposed comm and in the collectives by kind, per rank, and per
+    iteration never more than the job's own timing of its wait."""
+    run = recorded("moe")
+    for rank in (0, 1):
+        ra = run.analysis.ranks[rank]
+        assert ra.comm["exposed_s"] > 0
+        assert ra.collectives.exposed_s == pytest.approx(ra.comm["exposed_s"], rel=1e-9, abs=0)
+        assert run.rank(rank)["collectives"]["exposed_s"] == \
+            pytest.approx(run.rank(rank)["overlap"]["comm"]["exposed_s"], rel=1e-9, abs=0)
+        its = run.truth[rank]["iterations"]
+        s = ra.detail.series
+        m = per_iteration(run, rank, {"exposed": s.comm_exposed_s}, its)
+        waits = run.truth[rank]["waits"]
+        job = np.array([sum(w["end"] - w["start"] for w in waits
+                            if w["kind"] == "all_reduce" and w["it"] == its[i]["it"]) / 1e9
+                        for i in m["job"]])
+        assert (m["exposed"] <= job + 1e-6).all(), (rank, m["exposed"].tolist(), job.tolist())
+        # the job's clock reads around its wait() and the record's: tens of us apart
+        missed = np.median(job - m["exposed"])
+        assert missed < 0.5e-3, (rank, m["exposed"].tolist(), job.tolist())
+
+
 # -- hand-made traces ---------------------------------------------------------------------
 def two_ranks(path: Path, colls: list[tuple[str, str, float, float, dict]], n: int = 8) -> Path:
     """2 ranks of n 50 ms iterations (forward 1-15, backward 15-40 ms, update 40-48 ms), each

@@ -46,14 +46,15 @@ class Collectives:
         return float(sum(getattr(k, key) for k in self.kinds))
 
 
-def exposed_ns(sp: Spans, r: Rows, compute: ov.Union, m: np.ndarray,
-               device_compute: ov.Union | None = None, window: ov.Union | None = None) -> int:
+def exposed_union(sp: Spans, r: Rows, compute: ov.Union, m: np.ndarray,
+                  device_compute: ov.Union | None = None) -> ov.Union:
     """The instants the job stood still for the comm rows `m`, each instant once (two
     collectives in flight together expose the same instant once): a row's `wait` interval
-    when recorded (and its issuing `call`, where recorded); a synchronous call on the loop's
-    thread in full; else the part no compute covers (a GPU's comm record: no GPU compute
-    record, `device_compute`, where given); inside `window` where given (the analyzed
-    iterations, as the hidden-vs-exposed comm of a host trace measures them)."""
+    when recorded, to the wait's end, which may come after the collective's (and its
+    issuing `call`, where recorded); a synchronous call on the loop's thread in full; else
+    the part no compute covers (a GPU's comm record: no GPU compute record,
+    `device_compute`, where given). The hidden-vs-exposed comm of a host trace
+    (steps.analyze_rank) is this union of its comm rows too."""
     s, e = sp.start[r.idx], sp.end[r.idx]
     has_wait = r.wait_s >= 0
     w = m & has_wait
@@ -70,7 +71,14 @@ def exposed_ns(sp: Spans, r: Rows, compute: ov.Union, m: np.ndarray,
                                  device_compute))
         rest &= ~on_dev
     parts.append(ov.subtract(ov.union(s[rest], e[rest]), compute))
-    u = ov.merge(*parts)
+    return ov.merge(*parts)
+
+
+def exposed_ns(sp: Spans, r: Rows, compute: ov.Union, m: np.ndarray,
+               device_compute: ov.Union | None = None, window: ov.Union | None = None) -> int:
+    """exposed_union's length, inside `window` where given (the analyzed iterations, as the
+    hidden-vs-exposed comm of a host trace measures them)."""
+    u = exposed_union(sp, r, compute, m, device_compute)
     return ov.total(u if window is None else ov.intersect(u, window))
 
 
@@ -120,7 +128,9 @@ def summarize(sp: Spans, r: Rows, it_of: np.ndarray, sel: np.ndarray, compute: o
                                          bool(grad[m].any()) and not few, few, d, w))
     sharded = next((f for f in r.fsdp if f), None)
     sizes = tuple(sorted({int(g) for g in r.group_size if g > 0}))
-    model = inside & gradient_mask(sp, r)   # the comm the data-parallel model reads
+    # the comm the data-parallel model reads; inside `window`, every such row's instants
+    # there (as the hidden-vs-exposed comm takes them), wherever the row began
+    model = gradient_mask(sp, r) if window is not None else inside & gradient_mask(sp, r)
     return Collectives(out, r.n, int(inside.sum()), sharded, sizes, r.small_below,
                        exposed(model))
 

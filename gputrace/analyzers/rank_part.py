@@ -121,7 +121,8 @@ def analyze_spans(sp: fr.Spans, o: Options) -> RankPart:
     """Everything one rank's spans give on their own: a pure function of them."""
     cr = col.rows(sp)
     msp = col.for_model(sp, cr)
-    rs = analyze_rank(msp, col.stood(sp, cr), col.not_units(sp, cr), col.stood_by_dim(sp, cr))
+    rs = analyze_rank(msp, col.stood(sp, cr), col.not_units(sp, cr), col.stood_by_dim(sp, cr),
+                      cr)
     good = gp.of_rank(sp, rs.iterations)
     extra = _extra_findings(sp, rs) + stall_findings(rs)
     n = rs.iterations.start.size

@@ -11,6 +11,8 @@ import numpy as np
 
 from gputrace.analyzers import overlap as ov
 from gputrace.analyzers import recompute as rc
+from gputrace.analyzers.collective_totals import exposed_union
+from gputrace.analyzers.comm_rows import Rows
 from gputrace.analyzers.frame import Spans
 from gputrace.analyzers.parallel.bubble import passes, with_bubble
 from gputrace.analyzers.units import LayerEnds, Units, gpu_layer_ends, layer_ends
@@ -123,9 +125,14 @@ def _u(sp: Spans, mask: np.ndarray) -> ov.Union:
 
 def analyze_rank(sp: Spans, stood: tuple[np.ndarray, np.ndarray] | None = None,
                  not_units: np.ndarray | None = None,
-                 dims: dict[str, tuple[np.ndarray, np.ndarray]] | None = None) -> RankSteps:
+                 dims: dict[str, tuple[np.ndarray, np.ndarray]] | None = None,
+                 rows: Rows | None = None) -> RankSteps:
     """`stood`: (starts, ends) of the instants the job's thread stood in a collective (a
     synchronous one, an asynchronous one's wait): comm, so not the host phases' compute.
+    `rows`: the comm spans' parsed records (collectives.rows), from which a host trace's
+    exposed comm is the instants the job stood still for its comm spans
+    (collective_totals.exposed_union, the collectives by kind's own); without them, the
+    comm spans' time no compute covers.
     `not_units`: per span, comm that is no gradient unit (a collective of a few bytes):
     counted as comm time, left out of the units. `dims`: the instants the thread stood in
     the collectives of tensor, pipeline, expert or context parallelism, each a term of its
@@ -265,6 +272,12 @@ def analyze_rank(sp: Spans, stood: tuple[np.ndarray, np.ndarray] | None = None,
         comm_m = sp.of("comm")
         compute = ov.merge(h2d, fwd, bwd, upd)
         comm = _u(sp, comm_m)
+        # exposed: the instants the job stood still for its comm, each once, as the
+        # collectives by kind count them (a wait() to its end, which may come after the
+        # collective's); the whole is the comm in flight and those instants
+        exposed = ov.subtract(comm, compute) if rows is None else \
+            exposed_union(sp, rows, compute, comm_m[rows.idx])
+        comm = ov.merge(comm, exposed)
         terms = {
             "t_iter": t_iter,
             "t_io": ov.measure(ov.subtract(wait, compute), lo, hi) / sec,
@@ -276,12 +289,13 @@ def analyze_rank(sp: Spans, stood: tuple[np.ndarray, np.ndarray] | None = None,
         }
         for d, u in par.items():   # each parallelism's exposed comm (and bubble) a term
             terms[f"t_{d}"] = ov.measure(u, lo, hi) / sec
-        phased = ov.merge(wait, compute, comm, *par.values())
+        phased = ov.merge(wait, compute, exposed, *par.values())
         covered = ov.measure(phased, lo, hi) / sec
         with_fw = ov.measure(ov.merge(phased, fw), lo, hi) / sec
         terms["t_framework"] = with_fw - covered     # the framework's work in no phase
         terms["t_other"] = np.maximum(terms["t_iter"] - with_fw, 0.0)
-        comm_h = ov.hidden_under(comm, compute, lo, hi)
+        in_flight, stood_comm = ov.measure(comm, lo, hi), ov.measure(exposed, lo, hi)
+        comm_h = ov.Hidden(in_flight / sec, (in_flight - stood_comm) / sec, stood_comm / sec)
         # backward's own work: per-layer spans where known (the outer autograd call also
         # waits for DDP's last all-reduce, so its end is not the end of the gradients)
         back = per_layer if per_layer.any() else bwd_m
