@@ -119,7 +119,7 @@ def test_ticks_inside_the_window_at_full_rate(runs):
         # the sampler never bursts to catch up (a tick is skipped instead): no two ticks
         # closer than half its period, so at most its rate (one more where the tick before
         # the window ran late into it), and on this shared machine at least three quarters
-        gaps = [b - a for a, b in zip(inside, inside[1:])]
+        gaps = [b - a for a, b in zip(inside[:-1], inside[1:], strict=True)]
         assert min(gaps) >= 0.45e9 / HZ, (n, min(gaps))
         assert 0.75 * HZ * (hi - lo) - 1 <= len(inside) <= HZ * (hi - lo) + 2, \
             (n, len(inside), hi - lo)
