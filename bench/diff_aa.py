@@ -12,7 +12,8 @@ fraction of them called beyond noise in t_iter, and the share of every other row
 interval (terms, layers, units, kinds, kernels, ranks) called beyond noise. The target: at
 most 5 % at the stated 95 %, and a 5 % change found in 9 of 10. From the null
 comparisons' standard errors it also estimates the smallest change found 9 times in 10
-((t 0.975 + t 0.90) standard errors).
+at 3, 10 and 20 runs a side ((t 0.975 + t 0.90) times the null pairs' pooled standard
+deviation over the root of the pairs).
 
     python bench/diff_aa.py [--rounds 10] [--steps 30] [--extra-ms 0.6] [--keep DIR]
 
@@ -165,13 +166,18 @@ def repeated(a: argparse.Namespace, out: Path) -> None:
     print(f"t_iter beyond noise: {called} of {len(null)} null comparisons; rows beyond noise: "
           f"{sum(b for b, _ in rows)} of {sum(n for _, n in rows)} "
           f"({100 * sum(b for b, _ in rows) / max(sum(n for _, n in rows), 1):.1f} %)")
+    # the spread of the null pairs' differences, pooled (each comparison's standard error
+    # times the root of its pairs, squared, averaged): the smallest change found 9 times
+    # in 10 at n pairs is (t 0.975 + t 0.90, n - 1 df) times it over the root of n
     df = max(set(dfs), key=dfs.count)   # 3 pairs: 2 degrees of freedom; Welch's: about 4
-    se = float(np.median([float(r[6]) for r in null]))
+    sd = float(np.sqrt(np.mean([3 * float(r[6]) ** 2 for r in null])))
     base = float(np.median([float(r[1]) for r in null]))
-    k = t_pct(df, 97.5) + t_pct(df, 90)
-    print(f"smallest change found 9 times in 10, estimated from the null comparisons' "
-          f"median standard error ({se:.2f} ms, df {df}): t_iter {k * se:.2f} ms "
-          f"({100 * k * se / base:.0f} % of {base:.1f} ms)")
+    at = ", ".join(f"{n} runs a side {(t_pct(n - 1, 97.5) + t_pct(n - 1, 90)) * sd / n ** 0.5:.2f}"
+                   f" ms ({100 * (t_pct(n - 1, 97.5) + t_pct(n - 1, 90)) * sd / n ** 0.5 / base:.0f}"
+                   " %)" for n in (3, 10, 20))
+    print(f"smallest change found 9 times in 10, estimated from the null pairs' differences "
+          f"(standard deviation {sd:.2f} ms, pooled; df {df} at 3 pairs; iteration "
+          f"{base:.1f} ms): {at}")
 
 
 def main() -> None:

@@ -13,7 +13,8 @@ next one begins where this one ended. `--profile` runs it under torch.profiler (
 activity, a schedule, steps marked with `prof.step()`) and exports the trace. `--workers`:
 the loader's worker processes (0: batches made in the loop's own process); `--item-sleep-ms`:
 each sample takes that long to load, sleeping (I/O, not CPU) instead of the default short
-busy wait.
+busy wait. An OUT ending in .jsonl gets the run's steps appended as one line (a job recorded
+several times, `gputrace record --repeat`, keeps every run's).
 """
 
 from __future__ import annotations
@@ -124,8 +125,10 @@ def main() -> None:
     if prof is not None:
         prof.stop()
         prof.export_chrome_trace(a.profile)
-    with open(a.out, "w") as f:
-        json.dump(steps, f)
+    with open(a.out, "a" if a.out.endswith(".jsonl") else "w") as f:
+        json.dump(steps, f)     # an OUT ending in .jsonl: the run's steps appended as a line
+        if a.out.endswith(".jsonl"):
+            f.write("\n")
 
 
 if __name__ == "__main__":
