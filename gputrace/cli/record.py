@@ -52,8 +52,9 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
                    "(--on-demand, --steps, --delay) SIGUSR2 opens one instead of reaching "
                    "the job")
     p.add_argument("--max-size", metavar="SIZE",
-                   help="PyTorch: keep at most SIZE (e.g. 5MB) of detail on disk per process, "
-                   "the most recent iterations; every iteration keeps its time and phase sums")
+                   help="PyTorch: keep at most SIZE (e.g. 5MB) of detail on disk per process "
+                   "(the system sampler's ticks too), the most recent; every iteration keeps "
+                   "its time and phase sums")
     p.add_argument("--redact-argv", action="store_true",
                    help="keep only program and flag names of argv in the trace")
     p.add_argument("--kill-after", type=float, default=10.0, metavar="S",
