@@ -463,13 +463,14 @@ def test_pp_headline_and_the_schedules_runtime_order(recorded, name):
 
 
 @pytest.mark.serial
-def test_pp_what_if_fitted_with_a_run_at_another_microbatch_count(recorded):
+def test_pp_what_if_fitted_with_a_run_at_another_microbatch_count(recorded, tmp_path):
     """`analyze GPIPE4 --calibrate GPIPE8`: each stage's compute per microbatch fitted as
     fixed + per-sample through the two runs, so the what-if at 8 microbatches replays the
     8-microbatch run's own compute: its t_iter within 15 % of that job's own iterations
     (the fitted transfer and the time outside the step are the 4-microbatch run's). A run
-    at the same count is no calibration (said, not used); one with no pipeline is a
-    command error."""
+    at the same count is no calibration (said, not used); one with no pipeline (2 ranks
+    with a tensor-parallel all-reduce, made by hand: recording one here would only add a
+    job to the serial part) is a command error."""
     four, eight = recorded("gpipe-4"), recorded("gpipe-8")
     doc = json.loads(_cli("analyze", four.arrow, "--calibrate", eight.arrow, "--json").stdout)
     pl = doc["parallelism"]["pipeline"]
@@ -494,8 +495,10 @@ def test_pp_what_if_fitted_with_a_run_at_another_microbatch_count(recorded):
     same = json.loads(_cli("analyze", four.arrow, "--calibrate", four.arrow, "--json").stdout)
     c = same["parallelism"]["pipeline"]["compute"]
     assert c["model"] == "proportional" and "same 4 microbatches" in c["calibration_unused"]
+    no_pipeline = two_ranks(tmp_path / "tp.arrow",
+                            [("all_reduce", "forward", 5, 8, mesh("tp"))])
     p = subprocess.run([PY, "-m", "gputrace", "analyze", four.arrow, "--calibrate",
-                        recorded("tp").arrow], capture_output=True, text=True, env=_env())
+                        str(no_pipeline)], capture_output=True, text=True, env=_env())
     assert p.returncode == 2 and "no pipeline in it" in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr
 
