@@ -148,11 +148,13 @@ def page_parts(a: Any, rank: int | None, inputs: Sequence[str]
     from gputrace.report.charts_flops import flops_chart
     from gputrace.report.charts_memory import memory_chart
     from gputrace.report.charts_run import run_chart
+    from gputrace.report.solo import one_process
 
     rows: list[Any] = []
     more = extras(a, rank, inputs, rows)
     ra = a.ranks[rank] if rank is not None else a.main
     made = [run_chart(more) if "run" in more else None,
-            memory_chart(ra, rows, more["memory"], rank if rank is not None else ra.rank),
+            memory_chart(ra, rows, more["memory"], rank if rank is not None else ra.rank,
+                         one_process(a)),
             flops_chart(more["flops"])]
     return tuple(c for c in made if c is not None), more_findings(more)

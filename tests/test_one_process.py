@@ -135,6 +135,11 @@ def test_the_report_says_why_a_chart_is_not_drawn_as_the_terminal_does(run):
     summary = run["page"].split('<p class="headline">')[1].split("</table>")[0]
     assert "one process &middot;" in summary and "rank 0 of 1" not in summary, summary
     assert " predicts " not in summary and "<td>t_comm</td>" not in summary, summary
+    # nor a rank in the charts' titles and captions: 'of the run's', as the terminal says
+    words = re.sub(r"<[^>]+>", " ", re.sub(r"<(script|style)\b.*?</\1>", "", run["page"],
+                                           flags=re.S))
+    assert not re.search(r"\brank 0\b", words), re.findall(r".{0,60}\brank 0\b.{0,20}", words)
+    assert html.escape("Where each iteration's time goes") + "</h2>" in run["page"]
 
 
 def test_the_report_advises_probe_once_where_the_terminal_does(run, tmp_path):

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from gputrace.analyzers import Analysis, RankAnalysis
+from gputrace.report.solo import one_process
 
 WIDTH = 760
 
@@ -80,7 +81,7 @@ def _fade_warmup() -> dict[str, Any]:
     return {"condition": {"test": "datum.warmup", "value": 0.35}, "value": 1}
 
 
-def breakdown(ra: RankAnalysis) -> Chart | None:
+def breakdown(ra: RankAnalysis, one: bool = False) -> Chart | None:
     d = ra.detail
     if d is None or not d.series.step.size:
         return None
@@ -133,14 +134,15 @@ def breakdown(ra: RankAnalysis) -> Chart | None:
                                        "format": ".2f", "title": "t_iter (ms)"}]}},
         ],
     }
-    return Chart("breakdown", f"Where each iteration's time goes (rank {ra.rank})",
+    return Chart("breakdown", "Where each iteration's time goes"
+                 + ("" if one else f" (rank {ra.rank})"),
                  "Stacked per iteration like the paper's Table V, black tick = measured t_iter "
                  "(the axis fits the analyzed iterations; a slower warm-up bar is cut): look "
                  "for the tallest colour and for iterations that stand out.",
                  spec)
 
 
-def timeline(ra: RankAnalysis) -> Chart | None:
+def timeline(ra: RankAnalysis, one: bool = False) -> Chart | None:
     d = ra.detail
     tl = d.timeline if d is not None else None
     if tl is None or not tl.bars:
@@ -179,7 +181,8 @@ def timeline(ra: RankAnalysis) -> Chart | None:
     }
     step = f" (step {tl.step})" if tl.step >= 0 else ""
     return Chart(
-        "timeline", f"One iteration as a timeline: iteration {tl.index}{step}, rank {ra.rank}",
+        "timeline", f"One iteration as a timeline: iteration {tl.index}{step}"
+        + ("" if one else f", rank {ra.rank}"),
         "The median-length analyzed iteration (dashed line: its end), like the paper's Figs. "
         "6-8: a comm unit is exposed (red) when it ends after the next unit's gradients are "
         "ready, after the backward, or mostly outside compute; its faded part is the wait "
@@ -349,6 +352,7 @@ def charts(a: Analysis, ra: RankAnalysis) -> list[Chart]:
     from gputrace.report.charts_parallel import pipeline, tensor_parallel
     from gputrace.report.charts_scaling import speedup, what_if
 
-    made = (breakdown(ra), goodput_chart(ra), timeline(ra), unit_bars(ra), pipeline(a, ra), tensor_parallel(ra),
+    one = one_process(a)     # no rank to name
+    made = (breakdown(ra, one), goodput_chart(ra, one), timeline(ra, one), unit_bars(ra), pipeline(a, ra), tensor_parallel(ra),
             rank_heatmap(a), comm_wait(a), bandwidth(ra), speedup(ra), what_if(ra))
     return [c for c in made if c is not None]

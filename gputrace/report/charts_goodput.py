@@ -22,9 +22,9 @@ def label(category: str) -> str:
     return "training steps" if category == "training" else NAMES.get(category, category)
 
 
-def goodput_chart(ra: Any) -> Chart | None:
+def goodput_chart(ra: Any, one: bool = False) -> Chart | None:
     """From a rank's goodput; None without one or where it is withheld (its categories do
-    not make its wall time)."""
+    not make its wall time). `one`: one process, no rank to name."""
     g: Goodput | None = ra.goodput
     if g is None or not g.bands or WITHHELD in ra.withheld:
         return None
@@ -68,7 +68,8 @@ def goodput_chart(ra: Any) -> Chart | None:
     left = (f"; each category's {g.bands_left_out_s:.2f} s of shortest intervals beyond "
             "its 500 longest not drawn" if g.bands_left_out_s > 0 else "")
     caption = (f"Goodput {g.goodput:.0%}: {g.iterations} training steps took "
-               f"{_s(g.training_s)} of rank {ra.rank}'s {_s(g.wall_s)}; each category where "
+               f"{_s(g.training_s)} of {'the run' if one else f'rank {ra.rank}'}'s "
+               f"{_s(g.wall_s)}; each category where "
                f"it lies on the run's clock, then the goodput bar{left}")
     return Chart("goodput", "The whole run: goodput and badput over the run's clock",
                  caption, {"vconcat": [bands, bar], "resolve": {"scale": {"color": "shared"}}})

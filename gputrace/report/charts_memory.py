@@ -13,7 +13,7 @@ SERIES = {"rss": "host RSS", "cuda_allocated": "GPU {device} allocated"}
 
 
 def memory_chart(ra: Any, rows: list[dict[str, Any]], m: dict[str, Any],
-                 rank: int) -> Chart | None:
+                 rank: int, one: bool = False) -> Chart | None:
     """`ra`: the shown rank's analysis (made with detail=True: its median iteration's
     timeline); `rows`: the trace's memory samples (analyzers.memory.memory_rows), of which
     `rank`'s are drawn; `m`: analyze --json's `memory`. None without boundary samples in
@@ -64,7 +64,9 @@ def memory_chart(ra: Any, rows: list[dict[str, Any]], m: dict[str, Any],
             "resolve": {"scale": {"color": "independent"}}}
     ph = m.get("rss_peak_phase")
     peak = m.get("rss_peak_bytes")
-    caption = (f"Step {tl.step} of rank {rank} (its median iteration): the memory read at "
+    caption = (f"Step {tl.step} " + ("(the median iteration)" if one else
+                                     f"of rank {rank} (its median iteration)")
+               + ": the memory read at "
                "each phase's start and end"
                + (f"; the run's peak RSS, {peak / 2.0 ** 30:.2f} GiB, came in {ph}"
                   if peak and ph else "") + ".")
