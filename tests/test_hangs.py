@@ -5,7 +5,8 @@ rank 0 waits in it. `gputrace capture` during the sleep names rank 1 as not arri
 all-reduce the job counted, with rank 0's wait so far on the job's own clock; `analyze`
 afterwards names it with rank 0's whole wait within 10 % of the sleep; `recover` of the job
 killed during the sleep names it as still waited for; a full recording names it too, and
-rank 1's sleep as a stall of its iteration; a run without the sleep names none."""
+rank 1's sleep as a stall of its iteration; a run without the sleep names none. Rank 1
+asleep before its first collective (the barrier, before any iteration) is named too."""
 
 from __future__ import annotations
 
@@ -32,19 +33,23 @@ pytestmark = pytest.mark.slow
 
 JOB = str(Path(__file__).parent / "jobs" / "hang_train.py")
 SLEEP_S = 10.0
+# a recording read only once the job has ended needs no time for a capture: past the
+# threshold by a margin that a loaded machine's timing cannot take away
+FULL_SLEEP_S = THRESHOLD_S + 2.0
 HANG_AT = 5
 # when, after rank 1 began to sleep, the trace is read: past the threshold, and early
 # enough that a capture slow to start on a loaded machine (2-3 s) still reads it asleep
 READ_AT_S = THRESHOLD_S + 1.0
 
 
-def _record(d: Path, sleep: float, *more: str, **kw) -> tuple[subprocess.Popen, Path]:
+def _record(d: Path, sleep: float, *more: str, hang_at: int = HANG_AT,
+            **kw) -> tuple[subprocess.Popen, Path]:
     out = d / "t.arrow"
     env = {**os.environ, "GPUTRACE_RUN_DIR": str(d / "run")}   # this test's recordings only
     rec = subprocess.Popen(
         [*GPUTRACE, "record", "-q", "-o", str(out), "--collectors", "torch", *more, "--",
          sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-         "2", JOB, str(d / "truth.json"), "--iterations", "10", "--hang-at", str(HANG_AT),
+         "2", JOB, str(d / "truth.json"), "--iterations", "10", "--hang-at", str(hang_at),
          "--sleep", str(sleep)],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
     return rec, out
@@ -154,7 +159,7 @@ def test_recover_of_a_job_killed_in_the_hang_names_rank_1(tmp_path):
 
 
 def test_a_full_recording_names_the_hang_and_rank_1s_stall(tmp_path):
-    rec, out = _record(tmp_path, SLEEP_S)
+    rec, out = _record(tmp_path, FULL_SLEEP_S)
     _, err = rec.communicate(timeout=180)
     assert rec.returncode == 0, err[-3000:]
     t = _truth(tmp_path)
@@ -168,6 +173,38 @@ def test_a_full_recording_names_the_hang_and_rank_1s_stall(tmp_path):
     assert [int(s) for s, _ in named] == [HANG_AT]
     assert float(named[0][1]) == pytest.approx(t[1]["slept_s"], rel=0.10)
     assert not [f for f in doc["ranks"]["0"]["findings"] if f["id"] == "stall"]
+
+
+def test_a_rank_asleep_before_its_first_collective(tmp_path):
+    """Rank 1 sleeps before the barrier, its first collective, before any iteration:
+    `capture` during the sleep names it as not arrived (its state from init_process_group
+    on: no collective entered yet), `analyze` afterwards as arrived last, rank 0's wait on
+    its own clock; the step is none (before the first)."""
+    env = {**os.environ, "GPUTRACE_RUN_DIR": str(tmp_path / "run")}
+    rec, out = _record(tmp_path, SLEEP_S, "--on-demand", hang_at=-1)
+    try:
+        _asleep(tmp_path, rec)
+        p = run_gputrace("capture", str(rec.pid), "--steps", "2", "--json", env=env,
+                         timeout=60)
+        assert p.returncode == 0, p.stderr
+        (captured,) = json.loads(p.stdout)
+    finally:
+        _, err = rec.communicate(timeout=180)
+    assert rec.returncode == 0, err[-3000:]
+    t = _truth(tmp_path)
+    assert (t[0]["collective"], t[0]["seq"]) == ("barrier", 1)
+    (h,) = captured["hangs"]["collectives"]
+    assert h["ongoing"] and h["late_ranks"] == [1] and h["unknown_ranks"] == []
+    assert (h["kind"], h["seq"], h["step"]) == ("barrier", 1, -1)
+    assert h["late_last_seq"] == {"1": 0}
+    assert THRESHOLD_S <= h["waited_s"]["0"] <= t[0]["waited_s"]
+    assert "rank 1 has not arrived at barrier seq 1" in h["message"]
+    assert "before the first step" in h["message"]
+    doc = json.loads(run_gputrace("analyze", str(out), "--json", check=True).stdout)
+    (h,) = doc["hangs"]["collectives"]
+    assert not h["ongoing"] and h["late_ranks"] == [1] and (h["kind"], h["seq"]) == ("barrier", 1)
+    assert h["waited_s"]["0"] == pytest.approx(t[0]["waited_s"], abs=0.05)
+    assert h["waited_s"]["0"] == pytest.approx(t[1]["slept_s"], rel=0.10)
 
 
 def test_a_run_without_a_hang_names_none(tmp_path):

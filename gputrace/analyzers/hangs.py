@@ -153,7 +153,8 @@ def _ranks(rs: Iterable[int]) -> str:
 def message(h: Hang) -> str:
     """One line: who had not arrived, at which collective, and how long the others waited."""
     where = (f"{h.kind} seq {h.seq} of group {h.group}"
-             + (f" ({h.desc})" if h.desc else "") + f", step {h.step}")
+             + (f" ({h.desc})" if h.desc else "")
+             + (f", step {h.step}" if h.step >= 0 else ", before the first step"))
     r, s = h.longest
     more = (f" ({_ranks(sorted(h.waited_s))} {'waiting' if h.ongoing else 'waited'})"
             if len(h.waited_s) > 1 else "")

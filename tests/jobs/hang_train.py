@@ -5,6 +5,9 @@ all-reduce of one iteration: the other waits in it for as long (a hang that ends
     torchrun --nproc_per_node 2 hang_train.py OUT.json [--iterations N] [--hang-at K]
                                               [--late-rank R] [--sleep S]
 
+`--hang-at -1`: the late rank sleeps before the barrier, its first collective, before any
+iteration (`step` -1, `collective` "barrier", `seq` 1).
+
 Each rank counts the collectives it issues on the default group (the barrier first, then
 one all-reduce per iteration) and writes OUT.rankR.json: `iterations`, `collectives` (its
 count), and for the iteration K: `step` K, `collective` "all_reduce", `seq` (its number in
@@ -43,11 +46,23 @@ def main() -> None:
     x, y = torch.randn(16, 32, generator=g), torch.randn(16, 8, generator=g)
     now = time.perf_counter
     seq = 0
+    truth: dict = {"rank": rank, "step": a.hang_at, "collective": "all_reduce", "slept_s": 0.0}
+    if a.hang_at < 0:
+        truth.update({"collective": "barrier", "seq": 1})
+        if rank == a.late_rank and a.sleep > 0:
+            with open(a.out.replace(".json", ".sleeping"), "w") as f:
+                json.dump({"wall": time.time(), "seq": 1, "sleep_s": a.sleep}, f)
+            t = now()
+            time.sleep(a.sleep)
+            truth["slept_s"] = now() - t
+        truth["entered_wall"] = time.time()
     t = now()
     dist.barrier()
     seq += 1
     longest = now() - t
-    truth: dict = {"rank": rank, "step": a.hang_at, "collective": "all_reduce", "slept_s": 0.0}
+    if a.hang_at < 0:
+        truth["waited_s"] = longest
+        truth["left_wall"] = time.time()
     for i in range(a.iterations):
         opt.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()

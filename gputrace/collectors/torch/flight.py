@@ -5,7 +5,8 @@ Recorder keys its entries: the group and a sequence number of the collectives is
 The comm collector calls `enter` before a collective runs and `leave` when it ended (a
 synchronous call's return, an asynchronous one's completion or wait). At each flush the
 recorder writes, per group, one `flight`/`state` instant (docs/format.md): the last sequence
-number entered and ended, and the collectives entered and not ended, oldest first; written
+number entered and ended, and the collectives entered and not ended, oldest first (the
+default group's from init_process_group's return on, seq 0 before its first); written
 when it changed, while something is in flight, at the recording's end, and every
 HEARTBEAT_NS else (a rank that sleeps still says where it stands). A collective that took
 LONG_NS or more leaves a `flight`/`waited` instant at its end, with its entry. Instants survive a
@@ -50,17 +51,30 @@ def enter(rec: Any, kind: str, group: Any, t0: int) -> tuple[_Group, int] | None
         return None
     if group is None:
         group = _c10d[0]._world.default_pg
-    g = _groups.get(group)
-    if g is None:
-        g = _groups[group] = _Group(_group_json(group))
-    if _hooked[0] is not rec:
-        _hooked[0] = rec
-        rec.flush_hooks.append(_flush)
+    g = _groups.get(group) or _join(rec, group)
     # no lock: a group's collectives are issued in one order (c10d requires it), and a
     # dict's item set and pop are atomic; the flusher copies what it reads
     g.seq = seq = g.seq + 1
-    g.open[seq] = (kind, t0, rec.step)
+    # its iteration; -1 before the first (none begun yet: start-up's collectives)
+    step = -1 if rec.step == 0 and rec._iter_start is None else rec.step
+    g.open[seq] = (kind, t0, step)
     return g, seq
+
+
+def _join(rec: Any, group: Any) -> _Group:
+    g = _groups[group] = _Group(_group_json(group))
+    if _hooked[0] is not rec:
+        _hooked[0] = rec
+        rec.flush_hooks.append(_flush)
+    return g
+
+
+def joined(rec: Any, group: Any) -> None:
+    """This process is in `group` (the default one, from init_process_group's return): its
+    state is written from now on, seq 0 before its first collective, so that a rank that
+    has issued none yet (asleep in its start-up) still says where it stands."""
+    if _c10d[0] is not None and group is not None and group not in _groups:
+        _join(rec, group)
 
 
 def leave(token: tuple[_Group, int] | None, t1: int) -> None:

@@ -10,6 +10,7 @@ import os
 import time
 from typing import Any
 
+from gputrace.collectors.torch import flight
 from gputrace.collectors.torch.guard import _guarded
 from gputrace.recorder import Recorder
 
@@ -64,6 +65,7 @@ def _patch_init(get_state: Any) -> None:
         st = get_state()
         if st is not None:
             st.rec.span("startup", "init_process_group", t0, st.now(), step=-1)
+            flight.joined(st.rec, c10d._world.default_pg)
 
     @functools.wraps(orig)
     def init_process_group(*args: Any, **kwargs: Any) -> Any:
