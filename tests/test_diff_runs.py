@@ -217,7 +217,7 @@ def test_the_page_of_repeated_runs_draws_every_run_and_each_sides_median_run(run
     n = per_run(doc)
     for side, steps in (("before", sb), ("after", ss)):   # each run's figure, its own clock
         assert t[side] == pytest.approx(own_runs(steps, "iteration", n), rel=0.1)
-    assert text.count("(3 runs, rank ") == 2          # the meta line, a side each
+    assert text.count("(3 runs, one process, ") == 2   # the meta line, a side each
     shown = {}
     for side, traces in (("before", tb), ("after", ts)):
         k = int(np.argsort(t[side])[1])                  # the median of 3

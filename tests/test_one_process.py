@@ -139,6 +139,7 @@ def test_the_report_says_why_a_chart_is_not_drawn_as_the_terminal_does(run):
     words = re.sub(r"<[^>]+>", " ", re.sub(r"<(script|style)\b.*?</\1>", "", run["page"],
                                            flags=re.S))
     assert not re.search(r"\brank 0\b", words), re.findall(r".{0,60}\brank 0\b.{0,20}", words)
+    assert not SCIENTIFIC.search(words), SCIENTIFIC.search(words)
     assert html.escape("Where each iteration's time goes") + "</h2>" in run["page"]
 
 
@@ -203,9 +204,37 @@ def test_diff_of_one_process_restates_no_model(run, tmp_path):
     gives, so no model section; a run with comm units keeps it."""
     text = run_gputrace("diff", "t.arrow", "t.arrow", cwd=run["dir"], check=True).stdout
     assert "t_iter" in text and "predicted t_iter" not in text and "Model," not in text, text
+    assert not SCIENTIFIC.search(text), SCIENTIFIC.search(text)
     ddp_iterations(Builder(), CASE2_UNITS, n=8).write(tmp_path / "ddp.arrow", world_size=1)
     text = run_gputrace("diff", "ddp.arrow", "ddp.arrow", cwd=tmp_path, check=True).stdout
     assert "Model, before -> after" in text and "predicted t_iter" in text, text
+
+
+def test_the_diff_page_says_what_the_terminal_does(run, tmp_path):
+    """The diff page of one process's run against a run whose layers are others (a built
+    trace of 4 layers and 4 comm units): its reasons for not drawing the layers and units
+    count what each side has, as the terminal's 'Not comparable' line (the layers were 'no
+    per-layer backward spans in both runs' where both had some), and its summary names
+    one process and its iterations as the terminal does."""
+    ddp_iterations(Builder(), CASE2_UNITS, n=8).write(tmp_path / "ddp.arrow", world_size=1)
+    t = str(run["dir"] / "t.arrow")
+    text = run_gputrace("diff", t, "ddp.arrow", "--report", "d.html", cwd=tmp_path,
+                        check=True).stdout
+    page = (tmp_path / "d.html").read_text()
+    (said,) = [ln for ln in text.splitlines() if ln.startswith("Not comparable: ")]
+    assert "layers do not match (5 only before, 4 only after, 0 in both)" in said, said
+    assert "comm units do not match (0 only before, 4 only after, 0 in both)" in said, said
+    assert "<li>Layers, backward: no layer in both runs (5 only before, 4 only after)</li>" \
+        in page
+    assert "<li>Comm units: no comm unit in both runs (0 only before, 4 only after)</li>" \
+        in page
+    assert "<li>Layers, forward: no per-layer forward spans in either run</li>" in page
+    n = run["doc"]["iterations"]["analyzed"]
+    assert f"before: {t} (one process, {n} iterations analyzed)" in page, \
+        re.findall(r'<p class="meta">.{0,200}', page)
+    # the page's one-process side names no rank
+    assert "One iteration before, as a timeline: iteration " in page
+    assert not re.search(r"One iteration (before|after), as a timeline[^<]*rank", page)
 
 
 def test_export_to_a_json_name_writes_json_and_names_the_process(run, tmp_path):

@@ -234,8 +234,8 @@ def runs(doc: dict[str, Any]) -> Chart | None:
                  "between runs that every interval holds.", spec)
 
 
-def timelines(before: RankAnalysis, after: RankAnalysis, doc: dict[str, Any] | None = None
-              ) -> list[Chart]:
+def timelines(before: RankAnalysis, after: RankAnalysis, doc: dict[str, Any] | None = None,
+              one: bool = False) -> list[Chart]:
     """Each run's representative (median-length) iteration, one above the other; with
     several runs a side, the side's median run's (`before`, `after`), named in the title."""
     out = []
@@ -246,7 +246,7 @@ def timelines(before: RankAnalysis, after: RankAnalysis, doc: dict[str, Any] | N
             ends += [tl.t_iter_s, *(b.end_s for b in tl.bars)]
     domain = [0, round(max(ends) * 1e3 * 1.02, 3)]
     for run, ra in zip(RUNS, (before, after), strict=True):
-        c = timeline(ra)
+        c = timeline(ra, one)
         if c is None:
             continue
         spec = copy.deepcopy(c.spec)    # both on one scale: the longer iteration's
@@ -257,8 +257,10 @@ def timelines(before: RankAnalysis, after: RankAnalysis, doc: dict[str, Any] | N
     return out
 
 
-def charts(doc: dict[str, Any], before: RankAnalysis, after: RankAnalysis) -> list[Chart]:
-    """Every chart of the diff page the runs have data for, in page order."""
+def charts(doc: dict[str, Any], before: RankAnalysis, after: RankAnalysis,
+           one: bool = False) -> list[Chart]:
+    """Every chart of the diff page the runs have data for, in page order (`one`: each run
+    one process, no rank to name)."""
     layers, units = doc["layers"], doc["units"]
     made = (runs(doc), breakdowns(doc), waterfall(doc),
             changes("layers-backward", "Layers, backward: top changes", layers["backward"],
@@ -266,5 +268,5 @@ def charts(doc: dict[str, Any], before: RankAnalysis, after: RankAnalysis) -> li
             changes("layers-forward", "Layers, forward: top changes", layers["forward"],
                     "layer"),
             changes("units", "Comm units: top changes", units, "unit"),
-            *timelines(before, after, doc))
+            *timelines(before, after, doc, one))
     return [c for c in made if c is not None]

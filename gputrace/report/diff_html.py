@@ -9,15 +9,17 @@ import json
 from typing import Any
 
 from gputrace.analyzers import Analysis
+from gputrace.fmt import count
 from gputrace.report.charts_diff import _ci, _ms, _noise, charts
 from gputrace.report.diff import drift_line, headline, method, only_line
 from gputrace.report.html import _e, page, vega_script
+from gputrace.report.solo import one_process
 
 NOT_DRAWN = {    # chart id: (what it would show, why it is not drawn)
     "breakdowns": ("Where an iteration's time goes, before and after", "no terms measured"),
-    "layers-backward": ("Layers, backward", "no per-layer backward spans in both runs"),
-    "layers-forward": ("Layers, forward", "no per-layer forward spans in both runs"),
-    "units": ("Comm units", "no comm unit in both runs"),
+    "layers-backward": ("Layers, backward", "no per-layer backward spans in either run"),
+    "layers-forward": ("Layers, forward", "no per-layer forward spans in either run"),
+    "units": ("Comm units", "no comm unit in either run"),
     "timeline-before": ("One iteration before, as a timeline", "no spans in its median "
                         "iteration"),
     "timeline-after": ("One iteration after, as a timeline", "no spans in its median "
@@ -25,16 +27,30 @@ NOT_DRAWN = {    # chart id: (what it would show, why it is not drawn)
 }
 
 
-def _summary(doc: dict[str, Any]) -> list[str]:
+def _why_not(doc: dict[str, Any], key: str, why: str) -> str:
+    """Why a chart of the rows both runs have is not drawn: rows on one side only are
+    named as the terminal's 'Not comparable' line counts them."""
+    rows = doc["units"] if key == "units" else \
+        doc["layers"].get(key.removeprefix("layers-")) if key.startswith("layers-") else None
+    if rows and (rows["only_before"] or rows["only_after"]):
+        what = "comm unit" if key == "units" else "layer"
+        return (f"no {what} in both runs ({len(rows['only_before'])} only before, "
+                f"{len(rows['only_after'])} only after)")
+    return why
+
+
+def _summary(doc: dict[str, Any], before: Analysis, after: Analysis) -> list[str]:
     h = doc["headline"]
     it = doc["iterations"]
     n = (doc.get("noise") or {}).get("runs") or {}
     runs = {k: f"{n[k]} runs, " if n.get(k, 1) > 1 else "" for k in ("before", "after")}
+    who = {k: "one process" if one_process(x) else f"rank {doc['rank_' + k]}"
+           for k, x in (("before", before), ("after", after))}
     out = [f'<p class="headline" data-verdict="{_e(h["verdict"])}">{_e(headline(doc))}</p>',
-           f'<p class="meta">before: {_e(doc["before"])} ({runs["before"]}rank '
-           f'{doc["rank_before"]}, {it["before"]} iterations analyzed) &middot; after: '
-           f'{_e(doc["after"])} ({runs["after"]}rank {doc["rank_after"]}, {it["after"]} '
-           f"iterations analyzed) &middot; {_e(method(doc))}</p>"]
+           f'<p class="meta">before: {_e(doc["before"])} ({runs["before"]}{who["before"]}, '
+           f'{count(it["before"], "iteration")} analyzed) &middot; after: '
+           f'{_e(doc["after"])} ({runs["after"]}{who["after"]}, '
+           f'{count(it["after"], "iteration")} analyzed) &middot; {_e(method(doc))}</p>']
     if drift_line(doc):
         out.append(f'<p class="drift">{_e(drift_line(doc))}</p>')
     if doc["not_comparable"]:
@@ -80,8 +96,8 @@ def render(doc: dict[str, Any], before: Analysis, after: Analysis, script: str) 
     """The page of a diff document and the analyses it was made of (with their detail);
     `script` is html.vega_script()'s."""
     rb, ra = before.ranks[doc["rank_before"]], after.ranks[doc["rank_after"]]
-    drawn = {c.id: c for c in charts(doc, rb, ra)}
-    body = ["<h1>gputrace diff</h1>", *_summary(doc),
+    drawn = {c.id: c for c in charts(doc, rb, ra, one_process(before) and one_process(after))}
+    body = ["<h1>gputrace diff</h1>", *_summary(doc, before, after),
             "<nav>" + "".join(f'<a href="#{c.id}">{_e(c.title.split(":")[0])}</a>'
                               for c in drawn.values()) + "</nav>"]
     for c in drawn.values():
@@ -89,8 +105,8 @@ def render(doc: dict[str, Any], before: Analysis, after: Analysis, script: str) 
                     f'<p class="caption">{_e(c.caption)}</p>'
                     f'<div class="vis" id="vis-{c.id}"></div>{c.extra}</section>')
     body += _made(doc)
-    missing = [f"<li>{_e(what)}: {_e(why)}</li>" for k, (what, why) in NOT_DRAWN.items()
-               if k not in drawn]
+    missing = [f"<li>{_e(what)}: {_e(_why_not(doc, k, why))}</li>"
+               for k, (what, why) in NOT_DRAWN.items() if k not in drawn]
     if missing:
         body.append(f'<h2>Not drawn</h2><ul class="missing">{"".join(missing)}</ul>')
     data = json.dumps(doc, separators=(",", ":")).replace("</", "<\\/")
