@@ -551,3 +551,47 @@ def test_keras_fit_validation_data_is_an_evaluation_pass(tmp_path):
         want = "keras.save_weights" if s["path"].endswith(".weights.h5") else "keras.save"
         assert r["name"] == want and json.loads(r["args"])["op"] == "save"
         assert not [i for i in its if i["start_ns"] < r["end_ns"] and i["end_ns"] > r["start_ns"]]
+
+
+@needs_tf
+@pytest.mark.slow
+def test_keras_fit_goodput_over_the_whole_run(tmp_path):
+    """The Keras job (tests/jobs/trainers/keras_whole.py, validation and ModelCheckpoints)
+    with TensorFlow's profiler over its default window of steps: the run's goodput from the
+    process's start, its 30 training steps those profiled and those not, evaluation and
+    checkpointing on the job's own clock, every share within the run and the categories
+    summing to its wall time; gputrace's own profiler start and stop apart (`other`)."""
+    truth = tmp_path / "t.json"
+    out = record(tmp_path, "fit", str(ROOT / "tests" / "jobs" / "trainers" / "keras_whole.py"),
+                 str(truth), "--checkpoint", str(tmp_path / "ck"))
+    t = json.loads(truth.read_text())
+    doc = analysis(out)
+    g = doc["goodput"]
+    assert g is not None and g["iterations"] == t["steps"] == 30
+    assert not [c for c in doc["checks"]["violated"] if c["invariant"] == "goodput_sum"]
+    assert sum(g["badput_s"].values()) + g["training_s"] == pytest.approx(g["wall_s"], abs=1e-6)
+    assert all(0 <= v <= 1 for v in [g["goodput"], *g["badput_share"].values()])
+
+    def near(got: float, own_ns: float) -> None:
+        own = own_ns / 1e9
+        assert abs(got - own) <= max(0.10 * own, 0.050), (got, own)
+
+    near(g["badput_s"]["evaluation"], sum(e["end"] - e["start"] for e in t["evals"]))
+    near(g["badput_s"]["checkpointing"], sum(s["end"] - s["start"] for s in t["saves"]))
+    assert g["checkpoint"]["count"] == len(t["saves"])
+    assert g["checkpoint"]["bytes"] == sum(s["bytes"] for s in t["saves"])
+    # the job's own steps hold gputrace's own work at the window's edges (the profiler's
+    # start and its stop with the profile's conversion, at a batch's begin after the job's
+    # callback noted it): gputrace gives that as its own `user` spans, the run's `other`
+    prof = [r for r in load(out).table.to_pylist() if r["kind"] == "span" and r["cat"] ==
+            "user" and r["name"] == "TensorFlow profiler (gputrace)"]
+    assert sorted(json.loads(r["args"])["op"] for r in prof) == ["start", "stop"]
+    ours = sum(r["end_ns"] - r["start_ns"] for r in prof) / 1e9
+    assert g["badput_s"]["other"] >= ours - 1e-6
+    own_training = sum(e - b for b, e in t["step_times"])
+    near(g["training_s"] + ours, own_training)
+    assert g["training_s"] <= own_training / 1e9 + 0.050
+    own = own_training / (t["end"] - t["process_start"])
+    assert abs(g["goodput"] + ours / g["wall_s"] - own) <= 0.02, (g["goodput"], ours, own)
+    # the process's start from the kernel, as the job read it
+    assert g["wall_s"] >= (t["end"] - t["process_start"]) / 1e9 - 0.05

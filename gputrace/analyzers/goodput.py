@@ -31,6 +31,7 @@ CATEGORIES = ("startup", "evaluation", "checkpointing", "data_stalls", "stalls",
               "other")
 SEC = 1e9
 WITHHELD = "the run's goodput and badput"   # the figure invariants.goodput_sum withholds
+UNPROFILED = "step (not profiled)"   # a TensorFlow step outside the profiled window (`user`)
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class Goodput:
     # each category; the seconds of those left out
     bands: tuple[tuple[str, float, float], ...] = ()
     bands_left_out_s: float = 0.0
+    keras_saves: bool = False           # the blocking saves are Keras' (no torch advice)
 
     @property
     def goodput(self) -> float:
@@ -95,8 +97,13 @@ def of_rank(sp: Spans, its: Iterations) -> Goodput | None:
     lo, hi = int(sp.start[run].min()), int(sp.end[run].max())
     if hi <= lo:
         return None
-    first, last = int(its.start.min()), int(its.end.max())
-    train = _clip(ov.union(its.start, its.end), lo, hi)
+    # the training steps: the iterations, and a TensorFlow job's steps outside its profiled
+    # window (steps whose boundaries are known, their phases not)
+    unprofiled = sp.of("user") & (sp.name == _code(sp, UNPROFILED)) & sp.lasting()
+    t0 = np.concatenate([its.start, sp.start[unprofiled]])
+    t1 = np.concatenate([its.end, sp.end[unprofiled]])
+    first, last = int(t0.min()), int(t1.max())
+    train = _clip(ov.union(t0, t1), lo, hi)
     # evaluation batches recorded as iterations (before the first optimizer step, or by an
     # older recorder) are evaluation where training iterations are the run's
     ev_m = sp.of("evaluation") | (sp.of("iteration") & (sp.name == _code(sp, "inference")))
@@ -129,9 +136,9 @@ def of_rank(sp: Spans, its: Iterations) -> Goodput | None:
               "checkpointing": _s(out["checkpointing"]), "data_stalls": _s(out["data_stalls"]),
               "stalls": _s(stalls), "shutdown": _s(shutdown),
               "other": _s(other)}
-    return Goodput((hi - lo) / SEC, _s(train), badput, int(its.start.size),
+    return Goodput((hi - lo) / SEC, _s(train), badput, int(t0.size),
                    _startup_parts(sp, lo, first), _evaluation(sp), _checkpoint(sp),
-                   bands=bands, bands_left_out_s=left)
+                   bands=bands, bands_left_out_s=left, keras_saves=_keras_saves(sp, ck_m))
 
 
 MAX_BANDS = 500     # a category's intervals the report's chart draws at most
@@ -180,6 +187,11 @@ def _evaluation(sp: Spans) -> dict[str, float]:
     return {"passes": n, "batches": b,
             "per_pass_s": float(dp.mean()) if n else float("nan"),
             "per_batch_s": float(db.mean()) if b else float("nan")}
+
+
+def _keras_saves(sp: Spans, m: np.ndarray) -> bool:
+    names = {sp.names[c] for c in np.unique(sp.name[m]) if 0 <= c < len(sp.names)}
+    return bool(names) and all(n.startswith("keras.") for n in names)
 
 
 def _checkpoint(sp: Spans) -> dict[str, float]:
@@ -244,8 +256,9 @@ def findings(g: Goodput | None, disk_write_bytes_per_s: float | None = None
             "evaluation_large", "high" if sh >= 0.25 else "moderate",
             f"evaluation takes {sh:.0%} of the run ({g.badput_s['evaluation']:.2f} s of "
             f"{g.wall_s:.2f} s): {ev['passes']} passes of {ev['per_pass_s']:.2f} s, "
-            f"{ev['batches']} batches of {ev['per_batch_s'] * 1e3:.0f} ms, beside "
-            f"{g.iterations} training steps; evaluating less often or on fewer batches "
+            + (f"{ev['batches']} batches of {ev['per_batch_s'] * 1e3:.0f} ms, "
+               if ev.get("batches") else "")
+            + f"beside {g.iterations} training steps; evaluating less often or on fewer batches "
             "gives the time back to training"))
     sh = g.share("checkpointing")
     if sh >= CHECKPOINT_LARGE and ck.get("count"):
@@ -255,8 +268,11 @@ def findings(g: Goodput | None, disk_write_bytes_per_s: float | None = None
         out.append(Finding(
             "checkpoint_large", "high" if sh >= 0.20 else "moderate",
             f"checkpointing takes {sh:.0%} of the run: {ck['count']} saves or loads of "
-            f"{ck['per_save_s']:.2f} s{moved}; torch.distributed.checkpoint's async_save "
-            "would take the writes off the training loop (only its staging blocks)"))
+            f"{ck['per_save_s']:.2f} s{moved}; " + (
+                "saving less often (ModelCheckpoint's save_freq) or only the best "
+                "(save_best_only) would give the time back to training" if g.keras_saves
+                else "torch.distributed.checkpoint's async_save would take the writes off "
+                "the training loop (only its staging blocks)")))
     sh = g.share("stalls")
     if sh >= STALLS_LARGE:
         out.append(Finding(

@@ -41,11 +41,13 @@ import threading
 from typing import Any
 
 from gputrace.collectors import instrumentation_failed
+from gputrace.collectors.process import install_run_span
 from gputrace.recorder import Recorder
 
 _state: _State | None = None
 _failed: list[str] = []
 DEFAULT_WINDOW = (5, 10)
+PROFILER_SPAN = "TensorFlow profiler (gputrace)"
 
 
 def _fail(where: str, e: BaseException) -> None:
@@ -227,14 +229,22 @@ class _State:
         self._status()
         return True
 
+    def _own(self, op: str, t0: int) -> None:
+        """gputrace's own work at a step boundary (the profiler's start, or its stop and the
+        profile's conversion): a `user` span on the loop's thread, outside the steps (the
+        whole run's `other`)."""
+        self.rec.span("user", PROFILER_SPAN, t0, self.now(), step=-1, args={"op": op})
+
     def start_profiler(self) -> bool:
         if self.skip_multi_worker():
             return False
+        t0 = self.now()
         try:
             import tensorflow as tf
 
             self.logdir = tempfile.mkdtemp(prefix="gputrace-tf-")
             (self.tf_start or tf.profiler.experimental.start)(self.logdir)
+            self._own("start", t0)
         except Exception as e:  # noqa: BLE001 - e.g. a profiler the job started itself
             why = f"{type(e).__name__}: {e}".splitlines()[0]
             self.notes.append(f"TensorFlow's profiler did not start: {why}")
@@ -250,11 +260,13 @@ class _State:
             return
         self.profiling = False
         self.window = None          # one window per process
+        t0 = self.now()
         try:
             import tensorflow as tf
 
             tf.profiler.experimental.stop()
             self._convert()
+            self._own("stop", t0)
         except Exception as e:  # noqa: BLE001 - never break the job
             why = f"{type(e).__name__}: {e}".splitlines()[0]
             self.notes.append(f"profile not converted: {why}")
@@ -331,6 +343,7 @@ def _state_for(rec: Recorder) -> _State:
     if _state is None or _state.rec is not rec:
         _state = _State(rec, os.environ.get("GPUTRACE_TF_STEPS"))
         rec.close_hooks.append(_state.finish)
+        install_run_span(rec)       # the whole run's clock (goodput)
         _state._status()
     return _state
 

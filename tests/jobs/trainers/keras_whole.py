@@ -1,11 +1,13 @@
 """A Keras fit with validation_data, timing itself: a small dense model, `--epochs` epochs of
 `--steps` batches, validation of `--val-batches` batches after each. Its own callback notes
-each batch's begin (`steps`) and each validation's begin and end with its batches
-(`evals[]`: `start`, `end`, `batches`) on time.time_ns's clock (perf_counter, put on it
-once), written to OUT.json. With `--checkpoint DIR`, two ModelCheckpoints: the model each
-epoch (`DIR/model-{epoch}.keras`, `Model.save`) and its weights every `--save-every` batches
-(`DIR/weights-{batch}.weights.h5`, `save_weights`); each timed around its save by the job
-itself (`saves[]`: `start`, `end`, `path`, `bytes` the file's size after the fit).
+each batch's begin (`steps`, and `step_times[]`: each batch's begin and end) and each
+validation's begin and end with its batches (`evals[]`: `start`, `end`, `batches`) on
+time.time_ns's clock (perf_counter, put on it once), written to OUT.json with the process's
+start from the kernel (`process_start`) and the end of main's fit (`end`). With
+`--checkpoint DIR`, two ModelCheckpoints: the model each epoch (`DIR/model-{epoch}.keras`,
+`Model.save`) and its weights every `--save-every` batches (`DIR/weights-{batch}.weights.h5`,
+`save_weights`); each timed around its save by the job itself (`saves[]`: `start`, `end`,
+`path`, `bytes` the file's size after the fit).
 
     python keras_whole.py OUT.json [--epochs 3] [--steps 10] [--val-batches 5]
         [--checkpoint DIR] [--save-every 7]
@@ -23,6 +25,17 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+
+def process_start_ns() -> int:
+    """This process's start on time.time_ns's clock, from the kernel's count of ticks since
+    boot (CLOCK_BOOTTIME)."""
+    with open("/proc/self/stat") as f:
+        ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+    boot, wall = time.clock_gettime_ns(time.CLOCK_BOOTTIME), time.time_ns()
+    return wall - (boot - ticks * 10**9 // os.sysconf("SC_CLK_TCK"))
+
+
+T0_PROCESS = process_start_ns()
 _PC0, _WALL0 = time.perf_counter_ns(), time.time_ns()
 
 
@@ -33,10 +46,15 @@ def now() -> int:
 class Clock(tf.keras.callbacks.Callback):
     def __init__(self) -> None:
         super().__init__()
-        self.truth: dict = {"steps": 0, "evals": []}
+        self.truth: dict = {"steps": 0, "evals": [], "step_times": [],
+                            "process_start": T0_PROCESS}
 
     def on_train_batch_begin(self, batch: int, logs: object = None) -> None:
         self.truth["steps"] += 1
+        self.truth["step_times"].append([now(), 0])
+
+    def on_train_batch_end(self, batch: int, logs: object = None) -> None:
+        self.truth["step_times"][-1][1] = now()
 
     def on_test_begin(self, logs: object = None) -> None:
         self.truth["evals"].append({"start": now(), "batches": 0})
@@ -107,6 +125,7 @@ def main() -> None:
               validation_batch_size=batch, callbacks=callbacks, verbose=0)
     for s in clock.truth.get("saves", []):
         s["bytes"] = os.path.getsize(s["path"])
+    clock.truth["end"] = now()
     with open(a.out, "w") as f:
         json.dump(clock.truth, f)
 
