@@ -204,8 +204,9 @@ def main() -> None:
             if not a.keep:
                 shutil.rmtree(root, ignore_errors=True)
         return
-    ranks = [16, 32] if a.tiny else [int(x) for x in a.ranks.split(",")]
-    top = 2e5 if a.tiny else a.events or 1e8
+    # --tiny: one size, which runs every part of a size (the three ways, the merge) once
+    ranks = [16] if a.tiny else [int(x) for x in a.ranks.split(",")]
+    top = 1e5 if a.tiny else a.events or 1e8
     per_rank = top / max(ranks)
     merge_per_rank = 2e3 if a.tiny else a.merge_events_per_rank
     tmp = tempfile.mkdtemp(prefix="gputrace-scale-")
