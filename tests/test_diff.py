@@ -1,8 +1,8 @@
 """`gputrace diff`: a real CPU training loop (tests/jobs/slowed_phase.py) recorded twice as it
 is and once with a busy wait in its backward; each run times itself with perf_counter, and
-the change the diff reports is compared with the change the loops measured themselves. And
-the sample CNN under 2-rank gloo DDP with two bucket sizes: the same gradient bytes in fewer
-all-reduces, the comm units no longer matching. A loop whose samples are slow to load
+the change the diff reports is compared with the change the loops measured themselves (two
+bucket sizes of DDP, a diff of structure alone: tests/test_diff_buckets.py). A loop whose
+samples are slow to load
 (tests/jobs/timed_loop.py) with 0 and 2 loader workers: the wait for data it measured itself
 goes, and the diff puts the change in the I/O term; that recording beside an imported Kineto
 trace of another job: the terms only one of them has."""
@@ -25,7 +25,6 @@ from tests.test_report import browser  # noqa: E402, F401 - the Chromium fixture
 
 JOB = str(Path(__file__).resolve().parent / "jobs" / "slowed_phase.py")
 LOOP = str(Path(__file__).resolve().parent / "jobs" / "timed_loop.py")
-SAMPLE = str(Path(__file__).resolve().parent.parent / "samples" / "train_cnn.py")
 EXTRA_MS = "8"
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
@@ -314,51 +313,6 @@ def test_bad_input_is_one_line_and_exit_2(runs, tmp_path):
         assert "Traceback" not in p.stderr and not p.stdout
     with pytest.raises(gputrace.AnalysisError):
         gputrace.diff(runs["base"][0], tmp_path / "missing.arrow")
-
-
-@pytest.fixture(scope="module")
-def ddp_buckets(tmp_path_factory):
-    """The sample CNN, 2-rank gloo DDP, with 1 MB buckets and with one bucket (100 MB)."""
-    d = tmp_path_factory.mktemp("ddp")
-    out = []
-    for cap in ("1", "100"):
-        trace = d / f"cap{cap}.arrow"
-        p = run_gputrace("record", "-q", "-o", str(trace), "--", sys.executable, "-m",
-                         "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                         SAMPLE, "--preset", "case2", "--iterations", "10", "--samples", "256",
-                         "--data", str(d / "data"), "--bucket-cap-mb", cap, timeout=600)
-        assert p.returncode == 0, p.stderr[-3000:]
-        out.append(trace)
-    return out
-
-
-def test_ddp_bucket_cap_change_is_seen_in_units_and_all_reduces(ddp_buckets):
-    sys.path.insert(0, str(Path(SAMPLE).parent))
-    from train_cnn import PRESETS, make_model
-
-    cfg = PRESETS["case2"]
-    grads = sum(p.numel() * p.element_size()
-                for p in make_model(cfg["width"], cfg["fc_hidden"], cfg["fc_layers"]
-                                    ).parameters())
-    layers = 3 + cfg["fc_layers"] + 1
-    d = gputrace.diff(*ddp_buckets, progress=False)
-    # another bucketing: no comm unit matches, and the line says so
-    assert not d["comparable"] and "comm units do not match" in d["not_comparable"]
-    assert d["units"]["only_after"] == ["layers " + ",".join(map(str, range(1, layers + 1)))]
-    assert len(d["units"]["only_before"]) > 1
-    # the same gradients all-reduced, in fewer collectives
-    ar = next(r for r in d["collectives"]["top"] if r["name"] == "all_reduce")
-    assert ar["bytes_before"] == pytest.approx(grads, rel=0.01)
-    assert ar["bytes_after"] == pytest.approx(grads, rel=0.01)
-    assert ar["count_after"] == 1 < ar["count_before"]
-    assert d["made"]["argv"][1][-1] == "100" and d["made"]["argv"][0][-1] == "1"
-    assert sorted(d["ranks"]["top"][i]["name"] for i in range(2)) == ["0", "1"]
-    # a run against itself: every bucket matched, no change, each interval holding 0
-    same = gputrace.diff(ddp_buckets[0], ddp_buckets[0], progress=False)
-    units = same["units"]
-    assert units["matched"] == len(d["units"]["only_before"]) and units["top"]
-    for r in units["top"]:
-        assert r["change"] == 0 and r["low"] <= 0 <= r["high"] and not r["beyond_noise"]
 
 
 @pytest.fixture(scope="module")
