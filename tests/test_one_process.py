@@ -183,6 +183,9 @@ def test_what_if_rows_have_labels_that_tell_them_apart(run, tmp_path):
     assert len(labels) >= 3 and len(set(labels)) == len(labels), labels
     assert any(x.startswith("DDP's default (1 MiB first, then 25)") for x in labels), labels
     assert not [ln for ln in text.splitlines() if ln.startswith("  2 GPUs, measured buckets")]
+    # nothing to replay in one process's measured configuration: no '+0.0%' check of it
+    assert "replaying the measured configuration" not in text
+    assert "each prediction is the measured iteration plus the replayed change" in text
 
 
 def test_a_layer_has_one_name_in_the_terminal_diff_and_report(run):

@@ -253,7 +253,7 @@ def render(a: Analysis, rank: int | None = None, file: IO[str] | None = None,
     if ra.sharded is not None:
         pass   # its what-ifs are above
     elif ra.replay is not None and ra.replay.outcomes:
-        render_what_if(con, ra.replay, m.measured_t_iter)
+        render_what_if(con, ra.replay, m.measured_t_iter, one)
     elif ra.replay_unavailable:
         con.print()
         con.print(f"[bold]What if[/]: not replayed: {escape(advise(ra.replay_unavailable))}")

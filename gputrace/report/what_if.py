@@ -26,8 +26,10 @@ def _bucket_label(b: float | None, n: int, measured_units: int) -> str:
         (f" ({n})" if n else "")     # none: not replayed (withheld)
 
 
-def render_what_if(con: Console, rp: Replay, measured: float) -> None:
-    """The replay grid: bucket sizes x GPU counts, then link bandwidth and asked scenarios."""
+def render_what_if(con: Console, rp: Replay, measured: float, solo: bool = False) -> None:
+    """The replay grid: bucket sizes x GPU counts, then link bandwidth and asked scenarios.
+    `solo`: one process without comm, whose replay of the measured configuration is its
+    measured iteration by construction (not said)."""
     con.print()
     grid = [o for o in rp.outcomes if o.scenario.bandwidth_x == 1]
     gpus = sorted({o.scenario.gpus for o in grid})
@@ -70,9 +72,9 @@ def render_what_if(con: Console, rp: Replay, measured: float) -> None:
         con.print(f"  [dim]95 % intervals from resampling the analyzed iterations: within "
                   f"±{w:.0%} (each in --json); * leaves what the run measured (more GPUs, "
                   "another link, units of other sizes)[/]")
-    con.print(f"  [dim]replaying the measured configuration gives {_ms(rp.baseline_t_iter)} "
-              f"({rp.baseline_error:+.1%}); each prediction is the measured iteration plus "
-              "the replayed change[/]")
+    con.print("  [dim]" + ("" if solo else "replaying the measured configuration gives "
+                           f"{_ms(rp.baseline_t_iter)} ({rp.baseline_error:+.1%}); ")
+              + "each prediction is the measured iteration plus the replayed change[/]")
     for a in rp.assumptions:
         con.print(f"  [dim]assumes {escape(a)}[/]")
 
