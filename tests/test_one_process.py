@@ -88,6 +88,13 @@ def test_times_are_in_ms_or_s_and_reads_in_words(run):
     assert not SCIENTIFIC.search(run["text"]), SCIENTIFIC.search(run["text"])
     assert "forward input" not in run["text"]
     assert "batch from the input of Sequential.forward (torch.float32 [8, " in run["text"]
+    # FLOP/s in a unit that puts the figure above 1 on a CPU: GFLOP/s (was 0.000858 TFLOP/s)
+    (fl,) = [ln for ln in run["text"].splitlines() if ln.startswith("FLOPs: ")]
+    rate = run["doc"]["flops"]["ranks"][str(run["doc"]["flops"]["rank"])]["achieved_flops_per_s"]
+    said = re.search(r"GFLOP/iter, ([0-9.]+) (GFLOP/s|TFLOP/s)", fl)
+    assert said and float(said[1]) == pytest.approx(
+        rate / (1e12 if said[2] == "TFLOP/s" else 1e9), rel=5e-3), fl
+    assert (said[2] == "TFLOP/s") == (rate >= 1e12), fl
     bw = [ln for ln in run["text"].splitlines() if ln.startswith("Bandwidth:")]
     for part in bw[0].removeprefix("Bandwidth: ").split("; ") if bw else []:
         # a figure that shows: never "0.0 MB" nor "0 MB/s"

@@ -148,8 +148,9 @@ def line(d: dict[str, Any], advise_probe: bool = True) -> str:
         why = str(d.get("unavailable") or "")
         return "" if not why or "holds no FLOP count" in why else why
     r = d["ranks"].get(str(d["rank"])) or {}
+    rate = r["achieved_flops_per_s"] or 0.0     # a CPU's 0.86 GFLOP/s, not 0.000858 TFLOP/s
     out = (f"FLOPs: {r['model_flops_per_iteration'] / 1e9:,.4g} GFLOP/iter, "
-           f"{(r['achieved_flops_per_s'] or 0) / 1e12:.3g} TFLOP/s")
+           + (f"{rate / 1e12:.3g} TFLOP/s" if rate >= 1e12 else f"{rate / 1e9:.3g} GFLOP/s"))
     for k in ("vendor", "probed"):
         p = d["peaks"].get(k)
         if p is not None and r["mfu"].get(k) is not None:
