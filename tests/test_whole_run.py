@@ -440,6 +440,23 @@ def test_a_validation_pass_before_the_first_step(tmp_path):
         assert r["start_ns"] < (s["start"] + s["end"]) // 2 < r["end_ns"], (r, s)
 
 
+def test_an_optimizer_built_and_never_stepped_leaves_inference_iterations(tmp_path):
+    """The job builds its optimizer, runs its validation pass and no training step
+    (`--eval-first --steps 0`): its 4 batches are an inference iteration each, steps 0..3,
+    within the job's own pass; no evaluation written for them."""
+    truth, out = tmp_path / "t.json", tmp_path / "t.arrow"
+    p = run_gputrace("record", "-q", "-o", str(out), "--", sys.executable, JOB, str(truth),
+                     "--steps", "0", "--eval-first", timeout=300)
+    assert p.returncode == 0, p.stderr
+    t = json.loads(truth.read_text())
+    (e,) = t["evals"]
+    rows = load(out).table.to_pylist()
+    its = spans(rows, "iteration")
+    assert [(r["name"], r["step"]) for r in its] == [("inference", k) for k in range(4)]
+    assert e["start"] <= its[0]["start_ns"] and its[-1]["end_ns"] <= e["end"] + 50_000_000
+    assert not spans(rows, "evaluation")
+
+
 SAVES = Path(JOB).parent / "trainers" / "saves_whole.py"
 
 

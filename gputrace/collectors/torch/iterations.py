@@ -33,7 +33,9 @@ class _Iterations:
 
     Before the first optimizer step, such a micro-batch is an evaluation batch too where the
     job has built an optimizer (a sanity validation before training, as Lightning runs by
-    default; a loop that builds none is inference: an `inference` iteration each)."""
+    default; a loop that builds none is inference: an `inference` iteration each). Those
+    are held until the first step comes (then written as evaluation) or the run ends
+    without one (then an `inference` iteration each: an optimizer built, never stepped)."""
 
     def __init__(self, rec: Recorder) -> None:
         self.rec = rec
@@ -48,6 +50,10 @@ class _Iterations:
         self.pass_to = 0             # ... its last batch's end
         self.pass_batches = 0
         self.fw_pass = False         # inside a framework's evaluation loop
+        # before the first step: the evaluation batches and passes held until it comes
+        # (written as evaluation) or the run ends without one (inference iterations)
+        self.held: list[tuple[int, int]] = []
+        self.held_passes: list[tuple[int, int, int]] = []
         self._reset()
         rec.close_hooks.append(self.finish)
 
@@ -86,7 +92,12 @@ class _Iterations:
                 self.pass_from = self.loader_at if after and self.loader_at else start
             self.pass_to = t
             self.pass_batches += 1
-            rec.close_evaluation(t)
+            if self.seen_step:
+                rec.close_evaluation(t)
+            else:
+                self.held.append((start, t))
+                rec.drop_iteration()
+                rec.open_iteration(t)
         elif evaluating:
             # forward only, without grad, before any optimizer step and without an
             # optimizer: an `inference` iteration (a job that never steps is all of them)
@@ -126,9 +137,21 @@ class _Iterations:
         if self.fw_pass:
             return      # inside a framework's evaluation loop: that one is the pass
         if self.pass_batches:
-            self.rec.span("evaluation", "pass", self.pass_from, self.pass_to, step=-1,
-                          args={"batches": self.pass_batches})
+            if self.seen_step:
+                self.rec.span("evaluation", "pass", self.pass_from, self.pass_to, step=-1,
+                              args={"batches": self.pass_batches})
+            else:
+                self.held_passes.append((self.pass_from, self.pass_to, self.pass_batches))
         self.pass_batches = 0
+
+    def _release(self) -> None:
+        """The first optimizer step ran: the batches held before it were evaluation."""
+        rec = self.rec
+        for a, b in self.held:
+            rec.span("evaluation", "batch", a, b, step=-1)
+        for a, b, n in self.held_passes:
+            rec.span("evaluation", "pass", a, b, step=-1, args={"batches": n})
+        self.held, self.held_passes = [], []
 
     def aside(self, t: int, loader: bool = False) -> None:
         """Something that is no part of a training iteration began at t on the loop's
@@ -175,8 +198,10 @@ class _Iterations:
 
     def stepped(self, t: int) -> None:
         if not self.seen_step:
+            self.end_pass()
             self.seen_step = True
             self.pending = []    # the passes before the first step accumulated into it
+            self._release()
         self.step = True
         self.step_end = t
         if self.rec._iter_start is None:
@@ -188,6 +213,12 @@ class _Iterations:
     def finish(self, t: int) -> None:
         rec = self.rec
         self.end_pass()
+        if not self.seen_step:
+            # no optimizer step came: the held batches were inference, an iteration each
+            for a, b in self.held:
+                rec.span("iteration", "inference", a, b, step=rec.step)
+                rec.step += 1
+            self.held, self.held_passes = [], []
         if rec._iter_start is None:
             return
         if self.step and self.loader:
