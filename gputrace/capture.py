@@ -244,11 +244,16 @@ def on_signal(job: dict[str, Any], count: int) -> None:
 
 
 def describe(r: dict[str, Any]) -> str:
-    who = f"{len(r['ranks'])} rank(s)" if r["ranks"] else f"{r['processes']} process(es)"
-    line = (f"window of {r['count']} iteration(s) from step {r['start']} on {who} of "
+    from gputrace.fmt import count
+
+    n = r["processes"]
+    who = count(len(r["ranks"]), "rank") if r["ranks"] else \
+        f"{n} process{'' if n == 1 else 'es'}"
+    line = (f"window of {count(r['count'], 'iteration')} from step {r['start']} on {who} of "
             f"{r['output']} (record pid {r['record_pid']})")
     if r["unanswered"]:
-        line += f"; process(es) {', '.join(map(str, r['unanswered']))} did not answer"
+        line += (f"; {'process' if len(r['unanswered']) == 1 else 'processes'} "
+                 f"{', '.join(map(str, r['unanswered']))} did not answer")
     return line
 
 

@@ -115,12 +115,16 @@ def test_one_capture_is_one_line_however_many_processes_noted_it(tmp_path):
     try:
         deadline = time.monotonic() + 120
         while True:
-            p = run_gputrace("capture", str(rec.pid), "--steps", "3", "--json", env=env)
+            p = run_gputrace("capture", str(rec.pid), "--steps", "3", env=env)
             if p.returncode == 0 or rec.poll() is not None or time.monotonic() > deadline:
                 break
             time.sleep(1.0)
         assert p.returncode == 0, p.stderr
-        (asked,) = json.loads(p.stdout)
+        # in words: 'iterations', '1 process' or 'N processes' (was 'iteration(s)')
+        said = re.fullmatch(r"window of 3 iterations from step (\d+) on (1 process|[2-9] "
+                            r"processes) of \S+ \(record pid \d+\)\n", p.stdout)
+        assert said, p.stdout
+        asked = {"start": int(said[1])}
     finally:
         _, err = rec.communicate(timeout=300)
     assert rec.returncode == 0, err[-2000:]
@@ -130,6 +134,8 @@ def test_one_capture_is_one_line_however_many_processes_noted_it(tmp_path):
     text = run_gputrace("analyze", "od.arrow", cwd=tmp_path, check=True).stdout
     (line,) = [ln for ln in text.splitlines() if "opened on demand:" in ln]
     assert line.strip() == f"opened on demand: 3 from step {asked['start']}", line
+    (run,) = [ln for ln in text.splitlines() if ln.startswith("The whole run")]
+    assert run.startswith("The whole run: 40 iterations; window on demand: 3 iterations"), run
     assert not SCIENTIFIC.search(text), SCIENTIFIC.search(text)
 
 

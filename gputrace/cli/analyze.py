@@ -54,9 +54,10 @@ def run(args: argparse.Namespace) -> int:
         if flops_line(more["flops"]):
             print(flops_line(more["flops"], advise_probe=not advised))
         if "window" in more:
+            from gputrace.report.solo import one_process
             from gputrace.report.window import render_window
 
-            render_window(more)
+            render_window(more, one=one_process(a))
     if args.report:
         sys.stdout.flush()
         print(write(a, args.report, args.rank, args.trace), file=sys.stderr)

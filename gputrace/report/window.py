@@ -17,7 +17,8 @@ def _t(s: float) -> str:
     return f"{s * 1e3:.1f} ms" if abs(s) < 10 else f"{s:.2f} s"
 
 
-def render_window(w: dict[str, Any], file: IO[str] | None = None) -> None:
+def render_window(w: dict[str, Any], file: IO[str] | None = None, one: bool = False) -> None:
+    """The whole run's series and its window; `one`: one process, no rank to name."""
     con = console(file, None)
     win, run = w["window"], w["run"]
     t = np.array(run["t_iter_s"], float)
@@ -32,7 +33,8 @@ def render_window(w: dict[str, Any], file: IO[str] | None = None) -> None:
               f"({win['first_step']}..{win['last_step']})" if win["iterations"]
               else "no iteration in full detail")
     con.print()
-    con.print(f"[bold]The whole run[/] (rank {run['rank']}): {run['iterations']} iterations; "
+    who = "" if one else f" (rank {run['rank']})"
+    con.print(f"[bold]The whole run[/]{who}: {run['iterations']} iterations; "
               f"window {escape(what)}: {inside}")
     if win.get("captured"):
         con.print("  opened on demand: " + ", ".join(
