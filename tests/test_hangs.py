@@ -55,8 +55,8 @@ def _record(d: Path, sleep: float, *more: str, hang_at: int = HANG_AT,
     return rec, out
 
 
-def _asleep(d: Path, rec: subprocess.Popen) -> dict:
-    """Once rank 1 sleeps: what it wrote, after waiting until READ_AT_S into its sleep."""
+def _asleep(d: Path, rec: subprocess.Popen, read_at_s: float = READ_AT_S) -> dict:
+    """Once rank 1 sleeps: what it wrote, after waiting until `read_at_s` into its sleep."""
     deadline = time.monotonic() + 180
     while not (d / "truth.sleeping").exists():
         assert rec.poll() is None, rec.communicate()[1][-3000:]
@@ -64,7 +64,7 @@ def _asleep(d: Path, rec: subprocess.Popen) -> dict:
         time.sleep(0.05)
     time.sleep(0.05)
     slept = json.loads((d / "truth.sleeping").read_text())
-    time.sleep(max(0.0, slept["wall"] + READ_AT_S - time.time()))
+    time.sleep(max(0.0, slept["wall"] + read_at_s - time.time()))
     return slept
 
 
@@ -181,9 +181,11 @@ def test_a_rank_asleep_before_its_first_collective(tmp_path):
     on: no collective entered yet), `analyze` afterwards as arrived last, rank 0's wait on
     its own clock; the step is none (before the first)."""
     env = {**os.environ, "GPUTRACE_RUN_DIR": str(tmp_path / "run")}
-    rec, out = _record(tmp_path, SLEEP_S, "--on-demand", hang_at=-1)
+    # read 2 s later than the others, the sleep 4 s longer: the ranks leave their start-up
+    # apart (no collective yet to line them up), rank 0 perhaps later than rank 1
+    rec, out = _record(tmp_path, SLEEP_S + 4, "--on-demand", hang_at=-1)
     try:
-        _asleep(tmp_path, rec)
+        _asleep(tmp_path, rec, READ_AT_S + 2)
         p = run_gputrace("capture", str(rec.pid), "--steps", "2", "--json", env=env,
                          timeout=60)
         assert p.returncode == 0, p.stderr
