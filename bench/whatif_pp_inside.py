@@ -3,8 +3,9 @@ tests/jobs/pp_train.py on 2 ranks over gloo runs N iterations at A microbatches,
 then N at A again (`--then B,A`: one schedule over new stages of the same modules per
 block), under `gputrace record --steps 2:N-2` (the first A block in full detail, after two
 iterations of warm-up: every other iteration keeps its time only). The what-if of that
-window at B microbatches (`pp_whatif.predict`, the proportional model `analyze` gives from
-one run) predicts the B block's median iteration on the job's own clock (stage 0's rank,
+window at B microbatches (`pp_whatif.predict`, the model `analyze` gives from one run: the
+compute per microbatch proportional to its size, the schedule's own work per microbatch as
+measured) predicts the B block's median iteration on the job's own clock (stage 0's rank,
 the block's first two iterations left out: a new schedule's first step infers its shapes);
 the second A block against the first says how far the machine's speed moved meanwhile.
 
@@ -78,7 +79,8 @@ def main() -> None:
     print("| schedule | from | to | window t_iter (job) | predicted | measured | error | "
           "first block again (drift) |")
     print("|---|---|---|---|---|---|---|---|")
-    errs = []
+    errs: list[float] = []
+    by: dict[str, list[float]] = {"fewer": [], "more": []}
     for sched in a.schedules.split(","):
         for pair in a.pairs.split(","):
             x, y = (int(v) for v in pair.split(":"))
@@ -93,6 +95,7 @@ def main() -> None:
             pred = pp_whatif.predict(pl, CLASS[sched], y).t_iter
             err = pred / then - 1
             errs.append(err)
+            by["fewer" if y < x else "more"].append(err)
             print(f"| {sched} | {x} | {y} | {first * 1e3:.0f} ms | {pred * 1e3:.0f} ms | "
                   f"{then * 1e3:.0f} ms | {err:+.1%} | {again * 1e3:.0f} ms "
                   f"({again / first - 1:+.1%}) |", flush=True)
@@ -100,6 +103,10 @@ def main() -> None:
         e = np.abs(errs)
         print(f"\n{len(errs)} predictions: median |error| {np.median(e):.1%}, at most "
               f"{e.max():.1%}; within 10 %: {int((e <= 0.10).sum())}")
+        for k, v in by.items():     # what pp_whatif.BAND holds, over this and earlier runs
+            if v:
+                print(f"to {k} microbatches: {len(v)} predictions, {min(v):+.1%} .. "
+                      f"{max(v):+.1%}")
 
 
 if __name__ == "__main__":

@@ -503,6 +503,47 @@ def test_pp_what_if_fitted_with_a_run_at_another_microbatch_count(recorded, tmp_
     assert len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr
 
 
+@pytest.mark.serial
+def test_pp_microbatch_what_if_within_its_measured_band(tmp_path):
+    """One run, no --calibrate, as bench/whatif_pp_inside.py measures it: pp_train.py runs 7
+    GPipe iterations at 4 microbatches, then 7 at 8 (`--then 8`: the same job and modules,
+    one process), recorded with `--steps 2:5` (the first block). The window's what-if at 8
+    microbatches against the second block's median iteration on the job's own clock
+    (stage 0's rank, its first 2 iterations left out): predicted / measured - 1 within the
+    measured error the what-if is given with (its `band`: pp_whatif.BAND's, to more
+    microbatches; the terminal's `measured error` column). The replay of the recorded
+    configuration gives the window's t_iter on the job's clock within 5 %, the schedule's
+    own work per microbatch in it; no band on it."""
+    from gputrace.analyzers.parallel import pp_whatif
+
+    n, settle, prefix = 7, 2, tmp_path / "gpipe"
+    arrow = f"{prefix}.arrow"
+    _cli("record", "-q", "-o", arrow, "--steps", f"{settle}:{n - settle}", "--", PY, "-m",
+         "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         str(JOBS / "pp_train.py"), str(prefix), "--schedule", "gpipe", "--microbatches",
+         "4", "--then", "8", "--iterations", str(n))
+    its = json.loads(Path(f"{prefix}.rank0.json").read_text())["iterations"]
+    assert [i["microbatches"] for i in its] == [4] * n + [8] * n
+
+    def job(block: list[dict]) -> list[float]:
+        return [(i["end"] - i["start"]) / 1e9 for i in block]
+
+    pl = analyze(load(arrow), skip=0).main.parallel["pp"]
+    assert (pl.schedule, pl.microbatches) == ("ScheduleGPipe", 4)
+    own = pp_whatif.predict(pl, pl.schedule, 4)
+    window = float(np.mean(job(its[settle:n])))
+    assert own.band is None and abs(own.t_iter / window - 1) <= ITER_TOL, \
+        (own.t_iter, window)
+    assert all(f > 0 and b > 0 for f, b in pl.own), pl.own
+    (w,) = [w for w in pl.what_if if w.microbatches == 8 and w.schedule == pl.schedule]
+    assert w.band == pp_whatif.BAND["more"]
+    lo, hi = w.band
+    err = w.t_iter / float(np.median(job(its[n + settle:]))) - 1
+    assert lo <= err <= hi, (w.t_iter, job(its[n + settle:]), err, (lo, hi))
+    text = _cli("analyze", arrow).stdout
+    assert "measured error" in text and f"{lo:+.0%} .. {hi:+.0%}" in text
+
+
 # -- expert parallelism -------------------------------------------------------------------
 def test_moe_all_to_alls_are_expert_parallel(recorded):
     """A hot expert (each rank routes 3/4 of its tokens to rank 0's): the all-to-alls are

@@ -13,7 +13,7 @@ import html
 from typing import Any
 
 from gputrace.analyzers import Analysis, RankAnalysis
-from gputrace.analyzers.parallel import pipesim, pp
+from gputrace.analyzers.parallel import pipesim, pp, pp_whatif
 from gputrace.report.charts import PALETTE, WIDTH, Chart, _colour, _columns
 
 BLOCKS = {"forward": ("forward", PALETTE["forward"]),
@@ -112,6 +112,10 @@ def pipeline(a: Analysis, ra: RankAnalysis) -> Chart | None:
                  _pipeline_tables(pl))
 
 
+def _first_up(s: str) -> str:
+    return s[:1].upper() + s[1:]
+
+
 def _pipeline_tables(pl: pp.Pipeline) -> str:
     rows = [[", ".join(str(k) for k in (s.held or (s.stage,)))
              + (" (slowest)" if s.stage == pl.slowest else ""), str(s.rank),
@@ -126,15 +130,24 @@ def _pipeline_tables(pl: pp.Pipeline) -> str:
            "step).</p>"]
     if pl.what_if:
         measured = pl.stages[0].t_iter
+        banded = any(w.band for w in pl.what_if)
         rows = [[w.what, pipesim.SHORT.get(w.schedule, w.schedule), str(w.microbatches),
                  _ms(w.t_iter), f"{w.t_iter / measured:.2f}x" if measured else "",
-                 f"{w.bubble:.0%}"] for w in pl.what_if]
+                 f"{w.bubble:.0%}", *((f"{w.band[0]:+.0%} .. {w.band[1]:+.0%}"
+                                       if w.band else "",) if banded else ())]
+                for w in pl.what_if]
         out += ["<h3>What if: the pipeline replayed on the measured per-microbatch "
                 "times</h3>",
                 _table(rows, ["change", "schedule", "microbatches", "t_iter",
-                              "of measured", "bubble"], "pipeline-what-if"),
+                              "of measured", "bubble",
+                              *(("measured error",) if banded else ())],
+                       "pipeline-what-if"),
                 f'<p class="caption">Measured: {_ms(measured)} per iteration (the first '
-                f"stage's), bubble {pl.bubble:.0%}.</p>", _assumptions(pl.assumptions)]
+                f"stage's), bubble {pl.bubble:.0%}."
+                + (" " + html.escape(_first_up(pp_whatif.band_note(pl.compute))) + "."
+                   if banded else "")
+                + "</p>",
+                _assumptions(pl.assumptions)]
     return "".join(out)
 
 

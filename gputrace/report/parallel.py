@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from gputrace.analyzers import RankAnalysis
-from gputrace.analyzers.parallel import ep_whatif, pipesim
+from gputrace.analyzers.parallel import ep_whatif, pipesim, pp_whatif
 from gputrace.analyzers.parallel.registry import beyond_dp
 
 _SHORT_DIM = {"tp": "TP", "pp": "PP", "ep": "EP", "cp": "CP"}
@@ -138,12 +138,18 @@ def _pp(con: Console, pl) -> None:  # noqa: ANN001 - pp.Pipeline
                   + (f", fitted with the run at {c.calibrated_with} microbatches"
                      if c.calibrated_with else ""),
                   title_justify="left", box=None, padding=(0, 2))
-        for h in ("change", "schedule", "microbatches", "t_iter", "bubble"):
+        banded = any(x.band for x in pl.what_if)
+        for h in ("change", "schedule", "microbatches", "t_iter", "bubble",
+                  *(("measured error",) if banded else ())):
             w.add_column(h, justify="left" if h in ("change", "schedule") else "right")
         for x in pl.what_if:
             w.add_row(x.what, pipesim.SHORT.get(x.schedule, x.schedule), str(x.microbatches),
-                      _ms(x.t_iter), f"{x.bubble:.0%}")
+                      _ms(x.t_iter), f"{x.bubble:.0%}",
+                      *((f"{x.band[0]:+.0%} .. {x.band[1]:+.0%}" if x.band else "",)
+                        if banded else ()))
         con.print(w)
+        if banded:
+            con.print(f"  {pp_whatif.band_note(c)}")
         for a in pl.assumptions:
             con.print(f"  assumes {a}")
         if c.calibrated_with:

@@ -20,7 +20,7 @@ TP_WHAT_IF_COLUMNS = ("rank", "degree", "measured", "t_iter", "speedup", "comput
 STAGE_COLUMNS = ("stage", "rank", "slowest", "schedule", "microbatches", "num_stages",
                  "forward_s", "backward_s", "loss_s", "busy_s", "step_s", "bubble_s",
                  "bubble_share", "waits_s", "p2p_count", "p2p_bytes", "t_iter")
-PIPELINE_WHAT_IF_COLUMNS = ("what", "schedule", "microbatches", "t_iter", "bubble")
+PIPELINE_WHAT_IF_COLUMNS = ("what", "schedule", "microbatches", "t_iter", "bubble", "band")
 EP_COLUMNS = ("rank", "degree", "moe_layers", "count", "bytes", "time_s", "exposed_s",
               "dispatch_count", "dispatch_bytes", "dispatch_exposed_s", "combine_count",
               "combine_bytes", "combine_exposed_s", "peer_bytes", "bytes_over_mean",

@@ -16,7 +16,7 @@ import pyarrow as pa
 
 from gputrace.analyzers.collectives import Rows
 from gputrace.analyzers.frame import Spans
-from gputrace.analyzers.parallel import pipesim, pp_whatif, pporders
+from gputrace.analyzers.parallel import pipesim, pp_fit, pporders
 from gputrace.analyzers.parallel.pp_timeline import (  # noqa: F401 - the report's
     Block,
     Iteration,
@@ -63,6 +63,10 @@ class Stage:
     # per stage held: its forward, backward (weight part included) and the backward's
     # weight part (zero-bubble schedules), per microbatch
     by_stage: dict[int, tuple[float, float, float]] = field(default_factory=dict)
+    # per stage held: the schedule's own work per microbatch around its forward and its
+    # backward (in its chunks around the module's call or autograd, and between its chunks
+    # less its waits), which no microbatch size changes
+    own: dict[int, tuple[float, float]] = field(default_factory=dict)
 
     @property
     def busy_s(self) -> float:
@@ -103,12 +107,21 @@ def analyze(sp: Spans, r: Rows, it_start: np.ndarray, it_end: np.ndarray, sel: n
     head = steps[-1]
     n_it = float(sel.size)
 
+    def of(name: str, stage: int | None) -> np.ndarray:
+        return np.array([n == name and (stage is None or a.get("stage") == stage)
+                         for n, a in zip(names, args, strict=True)], bool)
+
+    def chunk(name: str, stage: int) -> float:
+        """Per microbatch, the stage's `name` chunks (the schedule's own work in them
+        included)."""
+        m = of(name, stage)
+        return float(dur[m].sum() / m.sum()) if m.any() else 0.0
+
     def per_mb(name: str, stage: int | None = None) -> float:
         """Per microbatch, the stage's compute in its `name` chunks (those of `stage`, or
         of every stage held): the module's forward, the backward's autograd (their host
         spans inside the chunks; not the schedule's own work around them)."""
-        m = np.array([n == name and (stage is None or a.get("stage") == stage)
-                      for n, a in zip(names, args, strict=True)], bool)
+        m = of(name, stage)
         if not m.any():
             return 0.0
         cat = "forward" if name == "forward" else "backward"
@@ -133,6 +146,7 @@ def analyze(sp: Spans, r: Rows, it_start: np.ndarray, it_end: np.ndarray, sel: n
         by_stage[k] = (per_mb("forward", k), per_mb("backward", k) + w, w)
 
     step_s = float(dur[np.array([n == "step" for n in names], bool)].sum()) / n_it
+    bubble_s = float(np.mean(terms["t_pp"][sel])) if "t_pp" in terms else 0.0
     stage = int((head.get("stages") or [-1])[0])
     md = md or {}
     p = int(head.get("num_stages") or md.get("num_stages") or 0) or _stages_from(sp, r)
@@ -144,16 +158,21 @@ def analyze(sp: Spans, r: Rows, it_start: np.ndarray, it_end: np.ndarray, sel: n
     waits = np.where(r.wait_s[j] >= 0, r.wait_e[j] - r.wait_s[j], 0) / 1e9
     # a batch_isend_irecv is one record of several sends and receives (args.ops)
     ops = sum(_int(a.get("ops"), 1) for a in _args(sp, r.idx[j]))
+    # the schedule's own work between the chunks (its bubble less its waits), per chunk
+    n_chunks = sum(n in ("forward", "backward", "backward_weight") for n in names) / n_it
+    between = max(bubble_s - float(waits.sum()) / n_it, 0.0) / n_chunks if n_chunks else 0.0
+    own = {k: (max(chunk("forward", k) - f, 0.0) + between,
+               max(chunk("backward", k) + chunk("backward_weight", k) - b, 0.0)
+               + between * (2 if w > 0 else 1)) for k, (f, b, w) in by_stage.items()}
     fwd = sum(f for f, _, _ in by_stage.values()) if held else per_mb("forward")
     bwd = sum(b for _, b, _ in by_stage.values()) if held else \
         per_mb("backward") + per_mb("backward_weight")
     return Stage(sp.rank, stage, str(head.get("schedule", "")),
-                 int(head.get("microbatches", 0)), p, fwd, bwd, loss, step_s,
-                 float(np.mean(terms["t_pp"][sel])) if "t_pp" in terms else 0.0,
+                 int(head.get("microbatches", 0)), p, fwd, bwd, loss, step_s, bubble_s,
                  float(waits.sum()) / n_it, float(ops) / n_it,
                  float(np.nansum(r.nbytes[j])) / n_it, float(np.mean(terms["t_iter"][sel])),
                  _layer_backward(sp, it_start, sel), _blocks(sp, pipe, names, args, stage),
-                 tuple(held), by_stage)
+                 tuple(held), by_stage, own)
 
 
 def _blocks(sp: Spans, pipe: np.ndarray, names: list[str], args: list[dict[str, Any]],
@@ -245,6 +264,9 @@ class Pipeline:
     ranks: int = 0               # the pipeline's ranks (one replica)
     stages_per_rank: int = 1
     weight: tuple[float, ...] = ()    # per stage, the backward's weight part (split ones)
+    # per stage, the schedule's own work per microbatch (forward, backward): the same at
+    # any microbatch size (Stage.own, scaled to the measured step where it outlasts it)
+    own: tuple[tuple[float, float], ...] = ()
     rank_of: tuple[int, ...] = ()     # per stage, its rank (the first replica's)
     replay_note: str = ""        # why the recorded schedule is not replayed
     calibration_used: str = ""   # the calibrating run used, in words
@@ -298,6 +320,8 @@ def combine(stages: list[Stage], extra: list[int] | None = None,
     fwd = [mean(k, lambda x, t: t[0]) for k in range(n)]
     bwd = [mean(k, lambda x, t: t[1]) for k in range(n)]
     wgt = [mean(k, lambda x, t: t[2]) for k in range(n)]
+    own = [tuple(float(np.mean([x.own.get(k, (0.0, 0.0))[i] for x, _ in by[k]]))
+                 for i in (0, 1)) for k in range(n)]
     loss = mean(n - 1, lambda x, t: x.loss_s)
     # the pipeline's makespan is the first stage's step: it starts the first forward and
     # (GPipe, 1F1B) ends the last backward; a later stage's step also holds its wait for
@@ -308,8 +332,13 @@ def combine(stages: list[Stage], extra: list[int] | None = None,
         why = ""
     except ValueError as e:
         lay, why = None, str(e)
-    transfer = pp_whatif.fit(lay, fwd, bwd, wgt, loss, step) if lay else 0.0
-    base = pipesim.run(lay.orders, lay.rank_of, fwd, bwd, wgt, transfer, loss).makespan \
+    # the schedule's own work per microbatch with the compute, the transfer fitted to the
+    # rest (the own work scaled down where the replay with it alone outlasts the step)
+    own, transfer = pp_fit.fit_own(lay, fwd, bwd, wgt, own, loss, step) if lay else \
+        (own, 0.0)
+    f1 = [f + o for f, (o, _) in zip(fwd, own, strict=True)]
+    b1 = [b + o for b, (_, o) in zip(bwd, own, strict=True)]
+    base = pipesim.run(lay.orders, lay.rank_of, f1, b1, wgt, transfer, loss).makespan \
         if lay else step
     outside = mean(0, lambda x, t: x.t_iter - x.step_s)
     slowest = max(st, key=lambda x: x.busy_s).stage
@@ -321,7 +350,7 @@ def combine(stages: list[Stage], extra: list[int] | None = None,
                                               if s.step_s > 0])),
                    per_stage=(tuple(fwd), tuple(bwd), loss, outside),
                    recorded_schedule=recorded, ranks=p, stages_per_rank=v,
-                   weight=tuple(wgt), rank_of=tuple(
+                   weight=tuple(wgt), own=tuple(own), rank_of=tuple(
                        next((x.rank for x in one if k in (x.held or (x.stage,))), -1)
                        for k in range(n)), replay_note=why)
     if lay is None:
@@ -338,7 +367,7 @@ def as_dict(pl: Pipeline) -> dict[str, Any]:
             "slowest_stage": pl.slowest, "transfer_s": pl.transfer_s,
             "replayed_step_s": pl.replayed_step_s,
             "stages": [{k: v for k, v in vars(s).items()
-                        if k not in ("layers", "blocks", "by_stage", "held")} | {
+                        if k not in ("layers", "blocks", "by_stage", "held", "own")} | {
                 "busy_s": s.busy_s, "held": list(s.held or (s.stage,))} for s in pl.stages],
             "ranks": pl.ranks, "stages_per_rank": pl.stages_per_rank,
             "per_stage": [{"stage": k, "rank": r, "forward_s": f, "backward_s": b,
@@ -347,7 +376,8 @@ def as_dict(pl: Pipeline) -> dict[str, Any]:
                                strict=False))],
             "replay_unavailable": pl.replay_note or None,
             "calibration": pl.calibration_used or None,
-            "what_if": [vars(w) for w in pl.what_if], "assumptions": list(pl.assumptions),
+            "what_if": [vars(w) | {"band": list(w.band) if w.band else None}
+                        for w in pl.what_if], "assumptions": list(pl.assumptions),
             "compute": pl.compute.as_dict() | (
                 {"calibration_unused": pl.calibration_note} if pl.calibration_note else {}),
             "headline": pl.headline()}

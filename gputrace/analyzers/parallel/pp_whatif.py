@@ -2,8 +2,11 @@
 the other schedule, or the layers moved between stages to balance them, from each stage's
 compute per microbatch as the microbatch count changes (the global batch kept).
 
-One run gives each stage's time per microbatch at one size: the what-if takes it as
-proportional to the microbatch's size (stated). A second run of the same job at another
+One run gives each stage's time per microbatch at one size: the what-if takes its compute
+(the module's forward, the backward's autograd) as proportional to the microbatch's size
+and the schedule's own work per microbatch (Pipeline.own: around the compute in its chunks
+and between them) as the same at any size (stated), and says how far such a prediction was
+measured from the run it predicts (BAND). A second run of the same job at another
 microbatch count (`analyze --calibrate OTHER`) gives two sizes: each stage's forward,
 backward and loss are then fitted per microbatch as fixed + per-sample,
 t(m) = a + b / m (a: what a microbatch costs whatever its size, as reading the stage's
@@ -24,10 +27,13 @@ if TYPE_CHECKING:
     from gputrace.analyzers.parallel.pp import Pipeline, Stage
 
 PROPORTIONAL = (
-    "the global batch stays: a microbatch's forward and backward take the measured time x "
-    "m/m' (proportional to its size) under either schedule (a smaller microbatch's lower "
-    "efficiency, or a schedule's smaller activation footprint computing faster, is not "
-    "predicted; `--calibrate` with a run at another microbatch count fits it)")
+    "the global batch stays: a microbatch's forward and backward compute (the module's "
+    "forward, the backward's autograd) take the measured time x m/m' (proportional to its "
+    "size) under either schedule, the schedule's own work per microbatch (around them in "
+    "its chunks, and between its chunks less its waits) the measured time at any size (a "
+    "smaller microbatch's lower efficiency inside its compute, or a schedule's smaller "
+    "activation footprint computing faster, is not predicted; `--calibrate` with a run at "
+    "another microbatch count fits it)")
 FITTED = (
     "the global batch stays: each stage's forward, backward and loss per microbatch are "
     "fitted as fixed + per-sample from this run and the calibrating run at {m} "
@@ -45,12 +51,30 @@ FITTED_SEVERAL = (
     "two beyond them: an extrapolation), under any schedule")
 REST = (
     SPLIT_HALF,
-    "a transfer between stages (with the schedule's own work per microbatch) costs what "
-    "replaying the measured schedule needs to give the measured step (fitted once), the "
-    "same per transfer at any microbatch count (latency, not bandwidth, bound)",
+    "a transfer between stages costs what replaying the measured schedule (its own work "
+    "per microbatch included) needs to give the measured step (fitted once), the same per "
+    "transfer at any microbatch count (latency, not bandwidth, bound)",
     "the update and the time outside the schedule's step stay as measured")
 ASSUMPTIONS = (PROPORTIONAL, *REST)
 SAME_BATCH = 0.10   # the two runs' bytes between stages per iteration agree this closely
+# how far a microbatch-count what-if was from the run at that count it predicts:
+# predicted / measured - 1, lowest and highest; of one run (no --calibrate) to fewer
+# microbatches and to more (bench/whatif_pp_inside.py, bench/README.md "Inside one
+# recording"), and fitted with a calibrating run (bench/whatif_pp.py's microbatch pairs,
+# measured before the schedule's own work was modelled: it moved one run's by <= 6.2 points)
+BAND = {"fewer": (-0.036, 0.749), "more": (-0.353, 0.660), "fitted": (-0.240, 0.484)}
+BAND_WHERE = ("GPipe, 1F1B and Interleaved1F1B, 4 <-> 8 <-> 16 microbatches, 2 ranks over "
+              "gloo on a loaded 2-CPU machine")
+
+
+def band_note(c: Compute) -> str:
+    """What the what-ifs' `band` is, in words."""
+    if c.calibrated_with:
+        return ("measured error: how far such a what-if, fitted with a run at another "
+                f"count, was from the run at its count ({BAND_WHERE}; bench/README.md)")
+    return ("measured error: how far such a what-if was from the run at that microbatch "
+            f"count ({BAND_WHERE}; bench/README.md): --calibrate with a run at another "
+            "count fits the compute per microbatch instead")
 
 
 @dataclass(frozen=True)
@@ -61,6 +85,9 @@ class WhatIf:
     t_iter: float
     bubble: float         # share of the iteration (as Pipeline.bubble), mean over stages
     bubble_s: float       # per iteration, mean over stages: replayed step time computing nothing
+    # how far such a what-if was from the run it predicts, measured (BAND): (lowest,
+    # highest) of predicted / measured - 1; None where it was measured within 10 %
+    band: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -90,14 +117,24 @@ class Compute:
     # stage's forward and backward and the loss as measured, m ascending; `at` then takes
     # a + b / m through the two counts nearest m (between them where m lies between two)
     points: tuple[tuple[int, tuple[float, ...], tuple[float, ...], float], ...] = ()
+    # per stage, the schedule's own work per microbatch (forward, backward), measured in
+    # this run: added at any m (Pipeline.own)
+    own: tuple[tuple[float, float], ...] = ()
 
-    def at(self, m: int) -> tuple[list[float], list[float], float]:
+    def at(self, m: int, own: bool = True) -> tuple[list[float], list[float], float]:
+        """Per stage, a microbatch's forward and backward at m (the schedule's own work
+        included unless `own` is False), and the loss."""
         if len(self.points) >= 3:
-            return _piecewise(self.points, m)
-
-        def f(ab: tuple[float, float]) -> float:
-            return ab[0] + ab[1] / m
-        return [f(x) for x in self.forward], [f(x) for x in self.backward], f(self.loss)
+            f0, b0, loss = _piecewise(self.points, m)
+        else:
+            def f(ab: tuple[float, float]) -> float:
+                return ab[0] + ab[1] / m
+            f0, b0, loss = [f(x) for x in self.forward], [f(x) for x in self.backward], \
+                f(self.loss)
+        if own and self.own:
+            f0 = [x + o for x, (o, _) in zip(f0, self.own, strict=True)]
+            b0 = [x + o for x, (_, o) in zip(b0, self.own, strict=True)]
+        return f0, b0, loss
 
     def as_dict(self) -> dict[str, Any]:
         return {"model": "fitted" if self.calibrated_with else "proportional",
@@ -105,7 +142,8 @@ class Compute:
                 "measured_at": [q[0] for q in self.points] or None,
                 "forward": [{"fixed_s": a, "per_batch_s": b} for a, b in self.forward],
                 "backward": [{"fixed_s": a, "per_batch_s": b} for a, b in self.backward],
-                "loss": {"fixed_s": self.loss[0], "per_batch_s": self.loss[1]}}
+                "loss": {"fixed_s": self.loss[0], "per_batch_s": self.loss[1]},
+                "schedule_own": [{"forward_s": f, "backward_s": b} for f, b in self.own]}
 
 
 def _piecewise(points: tuple[tuple[int, tuple[float, ...], tuple[float, ...], float], ...],
@@ -191,22 +229,6 @@ def calibration_of(pl: Pipeline) -> Calibration:
                        float(sum(s.p2p_bytes for s in pl.stages)), pl.schedule)
 
 
-def fit(lay: pporders.Layout, fwd: list[float], bwd: list[float], wgt: list[float],
-        loss: float, measured: float) -> float:
-    """The transfer time with which replaying `lay` gives the measured makespan (0 when
-    even none gives more)."""
-    def span(t: float) -> float:
-        return pipesim.run(lay.orders, lay.rank_of, fwd, bwd, wgt, t, loss).makespan
-
-    if span(0.0) >= measured:
-        return 0.0
-    lo, hi = 0.0, measured
-    for _ in range(50):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if span(mid) < measured else (lo, mid)
-    return (lo + hi) / 2
-
-
 # the schedules a pipeline's what-ifs replay, with their stages per rank
 CANDIDATES = (("ScheduleGPipe", 1), ("Schedule1F1B", 1), ("ScheduleInterleaved1F1B", 2),
               ("ScheduleZBVZeroBubble", 2))
@@ -243,10 +265,32 @@ def what_ifs(pl: Pipeline, stages: list[Stage], extra: list[int] | None = None
 
 def _times(pl: Pipeline, schedule: str, v: int, f: list[float], b: list[float]
            ) -> tuple[list[float], list[float], list[float], pporders.Layout | None]:
-    """Each stage's forward, backward and weight part under `schedule` at v stages per rank:
-    the measured stages' where the layout is the recorded one, else each rank's stages
-    together split evenly over its new stages; the weight part the recorded share of the
-    backward, half of it where the recorded schedule did not split it."""
+    """Each stage's forward, backward and weight part under `schedule` at v stages per rank
+    (`f`, `b`: the stages' compute per microbatch, their schedule's own work apart): the
+    measured stages' where the layout is the recorded one, else each rank's stages'
+    compute together split evenly over its new stages; the weight part the recorded share
+    of the backward, half of it where the recorded schedule did not split it; each stage's
+    own work per microbatch added (its rank's mean over its stages where they change)."""
+    own = list(pl.own) or [(0.0, 0.0)] * len(f)
+    f2, b2, w2, lay = _split(pl, schedule, v, f, b)
+    p = pl.ranks or len(f)
+    place = pporders.placement(schedule, p, v)
+    was = pporders.placement(pl.schedule, p, pl.stages_per_rank) \
+        if pl.schedule in pipesim.SHORT else list(range(len(f)))
+    per = own
+    if place != was:
+        by: dict[int, list[tuple[float, float]]] = {}
+        for k, r in enumerate(was):
+            by.setdefault(r, []).append(own[k])
+        per = [(float(np.mean([x[0] for x in by.get(r, [(0.0, 0.0)])])),
+                float(np.mean([x[1] for x in by.get(r, [(0.0, 0.0)])]))) for r in place]
+    return ([x + o for x, (o, _) in zip(f2, per, strict=True)],
+            [x + o for x, (_, o) in zip(b2, per, strict=True)], w2, lay)
+
+
+def _split(pl: Pipeline, schedule: str, v: int, f: list[float], b: list[float]
+           ) -> tuple[list[float], list[float], list[float], pporders.Layout | None]:
+    """Each stage's compute under `schedule` at v stages per rank (see _times)."""
     p = pl.ranks or len(f)
     share = [w / x if x > 0 else 0.0 for w, x in zip(pl.weight or [0.0] * len(b), b,
                                                       strict=False)]
@@ -279,7 +323,7 @@ def predict(pl: Pipeline, schedule: str, m: int, fwd: list[float] | None = None,
     v = pporders.stages_per_rank(schedule, v or pl.stages_per_rank)
     p = pl.ranks or pl.num_stages
     lay = pporders.layout(schedule, p, v, m)
-    f, b, loss = pl.compute.at(m)
+    f, b, loss = pl.compute.at(m, own=False)
     f, b, w, _ = _times(pl, schedule, v, fwd or f, bwd or b)
     r = pipesim.run(lay.orders, lay.rank_of, f, b, w, pl.transfer_s, loss)
     t_iter = r.makespan + pl.per_stage[3]
@@ -290,7 +334,12 @@ def predict(pl: Pipeline, schedule: str, m: int, fwd: list[float] | None = None,
         what = (f"{m} microbatches" if schedule == pl.schedule and not per else
                 f"{pipesim.SHORT.get(schedule, schedule)} schedule{per}" + (
                     f", {m} microbatches" if m != pl.microbatches else ""))
-    return WhatIf(what, schedule, m, t_iter, idle / t_iter if t_iter > 0 else 0.0, idle)
+    band = None
+    if m != pl.microbatches:
+        band = BAND["fitted" if pl.compute.calibrated_with else
+                    "fewer" if m < pl.microbatches else "more"]
+    return WhatIf(what, schedule, m, t_iter, idle / t_iter if t_iter > 0 else 0.0, idle,
+                  band)
 
 
 def calibrated(pl: Pipeline, cal: Calibration | Sequence[Calibration] | None, stages: list[Stage],
@@ -309,6 +358,7 @@ def calibrated(pl: Pipeline, cal: Calibration | Sequence[Calibration] | None, st
         if c.microbatches in ([q[0] for q in model.points] or [model.calibrated_with]))
     if used:
         used += ": each stage's compute per microbatch fitted through it and this run"
+    model = replace(model, own=tuple(pl.own))
     out = replace(pl, compute=model, calibration_note=why, assumptions=(first, *REST),
                   calibration_used=used)
     return replace(out, what_if=what_ifs(out, stages, extra))

@@ -1,0 +1,51 @@
+"""A pipeline's replay fitted to its measured step: the transfer time between stages, and
+the schedule's own work per microbatch where the replay with it alone outlasts the step, so
+that replaying the measured configuration gives the measured step (pp.combine); the
+what-ifs (pp_whatif) replay other configurations with them."""
+
+from __future__ import annotations
+
+from gputrace.analyzers.parallel import pipesim, pporders
+
+
+def fit(lay: pporders.Layout, fwd: list[float], bwd: list[float], wgt: list[float],
+        loss: float, measured: float) -> float:
+    """The transfer time with which replaying `lay` gives the measured makespan (0 when
+    even none gives more)."""
+    def span(t: float) -> float:
+        return pipesim.run(lay.orders, lay.rank_of, fwd, bwd, wgt, t, loss).makespan
+
+    if span(0.0) >= measured:
+        return 0.0
+    lo, hi = 0.0, measured
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if span(mid) < measured else (lo, mid)
+    return (lo + hi) / 2
+
+
+def fit_own(lay: pporders.Layout, fwd: list[float], bwd: list[float], wgt: list[float],
+            own: list[tuple[float, float]], loss: float, measured: float
+            ) -> tuple[list[tuple[float, float]], float]:
+    """The schedule's own work per microbatch and the transfer time with which replaying
+    `lay` (each forward and backward with its own work) gives the measured makespan: the
+    own work as measured and the transfer fitted to the rest, or, where the replay with
+    the own work alone outlasts the step, the own work scaled down to give it and no
+    transfer."""
+    def with_(k: float) -> tuple[list[float], list[float]]:
+        return ([f + k * o for f, (o, _) in zip(fwd, own, strict=True)],
+                [b + k * o for b, (_, o) in zip(bwd, own, strict=True)])
+
+    def span(k: float) -> float:
+        f, b = with_(k)
+        return pipesim.run(lay.orders, lay.rank_of, f, b, wgt, 0.0, loss).makespan
+
+    if not any(o for pair in own for o in pair) or span(1.0) <= measured:
+        f, b = with_(1.0)
+        return list(own), fit(lay, f, b, wgt, loss, measured)
+    lo, hi = 0.0, 1.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if span(mid) < measured else (lo, mid)
+    k = (lo + hi) / 2
+    return [(k * a, k * b) for a, b in own], 0.0
