@@ -191,10 +191,13 @@ def test_what_if_rows_have_labels_that_tell_them_apart(run, tmp_path):
     text = run_gputrace("analyze", "t.arrow", "--link-bandwidth", "1e9", cwd=d,
                         check=True).stdout
     table = text.split("What if: t_iter from a replay")[1].split("\n")[2:]
-    labels = [ln.split("  ")[1].strip() for ln in table if ln.startswith("  ") and "GPUs" not in ln
-              and ln.strip()[:1].isalpha() and " ms" in ln and ":" not in ln]
+    # the grid's rows: a label, then a column of 'N ms' (or 'withheld') per GPU count
+    labels = [re.split(r"\s{2,}", ln.strip())[0] for ln in table
+              if re.match(r"  \S.*?\s{2,}(\d[\d,.]* ms\*?|withheld)(\s|$)", ln)]
     assert len(labels) >= 3 and len(set(labels)) == len(labels), labels
     assert any(x.startswith("DDP's default (1 MiB first, then 25)") for x in labels), labels
+    # each row's bucket count in words (was a bare '(1)' after the label)
+    assert all(re.search(r": \d+ buckets?$", x) for x in labels if x != "one bucket"), labels
     assert not [ln for ln in text.splitlines() if ln.startswith("  2 GPUs, measured buckets")]
     # nothing to replay in one process's measured configuration: no '+0.0%' check of it
     assert "replaying the measured configuration" not in text

@@ -19,11 +19,12 @@ def _ms(s: float) -> str:
 
 
 def _bucket_label(b: float | None, n: int, measured_units: int) -> str:
+    buckets = f"{n} bucket{'s' if n != 1 else ''}"    # was a bare '(1)'
     if b is None:
         return (f"measured ({n} unit{'s' if n != 1 else ''})" if measured_units
-                else f"{DDP_DEFAULT} ({n})")
+                else f"{DDP_DEFAULT}: {buckets}")
     return f"{'one bucket' if math.isinf(b) else f'bucket_cap_mb={b / MIB:g}'}" + \
-        (f" ({n})" if n else "")     # none: not replayed (withheld)
+        ("" if not n or math.isinf(b) else f": {buckets}")     # none: not replayed (withheld)
 
 
 def render_what_if(con: Console, rp: Replay, measured: float, solo: bool = False) -> None:
