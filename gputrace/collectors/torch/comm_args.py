@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from gputrace.collectors.torch.mesh import mesh_of
+from gputrace.collectors.torch.mesh import made, mesh_of
 
-_groups: dict[Any, str] = {}
+_groups: dict[Any, tuple[int, str]] = {}   # group: (meshes made then, its JSON)
 _c10d: list[Any] = [None]    # torch.distributed.distributed_c10d, once installed
 
 
@@ -59,10 +59,12 @@ _SPECS: dict[str, tuple[str, Any, Any, tuple[int, str]]] = {
 def _group_json(group: Any) -> str:
     """{"size", "ranks" (up to 64), "name", "desc" (its description, e.g. `mesh_tp`), "mesh"
     (its DeviceMesh dimension: collectors.torch.mesh)} of a process group, computed once per
-    group."""
+    group and again after a DeviceMesh is made (a mesh made after the group's first use, as
+    a 1-D mesh over the default group is, names it from then on)."""
     if group is None:
         group = _c10d[0]._world.default_pg
-    s = _groups.get(group)
+    got = _groups.get(group)
+    s = got[1] if got is not None and got[0] == made[0] else None
     if s is None:
         c10d = _c10d[0]
         size = group.size()
@@ -76,7 +78,8 @@ def _group_json(group: Any) -> str:
         mesh = mesh_of(d["name"])
         if mesh is not None:
             d["mesh"] = mesh
-        s = _groups[group] = json.dumps(d, separators=(",", ":"))
+        s = json.dumps(d, separators=(",", ":"))
+        _groups[group] = (made[0], s)
     return s
 
 

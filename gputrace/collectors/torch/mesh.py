@@ -14,6 +14,7 @@ from typing import Any
 from gputrace.collectors.torch.guard import _hook_failed
 
 _meshes: list[weakref.ref[Any]] = []    # in the order they were made
+made = [0]     # meshes made so far: a group's description read before the last one is stale
 _installed = False
 
 
@@ -38,6 +39,7 @@ def install() -> None:
         try:
             _meshes[:] = [r for r in _meshes if r() is not None]
             _meshes.append(weakref.ref(self))
+            made[0] += 1
         except Exception as e:  # noqa: BLE001 - the mesh is made; only its name is lost
             _hook_failed("DeviceMesh", e)
 
