@@ -160,8 +160,8 @@ def test_the_report_advises_probe_once_where_the_terminal_does(run, tmp_path):
     """No probe on this machine: the page's bandwidth and FLOPs captions say there is no
     peak, and the advice to run `gputrace probe` is given once, in the speedup's reason as
     the terminal gives it. With a link bandwidth the speedup is computed: the advice moves
-    to the first caption that lacks a peak (the bandwidth's, as the terminal's bandwidth
-    line), still once."""
+    where the terminal's goes, the bandwidth caption where the terminal shows a bandwidth
+    line, else the FLOPs caption, still once."""
     def said(page: str) -> list[str]:
         return re.findall(r"[^<>]*gputrace probe[^<>]*", page)
 

@@ -19,7 +19,7 @@ from gputrace.analyzers.findings import Finding
 from gputrace.report.charts import Chart, charts, evidence
 from gputrace.report.charts_comm import kinds_table
 from gputrace.report.checks import withheld
-from gputrace.report.solo import ProbeAdvice, iterations_line, solo
+from gputrace.report.solo import ProbeAdvice, iterations_line, shown_links, solo
 from gputrace.report.terminal import STRATEGY, headline, phase_rows
 
 VEGA_LITE = "6.4"      # the Vega-Lite version the specs are written for
@@ -202,9 +202,14 @@ def render(a: Analysis, rank: int | None, script: str, source: str = "",
         reasons["speedup"] = advise(ra.speedup.unavailable)
     if ra.replay_unavailable:
         reasons["what-if"] = advise(ra.replay_unavailable)
-    for c in drawn.values():   # then the captions, as the terminal's bandwidth and FLOPs lines
+    # then the captions, as the terminal's bandwidth and FLOPs lines (no bandwidth line
+    # where no link moved what it can show: the advice is not given there)
+    bw_line = ra.bandwidth is not None and bool(shown_links(ra.bandwidth.links))
+    for c in drawn.values():
+        caption = advise.quiet(c.caption) if c.id == "bandwidth" and not bw_line else \
+            advise(c.caption)
         body.append(f'<section id="{c.id}" class="chart"><h2>{_e(c.title)}</h2>'
-                    f'<p class="caption">{_e(advise(c.caption))}</p>'
+                    f'<p class="caption">{_e(caption)}</p>'
                     f'<div class="vis" id="vis-{c.id}"></div>{c.extra}</section>')
     missing = [f"<li>{_e(what)}: {_e(reasons[k])}</li>" for k, (what, _) in NOT_DRAWN.items()
                if k not in drawn]
