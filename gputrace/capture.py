@@ -203,6 +203,13 @@ def _request(job: dict[str, Any], d: str, count: int, wait_s: float) -> dict[str
         if set(answers) <= set(opened) or time.monotonic() > deadline:
             break
         time.sleep(0.02)
+    if not opened:      # told where, none said it opened: nothing is known to be open
+        why = ("the job has ended" if not _alive(job["pid"]) else
+               "its processes may be ending, or too busy to flush")
+        raise CaptureError(
+            f"{len(answers)} process{'' if len(answers) == 1 else 'es'} of "
+            f"{job.get('output')} answered, but none confirmed the window from step {start} "
+            f"within {wait_s:g} s ({why}): no window is known to be open")
     ranks = sorted({a["rank"] for a in opened.values() if a.get("rank", -1) >= 0})
     waiting = sorted(set(waiting) | (set(answers) - set(opened)))
     return {"output": job.get("output"), "record_pid": job["pid"], "start": start,

@@ -149,3 +149,52 @@ def test_a_full_recording_has_no_window_to_open(tmp_path):
         rec.send_signal(signal.SIGINT)
         rec.communicate(timeout=60)
     assert not any((tmp_path / "run").glob("*.json"))   # unlisted when it ends
+
+
+def test_a_window_no_process_confirms_is_one_line_and_exit_2(tmp_path):
+    """The job's process answers where it stands, then stops (SIGSTOP: a process ending,
+    or too busy to flush) before it says it opened the window: capture says no window is
+    known to be open, in one line, exit 2 (it printed a window 'on 0 processes', exit 0)."""
+    import threading
+
+    env = {**os.environ, "GPUTRACE_RUN_DIR": str(tmp_path / "run")}
+    stop, ready = tmp_path / "stop", tmp_path / "ready"
+    code = ("import os, time, torch\n"
+            "m = torch.nn.Linear(8, 8); o = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+            f"open({str(ready)!r}, 'w').close()\n"
+            f"while not os.path.exists({str(stop)!r}):\n"
+            "    m(torch.randn(4, 8)).sum().backward(); o.step(); o.zero_grad()\n"
+            "    time.sleep(0.01)\n")
+    rec = subprocess.Popen([*GPUTRACE, "record", "-q", "-o", str(tmp_path / "t.arrow"),
+                            "--on-demand", "--", sys.executable, "-c", code],
+                           env=env, stderr=subprocess.PIPE, text=True)
+    stopped: list[int] = []
+    try:
+        _wait(lambda: ready.exists() and any((tmp_path / "run").glob("*.json")), "the loop", 60)
+        shard_dir = Path(json.loads(next((tmp_path / "run").glob("*.json")).read_text())
+                         ["shard_dir"])
+
+        def stop_on_answer() -> None:
+            t = time.monotonic() + 30
+            while time.monotonic() < t and not stopped:
+                for f in shard_dir.glob("capture-*-*.json"):
+                    pid = json.loads(f.read_text())["pid"]
+                    os.kill(pid, signal.SIGSTOP)
+                    stopped.append(pid)
+                    return
+                time.sleep(0.002)
+
+        th = threading.Thread(target=stop_on_answer)
+        th.start()
+        p = run_gputrace("capture", str(rec.pid), "--steps", "3", env=env, timeout=60)
+        th.join()
+        assert stopped, "the job never answered"
+        assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+        assert "none confirmed the window" in p.stderr and "no window is known to be open" \
+            in p.stderr, p.stderr
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+        stop.touch()
+        rec.communicate(timeout=60)
+    assert rec.returncode == 0
