@@ -8,34 +8,14 @@ where the save begins (a `ModelCheckpoint` saving at a batch's end or at the epo
 from __future__ import annotations
 
 import functools
-import os
 import threading
 from typing import Any
 
 from gputrace.collectors import tensorflow as core
+from gputrace.collectors.files import files_at
 from gputrace.collectors.tensorflow import _safe, _State
 
 _depth = threading.local()
-
-
-def _files(path: Any) -> dict[str, tuple[int, int]]:
-    """The file at `path`, or each file under it: (size, mtime ns); {} where none is."""
-    if not isinstance(path, (str, os.PathLike)):
-        return {}
-    path = os.fspath(path)
-    if os.path.isfile(path):
-        st = os.stat(path)
-        return {path: (st.st_size, st.st_mtime_ns)}
-    out: dict[str, tuple[int, int]] = {}
-    for d, _, fs in os.walk(path):
-        for f in fs:
-            p = os.path.join(d, f)
-            try:
-                st = os.stat(p)
-            except OSError:
-                continue
-            out[p] = (st.st_size, st.st_mtime_ns)
-    return out
 
 
 def _path_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -48,14 +28,14 @@ def _begin(state: _State, args: tuple[Any, ...], kwargs: dict[str, Any]
     t0 = state.now()
     if state.fit_aside is not None:
         state.fit_aside(t0)
-    return t0, _files(_path_of(args, kwargs))
+    return t0, files_at(_path_of(args, kwargs))
 
 
 @_safe
 def _end(state: _State, name: str, t0: int, before: dict[str, tuple[int, int]],
          args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     t1 = state.now()
-    after = _files(_path_of(args, kwargs))
+    after = files_at(_path_of(args, kwargs))
     nbytes = sum(size for p, (size, mt) in after.items()
                  if before.get(p) != (size, mt)) if after else None
     state.rec.span("checkpoint", name, t0, t1, step=-1, nbytes=nbytes, args={"op": "save"})

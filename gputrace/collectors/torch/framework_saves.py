@@ -10,29 +10,13 @@ Patched when their modules are imported."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
+from gputrace.collectors.files import files_at
 from gputrace.collectors.torch import checkpoint, lazy
 
 DS_ENGINE = "deepspeed.runtime.engine"
 HF_MODEL = "transformers.modeling_utils"
-
-
-def _files(folder: Any) -> dict[str, tuple[int, int]]:
-    """Each file under `folder`: (size, mtime ns)."""
-    out: dict[str, tuple[int, int]] = {}
-    if not isinstance(folder, (str, os.PathLike)) or not os.path.isdir(folder):
-        return out
-    for d, _, fs in os.walk(folder):
-        for f in fs:
-            p = os.path.join(d, f)
-            try:
-                st = os.stat(p)
-            except OSError:
-                continue
-            out[p] = (st.st_size, st.st_mtime_ns)
-    return out
 
 
 def _folder_of(args: Any, kwargs: Any) -> Any:
@@ -40,12 +24,12 @@ def _folder_of(args: Any, kwargs: Any) -> Any:
 
 
 def _before(args: Any, kwargs: Any) -> dict[str, tuple[int, int]]:
-    return _files(_folder_of(args, kwargs))
+    return files_at(_folder_of(args, kwargs))
 
 
 def _written(args: Any, kwargs: Any, out: Any, before: Any) -> int | None:
     """The bytes of the files the save made or changed under its folder."""
-    after = _files(_folder_of(args, kwargs))
+    after = files_at(_folder_of(args, kwargs))
     if not after:
         return None
     old = before if isinstance(before, dict) else {}
