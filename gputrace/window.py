@@ -22,6 +22,10 @@ _STEPS = re.compile(r"^(\d+):([1-9]\d*)$")
 # only the spans of whole passes (layer < 1), not the layers inside them
 PHASES = ("io", "h2d", "forward", "backward", "update", "comm")
 _KEEP_DECIDED = 4096
+# spans of no iteration kept outside the window too: the process's life, its start-up, its
+# evaluation passes and batches, its checkpoints and its loaders' starts and ends (a few per
+# pass or save), from which the whole run's goodput is told
+WHOLE_RUN = frozenset(("process", "startup", "evaluation", "checkpoint", "loader"))
 
 
 class WindowError(ValueError):
@@ -254,8 +258,9 @@ class Window:
             else:
                 self._iteration(sp, out, out_rows)
         # spans of no iteration by their time, once this flush's iterations gave the window
-        # its times (an evaluation pass between two of its steps, flushed with them)
-        out.extend(sp for sp in timeless if self._in_time(sp[2]))
+        # its times (an evaluation pass between two of its steps, flushed with them); the
+        # whole run's spans wherever they fall (its goodput: analyzers.goodput)
+        out.extend(sp for sp in timeless if sp[0] in WHOLE_RUN or self._in_time(sp[2]))
         if closing:
             for step in sorted(set(self.pending) | set(self.pending_rows)):
                 keep_sp, keep_rows = self.pending.get(step, []), self.pending_rows.get(step, [])

@@ -399,18 +399,44 @@ def test_hf_trainer_with_steps_evaluation_and_checkpoints(tmp_path):
 
 
 def test_a_window_of_steps_counts_training_steps_and_keeps_its_passes(tmp_path):
-    """`record --steps 15:10` records the job's steps 15..24, and the validation pass it ran
-    between steps 19 and 20, on its clock; not the passes outside."""
+    """`record --steps 15:10` records the job's steps 15..24 in full, and every validation
+    pass and save of the run on its clock, inside the window or not; its goodput counts the
+    steps outside the window too (their `run` entries): within 2 points of the job's own,
+    its passes, saves and sleeps (one inside the window, two outside) the job's, the
+    sleeps outside said apart (there a data wait or other work is not told apart)."""
     truth, out = tmp_path / "t.json", tmp_path / "t.arrow"
     p = run_gputrace("record", "-q", "-o", str(out), "--steps", "15:10", "--",
-                     sys.executable, JOB, str(truth), "--steps", "40", timeout=300)
+                     sys.executable, JOB, str(truth), "--steps", "40", "--save-every", "10",
+                     "--stall-every", "10", "--stall-ms", "200", timeout=300)
     assert p.returncode == 0, p.stderr
     t = json.loads(truth.read_text())
     rows = load(out).table.to_pylist()
-    assert [r["step"] for r in spans(rows, "iteration")] == list(range(15, 25))
-    (ps,) = spans(rows, "evaluation", "pass")
-    close((ps["end_ns"] - ps["start_ns"]) / 1e9, (t["evals"][1]["end"] - t["evals"][1]["start"])
-          / 1e9, "the pass after step 19")
+    its = spans(rows, "iteration")
+    assert [r["step"] for r in its] == list(range(15, 25))
+    passes = spans(rows, "evaluation", "pass")
+    assert len(passes) == len(t["evals"]) == 4
+    for ps, e in zip(passes, t["evals"], strict=True):
+        close((ps["end_ns"] - ps["start_ns"]) / 1e9, (e["end"] - e["start"]) / 1e9, "pass")
+    assert len(spans(rows, "checkpoint")) == len(t["saves"]) == 4
+    g = json.loads(run_gputrace("analyze", str(out), "--json", check=True).stdout)["goodput"]
+    assert g["iterations"] == 40
+    assert sum(g["badput_s"].values()) + g["training_s"] == pytest.approx(g["wall_s"],
+                                                                           abs=1e-6)
+    close(g["training_s"], sum(s["end"] - s["start"] for s in t["steps"]) / 1e9, "training")
+    assert abs(g["goodput"] - job_goodput(t)) <= 0.02, (g["goodput"], job_goodput(t))
+    close(g["badput_s"]["startup"], (t["steps"][0]["start"] - t["process_start"]) / 1e9,
+          "start-up")
+    close(g["badput_s"]["evaluation"], sum(e["end"] - e["start"] for e in t["evals"]) / 1e9,
+          "evaluation")
+    close(g["badput_s"]["checkpointing"], sum(s["end"] - s["start"] for s in t["saves"])
+          / 1e9, "checkpointing")
+    close(g["badput_s"]["stalls"], sum(s["end"] - s["start"] for s in t["stalls"]) / 1e9,
+          "stalls")
+    lo, hi = its[0]["start_ns"], its[-1]["end_ns"]
+    outside = [s for s in t["stalls"] if s["end"] <= lo or s["start"] >= hi]
+    assert len(outside) == 2, (t["stalls"], lo, hi)
+    close(g["stalls_outside_window_s"], sum(s["end"] - s["start"] for s in outside) / 1e9,
+          "stalls outside the window")
 
 
 def test_a_validation_pass_before_the_first_step(tmp_path):

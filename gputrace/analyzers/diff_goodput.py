@@ -17,8 +17,8 @@ Interval = Callable[[Sequence[float], Sequence[float]], Noise | None]
 
 
 def _side(ras: Sequence[RankAnalysis]) -> list[Goodput] | None:
-    """Each run's goodput; None where a run has none (recorded before it, imported,
-    windowed) or withheld it."""
+    """Each run's goodput; None where a run has none (recorded before it,
+    imported) or withheld it."""
     out = [r.goodput for r in ras]
     if any(g is None for g in out) or any(WITHHELD in r.withheld for r in ras):
         return None
@@ -28,7 +28,7 @@ def _side(ras: Sequence[RankAnalysis]) -> list[Goodput] | None:
 def goodput(b: RankAnalysis, a: RankAnalysis) -> dict[str, Any] | None:
     """Per category (and the training steps, and the wall time) its seconds before and
     after and the change; one value per run, so no noise interval (`low`, `high` null).
-    None where either run has no goodput (recorded before it, imported, windowed) or
+    None where either run has no goodput (recorded before it, imported) or
     withheld it."""
     return goodput_runs([b], [a], lambda x, y: None)
 

@@ -52,6 +52,9 @@ class Goodput:
     bands: tuple[tuple[str, float, float], ...] = ()
     bands_left_out_s: float = 0.0
     keras_saves: bool = False           # the blocking saves are Keras' (no torch advice)
+    # a windowed recording: the stalls between steps outside its window, where a data wait
+    # or other work of the loop is not recorded, so not told apart from a stall
+    stalls_outside_window_s: float = 0.0
 
     @property
     def goodput(self) -> float:
@@ -67,7 +70,8 @@ class Goodput:
                 "iterations": self.iterations, "startup_parts_s": dict(self.startup_parts_s),
                 "evaluation": {k: _n(v) for k, v in self.evaluation.items()},
                 "checkpoint": {k: _n(v) for k, v in self.checkpoint.items()},
-                "ranks": self.ranks}
+                "ranks": self.ranks,
+                "stalls_outside_window_s": self.stalls_outside_window_s}
 
 
 def _n(x: float) -> float | None:
@@ -100,8 +104,10 @@ def of_rank(sp: Spans, its: Iterations) -> Goodput | None:
     # the training steps: the iterations, and a TensorFlow job's steps outside its profiled
     # window (steps whose boundaries are known, their phases not)
     unprofiled = sp.of("user") & (sp.name == _code(sp, UNPROFILED)) & sp.lasting()
-    t0 = np.concatenate([its.start, sp.start[unprofiled]])
-    t1 = np.concatenate([its.end, sp.end[unprofiled]])
+    # and a windowed recording's iterations outside its window (its `run` entries)
+    o0, o1 = _outside(sp)
+    t0 = np.concatenate([its.start, sp.start[unprofiled], o0])
+    t1 = np.concatenate([its.end, sp.end[unprofiled], o1])
     first, last = int(t0.min()), int(t1.max())
     train = _clip(ov.union(t0, t1), lo, hi)
     # evaluation batches recorded as iterations (before the first optimizer step, or by an
@@ -129,6 +135,7 @@ def of_rank(sp: Spans, its: Iterations) -> Goodput | None:
               & ~sp.of("run"))
     other = ov.intersect(between, work)
     stalls = ov.subtract(between, work)
+    unseen = _s(ov.intersect(stalls, _unrecorded(its.start, its.end, o0, o1)))
     parts = {"training": train, "startup": startup, **out, "stalls": stalls,
              "shutdown": shutdown, "other": other}
     bands, left = _bands(parts, lo)
@@ -138,7 +145,38 @@ def of_rank(sp: Spans, its: Iterations) -> Goodput | None:
               "other": _s(other)}
     return Goodput((hi - lo) / SEC, _s(train), badput, int(t0.size),
                    _startup_parts(sp, lo, first), _evaluation(sp), _checkpoint(sp),
-                   bands=bands, bands_left_out_s=left, keras_saves=_keras_saves(sp, ck_m))
+                   bands=bands, bands_left_out_s=left, keras_saves=_keras_saves(sp, ck_m),
+                   stalls_outside_window_s=unseen)
+
+
+def _outside(sp: Spans) -> tuple[np.ndarray, np.ndarray]:
+    """A windowed recording's training iterations outside its window: its `run` entries'
+    (gputrace.window.pack), starts and ends in ns; an inference batch's are not training."""
+    from gputrace.window import unpack
+
+    idx = np.flatnonzero(sp.of("run") & (sp.name != _code(sp, "inference")))
+    got = [(s, e) for i in idx
+           for _, s, e, _ in unpack(int(sp.start[i]), int(sp.end[i]), int(sp.step[i]),
+                                    sp.args[int(i)].as_py())]
+    if not got:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    a = np.array(got, np.int64)
+    return a[:, 0], a[:, 1]
+
+
+def _unrecorded(i0: np.ndarray, i1: np.ndarray, o0: np.ndarray, o1: np.ndarray
+                ) -> ov.Union:
+    """Between two training steps of which one lies outside the window: where the loop's
+    own spans were folded into its `run` entries (none outside it, none unrecorded)."""
+    if not o0.size:
+        return ov.EMPTY
+    s = np.concatenate([i0, o0])
+    e = np.concatenate([i1, o1])
+    inside = np.concatenate([np.ones(i0.size, bool), np.zeros(o0.size, bool)])
+    order = np.argsort(s, kind="stable")
+    s, e, inside = s[order], e[order], inside[order]
+    gap = ~(inside[:-1] & inside[1:]) & (s[1:] > e[:-1])
+    return ov.union(e[:-1][gap], s[1:][gap])
 
 
 MAX_BANDS = 500     # a category's intervals the report's chart draws at most
@@ -225,7 +263,8 @@ def job(ranks: list[Goodput | None]) -> Goodput | None:
         return got[0]
     return Goodput(sum(g.wall_s for g in got), sum(g.training_s for g in got),
                    {k: sum(g.badput_s[k] for g in got) for k in CATEGORIES},
-                   max(g.iterations for g in got), ranks=len(got))
+                   max(g.iterations for g in got), ranks=len(got),
+                   stalls_outside_window_s=sum(g.stalls_outside_window_s for g in got))
 
 
 def _probed(bytes_per_s: float | None) -> str:
@@ -279,7 +318,10 @@ def findings(g: Goodput | None, disk_write_bytes_per_s: float | None = None
             "stalls_large", "moderate",
             f"{g.badput_s['stalls']:.2f} s ({sh:.0%} of the run) pass between training "
             "steps with nothing recorded at work: waits outside the recorded phases "
-            "(a sleep, a lock, a peer, I/O the loop does itself)"))
+            "(a sleep, a lock, a peer, I/O the loop does itself)"
+            + (f"; {g.stalls_outside_window_s:.2f} s of them outside the recorded window, "
+               "where a data wait or other work is not told apart"
+               if g.stalls_outside_window_s > 0 else "")))
     sh = g.share("startup")
     if sh >= STARTUP_LARGE:
         parts = g.startup_parts_s

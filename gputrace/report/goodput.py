@@ -67,7 +67,11 @@ def render_goodput(con: Any, a: Any, ra: Any) -> None:
               f"{g.goodput:.0%}")
     for k in CATEGORIES:
         if g.badput_s[k] > 0:
-            t.add_row(NAMES.get(k, k), LABELS[k], _s(g.badput_s[k]), f"{g.share(k):.0%}")
+            label = LABELS[k]
+            if k == "stalls" and g.stalls_outside_window_s > 0:
+                label += (f" ({_s(g.stalls_outside_window_s)} outside the window, where data "
+                          "waits and other work are not told apart)")
+            t.add_row(NAMES.get(k, k), label, _s(g.badput_s[k]), f"{g.share(k):.0%}")
     con.print(t)
 
 
