@@ -210,3 +210,61 @@ def test_a_later_unclosed_recording_beside_a_trace_is_pointed_out(tmp_path):
     rc, _, err = _cli("recover", "-f", str(tmp_path / "r.arrow"))
     assert rc == 0, err
     assert "kept" in load(tmp_path / "r.arrow").table.column("name").to_pylist()
+
+
+@pytest.mark.slow
+def test_kill_9_of_a_training_run_then_its_goodput_over_what_it_recorded(tmp_path):
+    """A training run (tests/jobs/run_phases.py, logging each step as it goes) killed with
+    record after 3 s of training, then recovered: its goodput runs from its process's start to the
+    last thing it recorded, said so; its steps, start-up and goodput the job's own over
+    that time (its steps from the log, within 10 % or 50 ms, goodput within 2 points)."""
+    import psutil
+
+    out, log = tmp_path / "run.arrow", tmp_path / "run.log"
+    job = Path(__file__).parent / "jobs" / "run_phases.py"
+    rec = subprocess.Popen([*GPUTRACE, "record", "-q", "-o", str(out), "--", sys.executable,
+                            str(job), str(tmp_path / "t.json"), "--steps", "2000", "--log",
+                            str(log)], stderr=subprocess.PIPE)
+
+    def trained_s() -> float:
+        """Seconds since the job's first step began, from its log."""
+        steps = [ln.split() for ln in (log.read_text().splitlines() if log.exists() else [])
+                 if ln.startswith("step ") and len(ln.split()) == 4]
+        return (int(steps[-1][3]) - int(steps[0][2])) / 1e9 if len(steps) > 1 else 0.0
+
+    # training for 3 s: several of the recorder's flushes (0.8 s apart) behind it
+    deadline = time.time() + 120
+    while time.time() < deadline and trained_s() < 3.0:
+        time.sleep(0.05)
+    procs = [psutil.Process(rec.pid), *psutil.Process(rec.pid).children(recursive=True)]
+    kill_ns = time.time_ns()
+    for p in procs:
+        p.send_signal(signal.SIGKILL)
+    psutil.wait_procs(procs, timeout=30)
+    rec.wait(timeout=30)
+    _released(out)
+    assert run_gputrace("recover", str(out)).returncode == 0
+    lines = [ln.split() for ln in log.read_text().splitlines()]
+    t0 = int(lines[0][1])
+    own = [(int(a[1]), int(a[2]), int(a[3])) for a in lines if a[0] == "step" and len(a) == 4]
+    its = sorted((r for r in load(out).table.to_pylist() if r["cat"] == "iteration"),
+                 key=lambda r: r["start_ns"])
+    n = len(its)
+    assert n >= 1 and [r["step"] for r in its] == list(range(n))
+    g = json.loads(run_gputrace("analyze", str(out), "--json", check=True).stdout)["goodput"]
+    assert g["ends_at"] == "last_record" and g["iterations"] == n
+    assert sum(g["badput_s"].values()) + g["training_s"] == pytest.approx(g["wall_s"],
+                                                                           abs=1e-6)
+
+    def close(got: float, want: float, what: str) -> None:
+        assert abs(got - want) <= max(0.10 * want, 0.050), (what, got, want)
+
+    close(g["training_s"], sum(e - s for _, s, e in own[:n]) / 1e9, "training")
+    close(g["badput_s"]["startup"], (own[0][1] - t0) / 1e9, "start-up")
+    # the end: after the last step it recorded, before the kill
+    hi = t0 + int(g["wall_s"] * 1e9)
+    assert own[n - 1][2] - 50_000_000 <= hi <= kill_ns + 50_000_000, (own[n - 1], hi, kill_ns)
+    mine = sum(max(0, min(e, hi) - s) for _, s, e in own) / (hi - t0)
+    assert abs(g["goodput"] - mine) <= 0.02, (g["goodput"], mine)
+    p = run_gputrace("analyze", str(out))
+    assert "the run was not closed (killed?): its end is the last thing it recorded" in p.stdout

@@ -55,6 +55,9 @@ class Goodput:
     # a windowed recording: the stalls between steps outside its window, where a data wait
     # or other work of the loop is not recorded, so not told apart from a stall
     stalls_outside_window_s: float = 0.0
+    # where the wall time ends: "close" (the recording closed: the `run` span's end), or
+    # "last_record" (a run that never closed, killed then recovered: its last record)
+    ends_at: str = "close"
 
     @property
     def goodput(self) -> float:
@@ -71,7 +74,8 @@ class Goodput:
                 "evaluation": {k: _n(v) for k, v in self.evaluation.items()},
                 "checkpoint": {k: _n(v) for k, v in self.checkpoint.items()},
                 "ranks": self.ranks,
-                "stalls_outside_window_s": self.stalls_outside_window_s}
+                "stalls_outside_window_s": self.stalls_outside_window_s,
+                "ends_at": self.ends_at}
 
 
 def _n(x: float) -> float | None:
@@ -94,11 +98,23 @@ def _s(u: ov.Union) -> float:
 
 def of_rank(sp: Spans, its: Iterations) -> Goodput | None:
     """The rank's goodput and badput; None without the process's `run` span (a trace
-    recorded before it, an import) or without a training iteration."""
+    recorded before it, an import) or without a training iteration. A run that never
+    closed (killed: its shards recovered) has no `run` span but its `start`: its wall
+    time ends at the last thing its training process recorded."""
     run = np.flatnonzero(sp.of("process") & (sp.name == _code(sp, "run")))
+    ends_at = "close"
+    if not run.size:
+        run = np.flatnonzero(sp.of("process") & (sp.name == _code(sp, "start")))
+        ends_at = "last_record"
     if not run.size or its.synthetic or not its.start.size:
         return None
     lo, hi = int(sp.start[run].min()), int(sp.end[run].max())
+    if ends_at == "last_record":
+        # the training process's last record (a loader worker's shard may run on further
+        # than the last batch its parent flushed before the kill: training it did not
+        # record)
+        mine = sp.pid == its.loop[0]
+        hi = max(hi, int(sp.end[mine].max()), int(sp.start[mine].max()))
     if hi <= lo:
         return None
     # the training steps: the iterations, and a TensorFlow job's steps outside its profiled
@@ -146,7 +162,7 @@ def of_rank(sp: Spans, its: Iterations) -> Goodput | None:
     return Goodput((hi - lo) / SEC, _s(train), badput, int(t0.size),
                    _startup_parts(sp, lo, first), _evaluation(sp), _checkpoint(sp),
                    bands=bands, bands_left_out_s=left, keras_saves=_keras_saves(sp, ck_m),
-                   stalls_outside_window_s=unseen)
+                   stalls_outside_window_s=unseen, ends_at=ends_at)
 
 
 def _outside(sp: Spans) -> tuple[np.ndarray, np.ndarray]:
@@ -264,7 +280,8 @@ def job(ranks: list[Goodput | None]) -> Goodput | None:
     return Goodput(sum(g.wall_s for g in got), sum(g.training_s for g in got),
                    {k: sum(g.badput_s[k] for g in got) for k in CATEGORIES},
                    max(g.iterations for g in got), ranks=len(got),
-                   stalls_outside_window_s=sum(g.stalls_outside_window_s for g in got))
+                   stalls_outside_window_s=sum(g.stalls_outside_window_s for g in got),
+                   ends_at="close" if all(g.ends_at == "close" for g in got) else "last_record")
 
 
 def _probed(bytes_per_s: float | None) -> str:

@@ -1,6 +1,8 @@
 """The process's life as recorded: a `process` span named `run`, from the process's start
 as the kernel has it to the recording's end, written when the recorder closes (the whole
-run's clock: analyzers.goodput). Installed once per recorder by the framework collector
+run's clock: analyzers.goodput); and at once a `process` span named `start`, from the same
+start to the recorder's, so that a run that never closes (killed, then `gputrace recover`)
+still has its start. Installed once per recorder by the framework collector
 that comes first (torch's, TensorFlow's)."""
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ def install_run_span(rec: Recorder) -> None:
         return
     start, source = got
     pid = os.getpid()
+    rec.span("process", "start", start, max(start, rec.clock.now_ns()), step=-1,
+             args={"start_from": source})
 
     def run_span(t: int) -> None:
         if os.getpid() == pid:      # not a forked child's (a loader worker's)

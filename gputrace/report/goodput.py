@@ -50,7 +50,9 @@ def goodput_line(a: Any, ra: Any) -> str | None:
     jt = f"; the job's {jg.goodput:.0%} over {jg.ranks} ranks" if jg is not None else ""
     return (f"Goodput {g.goodput:.0%}: training steps took {_s(g.training_s)} of the run's "
             f"{_s(g.wall_s)}{jt}; the largest badput is {NAMES.get(top, top)} "
-            f"({_s(g.badput_s[top])}, {g.share(top):.0%})")
+            f"({_s(g.badput_s[top])}, {g.share(top):.0%})"
+            + ("; the run was not closed (killed?): its end is the last thing it recorded"
+               if g.ends_at == "last_record" else ""))
 
 
 def render_goodput(con: Any, a: Any, ra: Any) -> None:
@@ -59,7 +61,8 @@ def render_goodput(con: Any, a: Any, ra: Any) -> None:
     if g is None or WITHHELD in ra.withheld:
         return
     who = "this process" if one_process(a) else "this rank"
-    t = Table(title=f"The whole run ({_s(g.wall_s)} on {who})", title_justify="left",
+    end = ", to the last thing recorded" if g.ends_at == "last_record" else ""
+    t = Table(title=f"The whole run ({_s(g.wall_s)} on {who}{end})", title_justify="left",
               box=None, padding=(0, 2))
     for c in ("", "", "time", "share"):
         t.add_column(c, justify="right" if c else "left")
@@ -68,6 +71,8 @@ def render_goodput(con: Any, a: Any, ra: Any) -> None:
     for k in CATEGORIES:
         if g.badput_s[k] > 0:
             label = LABELS[k]
+            if k == "shutdown" and g.ends_at == "last_record":
+                label = "the last training step to the last thing recorded"
             if k == "stalls" and g.stalls_outside_window_s > 0:
                 label += (f" ({_s(g.stalls_outside_window_s)} outside the window, where data "
                           "waits and other work are not told apart)")

@@ -3,7 +3,7 @@ N steps, checkpoints and the end, the ground truth of the whole-run (goodput) te
 
     python run_phases.py OUT.json [--steps 40] [--eval-every 10] [--eval-batches 4]
                          [--eval-first] [--save-every 0] [--save-mb 0]
-                         [--stall-every 0 --stall-ms 0] [--ddp] [--async-save]
+                         [--stall-every 0 --stall-ms 0] [--ddp] [--async-save] [--log FILE]
     torchrun --nproc-per-node 2 run_phases.py OUT.json --ddp   (OUT.json: one per rank,
                                                                  OUT.rank<R>.json)
 
@@ -20,7 +20,9 @@ MB saved with the model (a larger checkpoint). `--stall-every N --stall-ms M`: a
 ms after every N-th step, outside any phase (`stalls[]`: `start`, `end`; with `--async-save`
 also each wait for the previous save before the next one). `--eval-first`: a validation
 pass before the first step too (a sanity check, with the optimizer built). OUT ending in
-`.jsonl`: the run's truth appended as one line (repeated runs).
+`.jsonl`: the run's truth appended as one line (repeated runs). `--log FILE`: as it goes,
+line-buffered (a kill -9 keeps it), `start <process start>` then `step <n> <start> <end>`
+per step and `eval <start> <end>` per pass (ns).
 """
 
 from __future__ import annotations
@@ -97,6 +99,7 @@ def main() -> None:
     p.add_argument("--save-mb", type=int, default=0)
     p.add_argument("--stall-every", type=int, default=0)
     p.add_argument("--stall-ms", type=float, default=0.0)
+    p.add_argument("--log")
     a = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -104,6 +107,9 @@ def main() -> None:
                    "stalls": []}
     rank = 0
     ckpt_group = None
+    log = open(a.log, "a", buffering=1) if a.log else None   # noqa: SIM115 - to the end
+    if log is not None:
+        log.write(f"start {T0_PROCESS}\n")
     import torch.distributed as dist
     if a.ddp:
         t0 = now()
@@ -166,6 +172,8 @@ def main() -> None:
                 model(xv)
         model.train()
         truth["evals"].append({"start": t1, "end": now(), "batches": a.eval_batches})
+        if log is not None:
+            log.write(f"eval {t1} {truth['evals'][-1]['end']}\n")
 
     if a.eval_first:
         validate()
@@ -179,6 +187,8 @@ def main() -> None:
         opt.zero_grad()
         float(loss.detach())             # logging
         truth["steps"].append({"step": step, "start": t0, "end": now()})
+        if log is not None:
+            log.write(f"step {step} {t0} {truth['steps'][-1]['end']}\n")
         if a.eval_every and (step + 1) % a.eval_every == 0:
             validate()
         if a.save_every and (step + 1) % a.save_every == 0 and step + 1 < a.steps:
