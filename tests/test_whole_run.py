@@ -70,6 +70,11 @@ def check_rank(rows: list[dict], doc: dict, t: dict, rank: int | None) -> None:
     first = t["steps"][0]["start"]
     before = sum(e["end"] - e["start"] for e in t["evals"] if e["end"] <= first)
     close(g["badput_s"]["startup"], (first - t["process_start"] - before) / 1e9, "start-up")
+    # its parts make it: torch's import (to its return on the job's clock) among them
+    assert sum(g["startup_parts_s"].values()) == pytest.approx(g["badput_s"]["startup"],
+                                                               abs=1e-6)
+    close(g["startup_parts_s"]["torch_import_s"], (t["torch_imported"] - t["process_start"])
+          / 1e9, "torch's import")
     close(g["badput_s"]["evaluation"], sum(e["end"] - e["start"] for e in t["evals"]) / 1e9,
           "evaluation")
     blocking = sum(s["end"] - s["start"] for s in t["saves"]) / 1e9

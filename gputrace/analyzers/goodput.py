@@ -160,7 +160,7 @@ def of_rank(sp: Spans, its: Iterations) -> Goodput | None:
               "stalls": _s(stalls), "shutdown": _s(shutdown),
               "other": _s(other)}
     return Goodput((hi - lo) / SEC, _s(train), badput, int(t0.size),
-                   _startup_parts(sp, lo, first), _evaluation(sp), _checkpoint(sp),
+                   _startup_parts(sp, startup), _evaluation(sp), _checkpoint(sp),
                    bands=bands, bands_left_out_s=left, keras_saves=_keras_saves(sp, ck_m),
                    stalls_outside_window_s=unseen, ends_at=ends_at)
 
@@ -220,14 +220,26 @@ def _background(sp: Spans) -> np.ndarray:
     return sp.name == _code(sp, "dcp.async_save (background)")
 
 
-def _startup_parts(sp: Spans, lo: int, first: int) -> dict[str, float]:
-    """What start-up shows of itself: the distributed initialization, the loaders' start
-    before the first iteration, and the process's time before either (imports, the
-    model's construction: not told apart)."""
-    init = _clip(_u(sp, sp.of("startup") & (sp.name == _code(sp, "init_process_group"))),
-                 lo, first)
-    loader = ov.subtract(_clip(_u(sp, sp.of("loader")), lo, first), init)
-    return {"init_process_group_s": _s(init), "loader_start_s": _s(loader)}
+def _startup_parts(sp: Spans, startup: ov.Union) -> dict[str, float]:
+    """What start-up shows of itself, each part within it: the process's start to torch's
+    import returning (the interpreter, the imports before torch and torch's own; where
+    record saw that import end: the `start` span's `until`), the distributed
+    initialization, the loaders' start before the first iteration, and the rest
+    (`other_s`: the job's other imports and set-up, its model's construction, not told
+    apart)."""
+    init = ov.intersect(
+        _u(sp, sp.of("startup") & (sp.name == _code(sp, "init_process_group"))), startup)
+    loader = ov.subtract(ov.intersect(_u(sp, sp.of("loader")), startup), init)
+    out = {"init_process_group_s": _s(init), "loader_start_s": _s(loader)}
+    seen = ov.merge(init, loader)
+    st = np.flatnonzero(sp.of("process") & (sp.name == _code(sp, "start")))
+    if st.size and '"until":"torch imported"' in (sp.args[int(st[0])].as_py() or ""):
+        imp = ov.subtract(ov.intersect(ov.union(sp.start[st[:1]], sp.end[st[:1]]), startup),
+                          seen)
+        out = {"torch_import_s": _s(imp), **out}
+        seen = ov.merge(seen, imp)
+    out["other_s"] = max(0.0, _s(startup) - _s(seen))
+    return out
 
 
 def _evaluation(sp: Spans) -> dict[str, float]:
@@ -290,6 +302,10 @@ def _probed(bytes_per_s: float | None) -> str:
     return f"{bytes_per_s / 1e6:.0f} MB/s probed (disk write with fsync)"
 
 
+STARTUP_PARTS = {"torch_import_s": "to torch's import (interpreter, imports, torch's own)",
+                 "init_process_group_s": "init_process_group",
+                 "loader_start_s": "the loaders' start"}
+
 # a category's share of the run from which it is a finding
 EVALUATION_LARGE = 0.10
 CHECKPOINT_LARGE = 0.05
@@ -342,11 +358,14 @@ def findings(g: Goodput | None, disk_write_bytes_per_s: float | None = None
     sh = g.share("startup")
     if sh >= STARTUP_LARGE:
         parts = g.startup_parts_s
-        seen = ", ".join(f"{k.removesuffix('_s').replace('_', ' ')} {v:.2f} s"
-                         for k, v in parts.items() if v > 0)
+        seen = ", ".join(f"{STARTUP_PARTS.get(k, k)} {v:.2f} s"
+                         for k, v in parts.items() if v > 0 and k != "other_s")
+        rest = f" ({parts['other_s']:.2f} s)" if "other_s" in parts else ""
         out.append(Finding(
             "startup_large", "info",
             f"start-up takes {sh:.0%} of the run ({g.badput_s['startup']:.2f} s from the "
             f"process's start to the first training step{': ' + seen if seen else ''}; "
-            "the rest imports and the model's construction): a longer run spreads it"))
+            f"the rest{rest} the "
+            "job's other imports and set-up and the model's construction, not told apart): "
+            "a longer run spreads it"))
     return out

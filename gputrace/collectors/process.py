@@ -13,6 +13,9 @@ import time
 from gputrace.recorder import Recorder
 
 _done: list[Recorder] = []     # the recorders whose span is installed
+# the modules whose import record's post-import hook saw end (record.inprocess): their
+# collector installs as their import returns, so its moment is the import's end
+IMPORTED_WHILE_RECORDING: set[str] = set()
 
 
 def process_start_ns(now_ns: int) -> tuple[int, str] | None:
@@ -35,8 +38,10 @@ def process_start_ns(now_ns: int) -> tuple[int, str] | None:
         return None
 
 
-def install_run_span(rec: Recorder) -> None:
-    """The process's `run` span at the recorder's close (once per recorder)."""
+def install_run_span(rec: Recorder, until: str | None = None) -> None:
+    """The process's `run` span at the recorder's close (once per recorder), and its
+    `start` span now; `until`: what this moment is in the job's start-up (torch's collector:
+    "torch imported", installed as torch's import returns)."""
     if any(r is rec for r in _done):
         return
     _done.append(rec)
@@ -45,8 +50,9 @@ def install_run_span(rec: Recorder) -> None:
         return
     start, source = got
     pid = os.getpid()
-    rec.span("process", "start", start, max(start, rec.clock.now_ns()), step=-1,
-             args={"start_from": source})
+    args = {"start_from": source} if until is None else {"start_from": source,
+                                                          "until": until}
+    rec.span("process", "start", start, max(start, rec.clock.now_ns()), step=-1, args=args)
 
     def run_span(t: int) -> None:
         if os.getpid() == pid:      # not a forked child's (a loader worker's)

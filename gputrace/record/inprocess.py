@@ -87,7 +87,13 @@ def _when_imported(name: str, callback: Callable[[ModuleType], None]) -> None:
     if name in sys.modules:
         callback(sys.modules[name])
     else:
-        sys.meta_path.insert(0, _PostImportFinder(name, callback))
+        def imported(module: ModuleType) -> None:
+            from gputrace.collectors import process
+
+            process.IMPORTED_WHILE_RECORDING.add(name)   # its import ends now (start-up)
+            callback(module)
+
+        sys.meta_path.insert(0, _PostImportFinder(name, imported))
 
 
 def _on_tensorflow(tf: ModuleType) -> None:

@@ -11,8 +11,9 @@ A small CNN, a DataLoader with 2 workers for training and one for validation. It
 clocks (perf_counter, put on time.time_ns once): each training step from its batch request
 to the end of its logging (`steps[]`: `start`, `end` ns), each validation pass from the
 loader's start to its end (`evals[]`), each save (`saves[]`: `start`, `end`, `bytes`,
-`kind`), `init` (init_process_group), the process's start from the kernel (/proc, on
-CLOCK_BOOTTIME: 10 ms ticks) and `end` (the last line of main). Single process: `torch.save`
+`kind`), `init` (init_process_group), `torch_imported` (torch's import returned, on
+time.time_ns), the process's start from the kernel (/proc, on CLOCK_BOOTTIME: 10 ms ticks)
+and `end` (the last line of main). Single process: `torch.save`
 of the model and optimizer at the end (and every `--save-every` steps); `--ddp`: 2 ranks
 over gloo, `torch.distributed.checkpoint.save` at the end (`--async-save`: `async_save`
 every `--save-every` steps, waited for before the next one). `--save-mb`: a buffer of that many
@@ -34,6 +35,8 @@ import time
 
 import torch
 from torch.utils.data import DataLoader, Dataset
+
+TORCH_IMPORTED = time.time_ns()     # torch's import returned (its modules above it)
 
 
 def process_start_ns() -> int:
@@ -103,8 +106,8 @@ def main() -> None:
     a = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    truth: dict = {"process_start": T0_PROCESS, "steps": [], "evals": [], "saves": [],
-                   "stalls": []}
+    truth: dict = {"process_start": T0_PROCESS, "torch_imported": TORCH_IMPORTED,
+                   "steps": [], "evals": [], "saves": [], "stalls": []}
     rank = 0
     ckpt_group = None
     log = open(a.log, "a", buffering=1) if a.log else None   # noqa: SIM115 - to the end

@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from gputrace.collectors.process import install_run_span
+from gputrace.collectors.process import IMPORTED_WHILE_RECORDING, install_run_span
 from gputrace.collectors.torch import flight
 from gputrace.collectors.torch.guard import _guarded
 from gputrace.recorder import Recorder
@@ -15,7 +15,7 @@ from gputrace.recorder import Recorder
 
 def install(rec: Recorder, get_state: Any) -> None:
     """The process's `run` span at close (collectors.process); init_process_group timed."""
-    install_run_span(rec)
+    install_run_span(rec, "torch imported" if "torch" in IMPORTED_WHILE_RECORDING else None)
     _patch_init(get_state)
 
 
