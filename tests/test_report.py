@@ -310,9 +310,13 @@ def test_recorded_run_report_in_chromium(browser, tmp_path):
     assert cw["colour"] == ["waiting for peers", "transferring"] and cw["items"]["marks"] == 4
     assert {"disk", "cache"} <= set(state["bandwidth"]["colour"])
     sp = state["speedup"]
-    assert sp["colour"] == [f"model (eq. {doc['speedup']['equation']})", "replay", "ideal"]
-    points = len(doc["speedup"]["points"])
-    assert sp["items"]["concat_0_layer_1_marks"] == 3 * points      # a point per series
+    # the replay's GPU counts as measured (buckets and link as run), those not withheld
+    gpus = [s for s in (doc["what_if"] or {}).get("scenarios", [])
+            if s["bucket_rule"] == "measured" and s["bandwidth_x"] == 1 and not s["withheld"]]
+    assert sp["colour"] == [f"model (eq. {doc['speedup']['equation']})"] + \
+        ["replay"] * bool(gpus) + ["ideal"]
+    points = sum(not p["withheld"] for p in doc["speedup"]["points"])
+    assert sp["items"]["concat_0_layer_1_marks"] == 2 * points + len(gpus)  # a point each
     if replayed:
         wi = state["what-if"]
         # a row withheld (its reason in the JSON and the terminal) has no bar
