@@ -288,12 +288,16 @@ def test_diff_gives_each_category_before_and_after(tmp_path):
     d = json.loads(run_gputrace("diff", str(tmp_path / "before.arrow"),
                                 str(tmp_path / "after.arrow"), "--json", check=True).stdout)
     ev = d["goodput"]["categories"]["evaluation"]
+    own = {}
     for side in ("before", "after"):
         t = docs[side]
-        close(ev[side], sum(e["end"] - e["start"] for e in t["evals"]) / 1e9, side)
+        own[side] = sum(e["end"] - e["start"] for e in t["evals"]) / 1e9
+        close(ev[side], own[side], side)
         assert abs(d["goodput"]["goodput"][side] - job_goodput(t)) <= 0.02
     assert ev["change"] == pytest.approx(ev["after"] - ev["before"])
-    assert ev["change"] > 0
+    # the change the jobs' own clocks give (8 batches against 2 is longer on a quiet
+    # machine; beside a busy neighbour a 2-batch run's passes once took longer)
+    close(ev["change"], own["after"] - own["before"], "change")
     text = run_gputrace("diff", str(tmp_path / "before.arrow"), str(tmp_path / "after.arrow"),
                         check=True).stdout
     assert "The whole run: goodput" in text
