@@ -448,6 +448,36 @@ def test_a_window_of_steps_counts_training_steps_and_keeps_its_passes(tmp_path):
           "stalls outside the window")
 
 
+def test_a_window_that_holds_no_training_step(tmp_path):
+    """`record --delay 60` of a job that ends within seconds: no step in the window, so no
+    per-iteration figure (the trace as one window would be one 'iteration' of the whole
+    run, against the steps' own times); the run's goodput from its steps outside the
+    window, within 2 points of the job's own, its 12 steps and their time the job's."""
+    truth, out = tmp_path / "t.json", tmp_path / "t.arrow"
+    p = run_gputrace("record", "-q", "-o", str(out), "--delay", "60", "--",
+                     sys.executable, JOB, str(truth), "--steps", "12", "--eval-every", "6",
+                     "--eval-batches", "2", timeout=300)
+    assert p.returncode == 0, p.stderr
+    t = json.loads(truth.read_text())
+    assert not spans(load(out).table.to_pylist(), "iteration")
+    a = run_gputrace("analyze", str(out), check=True)
+    assert "Traceback" not in a.stderr
+    text = a.stdout
+    assert "No training iteration in the recorded window: the run's 12 training steps" \
+        in text, text
+    assert "per iteration." not in text and "Where an iteration's time goes" not in text
+    g = json.loads(run_gputrace("analyze", str(out), "--json", check=True).stdout)["goodput"]
+    assert g["iterations"] == 12
+    assert sum(g["badput_s"].values()) + g["training_s"] == pytest.approx(g["wall_s"],
+                                                                           abs=1e-6)
+    close(g["training_s"], sum(s["end"] - s["start"] for s in t["steps"]) / 1e9, "training")
+    assert abs(g["goodput"] - job_goodput(t)) <= 0.02, (g["goodput"], job_goodput(t))
+    close(g["badput_s"]["evaluation"], sum(e["end"] - e["start"] for e in t["evals"]) / 1e9,
+          "evaluation")
+    assert f"Goodput {g['goodput']:.0%}: training steps took" in text
+    assert "12 training steps" in text and "The whole run: 12 iterations" in text
+
+
 def test_a_validation_pass_before_the_first_step(tmp_path):
     """A sanity validation before training (`--eval-first`, the optimizer built): a pass on
     the job's clock, its batches no training iteration, the steps the job's 0..19; a window

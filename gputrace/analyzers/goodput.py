@@ -106,7 +106,12 @@ def of_rank(sp: Spans, its: Iterations) -> Goodput | None:
     if not run.size:
         run = np.flatnonzero(sp.of("process") & (sp.name == _code(sp, "start")))
         ends_at = "last_record"
-    if not run.size or its.synthetic or not its.start.size:
+    # a windowed recording's iterations outside its window (its `run` entries)
+    o0, o1 = _outside(sp)
+    if its.synthetic and o0.size:
+        # a window that holds no training iteration: the steps outside it are the run's
+        its = _loop_of_outside(sp, its)
+    if not run.size or its.synthetic or not (its.start.size or o0.size):
         return None
     lo, hi = int(sp.start[run].min()), int(sp.end[run].max())
     if ends_at == "last_record":
@@ -120,8 +125,6 @@ def of_rank(sp: Spans, its: Iterations) -> Goodput | None:
     # the training steps: the iterations, and a TensorFlow job's steps outside its profiled
     # window (steps whose boundaries are known, their phases not)
     unprofiled = sp.of("user") & (sp.name == _code(sp, UNPROFILED)) & sp.lasting()
-    # and a windowed recording's iterations outside its window (its `run` entries)
-    o0, o1 = _outside(sp)
     t0 = np.concatenate([its.start, sp.start[unprofiled], o0])
     t1 = np.concatenate([its.end, sp.end[unprofiled], o1])
     first, last = int(t0.min()), int(t1.max())
@@ -178,6 +181,14 @@ def _outside(sp: Spans) -> tuple[np.ndarray, np.ndarray]:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
     a = np.array(got, np.int64)
     return a[:, 0], a[:, 1]
+
+
+def _loop_of_outside(sp: Spans, its: Iterations) -> Iterations:
+    """No iteration in the window (its.synthetic: the whole trace as one): none recorded
+    in full, the training loop the thread that wrote the `run` entries."""
+    idx = np.flatnonzero(sp.of("run") & (sp.name != _code(sp, "inference")))
+    none = np.zeros(0, np.int64)
+    return Iterations(none, none, none, False, (int(sp.pid[idx[0]]), int(sp.tid[idx[0]])))
 
 
 def _unrecorded(i0: np.ndarray, i1: np.ndarray, o0: np.ndarray, o1: np.ndarray
@@ -305,6 +316,9 @@ def _probed(bytes_per_s: float | None) -> str:
 STARTUP_PARTS = {"torch_import_s": "to torch's import (interpreter, imports, torch's own)",
                  "init_process_group_s": "init_process_group",
                  "loader_start_s": "the loaders' start"}
+
+# the findings of the run's time beyond its iterations (findings below)
+FINDINGS = ("evaluation_large", "checkpoint_large", "stalls_large", "startup_large")
 
 # a category's share of the run from which it is a finding
 EVALUATION_LARGE = 0.10

@@ -8,7 +8,7 @@ from typing import Any
 from rich.markup import escape
 from rich.table import Table
 
-from gputrace.analyzers.goodput import CATEGORIES, WITHHELD, Goodput, job
+from gputrace.analyzers.goodput import CATEGORIES, FINDINGS, WITHHELD, Goodput, job
 from gputrace.report.solo import one_process
 
 LABELS = {"startup": "start-up (process start to the first training step)",
@@ -94,3 +94,36 @@ def job_dict(a: Any) -> dict[str, Any] | None:
     got = [r.goodput for r in a.ranks.values() if WITHHELD not in r.withheld]
     g = job(got)
     return g.as_dict() if g is not None else None
+
+
+def no_iteration_in_window(ra: Any) -> str | None:
+    """A windowed recording whose window holds no training iteration (the analysis took the
+    whole trace as one): why its per-iteration figures are not given; None otherwise. Its
+    goodput comes from the steps outside the window (their `run` entries)."""
+    g: Goodput | None = ra.goodput
+    if not ra.synthetic_iterations or g is None:
+        return None
+    return (f"No training iteration in the recorded window: the run's {g.iterations} "
+            "training steps all lie outside it (their times only), so the per-iteration "
+            "figures (phases, comm, model, speedup) are not given; the whole run below")
+
+
+def render_run_only(con: Any, a: Any, ra: Any) -> bool:
+    """The terminal for a window with no training iteration: that line, the goodput line
+    and table and their findings; False where the window holds iterations."""
+    why = no_iteration_in_window(ra)
+    if why is None:
+        return False
+    con.print(f"[bold]{escape(why)}[/]")
+    if (good := goodput_line(a, ra)) is not None:
+        con.print(good)
+    render_goodput(con, a, ra)
+    found = [f for f in ra.findings if f.id in FINDINGS]
+    if found:
+        con.print()
+        con.print("[bold]Findings[/]")
+        colors = {"high": "red", "moderate": "yellow", "info": "cyan"}
+        for f in found:
+            con.print(f"  [{colors.get(f.severity, 'white')}]{f.severity:>8}[/]  "
+                      f"{escape(f.message)}")
+    return True

@@ -16,7 +16,7 @@ from gputrace.report import console
 from gputrace.report.checks import render_withheld, shares_withheld
 from gputrace.report.collectives import headline_case, render_kinds, render_sharded
 from gputrace.report.device import busy_line
-from gputrace.report.goodput import goodput_line, render_goodput
+from gputrace.report.goodput import goodput_line, render_goodput, render_run_only
 from gputrace.report.parallel import render_parallel
 from gputrace.report.solo import ProbeAdvice, iterations_line, link_text, shown_links, solo
 from gputrace.report.throughput import rate_text, throughput_line
@@ -133,6 +133,8 @@ def render(a: Analysis, rank: int | None = None, file: IO[str] | None = None,
     con = console(file, width)
     ra = a.ranks[rank] if rank is not None else a.main
     one, advise = solo(a, ra), ProbeAdvice()
+    if render_run_only(con, a, ra):      # no training iteration in the window
+        return advise.given
     con.print(f"[bold]{escape(headline(ra))}[/]")
     if (good := goodput_line(a, ra)) is not None:
         con.print(good)
