@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -223,3 +225,40 @@ def test_imported_traces_without_replayable_comm_say_why(shared_data, name, why)
 def test_a_link_bandwidth_does_not_replay_comm_whose_bytes_are_unknown(shared_data):
     d = _analyze_json(str(shared_data / "kineto/two_rank"), "--link-bandwidth", "10e9")
     assert d["what_if"] is None and "no bytes to move" in d["what_if_unavailable"]
+
+
+def _table_worst(kind: str) -> float:
+    """The worst |error| bench/README.md's what-if table gives a kind's row (in %)."""
+    readme = (Path(__file__).parents[1] / "bench" / "README.md").read_text()
+    row = next(x for x in readme.splitlines() if x.startswith(f"| {kind} |"))
+    return float(re.search(r"worst ([\d.]+) %", row).group(1))
+
+
+def test_what_ifs_of_a_kind_measured_beyond_10_percent_carry_the_tables_band(tmp_path):
+    """Bucket sizes, the link and other GPU counts were measured off by more than 10 % (bench/
+    README.md's what-if table, its worst |error| per kind): each such prediction carries that
+    band in --json and beside it in the terminal, never bare; the run's own configuration,
+    its measurement, none."""
+    path = ddp_iterations(Builder(), CASE2_UNITS).write(tmp_path / "t.arrow", world_size=2)
+    w = json.loads(run_gputrace("analyze", str(path), "--json", check=True).stdout)["what_if"]
+    worst = {"cap": _table_worst("DDP bucket size"), "gpus": _table_worst("GPU count"),
+             "link": _table_worst("link bandwidth (DDP)")}
+    assert min(worst.values()) > 10
+    for s in w["scenarios"]:
+        kind = "gpus" if s["gpus"] != 2 else "link" if s["bandwidth_x"] != 1 else \
+            "cap" if s["bucket_rule"] != "measured" else None
+        if kind is None:
+            assert s["band"] is None and s["band_source"] is None, s
+            continue
+        assert s["band"] == pytest.approx([-worst[kind] / 100, worst[kind] / 100]), s
+        assert s["band_source"] == "bench/whatif.py"
+    text = run_gputrace("analyze", str(path), check=True).stdout
+    grid = text[text.index("What if"):text.index("withheld")]
+    row = next(x for x in grid.splitlines() if "bucket_cap_mb=1:" in x)
+    # every prediction of the row, at 2 GPUs and at more, has its band beside it
+    cells = re.findall(r"[\d.]+ ms\*? (±[\d.]+ %)", row)
+    assert cells[0] == f"±{worst['cap']:.1f} %" and len(cells) == len(row.split(" ms")) - 1
+    assert set(cells[1:]) == {f"±{worst['gpus']:.1f} %"}, row
+    link = next(x for x in text.splitlines() if "link x0.5:" in x)
+    assert link.endswith(f"measured error ±{worst['link']:.1f} %"), link
+    assert f"measured error ±{worst['cap']:.1f} % (bench/whatif.py, bench/README.md)" in text

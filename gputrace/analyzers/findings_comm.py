@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from gputrace.analyzers import whatif_bands
 from gputrace.analyzers.collectives import PARALLEL
 from gputrace.analyzers.findings import Finding
 
@@ -44,7 +45,8 @@ def shd_findings(p: Any, missing: str | None) -> list[Finding]:
             out.append(Finding(
                 "fsdp_what_if", "moderate",
                 f"Replay: {best.label} would take {best.t_iter * 1e3:.1f} ms per iteration "
-                f"instead of {t_iter * 1e3:.1f} ms ({best.t_iter / t_iter - 1:+.0%})."))
+                f"instead of {t_iter * 1e3:.1f} ms ({best.t_iter / t_iter - 1:+.0%})"
+                f"{whatif_bands.said(whatif_bands.kind_of_label(best.label))}."))
     # the other dimensions' collectives have their own sections (analyzers.parallel)
     other = [k for k in p.collectives.kinds if not k.gradient and k.dim not in PARALLEL]
     if other and sh is None:

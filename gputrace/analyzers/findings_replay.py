@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from gputrace.analyzers import frame as fr
+from gputrace.analyzers import whatif_bands
 from gputrace.analyzers.findings import Finding
 from gputrace.analyzers.replay import MIB, Replay
 from gputrace.analyzers.steps import RankSteps
@@ -50,7 +51,8 @@ def _replay_findings(rp: Replay | None, world: int) -> list[Finding]:
                     f"Replay: {what} ({best.buckets} units) would take "
                     f"{best.t_iter * 1e3:.1f} ms per iteration instead of "
                     f"{rp.measured_t_iter * 1e3:.1f} ms ({-gain:+.0%}), exposing "
-                    f"{best.exposed_s * 1e3:.1f} ms of comm after backward.")]
+                    f"{best.exposed_s * 1e3:.1f} ms of comm after backward"
+                    f"{whatif_bands.said(rp.kind(best))}.")]
 
 
 REPLAY_SAYS = " The what-if replay shows what other bucket sizes or a faster link would change."
@@ -96,11 +98,13 @@ def _agree(findings: list[Finding], rp: Replay | None, world: int) -> list[Findi
                 if best.t_iter < 0.98 * rp.measured_t_iter:
                     msg = (f"{head}: smaller buckets would shorten it (replay: "
                            f"{best.scenario.label}, {best.t_iter * 1e3:.1f} ms against "
-                           f"{rp.measured_t_iter * 1e3:.1f} ms measured).")
+                           f"{rp.measured_t_iter * 1e3:.1f} ms measured"
+                           f"{whatif_bands.said(rp.kind(best))}).")
                 else:
                     msg = (f"{head}; the replay finds no bucket size that shortens the "
                            f"iteration (best: {best.scenario.label}, {best.t_iter * 1e3:.1f} "
-                           f"ms against {rp.measured_t_iter * 1e3:.1f} ms measured).")
+                           f"ms against {rp.measured_t_iter * 1e3:.1f} ms measured"
+                           f"{whatif_bands.said(rp.kind(best))}).")
                 f = Finding(f.id, f.severity, msg)
         out.append(f)
     return out

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from gputrace.analyzers import whatif_bands
 from gputrace.analyzers.model import ModelResult, unit_stats
 from gputrace.analyzers.replay_inputs import (
     busy_beside_backward,
@@ -112,6 +113,12 @@ class Replay:
     outcomes: list[Outcome]
     assumptions: list[str] = field(default_factory=list)
     contention_s: float = 0.0       # backward time per iteration the measured comm took
+    world: int = 1                  # the ranks that ran (a scenario of others: a GPU count)
+
+    def kind(self, o: Outcome) -> str | None:
+        """An outcome's what-if kind (analyzers.whatif_bands; None: the run's own)."""
+        s = o.scenario
+        return whatif_bands.kind_of_scenario(s.gpus, self.world, s.bandwidth_x, s.bucket_bytes)
 
 
 # -- the plan of one set of iterations, and its predictions ----------------------------------
@@ -365,7 +372,7 @@ def replay(rs: RankSteps, sel: np.ndarray, m: ModelResult, world: int, gpus: Seq
                                 s.gpus * one_gpu / t_iter if t_iter > 0 else 0.0,
                                 lo, hi, reference, _extrapolation(s, world, p)))
     return Replay(cost, p.b_end_measured, p.measured_t_iter, baseline, err, layers_known,
-                  len(p.units), outcomes, assumptions, p.contention_s)
+                  len(p.units), outcomes, assumptions, p.contention_s, max(world, 1))
 
 
 def _intervals(rs: RankSteps, sel: np.ndarray, m: ModelResult, world: int,

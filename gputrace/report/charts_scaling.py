@@ -3,10 +3,12 @@ the replay), and the what-if predictions with their intervals."""
 
 from __future__ import annotations
 
+import html
 import math
 from typing import Any
 
 from gputrace.analyzers import RankAnalysis
+from gputrace.analyzers import whatif_bands as wb
 from gputrace.analyzers.replay import MIB, Scenario
 from gputrace.fmt import DDP_DEFAULT
 from gputrace.report.charts import WIDTH, Chart, _colour, _columns, _ms, _rule
@@ -80,7 +82,8 @@ def what_if(ra: RankAnalysis) -> Chart | None:
                                for o in outs],
                           high=[None if math.isnan(o.high) else round(o.high * 1e3, 4)
                                 for o in outs],
-                          extrapolated=[o.extrapolated or "no" for o in outs])
+                          extrapolated=[o.extrapolated or "no" for o in outs],
+                          error=[wb.cell(rp.kind(o)) or "-" for o in outs])
     x = {"field": "gpus", "type": "ordinal", "title": "GPUs"}
     offset = {"field": "config", "type": "nominal", "sort": configs}
     spec = {
@@ -104,7 +107,8 @@ def what_if(ra: RankAnalysis) -> Chart | None:
                              {"field": "speedup", "format": ".2f"},
                              {"field": "low", "format": ".1f", "title": "95 % from (ms)"},
                              {"field": "high", "format": ".1f", "title": "95 % to (ms)"},
-                             {"field": "extrapolated"}]}},
+                             {"field": "extrapolated"},
+                             {"field": "error", "title": "measured error"}]}},
             {"data": data, "transform": [*flat, {"filter": "isValid(datum.low)"}],
              "mark": {"type": "rule", "color": "black", "strokeWidth": 1.5},
              "encoding": {"x": x, "xOffset": offset,
@@ -117,7 +121,10 @@ def what_if(ra: RankAnalysis) -> Chart | None:
                  "Each bar is the measured iteration plus the replayed change of its gradient "
                  "tail, with its 95 % interval from resampled iterations (dashed: measured "
                  "t_iter); faded bars extrapolate past what the run measured: a lower bar at "
-                 "the run's own GPU count is a setting worth trying.", spec)
+                 "the run's own GPU count is a setting worth trying."
+                 + "".join(f" {html.escape(x[:1].upper() + x[1:])}."
+                         for x in wb.note([rp.kind(o) for o in outs])),
+                 spec)
 
 
 # which chart shows the evidence of each finding (by id, or id prefix ending in "_")

@@ -10,6 +10,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from gputrace.analyzers import RankAnalysis
+from gputrace.analyzers import whatif_bands as wb
 from gputrace.analyzers.collective_totals import KindTotal
 from gputrace.report.parallel import dims_headline
 
@@ -105,16 +106,21 @@ def render_sharded(con: Console, ra: RankAnalysis) -> None:
     con.print()
     w = Table(title="What if: t_iter from a replay of the measured sharded timeline",
               title_justify="left", box=None, padding=(0, 2))
-    for h in ("change", "t_iter", "95 % interval", "vs measured", "exposed"):
+    kinds = [wb.kind_of_label(o.label) for o in sh.what_if]
+    # a kind measured off by more than 10 % is shown with its band (analyzers.whatif_bands)
+    errs = [wb.cell(k) for k in kinds]
+    banded = any(e and not o.withheld for e, o in zip(errs, sh.what_if, strict=True))
+    for h in ("change", "t_iter", "95 % interval", "vs measured", "exposed",
+              *(("measured error",) if banded else ())):
         w.add_column(h, justify="left" if h == "change" else "right")
     m = sh.model.measured_t_iter
-    for o in sh.what_if:
+    for o, e in zip(sh.what_if, errs, strict=True):
         if o.withheld:
-            w.add_row(escape(o.label), "withheld", "-", "-", "-")
+            w.add_row(escape(o.label), "withheld", "-", "-", "-", *(("-",) if banded else ()))
             continue
         iv = "-" if math.isnan(o.low) else f"[{_ms(o.low)}, {_ms(o.high)}]"
         w.add_row(escape(o.label), _ms(o.t_iter), iv, f"{o.t_iter / m - 1:+.0%}" if m else "-",
-                  _ms(o.exposed_s))
+                  _ms(o.exposed_s), *((e,) if banded else ()))
     con.print(w)
     held = [o for o in sh.what_if if o.withheld]
     if held:
@@ -124,5 +130,7 @@ def render_sharded(con: Console, ra: RankAnalysis) -> None:
     con.print(f"  [dim]replaying the measured configuration gives {_ms(sh.baseline_t_iter)} "
               f"({sh.baseline_error:+.1%}); each prediction is the measured iteration plus the "
               "replayed change[/]")
+    for line in wb.note([k for k, o in zip(kinds, sh.what_if, strict=True) if not o.withheld]):
+        con.print(f"  [dim]{escape(line)}[/]")
     for a in sh.assumptions:
         con.print(f"  [dim]assumes {escape(a)}[/]")

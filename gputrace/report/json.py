@@ -9,6 +9,7 @@ from gputrace.analyzers import Analysis, RankAnalysis
 from gputrace.analyzers.invariants import INVARIANTS
 from gputrace.analyzers.outliers import Outlier
 from gputrace.analyzers.replay import Replay
+from gputrace.analyzers.whatif_bands import band_keys
 from gputrace.report.goodput import goodput_dict, job_dict
 from gputrace.report.json_comm import collectives_dict, parallelism_dict, sharded_dict
 
@@ -112,7 +113,8 @@ def _what_if(rp: Replay | None) -> dict[str, Any] | None:
                        "speedup": _num(o.speedup),
                        "t_iter_low": _num(o.low), "t_iter_high": _num(o.high),
                        "reference_t_iter": _num(o.reference_t_iter),
-                       "extrapolated": o.extrapolated, "withheld": o.withheld}
+                       "extrapolated": o.extrapolated, "withheld": o.withheld,
+                       **band_keys(rp.kind(o))}
                       for o in rp.outcomes],
     }
 

@@ -9,6 +9,7 @@ import math
 from typing import Any
 
 from gputrace.analyzers import RankAnalysis
+from gputrace.analyzers.whatif_bands import band_keys, kind_of_label
 
 
 def _num(x: float | None) -> float | None:
@@ -60,7 +61,8 @@ def sharded_dict(ra: RankAnalysis) -> dict[str, Any] | None:
                    "prefetched": u.prefetched} for u in sh.units],
         "what_if": [{"label": w.label, "t_iter": _num(w.t_iter), "t_iter_low": _num(w.low),
                      "t_iter_high": _num(w.high), "exposed_s": _num(w.exposed_s),
-                     "comm_s": _num(w.comm_s), **w.knobs, "withheld": w.withheld}
+                     "comm_s": _num(w.comm_s), **w.knobs, "withheld": w.withheld,
+                     **band_keys(kind_of_label(w.label))}
                     for w in sh.what_if],
     }
 

@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from gputrace.analyzers import whatif_bands as wb
 from gputrace.analyzers.replay import MIB, Outcome, Replay
 from gputrace.fmt import DDP_DEFAULT
 
@@ -45,7 +46,8 @@ def render_what_if(con: Console, rp: Replay, measured: float, solo: bool = False
     def cell(o: Outcome) -> str:
         if o.withheld:
             return "withheld"
-        return _ms(o.t_iter) + ("*" if o.extrapolated else "")
+        band = wb.text(wb.band(rp.kind(o)))    # its measured error beside it, never bare
+        return _ms(o.t_iter) + ("*" if o.extrapolated else "") + (f" {band}" if band else "")
 
     for b, by_n in rows.items():
         first = next(iter(by_n.values()))
@@ -65,7 +67,9 @@ def render_what_if(con: Console, rp: Replay, measured: float, solo: bool = False
             con.print(f"  {escape(label)}: {_ms(o.t_iter)}"
                       + (f" [{_ms(o.low)}, {_ms(o.high)}]" if not math.isnan(o.low) else "")
                       + f" ({o.t_iter / ref - 1:+.0%} {what}), {o.speedup:.2f}x over one GPU"
-                      + ("*" if o.extrapolated else ""))
+                      + ("*" if o.extrapolated else "")
+                      + (f", measured error {wb.text(wb.band(rp.kind(o)))}"
+                         if wb.band(rp.kind(o)) else ""))
     withheld_by_reason(con, [(o.scenario.label, o.withheld) for o in rp.outcomes if o.withheld])
     spread = [o for o in rp.outcomes if not math.isnan(o.low)]
     if spread:
@@ -76,6 +80,8 @@ def render_what_if(con: Console, rp: Replay, measured: float, solo: bool = False
     con.print("  [dim]" + ("" if solo else "replaying the measured configuration gives "
                            f"{_ms(rp.baseline_t_iter)} ({rp.baseline_error:+.1%}); ")
               + "each prediction is the measured iteration plus the replayed change[/]")
+    for line in wb.note([rp.kind(o) for o in rp.outcomes if not o.withheld]):
+        con.print(f"  [dim]{escape(line)}[/]")
     for a in rp.assumptions:
         con.print(f"  [dim]assumes {escape(a)}[/]")
 

@@ -22,11 +22,13 @@ from typing import Any
 
 import numpy as np
 
-# how far the what-if was from what it predicts, measured (bench/whatif_ep.py --alternate)
-BAND = ("measured against iterations of the same job routed without the bias, on a loaded "
-        "2-CPU machine: off by -10.3 to +8.9 % (each round's median; single iterations "
-        "-49 to +179 %), where predicting no change was off by -12.9 to +12.3 % "
-        "(bench/README.md): the saving is within the machine's noise there")
+from gputrace.analyzers import whatif_bands as wb
+
+# how far the what-if was from what it predicts, measured (analyzers.whatif_bands)
+_EP = wb.KINDS["ep_balanced"]
+BAND = (f"measured against {_EP.where}: off by {wb.text(_EP.band)} (each round's median; "
+        f"{_EP.bench}, bench/README.md): the saving is within the machine's noise there")
+
 
 def _steps(ent: dict[int, tuple[np.ndarray, ...]]) -> list[dict[int, np.ndarray]]:
     """The steps every member shows with the same all-to-alls (as many, dispatches and

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from gputrace.analyzers import whatif_bands as wb
 from gputrace.analyzers.parallel import pipesim, pporders
 
 if TYPE_CHECKING:
@@ -57,14 +58,10 @@ REST = (
     "the update and the time outside the schedule's step stay as measured")
 ASSUMPTIONS = (PROPORTIONAL, *REST)
 SAME_BATCH = 0.10   # the two runs' bytes between stages per iteration agree this closely
-# how far a microbatch-count what-if was from the run at that count it predicts:
-# predicted / measured - 1, lowest and highest; of one run (no --calibrate) to fewer
-# microbatches and to more (bench/whatif_pp_inside.py, bench/README.md "Inside one
-# recording"), and fitted with a calibrating run (bench/whatif_pp.py's microbatch pairs,
-# measured before the schedule's own work was modelled: it moved one run's by <= 6.2 points)
-BAND = {"fewer": (-0.036, 0.749), "more": (-0.353, 0.660), "fitted": (-0.240, 0.484)}
-BAND_WHERE = ("GPipe, 1F1B and Interleaved1F1B, 4 <-> 8 <-> 16 microbatches, 2 ranks over "
-              "gloo on a loaded 2-CPU machine")
+# how far a microbatch-count what-if was from the run at that count it predicts, measured
+# (analyzers.whatif_bands: of one run to fewer microbatches and to more, and fitted)
+BAND = {k: wb.KINDS[f"pp_{k}"].band for k in ("fewer", "more", "fitted")}
+BAND_WHERE = wb.KINDS["pp_fitted"].where
 
 
 def band_note(c: Compute) -> str:

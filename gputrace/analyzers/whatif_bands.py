@@ -1,0 +1,174 @@
+"""How far each kind of what-if was measured from the runs it predicts (bench/README.md,
+"Every what-if kind against the runs it predicts"): one entry per kind with the bench that
+measured it. A kind measured beyond 10 % carries its band, lowest and highest of
+predicted / measured - 1, and every prediction of that kind is shown with it; a kind
+measured within 10 % carries none; a kind no bench validates says so.
+
+Where a bench recorded |error| only (bench/whatif.py), the band is symmetric."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+WITHIN = 0.10   # an error band is shown where a kind was measured off by more than this
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One kind's measured error: (lowest, highest) of predicted / measured - 1, or None
+    where no bench records the run it predicts; the bench; what was measured, in words."""
+
+    band: tuple[float, float] | None
+    bench: str
+    where: str
+
+    @property
+    def shown(self) -> tuple[float, float] | None:
+        """The band to print beside a prediction: None within 10 % or not validated."""
+        b = self.band
+        return b if b is not None and max(-b[0], b[1]) > WITHIN else None
+
+
+_WHATIF = ("2-rank gloo DDP, 2 models, on a 2-CPU machine whose runs of one configuration "
+           "moved up to 16 %")
+_DS = "2-rank DeepSpeed over gloo on a 2-CPU machine whose unchanged pairs moved up to 9 %"
+# the kinds, by the key analyzers give their what-ifs (kind_of_scenario, kind_of_label)
+KINDS: dict[str, Measured] = {
+    "ddp_buckets": Measured((-0.198, 0.198), "bench/whatif.py",
+                            f"bucket_cap_mb 1, 5, 25, one bucket, 48 predictions, |error| "
+                            f"median 5.3 %, at most 19.8 % ({_WHATIF})"),
+    "ddp_link": Measured((-0.187, 0.187), "bench/whatif.py",
+                         f"a veth link at 917 and 238 MB/s, 16 predictions, |error| median "
+                         f"7.3 %, at most 18.7 % ({_WHATIF})"),
+    "ddp_buckets_link": Measured((-0.283, 0.283), "bench/whatif.py",
+                                 f"buckets and link both changed, 48 predictions, |error| "
+                                 f"median 7.9 %, at most 28.3 % ({_WHATIF})"),
+    "gpu_count": Measured((-0.335, 0.335), "bench/whatif.py",
+                          "1 process -> 2 ranks sharing 2 CPUs, |error| 24.5 and 33.5 % "
+                          "(more ranks than that not measured)"),
+    "zero_reduce_bucket_size": Measured((-0.078, 0.114), "bench/whatif_ds.py",
+                                        f"reduce_bucket_size 5e8 <-> 2.64e5, ZeRO-1 and 2, "
+                                        f"12 predictions ({_DS})"),
+    "zero_overlap_comm": Measured((-0.114, 0.129), "bench/whatif_ds.py",
+                                  f"overlap_comm off <-> on, ZeRO-1 and 2, 12 predictions "
+                                  f"({_DS})"),
+    "zero_allgather_bucket_size": Measured((-0.084, 0.092), "bench/whatif_ds.py",
+                                           f"allgather_bucket_size 5e8 <-> a quarter, 12 "
+                                           f"predictions ({_DS})"),
+    "zero3_prefetch": Measured((-0.157, 0.246), "bench/whatif_ds.py --stages 3",
+                               "stage3_prefetch_bucket_size 5e7 / a layer / 0, "
+                               "stage3_max_live_parameters a layer, the 14 predictions "
+                               "between runs at one speed, median |error| 4.1 % (2-rank "
+                               "DeepSpeed over gloo, 2 CPUs)"),
+    "fsdp_reshard": Measured((-0.352, 0.640), "bench/whatif_fsdp.py",
+                             "reshard_after_forward True <-> False, 2-rank FSDP2 over gloo "
+                             "on a loaded 2-CPU machine: no pair of runs at one machine speed, "
+                             "so this holds the machine's drift (forward compute 0.61-2.56x "
+                             "between the pair's runs)"),
+    "fsdp_forward_prefetch": Measured(None, "", "FSDP forward prefetch depth"),
+    "fsdp_backward_prefetch": Measured(None, "", "FSDP backward prefetch depth"),
+    "sharded_link": Measured(None, "", "link bandwidth of a sharded run"),
+    # the pipeline's microbatch what-ifs: of one run to fewer microbatches and to more
+    # (bench/whatif_pp_inside.py), and fitted with a calibrating run (bench/whatif_pp.py's
+    # microbatch pairs, measured before the schedule's own work was modelled: it moved one
+    # run's by <= 6.2 points)
+    "pp_fewer": Measured((-0.036, 0.749), "bench/whatif_pp_inside.py",
+                         "GPipe, 1F1B and Interleaved1F1B, 4 <-> 8 <-> 16 microbatches, 2 "
+                         "ranks over gloo on a loaded 2-CPU machine"),
+    "pp_more": Measured((-0.353, 0.660), "bench/whatif_pp_inside.py",
+                        "GPipe, 1F1B and Interleaved1F1B, 4 <-> 8 <-> 16 microbatches, 2 "
+                        "ranks over gloo on a loaded 2-CPU machine"),
+    "pp_fitted": Measured((-0.240, 0.484), "bench/whatif_pp.py",
+                          "GPipe, 1F1B and Interleaved1F1B, 4 <-> 8 <-> 16 microbatches, 2 "
+                          "ranks over gloo on a loaded 2-CPU machine"),
+    # expert-parallel balanced routing, against iterations of the same job routed without
+    # the bias in one recording: each round's median
+    "ep_balanced": Measured((-0.103, 0.089), "bench/whatif_ep.py --alternate",
+                            "iterations of the same job routed without the bias, on a "
+                            "loaded 2-CPU machine (single iterations -49 to +179 %, where "
+                            "predicting no change was off by -12.9 to +12.3 %)"),
+}
+
+
+def kind_of_scenario(gpus: int, world: int, bandwidth_x: float,
+                     bucket_bytes: float | None) -> str | None:
+    """The kind of a replayed DDP scenario (None: the measured configuration itself)."""
+    if gpus != max(world, 1):
+        return "gpu_count"
+    link, buckets = bandwidth_x != 1, bucket_bytes is not None
+    return ("ddp_buckets_link" if link and buckets else "ddp_link" if link
+            else "ddp_buckets" if buckets else None)
+
+
+def kind_of_label(label: str) -> str | None:
+    """The kind of a sharded (FSDP, ZeRO) what-if from its label (None: not known here)."""
+    for prefix, kind in (("reshard_after_forward", "fsdp_reshard"),
+                         ("forward prefetch", "fsdp_forward_prefetch"),
+                         ("backward prefetch", "fsdp_backward_prefetch"),
+                         ("link x", "sharded_link"),
+                         ("reduce_bucket_size", "zero_reduce_bucket_size"),
+                         ("overlap_comm", "zero_overlap_comm"),
+                         ("allgather_bucket_size", "zero_allgather_bucket_size"),
+                         ("stage3_", "zero3_prefetch")):
+        if label.startswith(prefix):
+            return kind
+    return None
+
+
+def band(kind: str | None) -> tuple[float, float] | None:
+    """The band to show beside a prediction of this kind (None: within 10 %, or none
+    measured: see `source`)."""
+    m = KINDS.get(kind or "")
+    return m.shown if m is not None else None
+
+
+def source(kind: str | None) -> str | None:
+    """The bench that measured this kind's error (None: no bench validates it)."""
+    m = KINDS.get(kind or "")
+    return m.bench if m is not None and m.band is not None else None
+
+
+def text(b: tuple[float, float] | None) -> str:
+    """'-7.8 .. +11.4 %', '±19.8 %' where symmetric; '' without a band."""
+    if b is None:
+        return ""
+    if math.isclose(-b[0], b[1]):
+        return f"±{b[1] * 100:.1f} %"
+    return f"{b[0] * 100:+.1f} .. {b[1] * 100:+.1f} %"
+
+
+def cell(kind: str | None) -> str:
+    """A table's `measured error` cell: the band, 'not validated', or '' (within 10 %)."""
+    if kind is None:
+        return ""
+    b = band(kind)
+    return text(b) if b is not None else ("" if source(kind) else "not validated")
+
+
+def note(kinds: list[str | None]) -> list[str]:
+    """One line per kind shown with a band: its band, what measured it and where."""
+    out = []
+    for k in dict.fromkeys(kinds):
+        b = band(k)
+        if b is not None and k is not None:
+            m = KINDS[k]
+            out.append(f"measured error {text(b)} ({m.bench}, bench/README.md): {m.where}")
+    if any(k is not None and source(k) is None for k in kinds):
+        out.append("not validated: no bench has recorded the run such a what-if predicts")
+    return out
+
+
+def band_keys(kind: str | None) -> dict[str, object]:
+    """A what-if row's `band` ([lowest, highest] of predicted / measured - 1, shown beside
+    it; null within 10 % or not validated) and `band_source` (the bench that measured it;
+    null where none did, or the run's own configuration) in --json."""
+    b = band(kind)
+    return {"band": list(b) if b is not None else None, "band_source": source(kind)}
+
+
+def said(kind: str | None) -> str:
+    """A finding's words for a prediction's band ('' where none is shown)."""
+    b = band(kind)
+    return f"; such a what-if was measured off by {text(b)} ({KINDS[kind or ''].bench})" \
+        if b is not None else ""
