@@ -74,8 +74,9 @@ def captured(tmp_path_factory):
     assert rec.returncode == 0, err[-3000:]
     rows = load(out).table.to_pylist()
     truths = {r: json.loads((d / f"truth.rank{r}.json").read_text()) for r in (0, 1)}
+    runs = {r: json.loads((d / f"truth.rank{r}.run.json").read_text()) for r in (0, 1)}
     return {"rows": rows, "truth": truths, "asks": asks, "first": first, "err": err,
-            "out": out}
+            "out": out, "runs": runs}
 
 
 def _instants(rows, rank):
@@ -125,6 +126,22 @@ def test_analysis_lists_the_windows(captured):
     assert [c["step"] for c in w["captured"]] == [x["first_step"] for x in w["windows"]]
     assert [x["iterations"] for x in w["windows"]] == [10, 8, 6, SIGNAL_STEPS]
     assert d["run"]["iterations"] == len(captured["truth"][d["rank"]])
+    # each rank's goodput counts its steps outside the windows too: the job's own
+    # (its iterations' time over its process's start to main's end) within 2 points
+    for rank in (0, 1):
+        g = d["ranks"][str(rank)]["goodput"]
+        own = captured["truth"][rank]
+        assert g["iterations"] == len(own)
+        assert sum(g["badput_s"].values()) + g["training_s"] == pytest.approx(g["wall_s"],
+                                                                               abs=1e-6)
+        t_own = sum(r["t_iter"] for r in own)
+        assert abs(g["training_s"] - t_own) <= max(0.1 * t_own, 0.05), (g, t_own)
+        run = captured["runs"][rank]
+        assert abs(g["goodput"] - t_own * 1e9 / (run["end"] - run["process_start"])) <= 0.02
+        assert 0 <= g["stalls_outside_window_s"] <= g["badput_s"]["stalls"]
+    assert d["goodput"]["job"]["ranks"] == 2
+    text = run_gputrace("analyze", str(captured["out"]), check=True).stdout
+    assert f"Goodput {d['goodput']['goodput']:.0%}: training steps took" in text, text
 
 
 @pytest.mark.parametrize("how", [("999999999",), ("--all",), ()])

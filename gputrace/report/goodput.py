@@ -55,6 +55,9 @@ def goodput_line(a: Any, ra: Any) -> str | None:
                if g.ends_at == "last_record" else ""))
 
 
+SHOWN_S = 0.0005     # a category's seconds the table gives a row: from 1 ms as printed
+
+
 def render_goodput(con: Any, a: Any, ra: Any) -> None:
     """The small table of the run's time by category."""
     g: Goodput | None = ra.goodput
@@ -69,11 +72,11 @@ def render_goodput(con: Any, a: Any, ra: Any) -> None:
     t.add_row("training", f"{g.iterations} training steps", _s(g.training_s),
               f"{g.goodput:.0%}")
     for k in CATEGORIES:
-        if g.badput_s[k] > 0:
+        if g.badput_s[k] >= SHOWN_S:
             label = LABELS[k]
             if k == "shutdown" and g.ends_at == "last_record":
                 label = "the last training step to the last thing recorded"
-            if k == "stalls" and g.stalls_outside_window_s > 0:
+            if k == "stalls" and g.stalls_outside_window_s >= SHOWN_S:
                 label += (f" ({_s(g.stalls_outside_window_s)} outside the window, where data "
                           "waits and other work are not told apart)")
             t.add_row(NAMES.get(k, k), label, _s(g.badput_s[k]), f"{g.share(k):.0%}")

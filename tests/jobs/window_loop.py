@@ -13,7 +13,9 @@ most --iterations; the ranks agree on the iteration they stop at); rank 0 writes
 `OUT.ready` once the loop has begun. Each row also holds `wall`: time.time() at the
 iteration's first forward. `--progress FILE`: each rank appends to FILE with its rank in the
 name (`FILE.rank0`), as each iteration ends, a line `step wall t_iter` (flushed: it survives
-a kill -9)."""
+a kill -9). At the end each rank also writes `OUT.rank0.run.json`: `process_start` (the
+kernel's, as tests/jobs/run_phases.py reads it) and `end` (main's last line), time.time_ns
+(its whole run, for its goodput)."""
 
 from __future__ import annotations
 
@@ -25,7 +27,10 @@ import time
 
 import torch
 import torch.distributed as dist
+from run_phases import process_start_ns
 from torch import nn
+
+T0_PROCESS = process_start_ns()
 
 
 def main() -> None:
@@ -86,6 +91,8 @@ def main() -> None:
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()
+    with open(a.out.replace(".json", f".rank{rank}.run.json"), "w") as f:
+        json.dump({"process_start": T0_PROCESS, "end": time.time_ns()}, f)
 
 
 if __name__ == "__main__":
