@@ -50,10 +50,21 @@ def test_iterations_tile_a_loop_without_a_loader(tmp_path):
     # iteration: the loop's boundary is a little after the step, where it takes its time)
     compare(rs, truth, pairs, {"t_iter": [], "t_f": ["forward"], "t_b": ["backward"],
                                "t_u": ["update"]}, 0.15)
-    # what runs between phases (the copy, zero_grad, logging) is time in no phase, not lost
-    other = float(np.median(rs.terms["t_other"][4:]))
-    want = float(np.median([t["other"] + t["h2d"] for t in truth[4:]]))
-    assert other == pytest.approx(want, rel=0.5, abs=5e-4)
+    # what runs between phases (the copy, zero_grad, logging, the 1 ms sleep) is time in no
+    # phase, not lost and not in a phase: at least the loop's own between-phase time, and
+    # beyond it no more than what gputrace's phases leave out of the loop's phase brackets
+    # (its hooks run inside them; under load that grows several-fold), both measured in
+    # the same iterations
+    pairs = pairs[4:]
+    other = np.array([rs.terms["t_other"][k] for _, k in pairs])
+    own = np.array([truth[i]["other"] + truth[i]["h2d"] for i, _ in pairs])
+    left_out = np.array([sum(truth[i][x] for x in ("forward", "backward", "update"))
+                         - sum(rs.terms[x][k] for x in ("t_f", "t_b", "t_u"))
+                         for i, k in pairs])
+    assert float(np.median(other / own)) >= 0.8, (other.tolist(), own.tolist())
+    excess = other - own - np.clip(left_out, 0.0, None)
+    assert float(np.median(excess)) <= 0.25 * float(np.median(own)), \
+        (other.tolist(), own.tolist(), left_out.tolist())
 
 
 def test_gradient_accumulation_is_one_iteration_per_optimizer_step(tmp_path):

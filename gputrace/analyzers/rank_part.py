@@ -117,12 +117,19 @@ class FramePart:
     hosts: dict[str, dict[str, fr.Samples]]
 
 
+def rank_steps(sp: fr.Spans, cr: col.Rows | None = None) -> RankSteps:
+    """One rank's per-iteration terms as its analysis takes them (the collectives that stood
+    in a phase are exposed comm, not the phase's time): `cr`, its collective rows."""
+    cr = col.rows(sp) if cr is None else cr
+    return analyze_rank(col.for_model(sp, cr), col.stood(sp, cr), col.not_units(sp, cr),
+                        col.stood_by_dim(sp, cr), cr)
+
+
 def analyze_spans(sp: fr.Spans, o: Options) -> RankPart:
     """Everything one rank's spans give on their own: a pure function of them."""
     cr = col.rows(sp)
     msp = col.for_model(sp, cr)
-    rs = analyze_rank(msp, col.stood(sp, cr), col.not_units(sp, cr), col.stood_by_dim(sp, cr),
-                      cr)
+    rs = rank_steps(sp, cr)
     good = gp.of_rank(sp, rs.iterations)
     extra = _extra_findings(sp, rs) + stall_findings(rs)
     n = rs.iterations.start.size

@@ -73,6 +73,8 @@ class Sharded:
     exposed_series: np.ndarray = field(default_factory=lambda: np.zeros(0))
     # FSDP2's settings read from the job (None: not recorded)
     settings: shardsettings.Settings | None = None
+    # each side's (forward / backward / update) exposed s in each analyzed iteration
+    exposed_sides: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -169,6 +171,12 @@ def analyze_sharded(si: Inputs, rs: RankSteps, sel: np.ndarray, world: int,
                "total_s": exp_f + exp_b + exp_u}
     per_it = np.bincount(np.searchsorted(sel, facts["it"][inside]), minlength=sel.size,
                          weights=facts["exposed"][inside] / 1e9)[:sel.size]
+    side = np.where(roles == "unshard", "forward",
+                    np.where(roles == "step_gather", "update", "backward"))
+    per_side = {s: np.bincount(np.searchsorted(sel, facts["it"][inside & (side == s)]),
+                               minlength=sel.size,
+                               weights=facts["exposed"][inside & (side == s)] / 1e9)[:sel.size]
+                for s in ("forward", "backward", "update")}
     ex_units = {
         "forward": sorted({u.unit for u in units if u.role == "unshard"
                            and u.exposed_s > HIDDEN * u.duration_s * u.count}),
@@ -288,7 +296,8 @@ def analyze_sharded(si: Inputs, rs: RankSteps, sel: np.ndarray, world: int,
     ovl = summary(rs.comm, sel)
     return Sharded(strategy, world, units, per_role, kinds, exposed, cases, ex_units,
                    {"forward": base.prefetch_forward, "backward": base.prefetch_backward},
-                   resharded, model, ovl, sp_, what, baseline, err, assumptions, per_it, st)
+                   resharded, model, ovl, sp_, what, baseline, err, assumptions, per_it, st,
+                   per_side)
 
 
 def _speedup(tls: list[sim.Timeline], fg: list[dict[int, float]], base: sim.Knobs,
