@@ -1,5 +1,5 @@
 """DeepSpeed's pipeline engine as users run it (tests/jobs/ds_pipe_train.py: a
-`PipelineModule` split in 2 stages, `engine.train_batch()` over 4 or 8 microbatches, 2
+`PipelineModule` split in 2 stages, `engine.train_batch()` over 4 microbatches, 2
 ranks over gloo on the CPU), recorded with no change to the job and held against the job's
 own count of its collectives and its own clock (each train_batch, each stage's forward,
 loss and backward per microbatch); warm-up left out, medians over iterations."""
@@ -23,7 +23,9 @@ from tests.test_parallelism import (  # noqa: E402
 )
 
 pytestmark = pytest.mark.slow
-CONFIGS = {"ds-4": ("--microbatches", "4"), "ds-8": ("--microbatches", "8")}
+# one microbatch count: 8 ran the same engine and checks with a longer steady state (one
+# recording more); the torch pipelines run 8 (test_pipeline_schedules)
+CONFIGS = {"ds-4": ("--microbatches", "4")}
 
 
 @pytest.fixture(scope="module")
