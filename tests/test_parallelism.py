@@ -47,7 +47,9 @@ CONFIGS = {
     "1f1b-4": ("pp_train.py", 2, ("--schedule", "1f1b", "--microbatches", "4")),
     "moe": ("moe_exchange.py", 2, ("--hot", "0.75")),
 }
-PIPELINES = ("gpipe-4", "gpipe-8", "1f1b-4")
+# the per-run pipeline tests: both schedules at 4 microbatches (GPipe at 8 is the same code
+# with a larger count; the serial part records it, and test_pipeline_schedules 8 microbatches)
+PIPELINES = ("gpipe-4", "1f1b-4")
 SCHEDULE = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
 
 
