@@ -33,8 +33,8 @@ import time
 from typing import Any
 
 REQUEST = "capture.json"
-ANSWER_WAIT_S = 5.0
-HOLD_S = 15.0
+ANSWER_WAIT_S = 10.0   # a process answers at its next flush (< 1 s), later on a loaded host
+HOLD_S = 30.0          # longer than a request waits for answers, with room
 SIGNAL = signal.SIGUSR2
 
 
