@@ -268,3 +268,13 @@ def test_kill_9_of_a_training_run_then_its_goodput_over_what_it_recorded(tmp_pat
     assert abs(g["goodput"] - mine) <= 0.02, (g["goodput"], mine)
     p = run_gputrace("analyze", str(out))
     assert "the run was not closed (killed?): its end is the last thing it recorded" in p.stdout
+    # the page says so too, its bands within that wall time, its bar the same shares
+    from tests.test_whole_run import page_specs
+    page = tmp_path / "r.html"
+    run_gputrace("report", str(out), "-o", str(page), check=True)
+    assert "the run was not closed (killed?): its end is the last thing it recorded" \
+        in page.read_text()
+    bands, bar = (c["data"]["values"][0] for c in page_specs(page)["goodput"]["vconcat"])
+    assert max(bands["end"]) <= g["wall_s"] + 1e-6
+    share = dict(zip(bar["what"], bar["share"], strict=True))
+    assert share["training steps"] == pytest.approx(g["goodput"] * 100, abs=0.01)

@@ -193,10 +193,13 @@ def page_specs(page: Path) -> dict:
     return json.loads(text[head:text.index(";\nwindow.gputraceViews", head)])
 
 
-def check_report_chart(trace: Path, page: Path, doc: dict, t: dict) -> None:
-    """The report's whole-run chart: each evaluation pass, save and stall as a band where
-    the job's own clock has it (seconds from the process's start), the goodput bar the
-    analysis's shares; drawn in Chromium where it is installed."""
+def check_report_chart(trace: Path, page: Path, doc: dict, t: dict,
+                       kinds: tuple[str, ...] = ("evaluation", "checkpointing", "stalls")
+                       ) -> None:
+    """The report's whole-run chart: each evaluation pass, save and stall (`kinds`: those
+    of over 20 ms) as a band where the job's own clock has it (seconds from the process's
+    start), the goodput bar the analysis's shares; drawn in Chromium where it is
+    installed."""
     run_gputrace("report", str(trace), "-o", str(page), check=True)
     spec = page_specs(page)["goodput"]
     bands, bar = (c["data"]["values"][0] for c in spec["vconcat"])
@@ -204,6 +207,8 @@ def check_report_chart(trace: Path, page: Path, doc: dict, t: dict) -> None:
     t0 = t["process_start"]
     for what, own in (("evaluation", t["evals"]), ("checkpointing", t["saves"]),
                       ("stalls", t["stalls"])):
+        if what not in kinds:
+            continue
         got = [(a, b) for w, a, b in rows if w == what and b - a > 0.02]
         assert len(got) == len(own), (what, got, own)
         for (a, b), o in zip(got, own, strict=True):
@@ -275,14 +280,16 @@ def test_two_ranks_with_distributed_checkpoints(tmp_path):
 
 
 def test_diff_gives_each_category_before_and_after(tmp_path):
-    """Two runs whose validation passes take 2 and 8 batches: diff's evaluation before and
-    after are each run's own, and the change theirs."""
+    """Two windowed runs (`--steps 5:5`) whose validation passes take 2 and 8 batches:
+    diff's evaluation before and after are each run's own, and the change theirs; each
+    side's stalls outside its window its own sleep there, said under the table."""
     docs = {}
     for side, batches in (("before", "2"), ("after", "8")):
         truth, out = tmp_path / f"{side}.json", tmp_path / f"{side}.arrow"
-        p = run_gputrace("record", "-q", "-o", str(out), "--", sys.executable, JOB,
-                         str(truth), "--steps", "20", "--eval-every", "10", "--eval-batches",
-                         batches, timeout=300)
+        p = run_gputrace("record", "-q", "-o", str(out), "--steps", "5:5", "--",
+                         sys.executable, JOB, str(truth), "--steps", "20", "--eval-every",
+                         "10", "--eval-batches", batches, "--stall-every", "10",
+                         "--stall-ms", "100", timeout=300)
         assert p.returncode == 0, p.stderr
         docs[side] = json.loads(truth.read_text())
     d = json.loads(run_gputrace("diff", str(tmp_path / "before.arrow"),
@@ -294,6 +301,10 @@ def test_diff_gives_each_category_before_and_after(tmp_path):
         own[side] = sum(e["end"] - e["start"] for e in t["evals"]) / 1e9
         close(ev[side], own[side], side)
         assert abs(d["goodput"]["goodput"][side] - job_goodput(t)) <= 0.02
+        # the sleep after step 9, between the window's last step and the next
+        (sleep,) = t["stalls"]
+        close(d["goodput"]["stalls_outside_window_s"][side],
+              (sleep["end"] - sleep["start"]) / 1e9, f"{side}: stalls outside the window")
     assert ev["change"] == pytest.approx(ev["after"] - ev["before"])
     # the change the jobs' own clocks give (8 batches against 2 is longer on a quiet
     # machine; beside a busy neighbour a 2-batch run's passes once took longer)
@@ -301,6 +312,9 @@ def test_diff_gives_each_category_before_and_after(tmp_path):
     text = run_gputrace("diff", str(tmp_path / "before.arrow"), str(tmp_path / "after.arrow"),
                         check=True).stdout
     assert "The whole run: goodput" in text
+    out = d["goodput"]["stalls_outside_window_s"]
+    assert (f"of the stalls, {out['before'] * 1e3:.0f} ms before and "
+            f"{out['after'] * 1e3:.0f} ms after lie outside the recorded window") in text
 
 
 def test_diff_of_repeated_runs_gives_each_category_its_interval(tmp_path):
@@ -427,7 +441,8 @@ def test_a_window_of_steps_counts_training_steps_and_keeps_its_passes(tmp_path):
     for ps, e in zip(passes, t["evals"], strict=True):
         close((ps["end_ns"] - ps["start_ns"]) / 1e9, (e["end"] - e["start"]) / 1e9, "pass")
     assert len(spans(rows, "checkpoint")) == len(t["saves"]) == 4
-    g = json.loads(run_gputrace("analyze", str(out), "--json", check=True).stdout)["goodput"]
+    doc = json.loads(run_gputrace("analyze", str(out), "--json", check=True).stdout)
+    g = doc["goodput"]
     assert g["iterations"] == 40
     assert sum(g["badput_s"].values()) + g["training_s"] == pytest.approx(g["wall_s"],
                                                                            abs=1e-6)
@@ -446,6 +461,13 @@ def test_a_window_of_steps_counts_training_steps_and_keeps_its_passes(tmp_path):
     assert len(outside) == 2, (t["stalls"], lo, hi)
     close(g["stalls_outside_window_s"], sum(s["end"] - s["start"] for s in outside) / 1e9,
           "stalls outside the window")
+    # the page's bands where the job's clock has its passes, saves and sleeps, inside the
+    # window or not, and its caption says what the terminal's stalls row says
+    check_report_chart(out, tmp_path / "r.html", doc, t, ("evaluation", "stalls"))
+    caption = f"{g['stalls_outside_window_s'] * 1e3:.0f} ms of the stalls outside the window"
+    assert caption in (tmp_path / "r.html").read_text()
+    text = run_gputrace("analyze", str(out), check=True).stdout
+    assert f"({g['stalls_outside_window_s'] * 1e3:.0f} ms outside the window" in text
 
 
 def test_a_window_that_holds_no_training_step(tmp_path):
@@ -476,6 +498,15 @@ def test_a_window_that_holds_no_training_step(tmp_path):
           "evaluation")
     assert f"Goodput {g['goodput']:.0%}: training steps took" in text
     assert "12 training steps" in text and "The whole run: 12 iterations" in text
+    # the page as the terminal: that line, no per-iteration chart, the goodput bar its own
+    page = tmp_path / "r.html"
+    run_gputrace("report", str(out), "-o", str(page), check=True)
+    specs = page_specs(page)
+    assert "breakdown" not in specs and "timeline" not in specs, list(specs)
+    assert "No training iteration in the recorded window" in page.read_text()
+    bar = specs["goodput"]["vconcat"][1]["data"]["values"][0]
+    share = dict(zip(bar["what"], bar["share"], strict=True))
+    assert share["training steps"] == pytest.approx(g["goodput"] * 100, abs=0.01)
 
 
 def test_a_validation_pass_before_the_first_step(tmp_path):

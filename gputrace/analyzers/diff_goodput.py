@@ -58,6 +58,13 @@ def goodput_runs(before: Sequence[RankAnalysis], after: Sequence[RankAnalysis],
             "wall_s": row(lambda g: g.wall_s, share=False),
             "categories": cats,
             "runs": {"before": len(gb), "after": len(ga)},
+            # a windowed side: its stalls outside the window (a data wait or other work not
+            # told apart there); a side with a run that never closed (killed, recovered)
+            "stalls_outside_window_s": {
+                k: float(np.mean([g.stalls_outside_window_s for g in side]))
+                for k, side in (("before", gb), ("after", ga))},
+            "not_closed": {k: sum(g.ends_at == "last_record" for g in side)
+                           for k, side in (("before", gb), ("after", ga))},
             "evaluation": {"before": _mean_dict([g.evaluation for g in gb]),
                            "after": _mean_dict([g.evaluation for g in ga])},
             "checkpoint": {"before": _mean_dict([g.checkpoint for g in gb]),

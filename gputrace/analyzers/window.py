@@ -116,6 +116,7 @@ def analyze_window(table: pa.Table, md: dict[str, Any], rank: int) -> dict[str, 
     run: dict[str, Any] = {
         "rank": rank, "iterations": int(len(t)), "step": steps.tolist(),
         "t_iter_s": t.tolist(), "inside_window": inside.tolist(),
+        "start_s": ((np.array(s["start"], np.int64) - t0) / 1e9).tolist(),
         "phases_s": {p: (np.array(s[p], np.int64) / 1e9).tolist() for p in PHASES},
         "summary": _summary(t, steps, inside),
         "spikes": [{"step": int(steps[i]), "t_iter_s": float(t[i]),

@@ -9,7 +9,7 @@ from typing import Any
 
 from gputrace.analyzers.goodput import CATEGORIES, WITHHELD, Goodput
 from gputrace.report.charts import WIDTH, Chart, _columns
-from gputrace.report.goodput import NAMES, _s
+from gputrace.report.goodput import NAMES, SHOWN_S, _s
 
 # one colour per category, training first
 COLOURS = {"training": "#2563eb", "startup": "#9ca3af", "evaluation": "#16a34a",
@@ -70,6 +70,11 @@ def goodput_chart(ra: Any, one: bool = False) -> Chart | None:
     caption = (f"Goodput {g.goodput:.0%}: {g.iterations} training steps took "
                f"{_s(g.training_s)} of {'the run' if one else f'rank {ra.rank}'}'s "
                f"{_s(g.wall_s)}; each category where "
-               f"it lies on the run's clock, then the goodput bar{left}")
+               f"it lies on the run's clock, then the goodput bar{left}"
+               + (f"; {_s(g.stalls_outside_window_s)} of the stalls outside the window, where "
+                  "data waits and other work are not told apart"
+                  if g.stalls_outside_window_s >= SHOWN_S else "")
+               + ("; the run was not closed (killed?): its end is the last thing it recorded"
+                  if g.ends_at == "last_record" else ""))
     return Chart("goodput", "The whole run: goodput and badput over the run's clock",
                  caption, {"vconcat": [bands, bar], "resolve": {"scale": {"color": "shared"}}})

@@ -17,10 +17,12 @@ def run_chart(w: dict[str, Any]) -> Chart | None:
     t = np.asarray(run["t_iter_s"], float)
     if not t.size:
         return None
-    ends = np.cumsum(t)   # the iterations tile the run: each one's end, from the first's start
-    span = float(ends[-1])
+    # each one's start from the first's (what lies between them included); a document
+    # without it: the iterations as if they tiled the run
+    start = np.asarray(run["start_s"], float) if "start_s" in run else np.cumsum(t) - t
+    span = float((start + t).max())
     unit, div = ("h", 3600.0) if span >= 7200 else ("min", 60.0) if span >= 120 else ("s", 1.0)
-    at = (ends - t) / div
+    at = start / div
     inside = ["in full detail" if x else "times only" for x in run["inside_window"]]
     data, flat = _columns(at=at.round(6).tolist(), ms=(t * 1e3).round(4).tolist(),
                           step=run["step"], where=inside)
@@ -35,6 +37,10 @@ def run_chart(w: dict[str, Any]) -> Chart | None:
          "scale": {"type": "log"} if t.max() > 20 * np.median(t) else {}}
     tip = [{"field": "step"}, {"field": "ms", "title": "ms", "format": ".2f"},
            {"field": "at", "title": unit, "format": ".3f"}]
+    marks = [{"data": sdata, "transform": sflat,
+              "mark": {"type": "point", "shape": "triangle-down", "size": 80,
+                       "color": "#dc2626"},
+              "encoding": {"x": x, "y": y, "tooltip": tip}}] if spikes else []
     spec = {
         "width": 760, "height": 220,
         "layer": [
@@ -44,10 +50,7 @@ def run_chart(w: dict[str, Any]) -> Chart | None:
                           "color": {"field": "where", "type": "nominal", "title": None,
                                     "scale": {"domain": ["times only", "in full detail"],
                                               "range": ["#9ca3af", "#2563eb"]}}}},
-            {"data": sdata, "transform": sflat,
-             "mark": {"type": "point", "shape": "triangle-down", "size": 80,
-                      "color": "#dc2626"},
-             "encoding": {"x": x, "y": y, "tooltip": tip}},
+            *marks,     # the spikes: a layer of no data would have no extent
         ]}
     win = w["window"]
     caption = (f"{run['iterations']} iterations of rank {run['rank']}; "

@@ -7,7 +7,7 @@ from typing import Any
 
 from rich.table import Table
 
-from gputrace.report.goodput import NAMES
+from gputrace.report.goodput import NAMES, SHOWN_S
 
 
 def _s(x: float, sign: bool = False) -> str:
@@ -52,3 +52,13 @@ def render_goodput(con: Any, doc: dict[str, Any]) -> None:
             cells = [NAMES.get(k, k), _s(r["before"]), _s(r["after"]), _s(r["change"], True)]
             t.add_row(*cells, *([_ci(r), _noise(r)] if spread else []))
     con.print(t)
+    out = d.get("stalls_outside_window_s") or {}
+    if max(out.values(), default=0.0) >= SHOWN_S:
+        con.print(f"  of the stalls, {_s(out['before'])} before and {_s(out['after'])} after "
+                  "lie outside the recorded window, where data waits and other work are not "
+                  "told apart")
+    shut = d.get("not_closed") or {}
+    if any(shut.values()):
+        con.print("  " + ", ".join(f"{n} run{'s' if n > 1 else ''} {k}" for k, n in shut.items()
+                                   if n)
+                  + " not closed (killed?): the wall time ends at the last thing recorded")

@@ -12,13 +12,17 @@ import json
 import os
 import tempfile
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from gputrace.analyzers import Analysis, RankAnalysis
 from gputrace.analyzers.findings import Finding
+from gputrace.analyzers.goodput import FINDINGS as GOODPUT_FINDINGS
+from gputrace.analyzers.goodput import WITHHELD
 from gputrace.report.charts import Chart, charts, evidence
 from gputrace.report.charts_comm import kinds_table
 from gputrace.report.checks import withheld
+from gputrace.report.goodput import goodput_line, no_iteration_in_window
 from gputrace.report.solo import ProbeAdvice, iterations_line, shown_links, solo
 from gputrace.report.terminal import STRATEGY, headline, phase_rows
 
@@ -191,16 +195,26 @@ def render(a: Analysis, rank: int | None, script: str, source: str = "",
     windowed run's whole series, memory over one iteration), `findings` the findings of it
     (document.page_parts)."""
     ra = a.ranks[rank] if rank is not None else a.main
-    drawn = {c.id: c for c in (*charts(a, ra), *more)}
-    body = ["<h1>gputrace report</h1>", *_summary(a, ra, source),
+    empty = no_iteration_in_window(ra)     # the trace as one window: no iteration's figures
+    if empty is not None:
+        ra = replace(ra, findings=[f for f in ra.findings if f.id in GOODPUT_FINDINGS])
+    # without an iteration, the charts over the run's clock only
+    made = [c for c in charts(a, ra) if empty is None or c.id in ("goodput", "bandwidth")]
+    drawn = {c.id: c for c in (*made, *more)}
+    summary = _summary(a, ra, source) if empty is None else [
+        f'<p class="headline">{_e(empty)}</p>',
+        *([f'<p class="meta">{_e(good)}</p>'] if (good := goodput_line(a, ra)) is not None
+          and WITHHELD not in ra.withheld else [])]
+    body = ["<h1>gputrace report</h1>", *summary,
             "<nav>" + "".join(f'<a href="#{c.id}">{_e(c.title.split(":")[0])}</a>'
                               for c in drawn.values()) + "</nav>",
             *_findings(ra, drawn, findings), *kinds_table(ra)]
-    reasons = {k: why for k, (_, why) in NOT_DRAWN.items()}
+    reasons = {k: why if empty is None else "no training iteration in the recorded window"
+               for k, (_, why) in NOT_DRAWN.items()}
     advise = ProbeAdvice()     # the terminal's reasons, word for word, in its order
-    if ra.speedup.unavailable:
+    if ra.speedup.unavailable and empty is None:
         reasons["speedup"] = advise(ra.speedup.unavailable)
-    if ra.replay_unavailable:
+    if ra.replay_unavailable and empty is None:
         reasons["what-if"] = advise(ra.replay_unavailable)
     # then the captions, as the terminal's bandwidth and FLOPs lines (no bandwidth line
     # where no link moved what it can show: the advice is not given there)
