@@ -509,6 +509,37 @@ def test_a_window_that_holds_no_training_step(tmp_path):
     assert share["training steps"] == pytest.approx(g["goodput"] * 100, abs=0.01)
 
 
+def test_torch_compile_is_a_part_of_start_up(tmp_path):
+    """A `torch.compile`d model (aot_eager: torch._dynamo's and AOTAutograd's compilation
+    without a C++ compiler's, which takes minutes on a loaded CPU): its compilation, inside
+    the first training step, is start-up's part `compile_s`, within 10 % of the job's own
+    (its first step's forward and backward less the median of the others'), out of the
+    training time; goodput within 2 points of the job's own less it."""
+    truth, out = tmp_path / "t.json", tmp_path / "t.arrow"
+    p = run_gputrace("record", "-q", "-o", str(out), "--", sys.executable, JOB, str(truth),
+                     "--steps", "8", "--eval-every", "0", "--compile", "aot_eager",
+                     timeout=400)
+    assert p.returncode == 0, p.stderr
+    t = json.loads(truth.read_text())
+    rows = load(out).table.to_pylist()
+    assert [r["step"] for r in spans(rows, "iteration")] == list(range(8))
+    assert spans(rows, "startup", "compile")
+    fb = [s["fb"] / 1e9 for s in t["steps"]]
+    own = fb[0] - float(np.median(fb[1:]))
+    g = json.loads(run_gputrace("analyze", str(out), "--json", check=True).stdout)["goodput"]
+    parts = g["startup_parts_s"]
+    close(parts["compile_s"], own, "compilation")
+    assert sum(parts.values()) == pytest.approx(g["badput_s"]["startup"], abs=1e-6)
+    assert sum(g["badput_s"].values()) + g["training_s"] == pytest.approx(g["wall_s"],
+                                                                           abs=1e-6)
+    steps = sum(s["end"] - s["start"] for s in t["steps"]) / 1e9
+    close(g["training_s"], steps - own, "training less the compilation")
+    wall = (t["end"] - t["process_start"]) / 1e9
+    assert abs(g["goodput"] - (steps - own) / wall) <= 0.02, (g["goodput"], steps, own, wall)
+    close(g["badput_s"]["startup"], (t["steps"][0]["start"] - t["process_start"]) / 1e9
+          + own, "start-up with the compilation")
+
+
 def test_a_validation_pass_before_the_first_step(tmp_path):
     """A sanity validation before training (`--eval-first`, the optimizer built): a pass on
     the job's clock, its batches no training iteration, the steps the job's 0..19; a window

@@ -128,7 +128,10 @@ def of_rank(sp: Spans, its: Iterations) -> Goodput | None:
     t0 = np.concatenate([its.start, sp.start[unprofiled], o0])
     t1 = np.concatenate([its.end, sp.end[unprofiled], o1])
     first, last = int(t0.min()), int(t1.max())
-    train = _clip(ov.union(t0, t1), lo, hi)
+    # torch.compile's compilations are start-up's wherever they fall (the first call's lies
+    # inside the first training step): out of the training time
+    comp = _clip(_u(sp, _compiles(sp)), lo, hi)
+    train = ov.subtract(_clip(ov.union(t0, t1), lo, hi), comp)
     # evaluation batches recorded as iterations (before the first optimizer step, or by an
     # older recorder) are evaluation where training iterations are the run's
     ev_m = sp.of("evaluation") | (sp.of("iteration") & (sp.name == _code(sp, "inference")))
@@ -145,7 +148,9 @@ def of_rank(sp: Spans, its: Iterations) -> Goodput | None:
         out[name] = ov.subtract(_clip(_u(sp, m), a, b), taken)
         taken = ov.merge(taken, out[name])
     rest = ov.subtract((np.array([lo], np.int64), np.array([hi], np.int64)), taken)
-    startup = _clip(rest, lo, first)
+    compiling = ov.intersect(rest, comp)
+    startup = ov.merge(_clip(rest, lo, first), compiling)
+    rest = ov.subtract(rest, compiling)
     shutdown = _clip(rest, last, hi)
     between = _clip(rest, first, last)
     # the training loop's thread at work: its own spans (a phase, the framework's, the
@@ -223,6 +228,11 @@ def _bands(parts: dict[str, ov.Union], lo: int
     return tuple(sorted(out, key=lambda r: r[1])), left / SEC
 
 
+def _compiles(sp: Spans) -> np.ndarray:
+    """torch.compile's compilations (collectors.torch.startup)."""
+    return sp.of("startup") & (sp.name == _code(sp, "compile"))
+
+
 def _code(sp: Spans, name: str) -> int:
     return sp.names.index(name) if name in sp.names else -2
 
@@ -241,8 +251,11 @@ def _startup_parts(sp: Spans, startup: ov.Union) -> dict[str, float]:
     init = ov.intersect(
         _u(sp, sp.of("startup") & (sp.name == _code(sp, "init_process_group"))), startup)
     loader = ov.subtract(ov.intersect(_u(sp, sp.of("loader")), startup), init)
+    comp = ov.subtract(ov.intersect(_u(sp, _compiles(sp)), startup), ov.merge(init, loader))
     out = {"init_process_group_s": _s(init), "loader_start_s": _s(loader)}
-    seen = ov.merge(init, loader)
+    if comp[0].size:
+        out["compile_s"] = _s(comp)
+    seen = ov.merge(ov.merge(init, loader), comp)
     st = np.flatnonzero(sp.of("process") & (sp.name == _code(sp, "start")))
     if st.size and '"until":"torch imported"' in (sp.args[int(st[0])].as_py() or ""):
         imp = ov.subtract(ov.intersect(ov.union(sp.start[st[:1]], sp.end[st[:1]]), startup),
@@ -315,7 +328,8 @@ def _probed(bytes_per_s: float | None) -> str:
 
 STARTUP_PARTS = {"torch_import_s": "to torch's import (interpreter, imports, torch's own)",
                  "init_process_group_s": "init_process_group",
-                 "loader_start_s": "the loaders' start"}
+                 "loader_start_s": "the loaders' start",
+                 "compile_s": "torch.compile's compilation"}
 
 # the findings of the run's time beyond its iterations (findings below)
 FINDINGS = ("evaluation_large", "checkpoint_large", "stalls_large", "startup_large")
@@ -378,7 +392,9 @@ def findings(g: Goodput | None, disk_write_bytes_per_s: float | None = None
         out.append(Finding(
             "startup_large", "info",
             f"start-up takes {sh:.0%} of the run ({g.badput_s['startup']:.2f} s from the "
-            f"process's start to the first training step{': ' + seen if seen else ''}; "
+            "process's start to the first training step"
+            + (" and torch.compile's compilations" if "compile_s" in parts else "")
+            + f"{': ' + seen if seen else ''}; "
             f"the rest{rest} the "
             "job's other imports and set-up and the model's construction, not told apart): "
             "a longer run spreads it"))

@@ -74,6 +74,8 @@ def render_goodput(con: Any, a: Any, ra: Any) -> None:
     for k in CATEGORIES:
         if g.badput_s[k] >= SHOWN_S:
             label = LABELS[k]
+            if k == "startup" and "compile_s" in g.startup_parts_s:
+                label = label[:-1] + ", and torch.compile's compilations)"
             if k == "shutdown" and g.ends_at == "last_record":
                 label = "the last training step to the last thing recorded"
             if k == "stalls" and g.stalls_outside_window_s >= SHOWN_S:

@@ -4,6 +4,7 @@ N steps, checkpoints and the end, the ground truth of the whole-run (goodput) te
     python run_phases.py OUT.json [--steps 40] [--eval-every 10] [--eval-batches 4]
                          [--eval-first] [--save-every 0] [--save-mb 0]
                          [--stall-every 0 --stall-ms 0] [--ddp] [--async-save] [--log FILE]
+                         [--compile [BACKEND]]
     torchrun --nproc-per-node 2 run_phases.py OUT.json --ddp   (OUT.json: one per rank,
                                                                  OUT.rank<R>.json)
 
@@ -23,7 +24,9 @@ also each wait for the previous save before the next one). `--eval-first`: a val
 pass before the first step too (a sanity check, with the optimizer built). OUT ending in
 `.jsonl`: the run's truth appended as one line (repeated runs). `--log FILE`: as it goes,
 line-buffered (a kill -9 keeps it), `start <process start>` then `step <n> <start> <end>`
-per step and `eval <start> <end>` per pass (ns).
+per step and `eval <start> <end>` per pass (ns). `--compile [BACKEND]`: the model
+`torch.compile`d (with that backend; inductor without one), each step's forward and backward
+timed (`steps[].fb`, ns: its compilation is in the first's).
 """
 
 from __future__ import annotations
@@ -103,6 +106,7 @@ def main() -> None:
     p.add_argument("--stall-every", type=int, default=0)
     p.add_argument("--stall-ms", type=float, default=0.0)
     p.add_argument("--log")
+    p.add_argument("--compile", nargs="?", const="inductor")
     a = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -126,6 +130,8 @@ def main() -> None:
     if a.ddp:
         from torch.nn.parallel import DistributedDataParallel
         model = DistributedDataParallel(model)
+    if a.compile:
+        model = torch.compile(model, backend=a.compile)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     loss_fn = torch.nn.CrossEntropyLoss()
     world = dist.get_world_size() if a.ddp else 1
@@ -184,12 +190,14 @@ def main() -> None:
     for step in range(a.steps):
         t0 = now()
         x, y = next(it)
+        t1 = now()
         loss = loss_fn(model(x), y)
         loss.backward()
+        t2 = now()
         opt.step()
         opt.zero_grad()
         float(loss.detach())             # logging
-        truth["steps"].append({"step": step, "start": t0, "end": now()})
+        truth["steps"].append({"step": step, "start": t0, "end": now(), "fb": t2 - t1})
         if log is not None:
             log.write(f"step {step} {t0} {truth['steps'][-1]['end']}\n")
         if a.eval_every and (step + 1) % a.eval_every == 0:
