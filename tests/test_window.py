@@ -18,6 +18,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from gputrace.analyzers import analyze  # noqa: E402
 from gputrace.trace import load  # noqa: E402
 from gputrace.window import unpack  # noqa: E402
 from tests.conftest import run_gputrace  # noqa: E402
@@ -150,20 +151,31 @@ def test_window_holds_its_iterations_in_full_on_both_ranks(runs, steps_json):
                    and r["cat"] in ("forward", "backward", "update", "comm"))
 
 
+def _ratios(path: Path, rank: int, truth: list[dict]) -> dict[str, float]:
+    """Per term, gputrace's figure over the job's own, paired by step (the job's row k is
+    step k), the median over the iterations. Not the means: the phases last a few ms, and a
+    thread switch at a phase's edge (a busy neighbour) moves one iteration's phase on one
+    clock only, which a mean over the window's 20 follows (on a loaded machine the window's
+    forward mean came to 1.034 of the job's, the full run's to 0.960: half the bound; the
+    medians 0.951 and 0.957)."""
+    s = analyze(load(path), skip=0, detail=True).ranks[rank].detail.series
+    k = s.kept
+    # DDP's backward on the job's clock holds its gradients' all-reduce: t_b + t_comm
+    return {phase: float(np.median(sum(s.terms[x][k] for x in keys) /
+                                   np.array([truth[st][phase] for st in s.step[k]])))
+            for keys, phase in ((("t_iter",), "t_iter"), (("t_f",), "forward"),
+                                (("t_b", "t_comm"), "backward"), (("t_u",), "update"))}
+
+
 def test_window_breakdown_agrees_with_a_full_recording(runs, steps_json):
     """Each term measured over the window, and over a full recording of the same job, held
-    against the job's own clock over the same iterations: the two ratios agree."""
+    against the job's own clock iteration by iteration: the two ratios agree."""
     full = _json(runs["full"][0], "--skip", "0")
-    # DDP's backward on the job's clock holds its gradients' all-reduce: t_b + t_comm
-    for keys, phase in ((("t_iter",), "t_iter"), (("t_f",), "forward"),
-                        (("t_b", "t_comm"), "backward"), (("t_u",), "update")):
-        w_truth = np.mean([r[phase] for r in runs["steps"][1][steps_json["rank"]][START:START + COUNT]])
-        f_truth = np.mean([r[phase] for r in runs["full"][1][full["rank"]]])
-        rw = sum(steps_json["breakdown"][k]["mean"] for k in keys) / w_truth
-        rf = sum(full["breakdown"][k]["mean"] for k in keys) / f_truth
-        if keys == ("t_iter",):
-            assert abs(rw - 1) <= 0.05 and abs(rf - 1) <= 0.05, (rw, rf)
-        assert abs(rw - rf) <= 0.15, (keys, rw, rf)
+    rw = _ratios(runs["steps"][0], steps_json["rank"], runs["steps"][1][steps_json["rank"]])
+    rf = _ratios(runs["full"][0], full["rank"], runs["full"][1][full["rank"]])
+    assert abs(rw["t_iter"] - 1) <= 0.05 and abs(rf["t_iter"] - 1) <= 0.05, (rw, rf)
+    for phase in rw:
+        assert abs(rw[phase] - rf[phase]) <= 0.15, (phase, rw, rf)
     assert "window" not in full and "run" not in full
 
 
