@@ -18,7 +18,7 @@ import pytest
 
 from gputrace import load
 from tests.conftest import run_gputrace
-from tests.truth import compare, matched, per_iteration
+from tests.truth import compare, matched, per_iteration, tiled_alike
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = str(ROOT / "samples" / "train_tf.py")
@@ -328,14 +328,15 @@ def test_multi_worker_what_ifs_replay_the_run_or_say_why_in_tensorflow_words(tmp
     d = analysis(out, "--gpus", "2,4", *asked)
     assert d["world_size"] == 2 and len(d["units"]) == 1, d["units"]
     # the iterations against worker 0's own clock (the profile's last step left out: the
-    # job's clock holds the profiler's stop at its end)
+    # job's clock holds the profiler's stop at its end), each within 1 % or beside a
+    # boundary that a thread switch between the two clock reads moved (a busy neighbour)
     own = json.loads(times.read_text())["begin_ns"]
     tr = load(out)
     its = [r for r in spans(tr, "iteration") if r["rank"] == 0]
     analyzed = its[d["ranks"]["0"]["iterations"]["warmup_skipped"]:-1]
-    ratio = [(r["end_ns"] - r["start_ns"]) / (own[r["step"] + 1] - own[r["step"]])
-             for r in analyzed]
-    assert len(ratio) >= 4 and all(abs(x - 1) < 0.01 for x in ratio), ratio
+    assert len(analyzed) >= 4, analyzed
+    tiled_alike([r["end_ns"] - r["start_ns"] for r in analyzed],
+                [own[r["step"] + 1] - own[r["step"]] for r in analyzed], 0.01)
     w = d["what_if"]
     exposed = d["overlap"]["comm"]["exposed_s"]
     assert exposed > 0.5 * d["overlap"]["comm"]["total_s"], d["overlap"]   # the unit waits

@@ -36,6 +36,24 @@ def matched(rs: RankSteps, truth: list[dict[str, float]]) -> list[tuple[int, int
     return pairs
 
 
+def tiled_alike(got: Any, own: Any, rel: float, floor_s: float = 0.0) -> None:
+    """Iterations that tile the loop on both clocks, each within `rel` (plus `floor_s`) of
+    the job's, or beside a boundary that moved: a thread switch between the job's clock read
+    at an iteration's end and gputrace's (a busy neighbour makes it tens of ms) moves that
+    time from one iteration into the next on one clock only, and the two together agree. A
+    boundary rule that is wrong moves most boundaries: at most 2 moves (or 2 %) pass."""
+    g, w = np.asarray(got, dtype=float), np.asarray(own, dtype=float)
+    assert g.shape == w.shape, (g.shape, w.shape)
+    tol = rel * w + floor_s
+    bad = np.flatnonzero(np.abs(g - w) > tol)
+    moves = int(np.sum(np.diff(bad) != 1)) + 1 if bad.size else 0
+    assert moves <= max(2, g.size // 50), (bad.tolist(), g.round(5).tolist(), w.round(5).tolist())
+    for i in bad.tolist():
+        assert any(abs(g[i] + g[j] - w[i] - w[j]) <= tol[i] + tol[j]
+                   for j in (i - 1, i + 1) if 0 <= j < g.size), \
+            (i, g.round(5).tolist(), w.round(5).tolist())
+
+
 def compare(rs: RankSteps, truth: list[dict[str, float]], pairs: list[tuple[int, int]],
             terms: dict[str, list[str]], tol: float, iter_tol: float = 0.05,
             skip: int = 3) -> dict[str, tuple[float, float]]:
