@@ -46,8 +46,11 @@ def test_benchmark_runs_tiny(script, tmp_path):
         # for each, but where a run's replay of itself missed it by over 5 % (a loaded
         # machine), its prediction is withheld ("-") and not counted
         withheld = [ln for ln in p.stdout.splitlines() if ln.rstrip().endswith(" -")]
-        assert f"bucket predictions: {2 - len(withheld)}," in p.stdout, p.stdout
-        assert set(whatif_errors(p.stdout)) == {"bucket"}
+        if len(withheld) < 2:
+            assert f"bucket predictions: {2 - len(withheld)}," in p.stdout, p.stdout
+            assert set(whatif_errors(p.stdout)) == {"bucket"}
+        else:   # both withheld: no summary line of no predictions
+            assert len(withheld) == 2 and not whatif_errors(p.stdout), p.stdout
     if script == "whatif_pp.py":   # 2 and 4 microbatches, each predicting the other
         assert "replayed with the target's own compute: 2 predictions" in p.stdout, p.stdout
         assert "fitted with a calibrating run: 2 predictions" in p.stdout, p.stdout
