@@ -24,8 +24,9 @@ def test_benchmark_runs_tiny(script, tmp_path):
     if script == "whatif_ds.py" and importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not installed (make test installs it)")
     args = [sys.executable, str(BENCH / script), "--tiny"]
-    if script == "overhead.py":
-        args += ["--ranks", "1", "--save", str(tmp_path / "runs.json")]
+    if script == "overhead.py":   # a smaller batch of smaller images: the same runs, cheaper
+        args += ["--ranks", "1", "--save", str(tmp_path / "runs.json"),
+                 "--sample-args=--batch-size 8 --image-size 32"]
     if script == "overhead_gpt.py":   # runs side by side on one core (overhead.py: in turn)
         args += ["--ranks", "1", "--together"]
     p = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=BENCH.parent)
