@@ -9,6 +9,7 @@ from __future__ import annotations
 import html.parser
 import json
 import os
+import re
 import subprocess
 import sys
 from collections import Counter, defaultdict
@@ -20,6 +21,7 @@ pytest.importorskip("torch")
 
 from gputrace.analyzers import analyze  # noqa: E402
 from gputrace.analyzers.parallel import pipesim  # noqa: E402
+from gputrace.analyzers.parallel.tp import as_dict as tp_section  # noqa: E402
 from gputrace.report import html as report_html  # noqa: E402
 from gputrace.report.charts import charts  # noqa: E402
 from gputrace.trace import load  # noqa: E402
@@ -180,6 +182,16 @@ def test_tensor_parallel_section_per_layer_and_degree(tp_trace):
     wi = page.tables["tp-what-if"][1:]
     assert [r[0] for r in wi] == ["1", "2 (measured)", "4", "8"]
     assert wi[1][2] == "1.00x"
+    # degree 1 from 2, the one a 2-rank CPU bench can run, with its measured error from
+    # bench/README.md's what-if table beside it (--json's band too); 4 and 8 not validated
+    row = next(x for x in (ROOT / "bench" / "README.md").read_text().splitlines()
+               if x.startswith("| TP degree |"))
+    lo, hi = map(float, re.search(r"(-[\d.]+) \.\. \+([\d.]+) %", row).groups())
+    assert wi[0][-1] == f"{lo:+.1f} .. {hi:+.1f} %" and wi[1][-1] == ""
+    assert wi[2][-1] == wi[3][-1] == "not validated"
+    doc = tp_section(tp)["what_if"]
+    assert doc[0]["band"] == pytest.approx([lo / 100, hi / 100])
+    assert doc[0]["band_source"] == "bench/whatif_kinds.py" and doc[2]["band"] is None
     assert len(page.tables["tp-layers"]) == len(tp.layers) + 1
 
 

@@ -115,17 +115,24 @@ def test_fsdp_what_ifs_carry_interval_and_assumptions(fsdp):
     assert labels["link x2"]["t_iter"] <= labels["link x0.5"]["t_iter"]
     assert sh["assumptions"] and d["speedup"]["points"]
     assert abs(sh["baseline_error"]) < 0.25, sh["baseline_error"]
-    # reshard_after_forward was measured off by more than 10 % (bench/README.md's what-if
-    # table): its band beside it in --json and in the terminal; forward prefetch, which no
-    # bench has validated, says so
-    row = next(x for x in (Path(__file__).parents[1] / "bench" / "README.md").read_text()
-               .splitlines() if x.startswith("| FSDP2 `reshard_after_forward` |"))
-    lo, hi = map(float, re.search(r"(-[\d.]+) \.\. \+([\d.]+) %", row).groups())
-    assert w["band"][0] == pytest.approx(lo / 100, abs=0.005)
-    assert w["band"][1] == pytest.approx(hi / 100, abs=0.005)
-    assert w["band_source"] == "bench/whatif_fsdp.py"
-    ahead = [x for x in sh["what_if"] if x["label"].startswith("forward prefetch")]
-    assert ahead and all(x["band"] is None and x["band_source"] is None for x in ahead)
+    # reshard_after_forward and forward prefetch were measured off by more than 10 %
+    # (bench/README.md's what-if table): each row its kind's band beside it in --json and
+    # in the terminal; backward prefetch, which no bench has validated, says so
+    for kind, label, bench in (("FSDP2 `reshard_after_forward`", "reshard_after_forward",
+                                "bench/whatif_fsdp.py"),
+                               ("FSDP2 forward prefetch", "forward prefetch",
+                                "bench/whatif_kinds.py")):
+        row = next(x for x in (Path(__file__).parents[1] / "bench" / "README.md").read_text()
+                   .splitlines() if x.startswith(f"| {kind} |"))
+        lo, hi = map(float, re.search(r"(-[\d.]+) \.\. \+([\d.]+) %", row).groups())
+        rows = [x for x in sh["what_if"] if x["label"].startswith(label)]
+        assert rows, label
+        for x in rows:
+            assert x["band"][0] == pytest.approx(lo / 100, abs=0.005), (x, row)
+            assert x["band"][1] == pytest.approx(hi / 100, abs=0.005), (x, row)
+            assert x["band_source"] == bench
+    back = [x for x in sh["what_if"] if x["label"].startswith("backward prefetch")]
+    assert back and all(x["band"] is None and x["band_source"] is None for x in back)
     text = run_gputrace("analyze", str(path), check=True).stdout
     lines = text[text.index("What if: t_iter from a replay of the measured sharded"):]
     assert "measured error" in lines.splitlines()[1], lines
@@ -133,7 +140,7 @@ def test_fsdp_what_ifs_carry_interval_and_assumptions(fsdp):
     assert shown.rstrip().endswith(f"{w['band'][0] * 100:+.1f} .. {w['band'][1] * 100:+.1f} %"), \
         shown
     assert all(x.rstrip().endswith("not validated") for x in lines.splitlines()
-               if x.strip().startswith("forward prefetch") and "withheld" not in x)
+               if x.strip().startswith("backward prefetch") and "withheld" not in x)
 
 
 @pytest.mark.slow

@@ -66,9 +66,20 @@ KINDS: dict[str, Measured] = {
                              "on a loaded 2-CPU machine: no pair of runs at one machine speed, "
                              "so this holds the machine's drift (forward compute 0.61-2.56x "
                              "between the pair's runs)"),
-    "fsdp_forward_prefetch": Measured(None, "", "FSDP forward prefetch depth"),
+    "fsdp_forward_prefetch": Measured((-0.288, 0.404), "bench/whatif_kinds.py",
+                                      "forward prefetch 0 <-> 1, 2-rank FSDP2 over gloo, 6 "
+                                      "predictions over 3 interleaved rounds, median +0.6 %, "
+                                      "on a loaded 2-CPU machine whose runs of one "
+                                      "configuration moved up to 103 %"),
     "fsdp_backward_prefetch": Measured(None, "", "FSDP backward prefetch depth"),
     "sharded_link": Measured(None, "", "link bandwidth of a sharded run"),
+    # TP degree: on 2 CPU ranks only 2 -> 1 can be run (bench/whatif_kinds.py)
+    "tp_fewer": Measured((-0.044, 0.855), "bench/whatif_kinds.py",
+                         "TP degree 2 on 2 ranks -> 1 (one process), 3 predictions over 3 "
+                         "interleaved rounds, median +1.4 %, on a loaded 2-CPU machine whose "
+                         "one-process runs moved up to 143 % (a lower degree than the "
+                         "measured; only 1 and 2 can be run on 2 CPU ranks)"),
+    "tp_more": Measured(None, "", "a TP degree above the measured one"),
     # the pipeline's microbatch what-ifs: of one run to fewer microbatches and to more
     # (bench/whatif_pp_inside.py), and fitted with a calibrating run (bench/whatif_pp.py's
     # microbatch pairs, measured before the schedule's own work was modelled: it moved one
@@ -99,6 +110,11 @@ def kind_of_scenario(gpus: int, world: int, bandwidth_x: float,
     link, buckets = bandwidth_x != 1, bucket_bytes is not None
     return ("ddp_buckets_link" if link and buckets else "ddp_link" if link
             else "ddp_buckets" if buckets else None)
+
+
+def kind_of_degree(degree: int, measured: int) -> str | None:
+    """The kind of a TP-degree what-if (None: the measured degree itself)."""
+    return None if degree == measured else "tp_fewer" if degree < measured else "tp_more"
 
 
 def kind_of_label(label: str) -> str | None:
@@ -168,7 +184,10 @@ def band_keys(kind: str | None) -> dict[str, object]:
 
 
 def said(kind: str | None) -> str:
-    """A finding's words for a prediction's band ('' where none is shown)."""
+    """A finding's words for a prediction's band, or that no bench validates its kind (''
+    within 10 %)."""
     b = band(kind)
-    return f"; such a what-if was measured off by {text(b)} ({KINDS[kind or ''].bench})" \
-        if b is not None else ""
+    if b is not None:
+        return f"; such a what-if was measured off by {text(b)} ({KINDS[kind or ''].bench})"
+    return "; no bench has validated such a what-if" if kind is not None and \
+        source(kind) is None else ""

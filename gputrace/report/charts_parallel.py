@@ -13,6 +13,7 @@ import html
 from typing import Any
 
 from gputrace.analyzers import Analysis, RankAnalysis
+from gputrace.analyzers import whatif_bands as wb
 from gputrace.analyzers.parallel import pipesim, pp, pp_whatif
 from gputrace.report.charts import PALETTE, WIDTH, Chart, _colour, _columns
 
@@ -201,10 +202,13 @@ def _tp_tables(tp: Any) -> str:   # tp.TensorParallel
              f"{x.nbytes / 1e6:.2f}", _ms(x.exposed_s)] for x in tp.layers]
     out = [_table(rows, ["layer", "name", "phase", "count", "MB", "exposed"], "tp-layers")]
     if tp.what_if:
+        kinds = [wb.kind_of_degree(w.degree, tp.degree) for w in tp.what_if]
         rows = [[f"{w.degree}{' (measured)' if w.degree == tp.degree else ''}",
-                 _ms(w.t_iter), f"{w.speedup:.2f}x", _ms(w.compute_s), _ms(w.comm_s)]
-                for w in tp.what_if]
+                 _ms(w.t_iter), f"{w.speedup:.2f}x", _ms(w.compute_s), _ms(w.comm_s),
+                 wb.cell(k)] for w, k in zip(tp.what_if, kinds, strict=True)]
         out += ["<h3>What if: another TP degree (same model and global batch)</h3>",
-                _table(rows, ["TP degree", "t_iter", "speedup", "compute", "TP comm"],
-                       "tp-what-if"), _assumptions(tp.assumptions)]
+                _table(rows, ["TP degree", "t_iter", "speedup", "compute", "TP comm",
+                              "measured error"], "tp-what-if"),
+                *(f'<p class="caption">{html.escape(x[:1].upper() + x[1:])}.</p>'
+                  for x in wb.note(kinds)), _assumptions(tp.assumptions)]
     return "".join(out)

@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from gputrace.analyzers import RankAnalysis
+from gputrace.analyzers import whatif_bands as wb
 from gputrace.analyzers.parallel import ep_whatif, pipesim, pp_whatif
 from gputrace.analyzers.parallel.registry import beyond_dp
 
@@ -88,12 +89,16 @@ def _tp(con: Console, ra: RankAnalysis, tp) -> None:  # noqa: ANN001 - tp.Tensor
     if tp.what_if:
         w = Table(title="What if: another TP degree (same model and global batch)",
                   title_justify="left", box=None, padding=(0, 2))
-        for h in ("TP degree", "t_iter", "speedup", "compute", "TP comm"):
+        kinds = [wb.kind_of_degree(x.degree, tp.degree) for x in tp.what_if]
+        for h in ("TP degree", "t_iter", "speedup", "compute", "TP comm", "measured error"):
             w.add_column(h, justify="right")
-        for x in tp.what_if:
+        for x, k in zip(tp.what_if, kinds, strict=True):
             w.add_row(f"{x.degree}{' (measured)' if x.degree == tp.degree else ''}",
-                      _ms(x.t_iter), f"{x.speedup:.2f}x", _ms(x.compute_s), _ms(x.comm_s))
+                      _ms(x.t_iter), f"{x.speedup:.2f}x", _ms(x.compute_s), _ms(x.comm_s),
+                      wb.cell(k))
         con.print(w)
+        for line in wb.note(kinds):
+            con.print(f"  {line}")
         for a in tp.assumptions:
             con.print(f"  assumes {a}")
 

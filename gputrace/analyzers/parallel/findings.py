@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from gputrace.analyzers import whatif_bands as wb
 from gputrace.analyzers.findings import Finding
 
 
@@ -29,7 +30,9 @@ def findings(dims: dict[str, Any], parallel: dict[str, Any], t_iter: float) -> l
             f"{tp.exposed_s * 1e3:.1f} ms of {t_iter * 1e3:.1f} ms ({share:.0%}) in "
             f"{tp.count:.3g} collectives per iteration, each on the critical path"
             + (f"; at TP {best.degree} the TP-degree model gives {best.t_iter * 1e3:.1f} ms "
-               f"({best.t_iter / t_iter - 1:+.0%})" if best is not None else "")
+               f"({best.t_iter / t_iter - 1:+.0%}"
+               f"{wb.said(wb.kind_of_degree(best.degree, tp.degree))})"
+               if best is not None else "")
             + "."))
     pl = parallel.get("pp")
     if pl is not None:
@@ -41,7 +44,9 @@ def findings(dims: dict[str, Any], parallel: dict[str, Any], t_iter: float) -> l
             + (f"; the stages wait for each other beyond the schedule's own bubble (stage "
                f"{pl.slowest} is the slowest)" if gap > 0.05 else "")
             + (f"; replayed, {best.what} would take {best.t_iter * 1e3:.1f} ms per "
-               f"iteration ({best.t_iter / t_iter - 1:+.0%})"
+               f"iteration ({best.t_iter / t_iter - 1:+.0%}"
+               + (f"; such a what-if was measured off by {wb.text(best.band)}"
+                  if best.band else "") + ")"
                if best is not None and best.t_iter < 0.97 * t_iter else "")
             + "."))
     imb = parallel.get("ep")

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from gputrace.analyzers import whatif_bands as wb
 from gputrace.analyzers.collectives import Rows
 from gputrace.analyzers.frame import Spans
 from gputrace.analyzers.parallel.rows import rows_in
@@ -191,5 +192,6 @@ def as_dict(tp: TensorParallel) -> dict[str, Any]:
             "hidden_s": tp.hidden_s, "kinds": tp.kinds, "phases": tp.phases,
             "layers": [{("bytes" if k == "nbytes" else k): v for k, v in vars(x).items()}
                        for x in tp.layers],
-            "what_if": [vars(w) for w in tp.what_if],
+            "what_if": [vars(w) | wb.band_keys(wb.kind_of_degree(w.degree, tp.degree))
+                        for w in tp.what_if],
             "assumptions": list(tp.assumptions)}
