@@ -22,7 +22,9 @@ waits for its neighbours (`waits_s`: the schedule's waits on its sends and recei
 counts its collectives at the ProcessGroup (collective_truth) and writes OUT.rank<R>.json:
 {"iterations" (start/end, step_s, update, passes_s, loss_s, waits_s, grad_sync_s),
 "microbatches": [{"it", "mb", "forward", "loss", "backward"}] (one stage per rank),
-"chunks": [{"it", "stage", "kind", "mb", "s", "autograd_s"}], "forwards": [{"it", "stage", "s"}],
+"chunks": [{"it", "stage", "kind", "mb", "s", "autograd_s", "cpu_s", "autograd_cpu_s"}],
+"forwards": [{"it", "stage", "s", "cpu_s"}] (`cpu_s`: the thread's CPU seconds in it
+(time.thread_time: the wall time less the wait for a CPU behind other processes),
 "calls", "stage": {index, indices, stages, ranks, schedule, class, microbatches,
 samples_per_iteration, replica, replicas}}.
 """
@@ -78,13 +80,13 @@ class Stage(nn.Module):
         self.index = index
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         out = self.layers(x)
         if self.head is not None:
             out = self.head(out)
         if self.clock.marks:
             out = Mark.apply(out, self.clock.backward_began)
-        self.clock.forward(time.perf_counter() - t0, self.index)
+        self.clock.forward(time.perf_counter() - t0, self.index, time.thread_time() - c0)
         return out
 
 
@@ -102,8 +104,8 @@ class Clock:
         self.t_bwd = 0.0
         self.pending = 0
 
-    def forward(self, s: float, stage: int = -1) -> None:
-        self.forwards.append({"it": self.it, "stage": stage, "s": s})
+    def forward(self, s: float, stage: int = -1, cpu_s: float | None = None) -> None:
+        self.forwards.append({"it": self.it, "stage": stage, "s": s, "cpu_s": cpu_s})
         self.mb.append({"it": self.it, "mb": self.fwd, "forward": s, "backward": 0.0,
                         "loss": 0.0})
         self.fwd += 1
@@ -137,15 +139,17 @@ def time_chunks(stage: PipelineStage, clock: Clock, chunks: list[dict]) -> list[
 
     def timed(fn, kind):
         def run(chunk_id, *a, **k):
-            AUTOGRAD[0] = None
-            t0 = time.perf_counter()
+            AUTOGRAD[0] = AUTOGRAD[1] = None
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 return fn(chunk_id, *a, **k)
             finally:
                 s = time.perf_counter() - t0
                 spent[0] += s
                 chunks.append({"it": clock.it, "stage": stage.stage_index, "kind": kind,
-                               "mb": int(chunk_id), "s": s, "autograd_s": AUTOGRAD[0]})
+                               "mb": int(chunk_id), "s": s, "autograd_s": AUTOGRAD[0],
+                               "cpu_s": time.thread_time() - c0,
+                               "autograd_cpu_s": AUTOGRAD[1]})
         return run
 
     for name, kind in (("forward_one_chunk", "forward"), ("backward_one_chunk", "backward"),
@@ -156,7 +160,8 @@ def time_chunks(stage: PipelineStage, clock: Clock, chunks: list[dict]) -> list[
     return spent
 
 
-AUTOGRAD: list[float | None] = [None]   # the current chunk's stage_backward, if it ran one
+# the current chunk's stage_backward, if it ran one: its seconds, and its CPU seconds
+AUTOGRAD: list[float | None] = [None, None]
 
 
 def time_autograd() -> None:
@@ -166,11 +171,12 @@ def time_autograd() -> None:
     orig = ST.stage_backward
 
     def stage_backward(*a, **k):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             return orig(*a, **k)
         finally:
             AUTOGRAD[0] = (AUTOGRAD[0] or 0.0) + time.perf_counter() - t0
+            AUTOGRAD[1] = (AUTOGRAD[1] or 0.0) + time.thread_time() - c0
 
     ST.stage_backward = stage_backward
 
