@@ -49,3 +49,25 @@ def fit_own(lay: pporders.Layout, fwd: list[float], bwd: list[float], wgt: list[
         lo, hi = (mid, hi) if span(mid) < measured else (lo, mid)
     k = (lo + hi) / 2
     return [(k * a, k * b) for a, b in own], 0.0
+
+
+# a run's schedule at its microbatch count: (m, per stage its own work per microbatch
+# (forward, backward), the fitted transfer)
+Rest = tuple[int, tuple[tuple[float, float], ...], float]
+
+
+def rest_at(points: tuple[Rest, ...], m: int) -> tuple[list[tuple[float, float]], float]:
+    """Each stage's own work per microbatch and the transfer at m, through the two runs
+    (`points`, m ascending, two or more) whose counts lie nearest m, the nearest two beyond
+    them outside: on the line a + b/m through the two, never below 0, so that at a measured
+    count they are that run's."""
+    j = 1
+    while j < len(points) - 1 and points[j][0] < m:
+        j += 1
+    (m0, o0, t0), (m1, o1, t1) = points[j - 1], points[j]
+
+    def on(x0: float, x1: float) -> float:
+        b = (x0 - x1) / (1 / m0 - 1 / m1)
+        return max(x0 + b * (1 / m - 1 / m0), 0.0)
+    return ([(on(f0, f1), on(b0, b1)) for (f0, b0), (f1, b1) in zip(o0, o1, strict=True)],
+            on(t0, t1))

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gputrace.analyzers import whatif_bands as wb
-from gputrace.analyzers.parallel import pipesim, pporders
+from gputrace.analyzers.parallel import pipesim, pp_fit, pporders
 
 if TYPE_CHECKING:
     from gputrace.analyzers.parallel.pp import Pipeline, Stage
@@ -56,6 +56,14 @@ REST = (
     "per microbatch included) needs to give the measured step (fitted once), the same per "
     "transfer at any microbatch count (latency, not bandwidth, bound)",
     "the update and the time outside the schedule's step stay as measured")
+# with calibrating runs: the transfer and the schedule's own work as measured at each count
+REST_FITTED = (
+    SPLIT_HALF,
+    "a transfer between stages and the schedule's own work per microbatch, each what "
+    "replaying that run's schedule needs to give its step, are taken at another count on "
+    "the line a + b/m through the two runs whose counts lie nearest it (never below 0), as "
+    "the compute: at a run's own count, that run's",
+    REST[2])
 ASSUMPTIONS = (PROPORTIONAL, *REST)
 SAME_BATCH = 0.10   # the two runs' bytes between stages per iteration agree this closely
 # how far a microbatch-count what-if was from the run at that count it predicts, measured
@@ -98,6 +106,10 @@ class Calibration:
     loss_s: float
     p2p_bytes: float
     schedule: str = ""
+    # per stage, its schedule's own work per microbatch (forward, backward), and the
+    # transfer fitted to its step (None: not known)
+    own: tuple[tuple[float, float], ...] = ()
+    transfer_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -117,6 +129,10 @@ class Compute:
     # per stage, the schedule's own work per microbatch (forward, backward), measured in
     # this run: added at any m (Pipeline.own)
     own: tuple[tuple[float, float], ...] = ()
+    # with calibrating runs: per run used (this one too), m ascending, each stage's own work
+    # per microbatch and the transfer; the what-ifs take both at m through them
+    # (pp_fit.rest_at) instead of this run's own work and transfer at any m
+    rest: tuple[pp_fit.Rest, ...] = ()
 
     def at(self, m: int, own: bool = True) -> tuple[list[float], list[float], float]:
         """Per stage, a microbatch's forward and backward at m (the schedule's own work
@@ -140,7 +156,11 @@ class Compute:
                 "forward": [{"fixed_s": a, "per_batch_s": b} for a, b in self.forward],
                 "backward": [{"fixed_s": a, "per_batch_s": b} for a, b in self.backward],
                 "loss": {"fixed_s": self.loss[0], "per_batch_s": self.loss[1]},
-                "schedule_own": [{"forward_s": f, "backward_s": b} for f, b in self.own]}
+                "schedule_own": [{"forward_s": f, "backward_s": b} for f, b in self.own],
+                "schedule_own_at": [
+                    {"microbatches": m, "transfer_s": t, "schedule_own": [
+                        {"forward_s": f, "backward_s": b} for f, b in o]}
+                    for m, o, t in self.rest] or None}
 
 
 def _piecewise(points: tuple[tuple[int, tuple[float, ...], tuple[float, ...], float], ...],
@@ -223,7 +243,8 @@ def calibration_of(pl: Pipeline) -> Calibration:
     """What a run's pipeline gives another run's what-ifs."""
     f, b, loss, _ = pl.per_stage
     return Calibration(pl.microbatches, tuple(f), tuple(b), loss,
-                       float(sum(s.p2p_bytes for s in pl.stages)), pl.schedule)
+                       float(sum(s.p2p_bytes for s in pl.stages)), pl.schedule,
+                       tuple(pl.own), pl.transfer_s)
 
 
 # the schedules a pipeline's what-ifs replay, with their stages per rank
@@ -260,15 +281,17 @@ def what_ifs(pl: Pipeline, stages: list[Stage], extra: list[int] | None = None
     return ifs
 
 
-def _times(pl: Pipeline, schedule: str, v: int, f: list[float], b: list[float]
+def _times(pl: Pipeline, schedule: str, v: int, f: list[float], b: list[float],
+           own: list[tuple[float, float]] | None = None
            ) -> tuple[list[float], list[float], list[float], pporders.Layout | None]:
     """Each stage's forward, backward and weight part under `schedule` at v stages per rank
     (`f`, `b`: the stages' compute per microbatch, their schedule's own work apart): the
     measured stages' where the layout is the recorded one, else each rank's stages'
     compute together split evenly over its new stages; the weight part the recorded share
     of the backward, half of it where the recorded schedule did not split it; each stage's
-    own work per microbatch added (its rank's mean over its stages where they change)."""
-    own = list(pl.own) or [(0.0, 0.0)] * len(f)
+    own work per microbatch added (`own`, default the recorded; its rank's mean over its
+    stages where they change)."""
+    own = list(pl.own if own is None else own) or [(0.0, 0.0)] * len(f)
     f2, b2, w2, lay = _split(pl, schedule, v, f, b)
     p = pl.ranks or len(f)
     place = pporders.placement(schedule, p, v)
@@ -321,8 +344,10 @@ def predict(pl: Pipeline, schedule: str, m: int, fwd: list[float] | None = None,
     p = pl.ranks or pl.num_stages
     lay = pporders.layout(schedule, p, v, m)
     f, b, loss = pl.compute.at(m, own=False)
-    f, b, w, _ = _times(pl, schedule, v, fwd or f, bwd or b)
-    r = pipesim.run(lay.orders, lay.rank_of, f, b, w, pl.transfer_s, loss)
+    own, transfer = pp_fit.rest_at(pl.compute.rest, m) if pl.compute.rest else \
+        (list(pl.own), pl.transfer_s)
+    f, b, w, _ = _times(pl, schedule, v, fwd or f, bwd or b, own)
+    r = pipesim.run(lay.orders, lay.rank_of, f, b, w, transfer, loss)
     t_iter = r.makespan + pl.per_stage[3]
     idle = float(np.mean(r.bubble))
     if not what:
@@ -353,11 +378,18 @@ def calibrated(pl: Pipeline, cal: Calibration | Sequence[Calibration] | None, st
         f"the {pipesim.SHORT.get(c.schedule, c.schedule) or 'other'} run at {c.microbatches} "
         "microbatches" for c in cals
         if c.microbatches in ([q[0] for q in model.points] or [model.calibrated_with]))
+    counts = [q[0] for q in model.points] or [model.calibrated_with]
+    runs = {pl.microbatches: (tuple(pl.own), pl.transfer_s)} if pl.own else {}
+    for c in cals:
+        if c.microbatches in counts and len(c.own) == len(f) and c.transfer_s is not None:
+            runs.setdefault(c.microbatches, (c.own, c.transfer_s))
+    rest = tuple(sorted((k, o, t) for k, (o, t) in runs.items())) if len(runs) >= 2 else ()
     if used:
-        used += ": each stage's compute per microbatch fitted through it and this run"
-    model = replace(model, own=tuple(pl.own))
-    out = replace(pl, compute=model, calibration_note=why, assumptions=(first, *REST),
-                  calibration_used=used)
+        used += (": each stage's compute per microbatch fitted through it and this run" +
+                 (", and the schedule's own work and transfer" if rest else ""))
+    model = replace(model, own=tuple(pl.own), rest=rest)
+    out = replace(pl, compute=model, calibration_note=why, calibration_used=used,
+                  assumptions=(first, *(REST_FITTED if rest else REST)))
     return replace(out, what_if=what_ifs(out, stages, extra))
 
 
