@@ -115,12 +115,15 @@ def test_fsdp_what_ifs_carry_interval_and_assumptions(fsdp):
     assert labels["link x2"]["t_iter"] <= labels["link x0.5"]["t_iter"]
     assert sh["assumptions"] and d["speedup"]["points"]
     assert abs(sh["baseline_error"]) < 0.25, sh["baseline_error"]
-    # reshard_after_forward and forward prefetch were measured off by more than 10 %
+    # reshard_after_forward, forward prefetch and the link were measured off by more than 10 %
     # (bench/README.md's what-if table): each row its kind's band beside it in --json and
     # in the terminal; backward prefetch, which no bench has validated, says so
     for kind, label, bench in (("FSDP2 `reshard_after_forward`", "reshard_after_forward",
                                 "bench/whatif_fsdp.py"),
                                ("FSDP2 forward prefetch", "forward prefetch",
+                                "bench/whatif_kinds.py"),
+                               ("link bandwidth (FSDP2; a ZeRO run's link what-if, the same "
+                                "sharded replay, is shown with it)", "link x",
                                 "bench/whatif_kinds.py")):
         row = next(x for x in (Path(__file__).parents[1] / "bench" / "README.md").read_text()
                    .splitlines() if x.startswith(f"| {kind} |"))

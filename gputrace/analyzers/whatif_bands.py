@@ -72,7 +72,12 @@ KINDS: dict[str, Measured] = {
                                       "on a loaded 2-CPU machine whose runs of one "
                                       "configuration moved up to 103 %"),
     "fsdp_backward_prefetch": Measured(None, "", "FSDP backward prefetch depth"),
-    "sharded_link": Measured(None, "", "link bandwidth of a sharded run"),
+    "sharded_link": Measured((-0.721, 3.425), "bench/whatif_kinds.py",
+                             "a veth link as it is <-> throttled by tc (0.33x of its "
+                             "all-reduce bus bandwidth), 2-rank FSDP2 over gloo, 6 "
+                             "predictions over 3 interleaved rounds, median +11.1 %, on a "
+                             "loaded 2-CPU machine whose runs of one configuration moved up "
+                             "to 657 %; the throttled runs were not slower in 2 of 3 rounds"),
     # TP degree: on 2 CPU ranks only 2 -> 1 can be run (bench/whatif_kinds.py)
     "tp_fewer": Measured((-0.044, 0.855), "bench/whatif_kinds.py",
                          "TP degree 2 on 2 ranks -> 1 (one process), 3 predictions over 3 "
