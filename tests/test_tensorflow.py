@@ -543,6 +543,21 @@ def test_keras_fit_validation_data_is_an_evaluation_pass(tmp_path):
         assert json.loads(r["args"])["batches"] == e["batches"] == 5
         # no training step's time: the epoch's last step ends before it
         assert not [i for i in its if i["start_ns"] < r["end_ns"] and i["end_ns"] > r["start_ns"]]
+    # what fit does between the epochs, where the job's own clock has its gaps (5 ms): the
+    # validation's pipeline built once, after the first epoch's last step and before its
+    # pass; each epoch's first batch (its iterator made anew), after the last pass and
+    # before the epoch's first step; each pass's own first batch inside it
+    ms5, st, ev = 5_000_000, t["step_times"], t["evals"]
+    (built,) = [r for r in spans(tr, "loader") if r["name"] == "keras: input pipeline built"]
+    assert st[9][1] - ms5 <= built["start_ns"] and built["end_ns"] <= ev[0]["start"] + ms5
+    firsts = [r for r in spans(tr, "loader") if r["name"] == "keras: epoch's first batch"]
+    assert len(firsts) == 6, firsts
+    for k in range(3):
+        lo = ev[k - 1]["end"] if k else t["process_start"]
+        assert [r for r in firsts if lo - ms5 <= r["start_ns"]
+                and r["end_ns"] <= st[10 * k][0] + ms5], k
+        assert [r for r in firsts if ev[k]["start"] - ms5 <= r["start_ns"]
+                and r["end_ns"] <= ev[k]["end"] + ms5], k
     saves = spans(tr, "checkpoint")
     assert len(saves) == len(t["saves"]) == 3 + 30 // 7
     for r, s in zip(saves, sorted(t["saves"], key=lambda s: s["start"]), strict=True):

@@ -382,10 +382,12 @@ def on_keras(rec: Recorder, keras: Any) -> str:
     """The fit callback and the optimizers (Keras 3 as `keras` or `tf.keras`, or tf_keras)."""
     state = _state_for(rec)
     from gputrace.collectors.tensorflow_keras import patch_fit
+    from gputrace.collectors.tensorflow_keras_data import patch_epoch_iterator
     from gputrace.collectors.tensorflow_optimizers import patch_optimizers
     from gputrace.collectors.tensorflow_saves import patch_saves
 
     patch_fit(state, keras)
+    patch_epoch_iterator(state)
     patch_saves(state, keras)
     patch_optimizers(state, keras)
     rec.metadata.setdefault("software", {})["keras"] = getattr(keras, "__version__", "?")
