@@ -87,15 +87,15 @@ KINDS: dict[str, Measured] = {
     "tp_more": Measured(None, "", "a TP degree above the measured one"),
     # the pipeline's microbatch what-ifs: of one run to fewer microbatches and to more
     # (bench/whatif_pp_inside.py), and fitted with a calibrating run (bench/whatif_pp.py's
-    # microbatch pairs, measured before the schedule's own work was modelled: it moved one
-    # run's by <= 6.2 points)
+    # microbatch pairs, and whatif_pp_inside.py's with the window of a recording at a third
+    # count, the schedule's own work and transfer fitted through the runs too: the wider)
     "pp_fewer": Measured((-0.036, 0.749), "bench/whatif_pp_inside.py",
                          "GPipe, 1F1B and Interleaved1F1B, 4 <-> 8 <-> 16 microbatches, 2 "
                          "ranks over gloo on a loaded 2-CPU machine"),
     "pp_more": Measured((-0.353, 0.660), "bench/whatif_pp_inside.py",
                         "GPipe, 1F1B and Interleaved1F1B, 4 <-> 8 <-> 16 microbatches, 2 "
                         "ranks over gloo on a loaded 2-CPU machine"),
-    "pp_fitted": Measured((-0.240, 0.484), "bench/whatif_pp.py",
+    "pp_fitted": Measured((-0.402, 0.778), "bench/whatif_pp.py, bench/whatif_pp_inside.py",
                           "GPipe, 1F1B and Interleaved1F1B, 4 <-> 8 <-> 16 microbatches, 2 "
                           "ranks over gloo on a loaded 2-CPU machine"),
     # expert-parallel balanced routing, against iterations of the same job routed without
