@@ -43,7 +43,6 @@ CONFIGS = {
     "tp": ("tp_train.py", 2, ()),
     "fsdp-tp": ("tp_train.py", 4, ("--fsdp", "--iterations", "10")),
     "gpipe-4": ("pp_train.py", 2, ("--schedule", "gpipe", "--microbatches", "4")),
-    "gpipe-8": ("pp_train.py", 2, ("--schedule", "gpipe", "--microbatches", "8")),
     "1f1b-4": ("pp_train.py", 2, ("--schedule", "1f1b", "--microbatches", "4")),
     "moe": ("moe_exchange.py", 2, ("--hot", "0.75")),
 }
