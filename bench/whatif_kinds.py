@@ -11,6 +11,8 @@ own clock (its perf_counter / time_ns around each iteration, over the analyzed o
 Kinds:
   fsdp_forward_prefetch  tests/jobs/fsdp_train.py (FSDP2, 4 blocks): --forward-prefetch 0
                          <-> 1 (`sharded.what_if` 'forward prefetch 1' / '... 0')
+  fsdp_backward_prefetch the same, FSDP2's default backward prefetch (one unit) <-> 2
+                         (--backward-prefetch 2; 'backward prefetch 2' / '... 1')
   tp_degree              tests/jobs/tp_train.py: TP degree 2 on 2 ranks -> degree 1 (one
                          process); `parallelism.tensor_parallel.what_if` degree 1. On 2 CPU
                          ranks only 1 and 2 can be run, and a degree-1 run has no what-if of
@@ -123,9 +125,9 @@ def _tp(degree: int) -> Callable[[dict], float | None]:
     return get
 
 
-def _fsdp(prefetch: int) -> Callable[[str, int], list[str]]:
+def _fsdp(prefetch: int, way: str = "forward") -> Callable[[str, int], list[str]]:
     return lambda out, it: torchrun(2, "fsdp_train.py", out, "--mode", "fsdp2", "--iterations",
-                                    str(it), "--forward-prefetch", str(prefetch))
+                                    str(it), f"--{way}-prefetch", str(prefetch))
 
 
 VETH = Veth(Path(tempfile.gettempdir()))
@@ -135,6 +137,12 @@ KINDS = {
         lambda d, side: (_sharded("forward prefetch 1") if side == "a"
                          else _sharded("forward prefetch 0"))(d),
         "forward prefetch 0 <-> 1 (set_modules_to_forward_prefetch), 4 blocks"),
+    "fsdp_backward_prefetch": Kind(
+        "FSDP2 backward prefetch", _fsdp(0, "backward"), _fsdp(2, "backward"),
+        lambda d, side: (_sharded("backward prefetch 2") if side == "a"
+                         else _sharded("backward prefetch 1"))(d),
+        "backward prefetch FSDP2's default (1) <-> 2 (set_modules_to_backward_prefetch), "
+        "4 blocks"),
     "tp_degree": Kind(
         "TP degree",
         lambda out, it: torchrun(2, "tp_train.py", out, "--iterations", str(it)),

@@ -71,7 +71,11 @@ KINDS: dict[str, Measured] = {
                                       "predictions over 3 interleaved rounds, median +0.6 %, "
                                       "on a loaded 2-CPU machine whose runs of one "
                                       "configuration moved up to 103 %"),
-    "fsdp_backward_prefetch": Measured(None, "", "FSDP backward prefetch depth"),
+    "fsdp_backward_prefetch": Measured((-0.519, 1.078), "bench/whatif_kinds.py",
+                                       "backward prefetch FSDP2's default (1) <-> 2, 2-rank "
+                                       "FSDP2 over gloo, 6 predictions over 3 interleaved "
+                                       "rounds, median +1.7 %, on a loaded 2-CPU machine "
+                                       "whose runs of one configuration moved up to 195 %"),
     "sharded_link": Measured((-0.721, 3.425), "bench/whatif_kinds.py",
                              "a veth link as it is <-> throttled by tc (0.33x of its "
                              "all-reduce bus bandwidth), 2-rank FSDP2 over gloo, 6 "
