@@ -1,7 +1,9 @@
 """A pipeline's replay fitted to its measured step: the transfer time between stages, and
 the schedule's own work per microbatch where the replay with it alone outlasts the step, so
 that replaying the measured configuration gives the measured step (pp.combine); the
-what-ifs (pp_whatif) replay other configurations with them."""
+what-ifs (pp_whatif) replay other configurations with them. With runs at several
+microbatch counts (`--calibrate`): a time per microbatch as a + b/m through two of them
+(line, piecewise), and the schedule's own work and the transfer at another count (rest_at)."""
 
 from __future__ import annotations
 
@@ -71,3 +73,33 @@ def rest_at(points: tuple[Rest, ...], m: int) -> tuple[list[tuple[float, float]]
         return max(x0 + b * (1 / m - 1 / m0), 0.0)
     return ([(on(f0, f1), on(b0, b1)) for (f0, b0), (f1, b1) in zip(o0, o1, strict=True)],
             on(t0, t1))
+
+
+def piecewise(points: tuple[tuple[int, tuple[float, ...], tuple[float, ...], float], ...],
+              m: int) -> tuple[list[float], list[float], float]:
+    """Each stage's times at m through the two measured counts around m (the nearest two
+    beyond the measured ones)."""
+    ms = [q[0] for q in points]
+    j = 1
+    while j < len(ms) - 1 and ms[j] < m:
+        j += 1
+    lo, hi = points[j - 1], points[j]
+
+    def f(t0: float, t1: float) -> float:
+        a, b = line(t0, lo[0], t1, hi[0])
+        return a + b / m
+    return ([f(x, y) for x, y in zip(lo[1], hi[1], strict=True)],
+            [f(x, y) for x, y in zip(lo[2], hi[2], strict=True)], f(lo[3], hi[3]))
+
+
+def line(t0: float, m0: int, t1: float, m1: int) -> tuple[float, float]:
+    """(a, b) of t = a + b/m through (m0, t0) and (m1, t1); a and b never negative (a
+    run whose smaller microbatches cost less per sample is taken as proportional to the
+    size, a smaller microbatch that costs more in all as fixed)."""
+    b = (t0 - t1) / (1 / m0 - 1 / m1)
+    a = t0 - b / m0
+    if b < 0:
+        return t0, 0.0
+    if a < 0:
+        return 0.0, t0 * m0
+    return a, b

@@ -138,7 +138,7 @@ class Compute:
         """Per stage, a microbatch's forward and backward at m (the schedule's own work
         included unless `own` is False), and the loss."""
         if len(self.points) >= 3:
-            f0, b0, loss = _piecewise(self.points, m)
+            f0, b0, loss = pp_fit.piecewise(self.points, m)
         else:
             def f(ab: tuple[float, float]) -> float:
                 return ab[0] + ab[1] / m
@@ -161,36 +161,6 @@ class Compute:
                     {"microbatches": m, "transfer_s": t, "schedule_own": [
                         {"forward_s": f, "backward_s": b} for f, b in o]}
                     for m, o, t in self.rest] or None}
-
-
-def _piecewise(points: tuple[tuple[int, tuple[float, ...], tuple[float, ...], float], ...],
-               m: int) -> tuple[list[float], list[float], float]:
-    """Each stage's times at m through the two measured counts around m (the nearest two
-    beyond the measured ones)."""
-    ms = [q[0] for q in points]
-    j = 1
-    while j < len(ms) - 1 and ms[j] < m:
-        j += 1
-    lo, hi = points[j - 1], points[j]
-
-    def f(t0: float, t1: float) -> float:
-        a, b = _fit(t0, lo[0], t1, hi[0])
-        return a + b / m
-    return ([f(x, y) for x, y in zip(lo[1], hi[1], strict=True)],
-            [f(x, y) for x, y in zip(lo[2], hi[2], strict=True)], f(lo[3], hi[3]))
-
-
-def _fit(t0: float, m0: int, t1: float, m1: int) -> tuple[float, float]:
-    """(a, b) of t = a + b/m through (m0, t0) and (m1, t1); a and b never negative (a
-    run whose smaller microbatches cost less per sample is taken as proportional to the
-    size, a smaller microbatch that costs more in all as fixed)."""
-    b = (t0 - t1) / (1 / m0 - 1 / m1)
-    a = t0 - b / m0
-    if b < 0:
-        return t0, 0.0
-    if a < 0:
-        return 0.0, t0 * m0
-    return a, b
 
 
 def _refused(cal: Calibration, n: int, m: int, p2p_bytes: float) -> str:
@@ -228,10 +198,11 @@ def compute(fwd: Sequence[float], bwd: Sequence[float], loss: float, m: int,
         return plain, "; ".join(why)
     near = min(ok.values(), key=lambda c: abs(c.microbatches - m))
     m1 = near.microbatches
-    out = Compute(tuple(_fit(a, m, b, m1) for a, b in zip(fwd, near.forward_s, strict=True)),
-                  tuple(_fit(a, m, b, m1) for a, b in zip(bwd, near.backward_s,
-                                                          strict=True)),
-                  _fit(loss, m, near.loss_s, m1), m1)
+    out = Compute(tuple(pp_fit.line(a, m, b, m1)
+                        for a, b in zip(fwd, near.forward_s, strict=True)),
+                  tuple(pp_fit.line(a, m, b, m1)
+                        for a, b in zip(bwd, near.backward_s, strict=True)),
+                  pp_fit.line(loss, m, near.loss_s, m1), m1)
     if len(ok) >= 2:
         pts = [(m, tuple(fwd), tuple(bwd), loss)] + [
             (c.microbatches, c.forward_s, c.backward_s, c.loss_s) for c in ok.values()]
