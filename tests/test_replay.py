@@ -262,3 +262,6 @@ def test_what_ifs_of_a_kind_measured_beyond_10_percent_carry_the_tables_band(tmp
     link = next(x for x in text.splitlines() if "link x0.5:" in x)
     assert link.endswith(f"measured error ±{worst['link']:.1f} %"), link
     assert f"measured error ±{worst['cap']:.1f} % (bench/whatif.py, bench/README.md)" in text
+    # the speedup table's GPU counts: the replay's band under it (eq. 11's not measured)
+    after = text[text.index("Predicted speedup"):text.index("What if")]
+    assert f"the replay's measured error ±{worst['gpus']:.1f} %" in after, after

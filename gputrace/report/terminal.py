@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from gputrace.analyzers import Analysis, RankAnalysis
+from gputrace.analyzers import Analysis, RankAnalysis, whatif_bands
 from gputrace.analyzers.model import UnitStats
 from gputrace.analyzers.replay import Scenario
 from gputrace.fmt import ranges, rate
@@ -244,6 +244,10 @@ def render(a: Analysis, rank: int | None = None, file: IO[str] | None = None,
                 (f"{o.speedup:.2f}x", _ms(o.t_iter))
             st.add_row(str(p.gpus), *mine, *theirs[:2 if replayed else 0])
         con.print(st)
+        if any(p.gpus != sp.world_size for p in sp.points):   # another GPU count's error
+            for line in whatif_bands.note(["gpu_count"]):
+                con.print(f"  [dim]the replay's {escape(line)}; eq. {sp.equation}'s is not "
+                          "measured[/]")
         withheld_by_reason(con, [(f"{p.gpus} GPUs", p.withheld) for p in sp.points if p.withheld])
         for asm in sp.assumptions:
             con.print(f"  [dim]assumes {escape(asm)}[/]")
