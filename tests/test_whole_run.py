@@ -532,8 +532,12 @@ def test_torch_compile_is_a_part_of_start_up(tmp_path):
     assert sum(parts.values()) == pytest.approx(g["badput_s"]["startup"], abs=1e-6)
     assert sum(g["badput_s"].values()) + g["training_s"] == pytest.approx(g["wall_s"],
                                                                            abs=1e-6)
+    # the compilation taken out of the steps: the rest of them is training (the first
+    # call's other work, outside torch._dynamo's compilation, stays in it: the job's own
+    # figure of the compilation holds that too, within its tolerance above)
     steps = sum(s["end"] - s["start"] for s in t["steps"]) / 1e9
-    close(g["training_s"], steps - own, "training less the compilation")
+    close(g["training_s"] + parts["compile_s"], steps, "training and the compilation")
+    assert abs(g["training_s"] - (steps - own)) <= tol(own), (g["training_s"], steps, own)
     wall = (t["end"] - t["process_start"]) / 1e9
     assert abs(g["goodput"] - (steps - own) / wall) <= 0.02, (g["goodput"], steps, own, wall)
     close(g["badput_s"]["startup"], (t["steps"][0]["start"] - t["process_start"]) / 1e9
