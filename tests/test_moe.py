@@ -7,7 +7,9 @@ received and its own clock (its backward compute, its wait for DDP's all-reduce)
 
 from __future__ import annotations
 
+import re
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -206,6 +208,12 @@ def test_balanced_routing_what_if(moe2, moe2_balanced):
     assert np.isfinite(g["balanced_saves_s"])
     assert g["balanced_saves_s"] <= g["most_loaded_expert_s"]
     assert "what if routing were balanced" in moe2.text
+    # its measured error, bench/README.md's what-if table's round medians, in --json too
+    row = next(x for x in (Path(__file__).parents[1] / "bench" / "README.md").read_text()
+               .splitlines() if x.startswith("| EP balanced routing | the router's bias off"))
+    lo, hi = map(float, re.search(r"(-[\d.]+) \.\. \+([\d.]+) %", row).groups())
+    assert g["band"] == pytest.approx([lo / 100, hi / 100]) and g["band_source"], g
+    assert f"off by {lo:+.1f} .. {hi:+.1f} %" in moe2.text
     run = moe2_balanced
     tokens = [float(np.mean([sum(m["received"].values()) for m in run.truth[r]["moe"]]))
               for r in (0, 1)]

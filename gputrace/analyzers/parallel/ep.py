@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from gputrace.analyzers import whatif_bands as wb
 from gputrace.analyzers.collectives import Rows
 from gputrace.analyzers.frame import Spans
 from gputrace.analyzers.parallel import ep_whatif
@@ -309,6 +310,7 @@ def as_dict(ep: ExpertParallel, imb: Imbalance | None) -> dict[str, Any]:
                                       "most_loaded_rank": g.most_loaded,
                                       "tokens_ratio": g.tokens_ratio,
                                       "balanced_saves_s": g.balanced_saves_s,
+                                      **wb.band_keys("ep_balanced"),
                                       "most_loaded_expert_s": g.most_expert_s,
                                       "wait_s": {str(k): v for k, v in g.wait_s.items()},
                                       "wait_by_layer": {
