@@ -18,7 +18,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from gputrace.analyzers import analyze  # noqa: E402
+from gputrace.analyzers.frame import build  # noqa: E402
+from gputrace.analyzers.steps import analyze_rank  # noqa: E402
 from gputrace.trace import load  # noqa: E402
 from gputrace.window import unpack  # noqa: E402
 from tests.conftest import run_gputrace  # noqa: E402
@@ -94,12 +95,17 @@ def test_every_iteration_time_matches_the_jobs_clock(runs, steps_json):
     s = run["summary"]
     assert s["max_s"] == pytest.approx(max(truth), rel=0.05)
     assert s["p50_s"] == pytest.approx(float(np.median(truth)), rel=0.05)
-    # the stall the job made, outside the window (its sleep belongs to the next iteration)
+    # the stall the job made, outside the window (its sleep belongs to the next iteration);
+    # the window missed it where the job's own clock has it longer than every iteration the
+    # window holds (by more than the 5 % the two clocks agree within): a busy neighbour can
+    # hold one of those longer still (a preemption of 92.8 ms against the stall's 64.5 ms
+    # once), and then the window did catch a spike as long
     spike = [x for x in run["spikes"] if x["step"] == SPIKE + 1]
     assert spike and not spike[0]["inside_window"], run["spikes"]
-    assert any(f["id"] == "window_missed" and str(SPIKE + 1) in f["message"]
-               for f in steps_json["findings"]) or \
-        "did not catch" in (run["finding"] or ""), run["finding"]
+    if truth[SPIKE + 1] > 1.05 * max(truth[START:START + COUNT]):
+        assert any(f["id"] == "window_missed" and str(SPIKE + 1) in f["message"]
+                   for f in steps_json["findings"]) or \
+            "did not catch" in (run["finding"] or ""), run["finding"]
 
 
 def _agree(got: np.ndarray, truth: np.ndarray) -> None:
@@ -158,11 +164,13 @@ def _ratios(path: Path, rank: int, truth: list[dict]) -> dict[str, float]:
     clock only, which a mean over the window's 20 follows (on a loaded machine the window's
     forward mean came to 1.034 of the job's, the full run's to 0.960: half the bound; the
     medians 0.951 and 0.957)."""
-    s = analyze(load(path), skip=0, detail=True).ranks[rank].detail.series
-    k = s.kept
+    trace = load(path)
+    rs = analyze_rank(build(trace.table, trace.metadata).ranks[rank])
+    assert (rs.iterations.step >= 0).all(), rs.iterations.step
+    want = [truth[st] for st in rs.iterations.step]
     # DDP's backward on the job's clock holds its gradients' all-reduce: t_b + t_comm
-    return {phase: float(np.median(sum(s.terms[x][k] for x in keys) /
-                                   np.array([truth[st][phase] for st in s.step[k]])))
+    return {phase: float(np.median(sum(rs.terms[x] for x in keys) /
+                                   np.array([w[phase] for w in want])))
             for keys, phase in ((("t_iter",), "t_iter"), (("t_f",), "forward"),
                                 (("t_b", "t_comm"), "backward"), (("t_u",), "update"))}
 
