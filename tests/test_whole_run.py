@@ -488,8 +488,12 @@ def test_a_window_that_holds_no_training_step(tmp_path):
     assert "No training iteration in the recorded window: the run's 12 training steps" \
         in text, text
     assert "per iteration." not in text and "Where an iteration's time goes" not in text
-    g = json.loads(run_gputrace("analyze", str(out), "--json", check=True).stdout)["goodput"]
+    doc = json.loads(run_gputrace("analyze", str(out), "--json", check=True).stdout)
+    g = doc["goodput"]
     assert g["iterations"] == 12
+    # --json keeps the trace-as-one-window figures, said withheld with why
+    assert [c["invariant"] for c in doc["checks"]["violated"]] == ["iterations_in_window"]
+    assert "the per-iteration figures" in doc["withheld"]
     assert sum(g["badput_s"].values()) + g["training_s"] == pytest.approx(g["wall_s"],
                                                                            abs=1e-6)
     close(g["training_s"], sum(s["end"] - s["start"] for s in t["steps"]) / 1e9, "training")

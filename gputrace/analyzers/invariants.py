@@ -231,6 +231,19 @@ def _goodput_sum(ra: RankAnalysis) -> Check | None:
                  "counted twice or not at all", ra.rank)
 
 
+def _window_empty(ra: RankAnalysis) -> Check | None:
+    """A window that holds no training iteration: the analysis took the whole trace as one
+    'iteration', which is none of the job's steps (their times, outside the window, are
+    the goodput's)."""
+    g = ra.goodput
+    if not ra.synthetic_iterations or g is None:
+        return None
+    return Check("iterations_in_window", "the per-iteration figures",
+                 f"no training iteration in the recorded window: the run's {g.iterations} "
+                 "training steps all lie outside it (their times only); the whole trace as "
+                 "one window is none of them", ra.rank)
+
+
 def _replay_baseline(ra: RankAnalysis) -> Check | None:
     rp = ra.replay
     if rp is None or not rp.measured_t_iter > 0:
@@ -279,6 +292,8 @@ def check_rank(ra: RankAnalysis, world: int, asked: Sequence[Scenario] = ()
     c = _kinds_agree(ra)
     checks += [c] if c else []
     c = _goodput_sum(ra)
+    checks += [c] if c else []
+    c = _window_empty(ra)
     checks += [c] if c else []
     sp, c = _speedup_point(ra, world)
     checks += [c] if c else []
