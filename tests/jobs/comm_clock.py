@@ -18,7 +18,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.autograd import DeviceType
 from torch.autograd.profiler import record_function
+from torch.autograd.profiler_util import _filter_name
 from torch.profiler import ProfilerActivity, profile
 
 KINDS = {"all_reduce": "all_reduce", "all_reduce_": "all_reduce",
@@ -32,9 +34,8 @@ ITEMSIZE = {"float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "long i
             "c10::complex<float>": 8, "c10::complex<double>": 16}
 
 
-def _nbytes(e: Any) -> int | None:
+def _nbytes(shapes: list[list[int]], dtypes: list[str]) -> int | None:
     """The op's first input's bytes (the tensor it sends), None when not recorded."""
-    shapes, dtypes = e.input_shapes, getattr(e, "input_dtypes", None)
     if not shapes or not dtypes or dtypes[0] not in ITEMSIZE:
         return None
     n = 1
@@ -94,38 +95,70 @@ class CommClock:
     def dump(self) -> dict[str, Any]:
         """{"functional": one {it, phase, kind, bytes, block} per collective issued (block -1:
         none known), "stood": [{it, phase, s}] the seconds in the functional ops per
-        iteration and phase}."""
+        iteration and phase}. Read from the profiler's raw events, each op's enclosing ranges
+        found as torch's own event tree finds them (an event inside another's interval on
+        its thread): building that tree (`prof.events()`) took half the CPU of a job."""
         calls: list[dict[str, Any]] = []
         stood: dict[tuple[int, str], float] = {}
-        events = list(self.prof.events())
-        marks = sorted((e.time_range.start, e.name.split(":")[1], int(e.name.split(":")[2]))
-                       for e in events if e.name.startswith("bmark:"))
+        events = [e for e in self.prof.profiler.kineto_results.events()
+                  if e.device_type() == DeviceType.CPU and not e.is_async()
+                  and not _filter_name(e.name())]
+        parent = _parents(events)
+        marks = sorted((e.start_ns(), e.name().split(":")[1], int(e.name().split(":")[2]))
+                       for e in events if e.name().startswith("bmark:"))
         at = [m[0] for m in marks]
-        for e in events:
-            if not e.name.startswith(_PREFIX):
+        for k, e in enumerate(events):
+            name = e.name()
+            if not name.startswith(_PREFIX):
                 continue
-            it, phase, block, p = -1, "none", -1, e.cpu_parent
-            while p is not None:
-                if p.name.startswith("block:") and block < 0:
-                    block = int(p.name[6:])
-                elif p.name.startswith("phase:") and phase == "none":
-                    phase = p.name[6:]
-                elif p.name.startswith("it:"):
-                    it = int(p.name[3:])
+            it, phase, block, p = -1, "none", -1, parent[k]
+            while p >= 0:
+                up = events[p].name()
+                if up.startswith("block:") and block < 0:
+                    block = int(up[6:])
+                elif up.startswith("phase:") and phase == "none":
+                    phase = up[6:]
+                elif up.startswith("it:"):
+                    it = int(up[3:])
                     break
-                p = p.cpu_parent
-            if e.cpu_parent is not None and e.cpu_parent.name.startswith(_PREFIX):
+                p = parent[p]
+            if parent[k] >= 0 and events[parent[k]].name().startswith(_PREFIX):
                 continue    # inside another functional op: counted there
             key = (it, phase)
-            stood[key] = stood.get(key, 0.0) + e.time_range.elapsed_us() / 1e6
-            kind = KINDS.get(e.name[len(_PREFIX):])
+            stood[key] = stood.get(key, 0.0) + e.duration_ns() / 1e9
+            kind = KINDS.get(name[len(_PREFIX):])
             if kind is None:
                 continue
             if phase == "backward" and block < 0:
-                i = bisect.bisect_right(at, e.time_range.start) - 1
+                i = bisect.bisect_right(at, e.start_ns()) - 1
                 if i >= 0 and marks[i][1] == "out":   # inside that block's backward
                     block = marks[i][2]
-            calls.append({"it": it, "phase": phase, "kind": kind, "bytes": _nbytes(e),
-                          "block": block})
+            calls.append({"it": it, "phase": phase, "kind": kind,
+                          "bytes": _nbytes(e.shapes(), e.dtypes()), "block": block})
         return {"functional": calls,
                 "stood": [{"it": i, "phase": p, "s": s} for (i, p), s in stood.items()]}
+
+
+def _parents(events: list[Any]) -> list[int]:
+    """Each event's parent (its index, -1 none): on its thread, the innermost event whose
+    interval holds it, as torch's profiler builds its tree (profiler_util's
+    _populate_cpu_children)."""
+    parent = [-1] * len(events)
+    order = sorted(range(len(events)), key=lambda k: (events[k].start_thread_id(),
+                                                       events[k].start_ns(),
+                                                       -events[k].end_ns()))
+    stack: list[int] = []
+    thread = None
+    for k in order:
+        e = events[k]
+        if e.start_thread_id() != thread:
+            thread, stack = e.start_thread_id(), []
+        while stack:
+            q = events[stack[-1]]
+            if e.start_ns() >= q.end_ns() or e.end_ns() > q.end_ns():
+                stack.pop()
+            else:
+                parent[k] = stack[-1]
+                break
+        stack.append(k)
+    return parent
