@@ -8,7 +8,7 @@ import html
 
 from gputrace.analyzers import RankAnalysis
 from gputrace.analyzers.timeline_comm import ROLE_WHAT
-from gputrace.report.charts import PALETTE, WIDTH, Chart, _colour, _columns
+from gputrace.report.chart_kit import PALETTE, WIDTH, Chart, _colour, _columns
 from gputrace.report.collectives import in_model
 
 

@@ -10,7 +10,8 @@ from dataclasses import replace
 from typing import Any
 
 from gputrace.analyzers import RankAnalysis
-from gputrace.report.charts import PALETTE, WIDTH, Chart, _colour, _columns, timeline
+from gputrace.report.chart_kit import PALETTE, WIDTH, Chart, _colour, _columns
+from gputrace.report.charts import timeline
 
 # the breakdown's terms that tile an iteration, bottom to top, and their colours (t_comm,
 # all comm hidden or not, is not one of them: its exposed part is)

@@ -10,7 +10,7 @@ from typing import Any
 
 from gputrace.analyzers.flops import withheld_line
 from gputrace.analyzers.layer_names import named
-from gputrace.report.charts import PALETTE, WIDTH, Chart, _colour, _columns
+from gputrace.report.chart_kit import PALETTE, WIDTH, Chart, _colour, _columns
 
 PHASES = ("forward", "backward")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from gputrace.analyzers.goodput import CATEGORIES, WITHHELD, Goodput
-from gputrace.report.charts import WIDTH, Chart, _columns
+from gputrace.report.chart_kit import WIDTH, Chart, _columns
 from gputrace.report.goodput import NAMES, SHOWN_S, _s
 
 # one colour per category, training first

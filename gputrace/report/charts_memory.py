@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gputrace.report.charts import PALETTE, Chart, _colour, _columns
+from gputrace.report.chart_kit import PALETTE, Chart, _colour, _columns
 
 SERIES = {"rss": "host RSS", "cuda_allocated": "GPU {device} allocated"}
 

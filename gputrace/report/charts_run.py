@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from gputrace.report.charts import Chart, _columns
+from gputrace.report.chart_kit import Chart, _columns
 
 
 def run_chart(w: dict[str, Any]) -> Chart | None:

@@ -11,7 +11,7 @@ from gputrace.analyzers import RankAnalysis
 from gputrace.analyzers import whatif_bands as wb
 from gputrace.analyzers.replay import MIB, Scenario
 from gputrace.fmt import DDP_DEFAULT
-from gputrace.report.charts import WIDTH, Chart, _colour, _columns, _ms, _rule
+from gputrace.report.chart_kit import WIDTH, Chart, _colour, _columns, _ms, _rule
 
 
 def speedup(ra: RankAnalysis) -> Chart | None:
