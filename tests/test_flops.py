@@ -274,7 +274,13 @@ def test_counted_iteration_stays_in_the_trace_and_out_of_the_timings(runs, cache
     dur = np.array([(r["end_ns"] - r["start_ns"]) / 1e9 for r in its])
     ends = np.array(truth["step_ends"])
     own = np.concatenate([[truth["iterations"][0]], np.diff(ends)])
-    assert np.all(np.abs(dur - own) <= 0.05 * own + 0.003), (dur, own)
+    assert np.all(np.abs(dur[1:] - own[1:]) <= 0.05 * own[1:] + 0.003), (dur, own)
+    # the first begins at the first thing of the loop gputrace sees (the model's first
+    # forward, after its own first-call set-up), at or after the job's clock read before
+    # its zero_grad: no longer than the job's first (19.5 ms shorter beside two CPU hogs)
+    # and it holds at least the layers' forwards the job timed in it
+    assert sum(ly["forward_s"][0] for ly in truth["layers"]) <= dur[0] <= own[0] * 1.05 + 0.003, \
+        (dur, own)
     kept = [k for k in range(STEPS) if k != COUNTED]
     assert d["breakdown"]["t_iter"]["mean"] == pytest.approx(float(np.mean(own[kept])),
                                                              rel=0.05)

@@ -262,7 +262,11 @@ def analyze_rank(sp: Spans, stood: tuple[np.ndarray, np.ndarray] | None = None,
         # the phase's tail after its layers is still DDP's wait for its last all-reduce
         own_waits = ov.total(ov.intersect(phase_b, ov.merge(st_grad, *(
             u for d, u in par.items() if d != "ep")))) > 0
-        bwd = ov.subtract(ov.merge(phase_b if own_waits or not per_layer.any()
+        # a process with no collective at all has no all-reduce to wait for: its backward
+        # is the autograd call, tail included (the gradients' accumulation after the last
+        # layer's, the engine's end: 4-5 ms of it beside busy neighbours)
+        alone = not sp.of("comm").any()
+        bwd = ov.subtract(ov.merge(phase_b if own_waits or alone or not per_layer.any()
                                    else _u(sp, per_layer), _u(sp, pass_b)), st)
         upd = ov.subtract(_u(sp, sp.of("update")), st)
         # two phases at once (TensorFlow runs ops of both on its threads): the time counts
