@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import statistics
 import sys
 import time
 
@@ -83,18 +84,19 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-def probe(elements: int, n: int = 6) -> dict:
-    """Mean seconds of one synchronous all-reduce of 4 bytes and of `elements` floats,
-    each call begun together by the ranks (a barrier before it)."""
+def probe(elements: int, n: int = 9) -> dict:
+    """Median seconds of one synchronous all-reduce of 4 bytes and of `elements` floats,
+    each call begun together by the ranks (a barrier before it): the median, as a rank
+    preempted in one call (a busy machine) makes that call alone slow."""
     out = {"elements": elements}
     for key, x in (("small_s", torch.zeros(1)), ("large_s", torch.zeros(elements))):
-        took = 0.0
+        took = []
         for _ in range(n):
             dist.barrier()
             t0 = time.perf_counter()
             dist.all_reduce(x)
-            took += time.perf_counter() - t0
-        out[key] = took / n
+            took.append(time.perf_counter() - t0)
+        out[key] = statistics.median(took)
     return out
 
 
