@@ -265,7 +265,8 @@ def analyze_rank(sp: Spans, stood: tuple[np.ndarray, np.ndarray] | None = None,
         # a process with no collective at all has no all-reduce to wait for: its backward
         # is the autograd call, tail included (the gradients' accumulation after the last
         # layer's, the engine's end: 4-5 ms of it beside busy neighbours)
-        alone = not sp.of("comm").any()
+        comm_m = sp.of("comm")
+        alone = not comm_m.any()
         bwd = ov.subtract(ov.merge(phase_b if own_waits or alone or not per_layer.any()
                                    else _u(sp, per_layer), _u(sp, pass_b)), st)
         upd = ov.subtract(_u(sp, sp.of("update")), st)
@@ -273,7 +274,6 @@ def analyze_rank(sp: Spans, stood: tuple[np.ndarray, np.ndarray] | None = None,
         # once, in the earlier phase; the loop's wait for data, where no compute ran beside
         bwd = ov.subtract(bwd, fwd)
         upd = ov.subtract(upd, ov.merge(fwd, bwd))
-        comm_m = sp.of("comm")
         compute = ov.merge(h2d, fwd, bwd, upd)
         comm = _u(sp, comm_m)
         # exposed: the instants the job stood still for its comm, each once, as the
