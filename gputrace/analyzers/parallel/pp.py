@@ -8,7 +8,6 @@ layers moved between stages to balance them."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -17,6 +16,14 @@ import pyarrow as pa
 from gputrace.analyzers.collectives import Rows
 from gputrace.analyzers.frame import Spans
 from gputrace.analyzers.parallel import pipesim, pp_fit, pporders
+from gputrace.analyzers.parallel.pp_model import (  # noqa: F401 - the pipeline's records
+    BLOCK_STEPS,
+    Calibration,
+    Compute,
+    Pipeline,
+    Stage,
+    WhatIf,
+)
 from gputrace.analyzers.parallel.pp_timeline import (  # noqa: F401 - the report's
     Block,
     Iteration,
@@ -24,56 +31,9 @@ from gputrace.analyzers.parallel.pp_timeline import (  # noqa: F401 - the report
     first_replica_of,
     iteration,
 )
-from gputrace.analyzers.parallel.pp_whatif import (
-    ASSUMPTIONS,
-    Calibration,
-    Compute,
-    WhatIf,
-    predict,  # noqa: F401 - the what-ifs' replay
-)
 from gputrace.analyzers.parallel.pp_whatif import calibrated as _calibrated
+from gputrace.analyzers.parallel.pp_whatif import predict  # noqa: F401 - the what-ifs' replay
 from gputrace.analyzers.parallel.rows import rows_in
-
-
-@dataclass(frozen=True)
-class Stage:
-    """One rank's stage (its stages: `held`, several under the interleaved and V schedules),
-    means over the analyzed iterations."""
-
-    rank: int
-    stage: int            # the lowest of `held`
-    schedule: str
-    microbatches: int
-    num_stages: int
-    forward_s: float      # per microbatch (the rank's stages together)
-    backward_s: float     # per microbatch (and its weight part, zero-bubble schedules)
-    loss_s: float         # per microbatch (last stage)
-    step_s: float         # the schedule's step
-    bubble_s: float       # per iteration (t_pp): the step's time it computed nothing
-    waits_s: float        # its waits for its neighbours (p2p), per iteration
-    p2p_count: float      # sends and receives, per iteration
-    p2p_bytes: float
-    t_iter: float
-    layers: dict[int, float] = field(default_factory=dict)   # layer -> backward s per mb
-    # the pipeline spans of a few analyzed iterations (BLOCK_STEPS, the middle ones), as
-    # recorded (trace ns): (step, name, microbatch, start, end, stage); the step itself
-    # has mb -1 and the rank's first stage
-    blocks: tuple[tuple[int, str, int, int, int, int], ...] = ()
-    held: tuple[int, ...] = ()
-    # per stage held: its forward, backward (weight part included) and the backward's
-    # weight part (zero-bubble schedules), per microbatch
-    by_stage: dict[int, tuple[float, float, float]] = field(default_factory=dict)
-    # per stage held: the schedule's own work per microbatch around its forward and its
-    # backward (in its chunks around the module's call or autograd, and between its chunks
-    # less its waits), which no microbatch size changes
-    own: dict[int, tuple[float, float]] = field(default_factory=dict)
-
-    @property
-    def busy_s(self) -> float:
-        return self.microbatches * (self.forward_s + self.backward_s + self.loss_s)
-
-
-BLOCK_STEPS = 9      # iterations whose pipeline spans a stage keeps (a report draws one)
 
 
 def _args(sp: Spans, idx: np.ndarray) -> list[dict[str, Any]]:
@@ -236,50 +196,6 @@ def _layer_backward(sp: Spans, it_start: np.ndarray, sel: np.ndarray) -> dict[in
                      strict=True):
         out.setdefault(int(ly), []).append(d)
     return {k: float(np.mean(v)) for k, v in sorted(out.items())}
-
-
-@dataclass(frozen=True)
-class Pipeline:
-    """The pipeline across its ranks: `num_stages` stages over `ranks` ranks, each holding
-    `stages_per_rank` of them (1 under GPipe and 1F1B)."""
-
-    stages: list[Stage]   # one per rank (its stages: Stage.held)
-    schedule: str
-    microbatches: int
-    num_stages: int
-    bubble: float         # mean over ranks: bubble / iteration
-    theory: float         # (p-1)/(v m+p-1), a share of the schedule's step
-    slowest: int          # stage index (of the busiest rank: its first stage)
-    transfer_s: float     # fitted (pipesim.fit_transfer)
-    replayed_step_s: float
-    what_if: list[WhatIf] = field(default_factory=list)
-    assumptions: tuple[str, ...] = ASSUMPTIONS
-    bubble_step: float = 0.0   # mean over ranks: bubble / the schedule's step (as theory)
-    # per stage, its replicas averaged: forward and backward per microbatch; the last
-    # stage's loss; the first stage's iteration outside its step
-    per_stage: tuple[tuple[float, ...], tuple[float, ...], float, float] = ((), (), 0.0, 0.0)
-    compute: Compute = Compute((), (), (0.0, 0.0))   # per microbatch as m changes (what-ifs)
-    calibration_note: str = ""   # why a calibrating run given was not used
-    recorded_schedule: str = ""  # the recorded schedule replayed as `schedule` (its order)
-    ranks: int = 0               # the pipeline's ranks (one replica)
-    stages_per_rank: int = 1
-    weight: tuple[float, ...] = ()    # per stage, the backward's weight part (split ones)
-    # per stage, the schedule's own work per microbatch (forward, backward): the same at
-    # any microbatch size (Stage.own, scaled to the measured step where it outlasts it)
-    own: tuple[tuple[float, float], ...] = ()
-    rank_of: tuple[int, ...] = ()     # per stage, its rank (the first replica's)
-    replay_note: str = ""        # why the recorded schedule is not replayed
-    calibration_used: str = ""   # the calibrating run used, in words
-
-    def headline(self) -> str:
-        name = pipesim.SHORT.get(self.schedule, self.schedule)
-        if self.recorded_schedule:
-            name = f"{self.recorded_schedule}, {name} order"
-        per = f" ({self.stages_per_rank} per rank)" if self.stages_per_rank > 1 else ""
-        return (f"pipeline, {self.num_stages} stages{per} x {self.microbatches} microbatches "
-                f"({name}): bubble "
-                f"{self.bubble_step:.0%} of the schedule's step ({self.bubble:.0%} of the "
-                f"iteration), theory {self.theory:.0%}")
 
 
 def combine(stages: list[Stage], extra: list[int] | None = None,

@@ -5,10 +5,8 @@ schedules), and one pipeline of a pipeline x data-parallel run."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from gputrace.analyzers.parallel.pp import Pipeline, Stage
+from gputrace.analyzers.parallel.pp_model import Pipeline, Stage
 
 
 def first_replica_of(st: list[Stage]) -> list[Stage]:

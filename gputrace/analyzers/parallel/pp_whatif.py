@@ -16,55 +16,28 @@ replays the fitted times. A smaller microbatch's lower efficiency is then predic
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import replace
+from typing import Any
 
 import numpy as np
 
 from gputrace.analyzers import whatif_bands as wb
 from gputrace.analyzers.parallel import pipesim, pp_fit, pporders
-
-if TYPE_CHECKING:
-    from gputrace.analyzers.parallel.pp import Pipeline, Stage
-
-PROPORTIONAL = (
-    "the global batch stays: a microbatch's forward and backward compute (the module's "
-    "forward, the backward's autograd) take the measured time x m/m' (proportional to its "
-    "size) under either schedule, the schedule's own work per microbatch (around them in "
-    "its chunks, and between its chunks less its waits) the measured time at any size (a "
-    "smaller microbatch's lower efficiency inside its compute, or a schedule's smaller "
-    "activation footprint computing faster, is not predicted; `--calibrate` with a run at "
-    "another microbatch count fits it)")
-FITTED = (
-    "the global batch stays: each stage's forward, backward and loss per microbatch are "
-    "fitted as fixed + per-sample from this run and the calibrating run at {m} "
-    "microbatches (t = a + b/m), under either schedule (a schedule's smaller activation "
-    "footprint computing faster is not predicted)")
-SPLIT_HALF = (
-    "a schedule that splits the backward (zero bubble) computes its weight part in the "
-    "recorded share of it, half where the recorded schedule did not split it (a Linear "
-    "layer's gradients of its input and of its weights take as many FLOPs); a stage count "
-    "per rank other than the recorded splits each rank's compute evenly over its stages")
-FITTED_SEVERAL = (
-    "the global batch stays: each stage's forward, backward and loss per microbatch are "
-    "measured at {ms} microbatches (this run and the calibrating ones); at another count "
-    "they are fitted as t = a + b/m through the two measured counts around it (the nearest "
-    "two beyond them: an extrapolation), under any schedule")
-REST = (
+from gputrace.analyzers.parallel.pp_model import (  # noqa: F401 - the what-ifs' records
+    ASSUMPTIONS,
+    FITTED,
+    FITTED_SEVERAL,
+    PROPORTIONAL,
+    REST,
+    REST_FITTED,
     SPLIT_HALF,
-    "a transfer between stages costs what replaying the measured schedule (its own work "
-    "per microbatch included) needs to give the measured step (fitted once), the same per "
-    "transfer at any microbatch count (latency, not bandwidth, bound)",
-    "the update and the time outside the schedule's step stay as measured")
-# with calibrating runs: the transfer and the schedule's own work as measured at each count
-REST_FITTED = (
-    SPLIT_HALF,
-    "a transfer between stages and the schedule's own work per microbatch, each what "
-    "replaying that run's schedule needs to give its step, are taken at another count on "
-    "the line a + b/m through the two runs whose counts lie nearest it (never below 0), as "
-    "the compute: at a run's own count, that run's",
-    REST[2])
-ASSUMPTIONS = (PROPORTIONAL, *REST)
+    Calibration,
+    Compute,
+    Pipeline,
+    Stage,
+    WhatIf,
+)
+
 SAME_BATCH = 0.10   # the two runs' bytes between stages per iteration agree this closely
 # how far a microbatch-count what-if was from the run at that count it predicts, measured
 # (analyzers.whatif_bands: of one run to fewer microbatches and to more, and fitted)
@@ -80,87 +53,6 @@ def band_note(c: Compute) -> str:
     return ("measured error: how far such a what-if was from the run at that microbatch "
             f"count ({BAND_WHERE}; bench/README.md): --calibrate with a run at another "
             "count fits the compute per microbatch instead")
-
-
-@dataclass(frozen=True)
-class WhatIf:
-    what: str
-    schedule: str
-    microbatches: int
-    t_iter: float
-    bubble: float         # share of the iteration (as Pipeline.bubble), mean over stages
-    bubble_s: float       # per iteration, mean over stages: replayed step time computing nothing
-    # how far such a what-if was from the run it predicts, measured (BAND): (lowest,
-    # highest) of predicted / measured - 1; None where it was measured within 10 %
-    band: tuple[float, float] | None = None
-
-
-@dataclass(frozen=True)
-class Calibration:
-    """Another run of the same pipeline: its microbatch count and, per stage, its compute
-    per microbatch; its bytes between stages per iteration (the global batch's check)."""
-
-    microbatches: int
-    forward_s: tuple[float, ...]
-    backward_s: tuple[float, ...]
-    loss_s: float
-    p2p_bytes: float
-    schedule: str = ""
-    # per stage, its schedule's own work per microbatch (forward, backward), and the
-    # transfer fitted to its step (None: not known)
-    own: tuple[tuple[float, float], ...] = ()
-    transfer_s: float | None = None
-
-
-@dataclass(frozen=True)
-class Compute:
-    """Per stage, a microbatch's forward and backward at m microbatches: a + b / m, as
-    (a, b); the last stage's loss the same. `calibrated_with`: the other run's microbatch
-    count (0: proportional, a = 0)."""
-
-    forward: tuple[tuple[float, float], ...]
-    backward: tuple[tuple[float, float], ...]
-    loss: tuple[float, float]
-    calibrated_with: int = 0
-    # three or more runs (this one and the calibrating ones): per microbatch count, each
-    # stage's forward and backward and the loss as measured, m ascending; `at` then takes
-    # a + b / m through the two counts nearest m (between them where m lies between two)
-    points: tuple[tuple[int, tuple[float, ...], tuple[float, ...], float], ...] = ()
-    # per stage, the schedule's own work per microbatch (forward, backward), measured in
-    # this run: added at any m (Pipeline.own)
-    own: tuple[tuple[float, float], ...] = ()
-    # with calibrating runs: per run used (this one too), m ascending, each stage's own work
-    # per microbatch and the transfer; the what-ifs take both at m through them
-    # (pp_fit.rest_at) instead of this run's own work and transfer at any m
-    rest: tuple[pp_fit.Rest, ...] = ()
-
-    def at(self, m: int, own: bool = True) -> tuple[list[float], list[float], float]:
-        """Per stage, a microbatch's forward and backward at m (the schedule's own work
-        included unless `own` is False), and the loss."""
-        if len(self.points) >= 3:
-            f0, b0, loss = pp_fit.piecewise(self.points, m)
-        else:
-            def f(ab: tuple[float, float]) -> float:
-                return ab[0] + ab[1] / m
-            f0, b0, loss = [f(x) for x in self.forward], [f(x) for x in self.backward], \
-                f(self.loss)
-        if own and self.own:
-            f0 = [x + o for x, (o, _) in zip(f0, self.own, strict=True)]
-            b0 = [x + o for x, (_, o) in zip(b0, self.own, strict=True)]
-        return f0, b0, loss
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"model": "fitted" if self.calibrated_with else "proportional",
-                "calibrated_with": self.calibrated_with or None,
-                "measured_at": [q[0] for q in self.points] or None,
-                "forward": [{"fixed_s": a, "per_batch_s": b} for a, b in self.forward],
-                "backward": [{"fixed_s": a, "per_batch_s": b} for a, b in self.backward],
-                "loss": {"fixed_s": self.loss[0], "per_batch_s": self.loss[1]},
-                "schedule_own": [{"forward_s": f, "backward_s": b} for f, b in self.own],
-                "schedule_own_at": [
-                    {"microbatches": m, "transfer_s": t, "schedule_own": [
-                        {"forward_s": f, "backward_s": b} for f, b in o]}
-                    for m, o, t in self.rest] or None}
 
 
 def _refused(cal: Calibration, n: int, m: int, p2p_bytes: float) -> str:
