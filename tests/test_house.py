@@ -113,13 +113,9 @@ def circles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
 # the circles left, each to be broken by moving the state both sides share into a module
 # they both import (never by a local import); a new one, or one grown, fails
 KNOWN = [
-    {"analyzers.parallel.pp", "analyzers.parallel.pp_timeline", "analyzers.parallel.pp_whatif"},
     {"collectors.tensorflow", "collectors.tensorflow_hooks", "collectors.tensorflow_keras",
      "collectors.tensorflow_keras_data", "collectors.tensorflow_optimizers",
      "collectors.tensorflow_saves"},
-    {"collectors.torch.comm", "collectors.torch.deepspeed", "collectors.torch.ds_pipeline",
-     "collectors.torch.dtensor", "collectors.torch.fsdp", "collectors.torch.functional",
-     "collectors.torch.pipeline"},
     {"analysis", "analyzers", "analyzers.diff", "analyzers.diff_goodput",
      "analyzers.diff_runs", "analyzers.goodput", "analyzers.invariants", "analyzers.rank_part",
      "analyzers.window", "capture", "record.thin", "recorder", "ring", "window"},

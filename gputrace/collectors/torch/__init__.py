@@ -372,7 +372,8 @@ def auto_instrument(rec: Recorder) -> str:
     _patch_backward(state)
     patch_dataloader(state)
     patch_ddp(lambda: _installed)
-    torch_comm.install(lambda: _installed)
+    if torch_comm.install(lambda: _installed):
+        _install_distributed()
     torch_checkpoint.install(lambda: _installed)
     torch_startup.install(rec, lambda: _installed)
     torch_lightning.install(lambda: _installed)
@@ -386,3 +387,11 @@ def auto_instrument(rec: Recorder) -> str:
     return "ok"
 
 
+def _install_distributed() -> None:
+    """The collectors of what is built on torch.distributed's collectives, each patching
+    its library when (if ever) the job imports it."""
+    from gputrace.collectors.torch import deepspeed, ds_pipeline, dtensor, mesh, pipeline
+    from gputrace.collectors.torch import fsdp as torch_fsdp
+
+    for c in (torch_fsdp, deepspeed, ds_pipeline, mesh, pipeline, dtensor):
+        c.install()

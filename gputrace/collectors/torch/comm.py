@@ -319,21 +319,23 @@ def _patch_wait() -> None:
     Work.wait = wait
 
 
-def install(state: Callable[[], Any]) -> None:
+def install(state: Callable[[], Any]) -> bool:
     """Patch the collectives once per process; `state()` is the torch collector's state
-    (its recorder, clock and phase depths), None while nothing records."""
+    (its recorder, clock and phase depths), None while nothing records. True where this
+    call patched them (torch.distributed is there): the collectors of what is built on
+    them (FSDP, DeepSpeed, pipelining, meshes, DTensor) are then installed by the caller."""
     global _state, _installed
     _state = state
     if _installed:
-        return
+        return False
     _installed = True
     try:
         import torch.distributed as dist
         from torch.distributed import distributed_c10d as c10d
     except Exception:  # noqa: BLE001 - a torch built without distributed
-        return
+        return False
     if not dist.is_available():
-        return
+        return False
     _c10d[0] = c10d
     try:
         for name in (*_SPECS, "batch_isend_irecv"):
@@ -348,15 +350,7 @@ def install(state: Callable[[], Any]) -> None:
         _patch_optimizer()
     except Exception as e:  # noqa: BLE001
         _hook_failed("torch.distributed collectives", e)
-    from gputrace.collectors.torch import deepspeed, ds_pipeline, dtensor, mesh, pipeline
-    from gputrace.collectors.torch import fsdp as torch_fsdp
-
-    torch_fsdp.install()
-    deepspeed.install()
-    ds_pipeline.install()
-    mesh.install()
-    pipeline.install()
-    dtensor.install()
+    return True
 
 
 def _patch_optimizer() -> None:
