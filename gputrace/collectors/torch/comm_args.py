@@ -107,8 +107,9 @@ def _integer(t: Any) -> str:
 def _peers(a: tuple[Any, ...], k: dict[str, Any]) -> str:
     """`,"peers":[bytes to rank 0 of the group, ...]` of an all-to-all ("" when unknown):
     a list's tensors, or a single tensor's input splits (even without them), with
-    `"splits":[rows to each peer]` for a single tensor and `"integer":true` where it moves
-    integers (a count exchange)."""
+    `"splits":[rows to each peer]` for a single tensor (`"even":true` where the call gave
+    no split sizes: its first dimension cut evenly, whatever that dimension holds) and
+    `"integer":true` where it moves integers (a count exchange)."""
     try:
         if "input_tensor_list" in k or (len(a) > 1 and isinstance(a[1], (list, tuple))):
             ins = a[1] if len(a) > 1 else k["input_tensor_list"]
@@ -119,10 +120,11 @@ def _peers(a: tuple[Any, ...], k: dict[str, Any]) -> str:
         group = a[4] if len(a) > 4 else k.get("group")
         rows = x.shape[0] if x.dim() else 1
         per_row = _nb(x) // max(rows, 1)
+        even = "" if splits else ',"even":true'
         if not splits:
             n = (group or _c10d[0]._world.default_pg).size()
             splits = [rows // n] * n
         return (f',"peers":{json.dumps([int(s) * per_row for s in splits])}'
-                f',"splits":{json.dumps([int(s) for s in splits])}' + _integer(x))
+                f',"splits":{json.dumps([int(s) for s in splits])}{even}' + _integer(x))
     except Exception:  # noqa: BLE001 - a shape we do not know: the total bytes stay
         return ""

@@ -7,11 +7,19 @@ the `wait_tensor` that first uses the result (the completion as far as the job c
 and that wait is its `wait` (the time the job stood still for it), the issuing call its
 `call` ([start, end] ns: the thread in the collective before it returned). A result never
 used is never written. Issued by a DTensor redistribution, it says `"issuer":"dtensor"`. Inside compiled graphs the collectives are not Python calls: not recorded.
+
+An `all_to_all_single` carries `peers`, `splits` (`even` where no split sizes were given) and
+`integer` as the ProcessGroup's does (collectors.torch.comm_args). Where its result has a
+gradient (`all_to_all_single_autograd`, torchtitan's token dispatch and combine), autograd
+runs the reverse all-to-all in the backward inside C++, out of Python's reach: its node's
+pre-hook and hook bound it, a span of its own (`"autograd":true`, the gradient's bytes, the
+forward's splits swapped).
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import threading
 import weakref
 from typing import Any
@@ -91,6 +99,12 @@ def _record(mod: Any, st: Any, kind: str, a: tuple[Any, ...], k: dict[str, Any],
             f'"functional":true,"phase":"{torch_comm._phase(st)}"{fsdp}'
             f'{_DTENSOR if torch_comm.TLS.dtensor else ""}{call}')
     nin = torch_comm._nb(x)
+    if kind == "all_to_all":
+        pg = _pg(mod, group, tag)
+        ins = a[2] if len(a) > 2 else k.get("input_split_sizes")
+        outs = a[1] if len(a) > 1 else k.get("output_split_sizes")
+        head += _a2a(x, ins, pg)
+        _backward_a2a(mod, st, out, group, tag, outs, pg)
     if not waiting:
         rec.span("comm", kind, t0, t1, layer=layer, nbytes=nin, args=head + "}")
         return
@@ -103,6 +117,64 @@ def _record(mod: Any, st: Any, kind: str, a: tuple[Any, ...], k: dict[str, Any],
             _pending.pop(key, None)
     # by storage: the first use may wait on a view of the result (DTensor unpads it)
     _pending[out.untyped_storage().data_ptr()] = (weakref.ref(out), e)
+
+
+def _pg(mod: Any, group: Any, tag: str) -> Any:
+    try:
+        return torch_comm._c10d[0]._resolve_process_group(mod._resolve_group_name(group, tag))
+    except Exception:  # noqa: BLE001 - a group we cannot resolve: even splits unknown
+        return None
+
+
+def _a2a(x: Any, splits: Any, pg: Any) -> str:
+    """`,"peers":[...],"splits":[...]` (`,"even":true` without split sizes) and
+    `,"integer":true` of an all_to_all_single's input `x`, "" when not known."""
+    try:
+        rows = x.shape[0] if x.dim() else 1
+        per_row = torch_comm._nb(x) // max(rows, 1)
+        even = "" if splits else ',"even":true'
+        if not splits:
+            n = pg.size()
+            splits = [rows // n] * n
+        sp = [int(v) for v in splits]
+        integer = "" if x.is_floating_point() or x.is_complex() else ',"integer":true'
+        return (f',"peers":{json.dumps([v * per_row for v in sp])}'
+                f',"splits":{json.dumps(sp)}{even}{integer}')
+    except Exception:  # noqa: BLE001 - a shape we do not know: the total bytes stay
+        return ""
+
+
+def _backward_a2a(mod: Any, st: Any, out: Any, group: Any, tag: str, splits: Any,
+                  pg: Any) -> None:
+    """The reverse all-to-all autograd runs for `out`'s gradient: a span from its node's
+    pre-hook to its hook, sending the gradient with the forward's output splits."""
+    node = getattr(out, "grad_fn", None)
+    if node is None:
+        return
+    box: list[int] = []
+
+    def pre(grad_outputs: Any) -> None:
+        s = torch_comm._state()
+        if s is not None:
+            box[:] = [s.now()]
+
+    def post(grad_inputs: Any, grad_outputs: Any) -> None:
+        try:
+            s = torch_comm._state()
+            if s is None or not box:
+                return
+            t1, g = s.now(), grad_outputs[0]
+            gi = grad_inputs[0] if grad_inputs else None
+            args = (f'{{"kind":"all_to_all","bytes_out":{torch_comm._nb(gi)},'
+                    f'"group":{_group_json(mod, group, tag)},"async":false,'
+                    f'"functional":true,"autograd":true,"phase":"{torch_comm._phase(s)}"'
+                    f'{_a2a(g, splits, pg)}}}')
+            s.rec.span("comm", "all_to_all", box[0], t1, nbytes=torch_comm._nb(g), args=args)
+        except Exception as e:  # noqa: BLE001 - the backward ran; only its record is lost
+            _hook_failed("_functional_collectives.all_to_all_single (backward)", e)
+
+    node.register_prehook(pre)
+    node.register_hook(post)
 
 
 def _storage(t: Any) -> int:
