@@ -190,6 +190,12 @@ def _ep(con: Console, ep, imb) -> None:  # noqa: ANN001 - ep.ExpertParallel, ep.
                       + ", ".join(f"rank {r}: {n:.0f}" for r, n in
                                   sorted(g.tokens_by_rank.items()))
                       + f" per iteration); bytes {g.ratio:.2f}x the mean")
+        elif ep.even_splits:
+            con.print(f"{head}imbalance: the dispatches move even splits, no split sizes "
+                      "(capacity-padded buffers, as DeepSpeed-MoE's): every rank's experts "
+                      "get as many slots whatever the routing, and the tokens routed, "
+                      "dropped or padded are not in the comm; the most-loaded rank "
+                      f"({g.most_loaded}) moves {g.ratio:.2f}x the group's mean bytes")
         else:
             con.print(f"{head}imbalance: the most-loaded rank ({g.most_loaded}) moves "
                       f"{g.ratio:.2f}x the group's mean bytes")
@@ -198,7 +204,12 @@ def _ep(con: Console, ep, imb) -> None:  # noqa: ANN001 - ep.ExpertParallel, ep.
                       "them, per iteration: " + "; ".join(
                           f"rank {r} {_ms(w)}" + _layers(g.wait_by_layer.get(r, {}))
                           for r, w in sorted(g.wait_s.items())))
-        if g.balanced_saves_s == g.balanced_saves_s:
+        if ep.even_splits and g.balanced_saves_s != g.balanced_saves_s:
+            con.print(f"{head}what if routing were balanced: not predicted: with even "
+                      "splits every rank's experts process as much whatever the routing; "
+                      "what balance would change (the tokens dropped, or a capacity set by "
+                      "the most-loaded expert) is not in the comm")
+        elif g.balanced_saves_s == g.balanced_saves_s:
             con.print(f"{head}what if routing were balanced (each rank the group's mean "
                       f"tokens): the all-to-alls replayed give {_ms(g.balanced_saves_s)} "
                       f"less per iteration; {ep_whatif.BAND}")

@@ -11,7 +11,12 @@ combine moving back exactly the bytes its dispatch moved (its input bytes the di
 output bytes and the other way round). In the forward the first of a pair is the dispatch
 (before the experts' compute), the second the combine; in the backward the combine's
 gradient runs first, then the dispatch's. An all-to-all no later one pairs with is
-`unpaired` (no role: nothing says which it is)."""
+`unpaired` (no role: nothing says which it is).
+
+Tokens come from the dispatches' split sizes (args.splits). A dispatch given none
+(args.even: its first dimension cut evenly, DeepSpeed-MoE's capacity-padded [experts,
+capacity, model] buffers, whose first dimension is experts, not tokens) says nothing of the
+tokens routed: `even_splits`, and the imbalance is in bytes alone."""
 
 from __future__ import annotations
 
@@ -59,6 +64,9 @@ class ExpertParallel:
     # the second of a pair that follows its first, the bytes it received)
     entries: tuple[np.ndarray, ...] = ()
     iterations: int = 0
+    # every forward dispatch moved even splits (no split sizes given): capacity-padded
+    # buffers, whose rows are no tokens (dispatch_rows then empty)
+    even_splits: bool = False
 
 
 def _args(sp: Spans, r: Rows, j: np.ndarray) -> list[dict[str, Any]]:
@@ -155,9 +163,12 @@ def analyze(sp: Spans, r: Rows, it_start: np.ndarray, it_end: np.ndarray,
     peers = _peers(args, n_it)
     ranks = list(group) if len(group) == len(peers) else list(range(len(peers)))
     rows_to: dict[int, float] = {}
-    for x in range(j.size):
+    dispatches = [x for x in range(j.size)
+                  if role[x] == "dispatch" and r.phase[j[x]] == "forward"]
+    even = bool(dispatches) and all(args[x].get("even") is True for x in dispatches)
+    for x in dispatches:
         sp_ = args[x].get("splits")
-        if role[x] == "dispatch" and r.phase[j[x]] == "forward" and isinstance(sp_, list):
+        if isinstance(sp_, list) and args[x].get("even") is not True:
             for q, n in enumerate(sp_):
                 g = ranks[q] if q < len(ranks) else q
                 rows_to[g] = rows_to.get(g, 0.0) + float(n) / n_it
@@ -176,7 +187,7 @@ def analyze(sp: Spans, r: Rows, it_start: np.ndarray, it_end: np.ndarray,
                           float(j.size) / n_it, float(nb.sum()) / n_it,
                           float(stood.sum()) / n_it, float(dur.sum()) / n_it, phases, roles,
                           peers, max(layers.values(), default=0), roles_bwd, ranks, group,
-                          rows_to, expert_ns / 1e9 / n_it, entries, int(n_it))
+                          rows_to, expert_ns / 1e9 / n_it, entries, int(n_it), even)
 
 
 def _peers(args: list[dict[str, Any]], n_it: float) -> list[float]:
@@ -273,7 +284,11 @@ def _group(ranks: tuple[int, ...], parts: dict[int, ExpertParallel],
         tok, tr = {}, float("nan")
         most = max(by, key=lambda r: by[r])
     top = max(by.values())
-    saves, _ = ep_whatif.balanced_saves(ranks, parts, offsets or {})
+    # even splits (capacity-padded buffers): every rank's experts process as much whatever
+    # the routing; what balance changes (tokens dropped, a capacity set by the most-loaded
+    # expert) the comm does not show, so nothing is predicted
+    saves = float("nan") if all(parts[r].even_splits for r in ranks) else \
+        ep_whatif.balanced_saves(ranks, parts, offsets or {})[0]
     wait, by_layer = _waits(ranks, parts, offsets or {})
     return GroupImbalance(ranks, by, top / mean if mean > 0 else 1.0, most, tok, tr, saves,
                           parts[most].expert_s, wait, by_layer)

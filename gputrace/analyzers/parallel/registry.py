@@ -19,7 +19,7 @@ import numpy as np
 from gputrace.analyzers.collectives import Rows
 from gputrace.analyzers.frame import Spans
 from gputrace.analyzers.parallel import ep, fsdp, pp, tp
-from gputrace.analyzers.parallel.classify import NAMES
+from gputrace.analyzers.parallel.classify import NAMES, by_name
 from gputrace.analyzers.steps import RankSteps
 
 
@@ -166,6 +166,10 @@ def groups(rows: Rows, inside: np.ndarray | None = None) -> dict[str, dict[str, 
                            strict=True):
         if not k:
             continue
+        # one process group may be two mesh dimensions (torchtitan's fsdp and ep over the
+        # same ranks) while the span names one: a name for another dimension is not this
+        named = by_name(m) if m else None
+        m = m if named is None or named == d or {named, d} <= {"dp", "fsdp"} else ""
         e = out.setdefault(d, {"mesh_dim": m, "ranks": []})
         e["mesh_dim"] = e["mesh_dim"] or m
         if gr is not None and list(gr) not in e["ranks"]:
@@ -196,9 +200,19 @@ def describe(deg: dict[str, int], world: int) -> str:
     if not set(deg) - {"dp", "fsdp"}:
         return ""
     # one data-parallel replica is no dimension of its own ("PP 2", not "DP 1 x PP 2")
-    parts = [f"{_SHORT[d]} {deg[d]}" if deg[d] > 0 else _SHORT[d] for d in ORDER if d in deg
-             and not (d in ("dp", "fsdp") and deg[d] == 1)]
-    return f"{' x '.join(parts)}, {world} rank{'s' if world != 1 else ''}"
+    shown = [d for d in ORDER if d in deg and not (d in ("dp", "fsdp") and deg[d] == 1)]
+    # expert (context) parallelism over the data-parallel ranks, as DeepSpeed-MoE and
+    # torchtitan lay it out, is not multiplied in: "DP 2 (EP 2 on the same ranks)"
+    known = [deg[d] for d in shown if deg[d] > 0]
+    inner = [d for d in shown if d in ("ep", "cp") and deg[d] > 0
+             and int(np.prod(known)) > world] if known else []
+    parts = [f"{_SHORT[d]} {deg[d]}" if deg[d] > 0 else _SHORT[d] for d in shown
+             if d not in inner]
+    words = " x ".join(parts)
+    if inner:
+        on = " and ".join(f"{_SHORT[d]} {deg[d]}" for d in inner)
+        words = f"{words} ({on} on the same ranks)" if parts else on
+    return f"{words}, {world} rank{'s' if world != 1 else ''}"
 
 
 def beyond_dp(deg: dict[str, int]) -> list[str]:
