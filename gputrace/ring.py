@@ -3,7 +3,7 @@ its most recent iterations, and every iteration's time and phase sums for the wh
 
 A process writes two kinds of shard. Its own shard (the recorder's path) gets its metadata,
 instants and samples, the spans of no iteration, and for every iteration one entry in a
-packed `run` span (`window.pack`: times and phase sums, ~12 bytes). The detail of
+packed `run` span (`window.pack`: times, phase sums to 1 %, ~5 bytes). The detail of
 iterations (their spans and rows) goes into segment shards beside it (`NAME.dN.spans`),
 each a complete shard with the same metadata: when the newest holds more than SIZE/4, the
 next iteration starts a new one, and the oldest are deleted while the segments hold more
@@ -23,6 +23,7 @@ from gputrace.collectors.memory import of_iteration
 from gputrace.fmt import count, reason
 from gputrace.trace.frames import SUFFIX, FrameWriter
 from gputrace.window import PHASES, pack, phase_sums
+from gputrace.window_pack import described
 
 ENV = "GPUTRACE_MAX_SIZE"
 MIN_SIZE = 64_000        # a segment holds a copy of the metadata (a few KB) and some detail
@@ -69,7 +70,7 @@ def mark(md: dict[str, Any], max_size: int) -> None:
     """Say in a shard's metadata that its run was recorded with --max-size."""
     win = md.get("window")
     if not isinstance(win, dict):
-        win = {"run_phases": list(PHASES), "run_unit": "us"}
+        win = described()
     md["window"] = {**win, "max_size": int(max_size)}
 
 

@@ -15,12 +15,11 @@ import threading
 from typing import Any
 
 from gputrace.collectors.memory import of_iteration
+from gputrace.window_pack import PHASES, described, pack
+from gputrace.window_pack import unpack as unpack  # the readers take it from here
 
 ENV = "GPUTRACE_WINDOW"
 _STEPS = re.compile(r"^(\d+):([1-9]\d*)$")
-# the phase sums an iteration outside the window keeps (ns); forward and backward count
-# only the spans of whole passes (layer < 1), not the layers inside them
-PHASES = ("io", "h2d", "forward", "backward", "update", "comm")
 _KEEP_DECIDED = 4096
 # spans of no iteration kept outside the window too: the process's life, its start-up, its
 # evaluation passes and batches, its checkpoints and its loaders' starts and ends (a few per
@@ -114,8 +113,8 @@ class Window:
         self._told: list[tuple[int, int | None]] = []
 
     def describe(self) -> dict[str, Any]:
-        # a run span's args: its phase sums in microseconds, in this order
-        d: dict[str, Any] = {"run_phases": list(PHASES), "run_unit": "us"}
+        # what the run spans' args hold (gputrace.window_pack)
+        d: dict[str, Any] = described()
         if self.on_demand:
             return {"on_demand": True, **d}
         if self.steps is not None:
@@ -325,70 +324,6 @@ class Window:
                 mine[i] = (*s[:8], json.dumps(args, separators=(",", ":")), *s[9:])
                 self._batch = False      # carried once
                 return
-
-
-def pack(folded: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-    """Iterations outside the window, (start, end, name, tid, step, phase sums in ns), as
-    one `run` span per name and thread: from the first one's start to the last one's end,
-    the first one's step, and in `args` one list per key, an entry per iteration: `step`
-    (left out where the steps follow one another from the span's: 1.3 of the 12 bytes an
-    iteration takes), `gap_us` (since the previous one's end), `t_us` (its length) and the
-    phase sums in microseconds; `gap_us` or a phase that is 0 throughout is left out (0.3
-    bytes an iteration for io, h2d and the gaps of a loop whose iterations tile). Times are
-    rounded from the span's start, so no rounding accumulates."""
-    groups: dict[tuple[Any, Any], list[tuple[Any, ...]]] = {}
-    for f in sorted(folded, key=lambda f: f[0]):
-        groups.setdefault((f[2], f[3]), []).append(f)
-    out = []
-    for (name, tid), its in groups.items():
-        t0 = its[0][0]
-        cols: dict[str, list[int]] = {"step": [], "gap_us": [], "t_us": [],
-                                      **{p: [] for p in PHASES}}
-        prev = 0
-        for start, end, _, _, step, sums in its:
-            s, e = round((start - t0) / 1e3), round((end - t0) / 1e3)
-            cols["step"].append(step)
-            cols["gap_us"].append(s - prev)
-            cols["t_us"].append(e - s)
-            prev = e
-            for p in PHASES:
-                cols[p].append(round(sums[p] / 1e3))
-        first = its[0][4]
-        if first is not None and cols["step"] == list(range(first, first + len(its))):
-            del cols["step"]
-        for k in [k for k in ("gap_us", *PHASES) if not any(cols[k])]:
-            del cols[k]      # a list of zeros (no gap, a phase the job has not): left out
-        out.append(("run", name, t0, its[-1][1], tid, first, -1, None,
-                    json.dumps(cols, separators=(",", ":"))))
-    return out
-
-
-def unpack(start_ns: int, end_ns: int | None, step: int, args: str | None
-           ) -> list[tuple[int, int, int, dict[str, int]]]:
-    """A `run` span's iterations: (step, start, end, phase sums), times in ns; a list left
-    out (`step`: they follow one another; `gap_us` or a phase: 0 throughout) as `pack` means
-    it. A span of one iteration whose `args` is a list of its phase sums (microseconds in
-    PHASES' order) is read too."""
-    try:
-        v = json.loads(args or "[]")
-    except ValueError:
-        return []
-    if isinstance(v, list):
-        return [(step, start_ns, end_ns if end_ns is not None else start_ns,
-                 {p: int(x) * 1000 for p, x in zip(PHASES, v, strict=False)})]
-    if not isinstance(v, dict) or not isinstance(v.get("t_us"), list):
-        return []
-    out, prev = [], 0
-    n = len(v["t_us"])
-    cols = {k: v.get(k) if isinstance(v.get(k), list) and len(v[k]) == n else [0] * n
-            for k in ("step", "gap_us", *PHASES)}
-    for i in range(n):
-        s = prev + int(cols["gap_us"][i])
-        prev = e = s + int(v["t_us"][i])
-        out.append((int(cols["step"][i]) if "step" in v else step + i,
-                    start_ns + s * 1000, start_ns + e * 1000,
-                    {p: int(cols[p][i]) * 1000 for p in PHASES}))
-    return out
 
 
 def phase_sums(spans: list[tuple[Any, ...]]) -> dict[str, int]:

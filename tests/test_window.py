@@ -249,17 +249,22 @@ def test_session_takes_the_same_window(tmp_path):
         gputrace.Session(str(tmp_path / "y.arrow"), steps="5:0")
 
 
-def test_packed_run_span_keeps_every_iteration_to_the_microsecond():
+def test_packed_run_span_keeps_times_to_the_microsecond_and_phases_to_the_unit():
     """A flush's folded iterations, with gaps and lengths that are not whole microseconds,
-    come back from their one `run` span each within a microsecond: no rounding adds up."""
+    come back from their one `run` span each within a microsecond (no rounding adds up), an
+    hour's stall among them and one that began before the last ended; their time after the
+    last phase to the microsecond too, and each phase sum within half of 1/PHASE_PER_T of
+    its iteration's length."""
     from gputrace.window import PHASES, pack
+    from gputrace.window_pack import PHASE_PER_T
     rng = np.random.default_rng(7)
     t, folded = 10**18 + 123, []
     for step in range(3000):
-        t += int(rng.integers(0, 5000))               # a gap, often none
-        n = int(rng.integers(1_000, 50_000_000))
-        folded.append((t, t + n, "iteration", 11, step, {p: n // (i + 2) for i, p in
-                                                         enumerate(PHASES)}))
+        t += int(rng.integers(0, 5000)) - (3000 if step == 18 else 0)  # a gap, often none
+        n = 3600 * 10**9 if step == 17 else int(rng.integers(1_000, 50_000_000))
+        sums = {p: int(rng.integers(0, n)) // (i + 1) for i, p in enumerate(PHASES)}
+        folded.append((t, t + n, "iteration", 11, step,
+                       {**sums, "after": int(rng.integers(0, n))}))
         t += n
     (span,) = pack(folded)
     assert span[0] == "run" and span[2] == folded[0][0] and span[3] == folded[-1][1]
@@ -267,12 +272,14 @@ def test_packed_run_span_keeps_every_iteration_to_the_microsecond():
     assert [g[0] for g in got] == list(range(3000))
     for (step, s, e, sums), f in zip(got, folded, strict=True):
         assert abs(s - f[0]) <= 500 and abs(e - f[1]) <= 500, step
-        assert all(abs(sums[p] - f[5][p]) <= 500 for p in PHASES), step
+        assert abs(sums["after"] - f[5]["after"]) <= 500, step
+        unit = (e - s) / PHASE_PER_T
+        assert all(abs(sums[p] - f[5][p]) <= unit / 2 + 1 for p in PHASES), step
 
 
 def test_packed_run_span_leaves_out_lists_of_zeros():
     """Iterations that tile the loop (no gap) of a job without io or h2d: their `run` span
-    holds no list of zeros, and reads back the same as one that holds them."""
+    codes no column of zeros, and reads back the same as one that holds them."""
     import json as _json
 
     from gputrace.window import PHASES, pack
@@ -283,12 +290,30 @@ def test_packed_run_span_leaves_out_lists_of_zeros():
                                                          "forward": n // 3, "update": n // 9}))
         t += n
     (span,) = pack(folded)
-    assert set(_json.loads(span[8])) == {"t_us", "forward", "update"}, span[8]
+    assert _json.loads(span[8])["cols"] == ["t_us", "forward", "update"], span[8]
     got = unpack(span[2], span[3], span[5], span[8])
     assert [g[0] for g in got] == list(range(40))
     for (_, s, e, sums), f in zip(got, folded, strict=True):
         assert abs(s - f[0]) <= 500 and abs(e - f[1]) <= 500
-        assert all(abs(sums[p] - f[5][p]) <= 500 for p in PHASES)
+        # a third and a ninth of the iteration: whole hundredths but for a third's
+        assert all(abs(sums[p] - f[5][p]) <= (e - s) / 200 + 1 for p in PHASES)
+
+
+def test_run_entries_of_older_traces_still_read():
+    """A `run` span as traces written before the Rice coding hold it (JSON lists in
+    microseconds, a list of zeros left out, `step` where the steps skip) and one of a
+    single iteration (a list of its phase sums) read back as they were written."""
+    old = ('{"step":[5,6,9],"gap_us":[0,3,0],"t_us":[1000,2000,1500],'
+           '"forward":[100,200,150],"update":[10,20,15],"after_us":[5,0,7]}')
+    got = unpack(10**18, 10**18 + 4_503_000, 5, old)
+    assert [(g[0], g[1] - 10**18, g[2] - 10**18) for g in got] == \
+        [(5, 0, 1_000_000), (6, 1_003_000, 3_003_000), (9, 3_003_000, 4_503_000)]
+    assert [(g[3]["forward"], g[3]["update"], g[3]["backward"], g[3]["after"])
+            for g in got] == [(100_000, 10_000, 0, 5000), (200_000, 20_000, 0, 0),
+                              (150_000, 15_000, 0, 7000)]
+    ((step, s, e, sums),) = unpack(7, 9, 3, "[0,0,300,600,100,0]")
+    assert (step, s, e) == (3, 7, 9)
+    assert (sums["forward"], sums["backward"], sums["update"]) == (300_000, 600_000, 100_000)
 
 
 def test_report_draws_the_whole_run_with_its_spike(runs, tmp_path):

@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from gputrace.window import PHASES, phase_sums, unpack
+from gputrace.window_pack import RUN_KEYS
 
 _CATS = ("iteration", "run", *PHASES)
 # leave out of the comparison the first iterations (warm-up)
@@ -104,7 +105,7 @@ def analyze_window(table: pa.Table, md: dict[str, Any], rank: int) -> dict[str, 
     t0 = s["start"][0] if s["start"] else 0
     ins = np.flatnonzero(inside)
     window: dict[str, Any] = {**{k: v for k, v in win.items()
-                                 if k not in ("origin_ns", "run_phases", "run_unit")},
+                                 if k not in ("origin_ns", *RUN_KEYS)},
                               "iterations": int(len(ins)),
                               "first_step": int(steps[ins[0]]) if len(ins) else None,
                               "last_step": int(steps[ins[-1]]) if len(ins) else None,

@@ -34,6 +34,7 @@ from gputrace.record.nodes import node_output, spans_nodes
 from gputrace.record.summary import print_summary
 from gputrace.recorder import Recorder
 from gputrace.trace import frames, shards
+from gputrace.window_pack import RUN_KEYS
 
 _TF_STEPS = re.compile(r"^(\d+:[1-9]\d*|all|off)$")
 
@@ -355,7 +356,7 @@ def _listen(opts: RecordOptions, rec: Recorder, shard_dir: str, output: str) -> 
 
 def _opened(win: Any) -> Any:
     """A window `capture` can open more of: not the one --max-size alone describes."""
-    if isinstance(win, dict) and not set(win) - {"max_size", "run_phases", "run_unit"}:
+    if isinstance(win, dict) and not set(win) - {"max_size", *RUN_KEYS}:
         return None
     return win
 

@@ -87,7 +87,7 @@ class Thinner:
         self._first: Any = rec if kept is not None else None
         w = window or {}
         # a window that can begin later, where the job says (not --max-size's alone)
-        opens = bool(set(w) - {"max_size", "run_phases", "run_unit"})
+        opens = bool(set(w) - {"max_size", "run_phases", "run_unit", "run_phase_unit"})
         self.hold_ns = int(HOLD_S * 1e9) if opens else 0
         self.timed: tuple[int, int | None] | None = None
         if isinstance(w.get("origin_ns"), int) and "delay_s" in w:
