@@ -41,40 +41,35 @@ def described() -> dict[str, Any]:
 # the order the phases are coded in: comm after backward, which it follows under DDP (a
 # column may be coded about the one before it)
 _ORDER = ("io", "h2d", "forward", "update", "backward", "comm")
+_SUMS, _ZEROS = (*_ORDER, AFTER), (0,) * (len(_ORDER) + 1)
 # a residual whose quotient reaches this is written in `big` (a stall far off the
 # flush's median: its length exact, whatever it is, at 50 bits in the stream)
 _QMAX = 48
+_DIGITS = bytes.maketrans(b"\x00\x01", b"01")
 
 
 def _zigzag(d: np.ndarray) -> np.ndarray:
-    return np.where(d >= 0, 2 * d, -2 * d - 1)
+    return (d << 1) ^ (d >> 63)
 
 
 def _unzigzag(u: np.ndarray) -> np.ndarray:
-    return np.where(u & 1, -((u + 1) >> 1), u >> 1)
+    return (u >> 1) ^ -(u & 1)
 
 
 def _cost(u: np.ndarray) -> tuple[int, int]:
-    """(bits, Rice parameter) of the parameter that takes the fewest bits for `u`."""
-    best, k_best = -1, 0
-    for k in range(0, 40):
-        q = u >> k
-        bits = int(np.minimum(q, _QMAX).sum()) + u.size * (k + 1) + 64 * int((q >= _QMAX).sum())
-        if best < 0 or bits < best:
-            best, k_best = bits, k
-        if not q.any():
-            break
-    return best, k_best
+    """(bits, Rice parameter) of the parameter that takes the fewest bits for `u`, every
+    parameter up to the one that leaves no quotient tried at once."""
+    ks = np.arange(int(u.max()).bit_length() + 1)
+    q = u[:, None] >> ks
+    bits = np.minimum(q, _QMAX).sum(0) + u.size * (ks + 1) + 64 * (q >= _QMAX).sum(0)
+    k = int(np.argmin(bits))
+    return int(bits[k]), k
 
 
-def _fixed(x: int, width: int) -> np.ndarray:
-    return ((x >> np.arange(width - 1, -1, -1)) & 1).astype(np.uint8)
-
-
-def _expg(x: int) -> np.ndarray:
+def _expg(x: int) -> str:
     """Exp-Golomb (order 0) of x >= 0: as many zeros as x + 1 has bits less one, then x + 1."""
-    w = (x + 1).bit_length()
-    return np.concatenate([np.zeros(w - 1, np.uint8), _fixed(x + 1, w)])
+    b = format(x + 1, "b")
+    return "0" * (len(b) - 1) + b
 
 
 def _rice(u: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -92,31 +87,33 @@ def _rice(u: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
 class _Reader:
     def __init__(self, text: str) -> None:
         self.bits = np.unpackbits(np.frombuffer(base64.b64decode(text), np.uint8))
+        self.text = self.bits.tobytes().translate(_DIGITS)    # b"0110...": the few fields
         self.pos = 0
 
-    def _take(self, w: int) -> np.ndarray:
-        if self.pos + w > self.bits.size:
+    def fixed(self, w: int) -> int:
+        if self.pos + w > len(self.text):
             raise ValueError("run entry: its bits end early")
         self.pos += w
-        return self.bits[self.pos - w:self.pos].astype(np.int64)
-
-    def fixed(self, w: int) -> int:
-        return int(self._take(w) @ (np.int64(1) << np.arange(w - 1, -1, -1, dtype=np.int64)))
+        return int(self.text[self.pos - w:self.pos] or b"0", 2)
 
     def expg(self) -> int:
-        ones = np.flatnonzero(self.bits[self.pos:self.pos + 64])
-        if not ones.size:
+        one = self.text.find(b"1", self.pos)
+        if one < 0:
             raise ValueError("run entry: its bits end early")
-        self.pos += int(ones[0])
-        return self.fixed(int(ones[0]) + 1) - 1
+        w, self.pos = one - self.pos + 1, one
+        return self.fixed(w) - 1
 
     def rice(self, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
         zeros = np.flatnonzero(self.bits[self.pos:] == 0)[:n]
         if zeros.size < n:
             raise ValueError("run entry: its bits end early")
-        q = (np.diff(zeros, prepend=-1) - 1).astype(np.int64)
-        self.pos += int(zeros[-1]) + 1 if n else 0
-        rest = self._take(n * k).reshape(n, k)
+        q = zeros.astype(np.int64)
+        q[1:] -= zeros[:-1] + 1
+        self.pos += int(zeros[-1]) + 1
+        if self.pos + n * k > self.bits.size:
+            raise ValueError("run entry: its bits end early")
+        rest = self.bits[self.pos:self.pos + n * k].reshape(n, k).astype(np.int64)
+        self.pos += n * k
         r = rest @ (np.int64(1) << np.arange(k - 1, -1, -1, dtype=np.int64))
         return (q << k) | r, q >= _QMAX
 
@@ -134,14 +131,19 @@ def _predict(mode: int, ref: int, t: np.ndarray, prev: np.ndarray | None,
     return np.full(t.size, ref, np.int64)
 
 
+def _mid(v: np.ndarray) -> int:
+    """A median (the upper one of an even count)."""
+    return int(np.partition(v, v.size // 2)[v.size // 2])
+
+
 def _column(v: np.ndarray, us: np.ndarray | None, t: np.ndarray, prev: np.ndarray | None
             ) -> tuple[int, int, int, int]:
     """(bits, mode, ref, k): the cheapest way to code a column."""
-    tries = [(0, int(np.median(v)))]
+    tries = [(0, _mid(v))]
     if us is not None:
-        tries.append((1, int(np.median(us))))
+        tries.append((1, _mid(us)))
     if prev is not None:
-        tries.append((2, int(np.median(v - prev))))
+        tries.append((2, _mid(v - prev)))
     best = None
     for mode, ref in tries:
         bits, k = _cost(_zigzag(v - _predict(mode, ref, t, prev)))
@@ -168,31 +170,33 @@ def pack(folded: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
     out = []
     for (name, tid), its in groups.items():
         t0, first = its[0][0], its[0][4]
-        s = np.array([round((f[0] - t0) / 1e3) for f in its], np.int64)
-        e = np.array([round((f[1] - t0) / 1e3) for f in its], np.int64)
+        # ns from the span's start, and each one's sums; microseconds half up
+        ns = np.array([[f[0] - t0, f[1] - t0, *map(f[5].get, _SUMS, _ZEROS)] for f in its],
+                      np.int64)
+        s, e = (ns[:, 0] + 500) // 1000, (ns[:, 1] + 500) // 1000
         t = e - s
         cols: dict[str, np.ndarray] = {
             "gap_us": s - np.concatenate([[0], e[:-1]]), "t_us": t,
-            "after_us": np.array([round(f[5].get(AFTER, 0) / 1e3) for f in its], np.int64)}
+            "after_us": (ns[:, -1] + 500) // 1000}
         us: dict[str, np.ndarray] = {}
-        for p in _ORDER:
-            us[p] = np.array([round(f[5].get(p, 0) / 1e3) for f in its], np.int64)
-            v = np.array([f[5].get(p, 0) for f in its], np.int64)
-            # half up, in integers: the share of t_us, in 1/PHASE_PER_T
-            cols[p] = np.where(t > 0, (2 * v * PHASE_PER_T + t * 1000)
+        for i, p in enumerate(_ORDER):
+            us[p] = (ns[:, 2 + i] + 500) // 1000
+            # the share of t_us in 1/PHASE_PER_T, half up
+            cols[p] = np.where(t > 0, (2 * ns[:, 2 + i] * PHASE_PER_T + t * 1000)
                                // np.maximum(2 * t * 1000, 1), 0)
         names = [c for c in cols if c == "t_us" or cols[c].any()]
-        head, body, big = [], [], []
+        head, body, big = "", [], []
         for j, c in enumerate(names):
             prev = cols[names[j - 1]] if j and names[j - 1] in us and c in us else None
             _, mode, ref, k = _column(cols[c], us.get(c), t, prev)
-            head += [_fixed(mode, 2), _fixed(k, 6), _expg(int(_zigzag(np.array(ref))))]
+            head += f"{mode:02b}{k:06b}" + _expg(2 * ref if ref >= 0 else -2 * ref - 1)
             b, esc = _rice(_zigzag(cols[c] - _predict(mode, ref, t, prev)), k)
             body.append(b)
             big.extend([j, int(i), int(cols[c][i])] for i in esc)
         args: dict[str, Any] = {"n": len(its), "phase_per_t": PHASE_PER_T, "cols": names,
-                                "rice": base64.b64encode(np.packbits(
-                                    np.concatenate(head + body)).tobytes()).decode()}
+                                "rice": base64.b64encode(np.packbits(np.concatenate(
+                                    [np.frombuffer(head.encode(), np.uint8) - 48, *body])
+                                    ).tobytes()).decode()}
         if big:
             args["big"] = big
         steps = [f[4] for f in its]
@@ -256,10 +260,14 @@ def unpack(start_ns: int, end_ns: int | None, step: int, args: str | None
     sums = {p: (2 * cols[p] * t * 1000 + per) // (2 * per) if p in cols else np.zeros(n, np.int64)
             for p in PHASES}
     sums[AFTER] = cols.get("after_us", np.zeros(n, np.int64)) * 1000
-    steps = v["step"] if isinstance(v.get("step"), list) and len(v["step"]) == n \
-        else range(step, step + n)
-    return [(int(steps[i]), start_ns + int(s[i]) * 1000, start_ns + int(s[i] + t[i]) * 1000,
-             {p: int(sums[p][i]) for p in sums}) for i in range(n)]
+    steps = [int(x) for x in v["step"]] if isinstance(v.get("step"), list) \
+        and len(v["step"]) == n else range(step, step + n)
+    starts = (start_ns + s * 1000).tolist()
+    ends = (start_ns + (s + t) * 1000).tolist()
+    keys = list(sums)
+    rows = np.stack([sums[p] for p in keys], axis=1).tolist()
+    return [(k, a, b, dict(zip(keys, r, strict=True)))
+            for k, a, b, r in zip(steps, starts, ends, rows, strict=True)]
 
 
 def _unpack_lists(start_ns: int, step: int, v: dict[str, Any]
