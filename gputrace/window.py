@@ -305,7 +305,8 @@ class Window:
         if self._batch is None:
             self._batch = next((s for s in mine if s[0] == "forward" and s[8]
                                 and '"batch"' in s[8]), None)
-        self._folded.append((start, end, sp[1], sp[4], step, phase_sums(mine)))
+        self._folded.append((start, end, sp[1], sp[4], step,
+                             phase_sums(mine, (start, end, sp[4]))))
 
     def _carry_batch(self, mine: list[tuple[Any, ...]]) -> None:
         """The input's description (collectors.torch.batch) is written once, on the first
@@ -326,12 +327,22 @@ class Window:
                 return
 
 
-def phase_sums(spans: list[tuple[Any, ...]]) -> dict[str, int]:
+def phase_sums(spans: list[tuple[Any, ...]], bounds: tuple[int, int, Any] | None = None
+               ) -> dict[str, int]:
     """ns per phase of one iteration's spans: io, h2d, update and comm spans whole (comm:
-    busy time, hidden or not), forward and backward only the passes (layer < 1)."""
+    busy time, hidden or not), forward and backward only the passes (layer < 1). With the
+    iteration's (start, end, thread): also `after`, its time after its last phase where it
+    began at a batch request (analyzers.after_step: a data wait only on its own thread)."""
     sums = dict.fromkeys(PHASES, 0)
+    last, requested = -1, False
     for sp in spans:
         cat = sp[0]
         if cat in sums and (cat not in ("forward", "backward") or sp[6] is None or sp[6] < 1):
             sums[cat] += max(0, sp[3] - sp[2])
+        if bounds is not None and (cat in sums or cat == "framework") and \
+                (cat != "io" or sp[4] == bounds[2]):
+            last = max(last, sp[3], sp[2])
+            requested = requested or (cat == "io" and sp[2] == bounds[0])
+    if bounds is not None and requested and 0 <= last < bounds[1]:
+        sums["after"] = bounds[1] - last
     return sums

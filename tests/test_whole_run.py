@@ -39,6 +39,16 @@ def job_goodput(t: dict) -> float:
     return sum(s["end"] - s["start"] for s in t["steps"]) / (t["end"] - t["process_start"])
 
 
+def own_after_step(t: dict, steps: set[int] | None = None) -> float:
+    """The job's own time after each step's optimizer step returned to the next thing its
+    loop begins (the next step's batch request, a validation pass, a save): its zero_grad,
+    logging and whatever else it does there, which nothing records; the last step's none
+    (its iteration ends with its step). `steps`: only theirs."""
+    starts = [x["start"] for k in ("steps", "evals", "saves") for x in t[k]]
+    return sum(min(x for x in starts if x > s["stepped"]) - s["stepped"]
+               for s in t["steps"][:-1] if steps is None or s["step"] in steps) / 1e9
+
+
 def check_rank(rows: list[dict], doc: dict, t: dict, rank: int | None) -> None:
     its = spans(rows, "iteration", rank=rank)
     # steps as the job numbers them: the validation passes between them count none
@@ -66,6 +76,8 @@ def check_rank(rows: list[dict], doc: dict, t: dict, rank: int | None) -> None:
     assert sum(g["badput_s"].values()) + g["training_s"] == pytest.approx(g["wall_s"],
                                                                            abs=1e-6)
     close(g["training_s"], sum(s["end"] - s["start"] for s in t["steps"]) / 1e9, "training")
+    # the steps' time after their optimizer step, out of training: the job's own there
+    close(g["after_step_s"], own_after_step(t), "after the steps")
     # start-up: to the first step, less a validation pass before it (evaluation)
     first = t["steps"][0]["start"]
     before = sum(e["end"] - e["start"] for e in t["evals"] if e["end"] <= first)
@@ -109,7 +121,7 @@ def disk_write_of(trace: Path) -> float | None:
 def check_findings(doc: dict, t: dict, disk_write: float | None) -> int:
     """The evaluation, checkpoint and stalls findings where the job's own time makes them
     one, their figures the job's; how many were asked either way."""
-    from gputrace.analyzers import goodput as gp
+    from gputrace.analyzers import goodput_findings as gp
     got = {f["id"]: f["message"] for f in doc["findings"]}
     own = {"evaluation_large": (sum(e["end"] - e["start"] for e in t["evals"]) / 1e9,
                                 gp.EVALUATION_LARGE),
@@ -170,8 +182,9 @@ def test_a_training_run_with_validation_and_checkpoints(tmp_path):
     doc = json.loads(a.stdout)
     check_rank(rows, doc, t, None)
     assert disk_write_of(out) == disk_write
+    # the job's sleeps, and its own work after each step's optimizer step (nothing records)
     close(doc["goodput"]["badput_s"]["stalls"],
-          sum(s["end"] - s["start"] for s in t["stalls"]) / 1e9, "stalls")
+          sum(s["end"] - s["start"] for s in t["stalls"]) / 1e9 + own_after_step(t), "stalls")
     # the job's shares here make at least one of the three a finding, or not, either way
     assert check_findings(doc, t, disk_write) >= 1
     assert doc["iterations"]["count"] == 40
@@ -454,12 +467,15 @@ def test_a_window_of_steps_counts_training_steps_and_keeps_its_passes(tmp_path):
           "evaluation")
     close(g["badput_s"]["checkpointing"], sum(s["end"] - s["start"] for s in t["saves"])
           / 1e9, "checkpointing")
-    close(g["badput_s"]["stalls"], sum(s["end"] - s["start"] for s in t["stalls"]) / 1e9,
-          "stalls")
+    close(g["badput_s"]["stalls"], sum(s["end"] - s["start"] for s in t["stalls"]) / 1e9
+          + own_after_step(t), "stalls")
     lo, hi = its[0]["start_ns"], its[-1]["end_ns"]
     outside = [s for s in t["stalls"] if s["end"] <= lo or s["start"] >= hi]
     assert len(outside) == 2, (t["stalls"], lo, hi)
-    close(g["stalls_outside_window_s"], sum(s["end"] - s["start"] for s in outside) / 1e9,
+    # outside the window: those sleeps, and the steps' time after their optimizer step
+    # there (their `run` entries', where other work is not told apart either)
+    close(g["stalls_outside_window_s"], sum(s["end"] - s["start"] for s in outside) / 1e9
+          + own_after_step(t, set(range(40)) - set(range(15, 25))),
           "stalls outside the window")
     # the page's bands where the job's clock has its passes, saves and sleeps, inside the
     # window or not, and its caption says what the terminal's stalls row says
@@ -548,10 +564,57 @@ def test_torch_compile_is_a_part_of_start_up(tmp_path):
           + own, "start-up with the compilation")
 
 
+def test_a_stall_after_each_step_is_no_training(tmp_path):
+    """A job that sleeps 40 ms after every step's logging, before its next batch request,
+    with nothing recorded there (`--after-step-ms 40`): the iterations still run from one
+    request to the next (t_iter the job's step and its sleep, the sleep in the breakdown's
+    time in no phase), but the run's training is the job's steps, the sleeps stalls: the
+    time after each step's optimizer step is the job's own, within 10 %; goodput within 2
+    points of the job's own, where counting the sleeps as training gives 13-14 % against
+    the job's 8 %."""
+    truth, out = tmp_path / "t.json", tmp_path / "t.arrow"
+    p = run_gputrace("record", "-q", "-o", str(out), "--", sys.executable, JOB, str(truth),
+                     "--steps", "12", "--eval-every", "0", "--after-step-ms", "40",
+                     timeout=300)
+    assert p.returncode == 0, p.stderr
+    t = json.loads(truth.read_text())
+    its = spans(load(out).table.to_pylist(), "iteration")
+    assert [r["step"] for r in its] == [s["step"] for s in t["steps"]]
+    # t_iter as before: each iteration the job's step and its sleep (to its next request)
+    for r, s, n in zip(its, t["steps"], t["steps"][1:], strict=False):
+        close((r["end_ns"] - r["start_ns"]) / 1e9, (n["start"] - s["start"]) / 1e9,
+              f"iteration {s['step']}")
+    doc = json.loads(run_gputrace("analyze", str(out), "--json", check=True).stdout)
+    assert not doc["checks"]["violated"], doc["checks"]["violated"]
+    # each analyzed iteration but the last (it ends with its step) holds a sleep there
+    n = doc["iterations"]["analyzed"]
+    assert doc["breakdown"]["t_other"]["mean"] * n >= 0.040 * (n - 1)
+    g = doc["goodput"]
+    assert sum(g["badput_s"].values()) + g["training_s"] == pytest.approx(g["wall_s"],
+                                                                           abs=1e-6)
+    # training: the iterations less their time after the step, and the job's steps
+    spanned = sum(r["end_ns"] - r["start_ns"] for r in its) / 1e9
+    assert g["training_s"] == pytest.approx(spanned - g["after_step_s"], abs=1e-6)
+    close(g["training_s"], sum(s["end"] - s["start"] for s in t["steps"]) / 1e9, "training")
+    assert abs(g["goodput"] - job_goodput(t)) <= 0.02, (g["goodput"], job_goodput(t))
+    close(g["after_step_s"], own_after_step(t), "after the steps")
+    # nothing recorded at work there: all of it stalls, the sleeps between the steps
+    assert g["after_step_stalls_s"] == pytest.approx(g["after_step_s"], abs=1e-6)
+    between = [s for s in t["stalls"] if s["end"] <= t["steps"][-1]["start"]]
+    assert len(between) == 11
+    close(g["badput_s"]["stalls"], sum(s["end"] - s["start"] for s in between) / 1e9,
+          "stalls")
+    text = run_gputrace("analyze", str(out), check=True).stdout
+    assert f"{g['after_step_stalls_s'] * 1e3:.0f} ms of it after a step's last phase" \
+        in text, text
+
+
 def test_a_validation_pass_before_the_first_step(tmp_path):
     """A sanity validation before training (`--eval-first`, the optimizer built): a pass on
     the job's clock, its batches no training iteration, the steps the job's 0..19; a window
-    (`--steps 5:5`) still the job's steps 5..9."""
+    (`--steps 5:5`) still the job's steps 5..9, its job sleeping 30 ms after each step
+    (`--after-step-ms 30`): the time after the steps' optimizer step no training, inside
+    the window and outside it (from the `run` entries), the job's own within 10 %."""
     truth, out = tmp_path / "t.json", tmp_path / "t.arrow"
     p = run_gputrace("record", "-q", "-o", str(out), "--", sys.executable, JOB, str(truth),
                      "--steps", "20", "--eval-first", timeout=300)
@@ -565,14 +628,20 @@ def test_a_validation_pass_before_the_first_step(tmp_path):
     w = tmp_path / "w.arrow"
     p = run_gputrace("record", "-q", "-o", str(w), "--steps", "5:5", "--", sys.executable,
                      JOB, str(tmp_path / "w.json"), "--steps", "12", "--eval-first",
-                     timeout=300)
+                     "--after-step-ms", "30", timeout=300)
     assert p.returncode == 0, p.stderr
     its = spans(load(w).table.to_pylist(), "iteration")
     assert [r["step"] for r in its] == list(range(5, 10))
     # the job's own steps 5..9: each one's middle inside the iteration of its number
-    own = json.loads((tmp_path / "w.json").read_text())["steps"][5:10]
-    for r, s in zip(its, own, strict=True):
+    t = json.loads((tmp_path / "w.json").read_text())
+    for r, s in zip(its, t["steps"][5:10], strict=True):
         assert r["start_ns"] < (s["start"] + s["end"]) // 2 < r["end_ns"], (r, s)
+    g = json.loads(run_gputrace("analyze", str(w), "--json", check=True).stdout)["goodput"]
+    close(g["training_s"], sum(s["end"] - s["start"] for s in t["steps"]) / 1e9, "training")
+    assert abs(g["goodput"] - job_goodput(t)) <= 0.02, (g["goodput"], job_goodput(t))
+    close(g["after_step_s"], own_after_step(t), "after the steps")
+    outside = own_after_step(t, set(range(12)) - set(range(5, 10)))
+    close(g["stalls_outside_window_s"], outside, "after the steps outside the window")
 
 
 def test_an_optimizer_built_and_never_stepped_leaves_inference_iterations(tmp_path):

@@ -14,6 +14,10 @@ time (the goodput) and the badput by category, each instant counted once, in thi
   at work;
 - stalls: the rest between iterations, where nothing recorded explains the time.
 
+An iteration's time after its last recorded phase (analyzers.after_step: the optimizer
+step's end to the next batch request, where nothing recorded runs) is no training: it is
+between the steps, in `stalls` or `other` as any time there (`after_step_s`).
+
 Training time plus the categories is the wall time (invariants.goodput)."""
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from gputrace.analyzers import after_step
 from gputrace.analyzers import overlap as ov
-from gputrace.analyzers.findings import Finding
 from gputrace.analyzers.frame import Spans
 from gputrace.analyzers.steps import Iterations
 
@@ -58,6 +62,10 @@ class Goodput:
     # where the wall time ends: "close" (the recording closed: the `run` span's end), or
     # "last_record" (a run that never closed, killed then recovered: its last record)
     ends_at: str = "close"
+    # the training iterations' time after their last recorded phase (analyzers.after_step),
+    # taken out of training_s: all of it, and its part in `stalls` (the rest is `other`)
+    after_step_s: float = 0.0
+    after_step_stalls_s: float = 0.0
 
     @property
     def goodput(self) -> float:
@@ -75,7 +83,8 @@ class Goodput:
                 "checkpoint": {k: _n(v) for k, v in self.checkpoint.items()},
                 "ranks": self.ranks,
                 "stalls_outside_window_s": self.stalls_outside_window_s,
-                "ends_at": self.ends_at}
+                "ends_at": self.ends_at, "after_step_s": self.after_step_s,
+                "after_step_stalls_s": self.after_step_stalls_s}
 
 
 def _n(x: float) -> float | None:
@@ -107,7 +116,7 @@ def of_rank(sp: Spans, its: Iterations) -> Goodput | None:
         run = np.flatnonzero(sp.of("process") & (sp.name == _code(sp, "start")))
         ends_at = "last_record"
     # a windowed recording's iterations outside its window (its `run` entries)
-    o0, o1 = _outside(sp)
+    o0, o1, o_after = _outside(sp)
     if its.synthetic and o0.size:
         # a window that holds no training iteration: the steps outside it are the run's
         its = _loop_of_outside(sp, its)
@@ -132,6 +141,12 @@ def of_rank(sp: Spans, its: Iterations) -> Goodput | None:
     # inside the first training step): out of the training time
     comp = _clip(_u(sp, _compiles(sp)), lo, hi)
     train = ov.subtract(_clip(ov.union(t0, t1), lo, hi), comp)
+    # each step's time after its last recorded phase (where known: a step in full detail,
+    # or outside the window where the recorder wrote it) is no training
+    out_after = ov.union(o1 - o_after, o1)      # their `run` entries' `after_us`
+    after = ov.intersect(train, ov.merge(after_step.tails(sp, its.start, its.end, its.loop),
+                                         out_after))
+    train = ov.subtract(train, after)
     # evaluation batches recorded as iterations (before the first optimizer step, or by an
     # older recorder) are evaluation where training iterations are the run's
     ev_m = sp.of("evaluation") | (sp.of("iteration") & (sp.name == _code(sp, "inference")))
@@ -159,7 +174,8 @@ def of_rank(sp: Spans, its: Iterations) -> Goodput | None:
               & ~sp.of("run"))
     other = ov.intersect(between, work)
     stalls = ov.subtract(between, work)
-    unseen = _s(ov.intersect(stalls, _unrecorded(its.start, its.end, o0, o1)))
+    unseen = _s(ov.intersect(stalls, ov.merge(_unrecorded(its.start, its.end, o0, o1),
+                                               out_after)))
     parts = {"training": train, "startup": startup, **out, "stalls": stalls,
              "shutdown": shutdown, "other": other}
     bands, left = _bands(parts, lo)
@@ -170,22 +186,24 @@ def of_rank(sp: Spans, its: Iterations) -> Goodput | None:
     return Goodput((hi - lo) / SEC, _s(train), badput, int(t0.size),
                    _startup_parts(sp, startup), _evaluation(sp), _checkpoint(sp),
                    bands=bands, bands_left_out_s=left, keras_saves=_keras_saves(sp, ck_m),
-                   stalls_outside_window_s=unseen, ends_at=ends_at)
+                   stalls_outside_window_s=unseen, ends_at=ends_at,
+                   after_step_s=_s(after), after_step_stalls_s=_s(ov.intersect(stalls, after)))
 
 
-def _outside(sp: Spans) -> tuple[np.ndarray, np.ndarray]:
+def _outside(sp: Spans) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A windowed recording's training iterations outside its window: its `run` entries'
-    (gputrace.window.pack), starts and ends in ns; an inference batch's are not training."""
+    (gputrace.window.pack), starts, ends and time after the last phase (after_step) in ns;
+    an inference batch's are not training."""
     from gputrace.window import unpack
 
     idx = np.flatnonzero(sp.of("run") & (sp.name != _code(sp, "inference")))
-    got = [(s, e) for i in idx
-           for _, s, e, _ in unpack(int(sp.start[i]), int(sp.end[i]), int(sp.step[i]),
-                                    sp.args[int(i)].as_py())]
+    got = [(s, e, min(max(sums.get("after", 0), 0), e - s)) for i in idx
+           for _, s, e, sums in unpack(int(sp.start[i]), int(sp.end[i]), int(sp.step[i]),
+                                       sp.args[int(i)].as_py())]
     if not got:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        return (np.zeros(0, np.int64),) * 3
     a = np.array(got, np.int64)
-    return a[:, 0], a[:, 1]
+    return a[:, 0], a[:, 1], a[:, 2]
 
 
 def _loop_of_outside(sp: Spans, its: Iterations) -> Iterations:
@@ -317,85 +335,10 @@ def job(ranks: list[Goodput | None]) -> Goodput | None:
                    {k: sum(g.badput_s[k] for g in got) for k in CATEGORIES},
                    max(g.iterations for g in got), ranks=len(got),
                    stalls_outside_window_s=sum(g.stalls_outside_window_s for g in got),
-                   ends_at="close" if all(g.ends_at == "close" for g in got) else "last_record")
+                   ends_at="close" if all(g.ends_at == "close" for g in got) else "last_record",
+                   after_step_s=sum(g.after_step_s for g in got),
+                   after_step_stalls_s=sum(g.after_step_stalls_s for g in got))
 
 
-def _probed(bytes_per_s: float | None) -> str:
-    if bytes_per_s is None or not bytes_per_s > 0:
-        return "a disk write bandwidth not probed (gputrace probe measures it)"
-    return f"{bytes_per_s / 1e6:.0f} MB/s probed (disk write with fsync)"
-
-
-STARTUP_PARTS = {"torch_import_s": "to torch's import (interpreter, imports, torch's own)",
-                 "init_process_group_s": "init_process_group",
-                 "loader_start_s": "the loaders' start",
-                 "compile_s": "torch.compile's compilation"}
-
-# the findings of the run's time beyond its iterations (findings below)
+# the findings of the run's time beyond its iterations (goodput_findings)
 FINDINGS = ("evaluation_large", "checkpoint_large", "stalls_large", "startup_large")
-
-# a category's share of the run from which it is a finding
-EVALUATION_LARGE = 0.10
-CHECKPOINT_LARGE = 0.05
-STALLS_LARGE = 0.05
-STARTUP_LARGE = 0.25
-
-
-def findings(g: Goodput | None, disk_write_bytes_per_s: float | None = None
-             ) -> list[Finding]:
-    """What the run's time beyond its iterations says, where a category is large; a save's
-    rate beside the disk's probed write bandwidth (`gputrace probe`'s disk_write) where a
-    probe came with the trace."""
-    if g is None or not g.wall_s > 0:
-        return []
-    out = []
-    ev, ck = g.evaluation, g.checkpoint
-    sh = g.share("evaluation")
-    if sh >= EVALUATION_LARGE and ev.get("passes"):
-        out.append(Finding(
-            "evaluation_large", "high" if sh >= 0.25 else "moderate",
-            f"evaluation takes {sh:.0%} of the run ({g.badput_s['evaluation']:.2f} s of "
-            f"{g.wall_s:.2f} s): {ev['passes']} passes of {ev['per_pass_s']:.2f} s, "
-            + (f"{ev['batches']} batches of {ev['per_batch_s'] * 1e3:.0f} ms, "
-               if ev.get("batches") else "")
-            + f"beside {g.iterations} training steps; evaluating less often or on fewer batches "
-            "gives the time back to training"))
-    sh = g.share("checkpointing")
-    if sh >= CHECKPOINT_LARGE and ck.get("count"):
-        rate = ck.get("bytes_per_s", float("nan"))
-        moved = (f", {ck['bytes'] / ck['count'] / 1e6:.1f} MB each at {rate / 1e6:.0f} MB/s"
-                 f" against {_probed(disk_write_bytes_per_s)}" if rate == rate else "")
-        out.append(Finding(
-            "checkpoint_large", "high" if sh >= 0.20 else "moderate",
-            f"checkpointing takes {sh:.0%} of the run: {ck['count']} saves or loads of "
-            f"{ck['per_save_s']:.2f} s{moved}; " + (
-                "saving less often (ModelCheckpoint's save_freq) or only the best "
-                "(save_best_only) would give the time back to training" if g.keras_saves
-                else "torch.distributed.checkpoint's async_save would take the writes off "
-                "the training loop (only its staging blocks)")))
-    sh = g.share("stalls")
-    if sh >= STALLS_LARGE:
-        out.append(Finding(
-            "stalls_large", "moderate",
-            f"{g.badput_s['stalls']:.2f} s ({sh:.0%} of the run) pass between training "
-            "steps with nothing recorded at work: waits outside the recorded phases "
-            "(a sleep, a lock, a peer, I/O the loop does itself)"
-            + (f"; {g.stalls_outside_window_s:.2f} s of them outside the recorded window, "
-               "where a data wait or other work is not told apart"
-               if g.stalls_outside_window_s > 0 else "")))
-    sh = g.share("startup")
-    if sh >= STARTUP_LARGE:
-        parts = g.startup_parts_s
-        seen = ", ".join(f"{STARTUP_PARTS.get(k, k)} {v:.2f} s"
-                         for k, v in parts.items() if v > 0 and k != "other_s")
-        rest = f" ({parts['other_s']:.2f} s)" if "other_s" in parts else ""
-        out.append(Finding(
-            "startup_large", "info",
-            f"start-up takes {sh:.0%} of the run ({g.badput_s['startup']:.2f} s from the "
-            "process's start to the first training step"
-            + (" and torch.compile's compilations" if "compile_s" in parts else "")
-            + f"{': ' + seen if seen else ''}; "
-            f"the rest{rest} the "
-            "job's other imports and set-up and the model's construction, not told apart): "
-            "a longer run spreads it"))
-    return out

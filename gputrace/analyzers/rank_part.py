@@ -26,6 +26,7 @@ from gputrace.analyzers.detail import (
 )
 from gputrace.analyzers.findings import Finding
 from gputrace.analyzers.findings_replay import _extra_findings
+from gputrace.analyzers.goodput_findings import findings as gp_findings
 from gputrace.analyzers.model import ModelResult, Speedup, build_model, speedup, unit_waits
 from gputrace.analyzers.overlap import EMPTY as EMPTY_UNION
 from gputrace.analyzers.overlap import summary as _overlap
@@ -166,7 +167,7 @@ def analyze_spans(sp: fr.Spans, o: Options) -> RankPart:
         comm_exposed_s=comm["exposed_s"],
         # the compute union served the hidden-vs-exposed comm above; kept, it would be the
         # largest part of every rank's part (as big as its GPU records) until the end
-        model=model, findings=extra + gp.findings(good, o.disk_write_bytes_per_s),
+        model=model, findings=extra + gp_findings(good, o.disk_write_bytes_per_s),
         steps=replace(rs, compute=EMPTY_UNION),
         devices=tuple(int(d) for d in np.unique(sp.device[sp.on_gpu()])),
         all_units=UnitTimes(its.step[u.it], u.index, u.start, u.end),

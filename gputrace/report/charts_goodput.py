@@ -71,6 +71,8 @@ def goodput_chart(ra: Any, one: bool = False) -> Chart | None:
                f"{_s(g.training_s)} of {'the run' if one else f'rank {ra.rank}'}'s "
                f"{_s(g.wall_s)}; each category where "
                f"it lies on the run's clock, then the goodput bar{left}"
+               + (f"; {_s(g.after_step_stalls_s)} of the stalls after a step's last phase"
+                  if g.after_step_stalls_s >= SHOWN_S else "")
                + (f"; {_s(g.stalls_outside_window_s)} of the stalls outside the window, where "
                   "data waits and other work are not told apart"
                   if g.stalls_outside_window_s >= SHOWN_S else "")

@@ -3,14 +3,16 @@ N steps, checkpoints and the end, the ground truth of the whole-run (goodput) te
 
     python run_phases.py OUT.json [--steps 40] [--eval-every 10] [--eval-batches 4]
                          [--eval-first] [--save-every 0] [--save-mb 0]
-                         [--stall-every 0 --stall-ms 0] [--ddp] [--async-save] [--log FILE]
+                         [--stall-every 0 --stall-ms 0] [--after-step-ms 0] [--ddp]
+                         [--async-save] [--log FILE]
                          [--compile [BACKEND]]
     torchrun --nproc-per-node 2 run_phases.py OUT.json --ddp   (OUT.json: one per rank,
                                                                  OUT.rank<R>.json)
 
 A small CNN, a DataLoader with 2 workers for training and one for validation. Its own
 clocks (perf_counter, put on time.time_ns once): each training step from its batch request
-to the end of its logging (`steps[]`: `start`, `end` ns), each validation pass from the
+to the end of its logging (`steps[]`: `start`, `end` ns, and `stepped`: where its
+optimizer step returned), each validation pass from the
 loader's start to its end (`evals[]`), each save (`saves[]`: `start`, `end`, `bytes`,
 `kind`), `init` (init_process_group), `torch_imported` (torch's import returned, on
 time.time_ns), the process's start from the kernel (/proc, on CLOCK_BOOTTIME: 10 ms ticks)
@@ -20,7 +22,9 @@ over gloo, `torch.distributed.checkpoint.save` at the end (`--async-save`: `asyn
 every `--save-every` steps, waited for before the next one). `--save-mb`: a buffer of that many
 MB saved with the model (a larger checkpoint). `--stall-every N --stall-ms M`: a sleep of M
 ms after every N-th step, outside any phase (`stalls[]`: `start`, `end`; with `--async-save`
-also each wait for the previous save before the next one). `--eval-first`: a validation
+also each wait for the previous save before the next one). `--after-step-ms M`: a sleep of M
+ms after every step's logging, before its next batch request (a stall right after the step
+with nothing recorded between it and the next batch: `stalls[]` too). `--eval-first`: a validation
 pass before the first step too (a sanity check, with the optimizer built). OUT ending in
 `.jsonl`: the run's truth appended as one line (repeated runs). `--log FILE`: as it goes,
 line-buffered (a kill -9 keeps it), `start <process start>` then `step <n> <start> <end>`
@@ -105,6 +109,7 @@ def main() -> None:
     p.add_argument("--save-mb", type=int, default=0)
     p.add_argument("--stall-every", type=int, default=0)
     p.add_argument("--stall-ms", type=float, default=0.0)
+    p.add_argument("--after-step-ms", type=float, default=0.0)
     p.add_argument("--log")
     p.add_argument("--compile", nargs="?", const="inductor")
     a = p.parse_args()
@@ -195,9 +200,15 @@ def main() -> None:
         loss.backward()
         t2 = now()
         opt.step()
+        t3 = now()
         opt.zero_grad()
         float(loss.detach())             # logging
-        truth["steps"].append({"step": step, "start": t0, "end": now(), "fb": t2 - t1})
+        truth["steps"].append({"step": step, "start": t0, "end": now(), "fb": t2 - t1,
+                               "stepped": t3})
+        if a.after_step_ms:
+            t1 = now()
+            time.sleep(a.after_step_ms / 1e3)
+            truth["stalls"].append({"start": t1, "end": now()})
         if log is not None:
             log.write(f"step {step} {t0} {truth['steps'][-1]['end']}\n")
         if a.eval_every and (step + 1) % a.eval_every == 0:
