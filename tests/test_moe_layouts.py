@@ -68,8 +68,8 @@ def test_deepspeed_moe_layout(ds):
     them, forward and backward (no count exchange: DeepSpeed pads to capacity), EP 2 over
     the job's group; the dispatches' even splits say nothing of tokens, so no tokens are
     claimed (the job's own buffers: experts x capacity slots whatever was routed, tokens
-    dropped and padded); the engine's gradient all-reduces are gradient sync and its 4-byte
-    all-reduce in the step is not; the headline's EP on the data-parallel ranks, not
+    dropped and padded); the engine's gradient all-reduces are data-parallel gradient sync
+    (ZeRO stage 0 shards nothing) and its 4-byte all-reduce in the step is not; the headline's EP on the data-parallel ranks, not
     multiplied in; each rank's wait for the other in the all-to-alls as the job's own
     entries give it (within 15 % or 1 ms)."""
     run = ds
@@ -98,13 +98,14 @@ def test_deepspeed_moe_layout(ds):
         grads = [c["bytes"] for c in calls if c["phase"] == "backward"]
         assert len(grads) == 2 and ar["gradient"], ar
         got = {k: v for k, v in ar["parallelism"].items() if k != "other"}
+        assert set(got) == {"dp"}, ar     # ZeRO stage 0 shards nothing
         assert sum(v["count"] for v in got.values()) == pytest.approx(len(grads))
         assert sum(v["bytes"] for v in got.values()) == pytest.approx(sum(grads),
                                                                      rel=BYTES_TOL)
         assert ar["parallelism"]["other"]["count"] == \
             pytest.approx(sum(c["phase"] == "update" for c in calls))
     assert "capacity-padded buffers" in run.text and "mean tokens (" not in run.text
-    assert f"(EP {cfg['ep']} on the same ranks), 2 ranks" in run.text
+    assert f"DP 2 (EP {cfg['ep']} on the same ranks), 2 ranks" in run.text
     assert "other (under 1 KiB each, not gradient" in run.text
     want = _job_waits(run, [0, 1])
     g = run.rank(0)["parallelism"]["expert_parallel"]["imbalance"]["groups"][0]

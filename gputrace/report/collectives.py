@@ -51,7 +51,8 @@ def in_model(ra: RankAnalysis, k: KindTotal) -> str:
         return DIM_WORDS[k.dim]
     if k.dim == "other" and k.why and not k.small and not k.why.startswith("not gradient"):
         return f"other: {escape(k.why)}"     # why it serves no parallelism
-    if ra.sharded is not None and not k.small:
+    # data parallel beside the sharded model (DeepSpeed's engine at ZeRO stage 0)
+    if ra.sharded is not None and not k.small and k.dim != "dp":
         return "sharded"
     if k.small:
         return (f"other (under {few_bytes(ra.collectives.small_below)} each, not gradient: a "

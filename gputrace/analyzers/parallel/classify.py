@@ -4,6 +4,8 @@ its process group (the DeviceMesh dimension it runs on, by the dimension's name)
 when it ran (`phase`: inside the model's forward or backward, or outside them) and its bytes.
 
 - `fsdp`: issued by an FSDP unit (args.fsdp): sharded data parallel (the sharded model);
+  DeepSpeed's engine at ZeRO stage 0 (`zero0`: whole gradients all-reduced, nothing
+  sharded) is `dp`;
 - `pp`: a collective a pipeline schedule issued between its stages (args.pp; DeepSpeed's
   pipeline engine also tags its collectives on the pipeline group), or activations on a
   mesh dimension named for pipelining;
@@ -105,6 +107,8 @@ def role(kind: str, contract: bool, a: dict[str, Any], nbytes: float = math.nan,
     """A comm span's parallelism ("" where the data-parallel rule decides) and, for
     `other`, why. `nbytes`: its input bytes (the span's); `fsdp_groups`: the process groups
     the rank's FSDP units ran their collectives on (FSDP's own mesh dimensions)."""
+    if a.get("fsdp") == "zero0":     # DeepSpeed's engine at ZeRO stage 0: nothing sharded
+        return "dp", ""
     if a.get("fsdp"):
         return "fsdp", ""
     if kind == "barrier":     # moves no data: serves no dimension (not even under FSDP)
