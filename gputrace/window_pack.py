@@ -1,6 +1,6 @@
 """The iterations outside a recording window, packed as `run` spans (docs/format.md, "A
 windowed recording"): each iteration's start and length to the microsecond, its phase sums
-as shares of its length (PHASE_PER_T to the iteration), Rice-coded.
+as shares of its length (in 1/PHASE_PER_T of it), Rice-coded.
 
 Why Rice: the numbers of one flush (its lengths, its shares) scatter about a value of their
 own, each column about a different one, and the trace's codec (zstd, one table of byte
