@@ -53,18 +53,26 @@ def spans(trace, cat: str, name: str | None = None) -> list[dict]:
 @needs_tf
 @pytest.mark.slow
 def test_eager_gradient_tape_loop_matches_its_own_clock(tmp_path):
+    """Its validation every 8 steps (the model called eagerly with training=False, no tape)
+    an evaluation pass each on the loop's own clock, no part of a step."""
     truth_path = tmp_path / "truth.json"
-    out = record(tmp_path, "eager", JOB, str(truth_path), "--steps", "24")
+    out = record(tmp_path, "eager", JOB, str(truth_path), "--steps", "24", "--eval-every",
+                 "8", "--eval-batches", "3")
     truth = json.loads(truth_path.read_text())
     tr = load(out)
     its = spans(tr, "iteration")
     assert len(its) == 24
     # iterations tile the loop: one ends where the optimizer step returned, the next
-    # begins there (the profiler's start and stop, between two, are left out)
+    # begins there (the profiler's start and stop, between two, are left out; so are the
+    # validation passes)
     gaps = [b["start_ns"] - a["end_ns"] for a, b in zip(its, its[1:], strict=False)]
-    assert sum(g == 0 for g in gaps) >= 21 and min(gaps) >= 0
+    assert sum(g == 0 for g in gaps) >= 19 and min(gaps) >= 0
+    check_evaluation(tr, out, truth_path, 3)
     rs = per_iteration(tr)
-    pairs = matched(rs, truth)
+    # the steps after a pass left out (their start and the bookkeeping before the pass
+    # differ by rule: test_compiled_and_strategy_run_steps_are_iterations)
+    ends = {e["end"] for e in json.loads(Path(f"{truth_path}.evals.json").read_text())}
+    pairs = [p for p in matched(rs, truth) if truth[p[0]]["start"] not in ends]
     # each iteration against the loop's own (paired: on a busy machine the medians of two
     # unpaired sets drift apart), t_iter within 5 %, the phases within 15 %
     compare(rs, truth, pairs, {"t_iter": [], "t_io": ["io"], "t_f": ["forward"],
@@ -74,6 +82,28 @@ def test_eager_gradient_tape_loop_matches_its_own_clock(tmp_path):
     (done,) = [json.loads(r["args"]) for r in tr.table.to_pylist()
                if r["name"] == "tensorflow.profile"]
     assert done["steps"] == 10
+
+
+def check_evaluation(tr, out: Path, truth_path: Path, batches: int) -> None:
+    """A custom loop's validation passes (tf_timed_loop.py --eval-every): each an
+    `evaluation` pass of its batches within 10 % (or 50 ms) of the loop's own clock around
+    it, between two iterations; the run's evaluation their time, out of its training."""
+    own = json.loads(Path(str(truth_path) + ".evals.json").read_text())
+    passes = spans(tr, "evaluation", "pass")
+    assert len(passes) == len(own) > 0
+    its = spans(tr, "iteration") + spans(tr, "user", "step (not profiled)")
+    for p, e in zip(passes, own, strict=True):
+        got, want = (p["end_ns"] - p["start_ns"]) / 1e9, (e["end"] - e["start"]) / 1e9
+        assert abs(got - want) <= max(0.10 * want, 0.050), (
+            got, want, p["start_ns"] - e["start"], p["end_ns"] - e["end"], own)
+        assert json.loads(p["args"])["batches"] == batches
+        assert not [r for r in its if r["start_ns"] < p["end_ns"] and p["start_ns"] <
+                    r["end_ns"]], "a training step overlaps the pass"
+    assert len(spans(tr, "evaluation", "batch")) == batches * len(own)
+    g = analysis(out)["goodput"]
+    want = sum(e["end"] - e["start"] for e in own) / 1e9
+    assert abs(g["badput_s"]["evaluation"] - want) <= max(0.10 * want, 0.050), (g, want)
+    assert g["evaluation"]["passes"] == len(own)
 
 
 def segments(truth: list[dict], pairs: list[tuple[int, int]]) -> dict[int, list]:
@@ -118,19 +148,28 @@ def test_tensorflow_first_and_tf_keras_only_with_every_optimizer(tmp_path):
 def test_compiled_and_strategy_run_steps_are_iterations(tmp_path, mode, names):
     """A `tf.function` training step (tf.keras only, tensorflow imported first), and one
     that calls `strategy.run`: an iteration each, t_iter within 5 % of the loop's own; the
-    phases from TensorFlow's profiler."""
+    phases from TensorFlow's profiler. A validation after the 6th step in a `tf.function` of
+    its own (the model with training=False, no tape, no gradients applied): an evaluation
+    pass each, on the loop's own clock."""
     truth_path = tmp_path / "truth.json"
     out = record(tmp_path, mode, JOB, str(truth_path), "--tf-first", "--mode", mode,
-                 "--steps", "12", "--optimizers", names, opts=("--tf-steps", "all"))
+                 "--steps", "12", "--optimizers", names, "--eval-every", "6",
+                 "--eval-batches", "3", opts=("--tf-steps", "all"))
     truth = json.loads(truth_path.read_text())
     tr = load(out)
     assert len(spans(tr, "iteration")) == len(truth)
     rs = per_iteration(tr)
+    # the step after a pass is left out: the job's begins at its pass's end and holds its
+    # bookkeeping after its step, gputrace's begins at its call and the job's bookkeeping
+    # before the pass is no step's (a step's time after it returns is the next one's head)
+    ends = {e["end"] for e in json.loads(Path(f"{truth_path}.evals.json").read_text())}
     for pairs in segments(truth, matched(rs, truth)).values():
-        compare(rs, truth, pairs, {"t_iter": []}, 0.15)
+        compare(rs, truth, [p for p in pairs if truth[p[0]]["start"] not in ends],
+                {"t_iter": []}, 0.15)
     b = analysis(out)["breakdown"]
     for term in ("t_f", "t_b", "t_u"):
         assert b[term]["mean"] > 0, (term, b)
+    check_evaluation(tr, out, truth_path, 3)
 
 
 @needs_tf

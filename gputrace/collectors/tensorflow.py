@@ -148,6 +148,7 @@ class _State:
         self.fw_outside: list[tuple[int, int]] = []   # ... outside its step function
         self.fit_windows: list[tuple[int, int]] = []  # fit's iterations while profiling
         self.fit_aside: Any = None          # fit's callback: its open step ends at t (a save)
+        self.passes: Any = None             # a custom loop's evaluation (tensorflow_eval)
 
     # -- iterations ----------------------------------------------------------------------
     def framework_until(self, t: int) -> None:
@@ -333,6 +334,8 @@ class _State:
         """The recording closes: the open iteration of a loop that never ended another
         is dropped (what follows the last step is no iteration); the profiler stops."""
         with self.lock:
+            if self.passes is not None:     # a custom loop's evaluation pass in progress
+                self.passes.close()
             self.open_t = None
             self.stop_profiler()
 
@@ -390,5 +393,11 @@ def on_keras(rec: Recorder, keras: Any) -> str:
     patch_epoch_iterator(state)
     patch_saves(state, keras)
     patch_optimizers(state, keras)
+    try:
+        from gputrace.collectors.tensorflow_eval import patch_models
+
+        patch_models(state, keras, _fail)   # a custom loop's evaluation: a refinement
+    except Exception as e:  # noqa: BLE001 - a profiler never takes down the job
+        _fail("patch_models", e)
     rec.metadata.setdefault("software", {})["keras"] = getattr(keras, "__version__", "?")
     return "ok"

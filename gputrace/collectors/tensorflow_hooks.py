@@ -11,6 +11,7 @@ from typing import Any
 
 from gputrace.collectors import tensorflow as core
 from gputrace.collectors.tensorflow import _safe, _State
+from gputrace.collectors.tensorflow_eval import function_returned, passes
 
 
 def patch_tensorflow(state: _State, tf: Any) -> None:
@@ -25,6 +26,7 @@ def patch_tensorflow(state: _State, tf: Any) -> None:
         return
     orig_enter, orig_gradient = tape_cls.__enter__, tape_cls.gradient
     orig_next = iterator_ops.OwnedIterator.__next__
+    orig_init = iterator_ops.OwnedIterator.__init__
     orig_call = pf.Function.__call__
     executing_eagerly = tf.executing_eagerly
 
@@ -53,9 +55,19 @@ def patch_tensorflow(state: _State, tf: Any) -> None:
             return orig_next(self)
         t0 = now()
         _batch_requested(t0)
-        out = orig_next(self)
+        try:
+            out = orig_next(self)
+        except StopIteration:
+            _exhausted(now())
+            raise
         rec.span("io", "tf.data", t0, now())
         return out
+
+    @functools.wraps(orig_init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        if loop_eager():
+            _iterator_made(now())
+        orig_init(self, *args, **kwargs)
 
     tls = state.tls
 
@@ -67,7 +79,11 @@ def patch_tensorflow(state: _State, tf: Any) -> None:
         outer = not stack and not state.in_fit
         t0 = now() if outer else 0
         if outer:
-            _batch_requested(t0)
+            # a training step begins training work; an evaluation step is no batch request
+            if getattr(self, "_gputrace_step", False):
+                _training(t0)
+            if not getattr(self, "_gputrace_eval", False):
+                _batch_requested(t0)
         stack.append(self)
         if outer:
             state.calling = self
@@ -78,13 +94,17 @@ def patch_tensorflow(state: _State, tf: Any) -> None:
             if outer:
                 state.calling = None
                 if getattr(self, "_gputrace_step", False):
+                    _training(t0)       # (a first call, traced: known a step only now)
                     _step_returned(now())
+                else:
+                    _function_returned(self, t0, now())
 
-    for fn in (__enter__, gradient, __next__, __call__):
+    for fn in (__enter__, gradient, __next__, __call__, __init__):
         fn._gputrace = True  # type: ignore[attr-defined]
     tape_cls.__enter__ = __enter__
     tape_cls.gradient = gradient
     iterator_ops.OwnedIterator.__next__ = __next__
+    iterator_ops.OwnedIterator.__init__ = __init__
     pf.Function.__call__ = __call__
 
 
@@ -163,6 +183,7 @@ def _yield_profiler() -> None:
 def _tape_entered(t: int) -> None:
     s = core._state
     assert s is not None
+    passes(s).training(t)
     s.begin(t)
     if s.tape_t is None:
         s.tape_t = t
@@ -183,7 +204,36 @@ def _gradient_done(t0: int, t1: int) -> None:
 def _batch_requested(t: int) -> None:
     s = core._state
     assert s is not None
-    s.begin(t)
+    if not passes(s).requested(t):      # inside an evaluation pass no iteration opens
+        s.begin(t)
+
+
+@_safe
+def _function_returned(fn: Any, t0: int, t1: int) -> None:
+    s = core._state
+    assert s is not None
+    function_returned(s, fn, t0, t1)
+
+
+@_safe
+def _training(t: int) -> None:
+    s = core._state
+    assert s is not None
+    passes(s).training(t)
+
+
+@_safe
+def _exhausted(t: int) -> None:
+    s = core._state
+    assert s is not None
+    passes(s).exhausted(t)
+
+
+@_safe
+def _iterator_made(t: int) -> None:
+    s = core._state
+    assert s is not None
+    passes(s).iterator_made(t)
 
 
 @_safe

@@ -104,6 +104,9 @@ def _after_apply(opt: Any, t0: int, step: bool) -> None:
     assert s is not None
     t = s.now()
     if step:
+        from gputrace.collectors.tensorflow_eval import passes
+
+        passes(s).training(t0)
         s.begin(t0)
     s.rec.span("update", type(opt).__name__, t0, t)
     if step:

@@ -28,6 +28,8 @@ def _begin(state: _State, args: tuple[Any, ...], kwargs: dict[str, Any]
     t0 = state.now()
     if state.fit_aside is not None:
         state.fit_aside(t0)
+    if state.passes is not None:
+        state.passes.aside(t0)      # a custom loop's evaluation pass ends where it begins
     return t0, files_at(_path_of(args, kwargs))
 
 

@@ -4,6 +4,7 @@ gputrace's analysis with.
 
     python tf_timed_loop.py OUT.json [--steps N] [--batch B] [--optimizers Adam,SGD,...]
                             [--tf-first] [--legacy] [--mode eager|function|strategy]
+                            [--eval-every N --eval-batches B]
 
 `--tf-first`: `import tensorflow as tf` before anything else, and Keras only as `tf.keras`
 (how most TensorFlow code begins); `--legacy`: the optimizers and model of `tf_keras`
@@ -19,6 +20,13 @@ loop's own thread), `forward` (the model and the loss under the tape, synced wit
 `strategy.run` (a one-device MirroredStrategy) for the replica's step. A compiled step is
 timed whole (`step`, its phases are inside the graph). Always `start`/`end`: iterations tile
 the loop, the next one begins where this one ended; `segment`: the optimizer's index.
+
+`--eval-every N`: after every N-th step (not after the last) a validation pass over B
+batches of a tf.data pipeline of its own, `for x, y in val:` each batch the model called
+with `training=False` (eagerly in `eager` mode, else in a `tf.function` of its own), its
+result read; the loop's own clock around the pass (`OUT.evals.json`: `start`, `end` ns on
+time.time_ns, `s` perf_counter seconds), and the next step begins after it (steps then tile
+the loop but for the passes).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import argparse
 import importlib
 import json
 import time
+from typing import Any
 
 
 def main() -> None:
@@ -38,6 +47,8 @@ def main() -> None:
     p.add_argument("--tf-first", action="store_true")
     p.add_argument("--legacy", action="store_true")
     p.add_argument("--mode", choices=("eager", "function", "strategy"), default="eager")
+    p.add_argument("--eval-every", type=int, default=0)
+    p.add_argument("--eval-batches", type=int, default=4)
     a = p.parse_args()
     if a.tf_first:
         import tensorflow as tf
@@ -64,8 +75,17 @@ def main() -> None:
         tf.distribute.get_strategy()
     batches = iter(strategy.experimental_distribute_dataset(ds) if a.mode == "strategy"
                    else ds)
+    val = tf.data.Dataset.range(1_000_000, 1_000_000 + a.eval_batches).map(decode)
     now = time.perf_counter
     steps: list[dict[str, float]] = []
+    evals: list[dict[str, float]] = []
+
+    def validate(forward: Any) -> int:
+        t_start, t0 = time.time_ns(), now()
+        for xv, _yv in val:
+            forward(xv).numpy()
+        evals.append({"start": t_start, "s": now() - t0, "end": time.time_ns()})
+        return evals[-1]["end"]
     t_prev = time.time_ns()
     for seg, name in enumerate(a.optimizers.split(",")):
         with strategy.scope():
@@ -90,6 +110,11 @@ def main() -> None:
             update(tape.gradient(loss, model.trainable_variables))
             return loss
 
+        def infer(x: tf.Tensor, model=model) -> tf.Tensor:
+            return model(x, training=False)
+
+        forward = infer if a.mode == "eager" else tf.function(infer)
+
         @tf.function
         def compiled(it, replica=replica) -> tf.Tensor:
             x, y = next(it)
@@ -97,7 +122,9 @@ def main() -> None:
                 return strategy.reduce("SUM", strategy.run(replica, args=(x, y)), axis=None)
             return replica(x, y)
 
-        for _ in range(a.steps):
+        for k in range(a.steps):
+            if a.eval_every and k and k % a.eval_every == 0:
+                t_prev = validate(forward)
             if a.mode != "eager":
                 t0 = now()
                 loss = compiled(batches)
@@ -133,6 +160,9 @@ def main() -> None:
             t_prev = t_end
     with open(a.out, "w") as f:
         json.dump(steps, f)
+    if a.eval_every:
+        with open(a.out + ".evals.json", "w") as f:
+            json.dump(evals, f)
 
 
 if __name__ == "__main__":
