@@ -113,9 +113,6 @@ def circles(graph: dict[str, set[str]]) -> list[frozenset[str]]:
 # the circles left, each to be broken by moving the state both sides share into a module
 # they both import (never by a local import); a new one, or one grown, fails
 KNOWN = [
-    {"collectors.tensorflow", "collectors.tensorflow_hooks", "collectors.tensorflow_keras",
-     "collectors.tensorflow_keras_data", "collectors.tensorflow_optimizers",
-     "collectors.tensorflow_saves"},
     {"analysis", "analyzers", "analyzers.diff", "analyzers.diff_goodput",
      "analyzers.diff_runs", "analyzers.goodput", "analyzers.invariants", "analyzers.rank_part",
      "analyzers.window", "capture", "record.thin", "recorder", "ring", "window"},

@@ -9,9 +9,9 @@ import functools
 import sys
 from typing import Any
 
-from gputrace.collectors import tensorflow as core
-from gputrace.collectors.tensorflow import _safe, _State
+from gputrace.collectors import tensorflow_state as core
 from gputrace.collectors.tensorflow_eval import function_returned, passes
+from gputrace.collectors.tensorflow_state import _safe, _State
 
 
 def patch_tensorflow(state: _State, tf: Any) -> None:

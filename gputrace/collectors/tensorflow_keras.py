@@ -11,8 +11,8 @@ import inspect
 import sys
 from typing import Any
 
-from gputrace.collectors import tensorflow as core
-from gputrace.collectors.tensorflow import _safe, _State
+from gputrace.collectors import tensorflow_state as core
+from gputrace.collectors.tensorflow_state import _safe, _State
 from gputrace.recorder import Recorder
 
 

@@ -14,7 +14,7 @@ import functools
 import sys
 from typing import Any
 
-from gputrace.collectors.tensorflow import _safe, _State
+from gputrace.collectors.tensorflow_state import _safe, _State
 
 TRAINER = "keras.src.backend.tensorflow.trainer"
 BUILT = "keras: input pipeline built"           # a TFEpochIterator made inside fit

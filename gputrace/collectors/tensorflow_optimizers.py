@@ -12,8 +12,8 @@ import sys
 import threading
 from typing import Any
 
-from gputrace.collectors import tensorflow as core
-from gputrace.collectors.tensorflow import _safe, _State
+from gputrace.collectors import tensorflow_state as core
+from gputrace.collectors.tensorflow_state import _safe, _State
 
 
 def _bases(keras: Any) -> list[tuple[type, str]]:

@@ -11,9 +11,9 @@ import functools
 import threading
 from typing import Any
 
-from gputrace.collectors import tensorflow as core
+from gputrace.collectors import tensorflow_state as core
 from gputrace.collectors.files import files_at
-from gputrace.collectors.tensorflow import _safe, _State
+from gputrace.collectors.tensorflow_state import _safe, _State
 
 _depth = threading.local()
 
