@@ -10,6 +10,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
@@ -297,12 +298,25 @@ def _mutate(rng: random.Random, data: bytes) -> bytes:
 
 
 @pytest.mark.slow
-def test_ten_thousand_corrupted_inputs_never_give_a_traceback(tmp_path, monkeypatch):
+def test_ten_thousand_corrupted_inputs_never_give_a_traceback(monkeypatch):
     """Corrupted gputrace, Kineto and nsys files through analyze/info/import, in-process:
     every outcome is exit 0 or exit 2 with one line."""
+    monkeypatch.setenv("COLUMNS", "100")
+    with tempfile.TemporaryDirectory(dir=_memory_dir()) as where:
+        _feed_corrupted_inputs(Path(where))
+
+
+def _memory_dir() -> str | None:
+    """A directory in memory where the machine has one (else the default temporary one):
+    the 10,000 inputs are written in turn, and a disk's write took 0.5 ms of the 4.5 ms
+    each input costs."""
+    shm = Path("/dev/shm")
+    return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
+
+
+def _feed_corrupted_inputs(tmp_path: Path) -> None:
     from gputrace.cli import main
 
-    monkeypatch.setenv("COLUMNS", "100")
     rng = random.Random(1)
     seeds = _seeds(tmp_path, None)
     suffix = [".arrow", ".json", ".sqlite"]
