@@ -70,7 +70,7 @@ def command(mode: str, ranks: int, iterations: int, out: Path, trace: Path,
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--iterations", type=int, default=40)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, help="rounds to run (3; --tiny: 1)")
     p.add_argument("--ranks", default="1,2", help="process counts to run (1 and/or 2)")
     p.add_argument("--sample-args", default="",
                    help="more options for samples/train_cnn.py, e.g. '--threads 1 --workers 1'")
@@ -79,12 +79,15 @@ def main() -> None:
     p.add_argument("--save", type=Path,
                    help="keep the runs in this JSON file, and add to the rounds it holds")
     together_args(p)
-    p.add_argument("--tiny", action="store_true", help="one quick round (keeps it working)")
+    p.add_argument("--tiny", action="store_true",
+                   help="one quick round (keeps it working), a short hookcost")
     a = p.parse_args()
     how = together_check(a)
     modes = chosen_modes(p, a.modes, MODES)
     if a.tiny:
-        a.iterations, a.rounds = 60 if a.together else 6, 1
+        a.iterations = 60 if a.together else 6
+    if a.rounds is None:
+        a.rounds = 1 if a.tiny else 3
     extra = shlex.split(a.sample_args)
     if a.together and "--threads" not in extra:
         extra += ["--threads", "1"]

@@ -24,8 +24,10 @@ def test_benchmark_runs_tiny(script, tmp_path):
     if script == "whatif_ds.py" and importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not installed (make test installs it)")
     args = [sys.executable, str(BENCH / script), "--tiny"]
-    if script == "overhead.py":   # a smaller batch of smaller images: the same runs, cheaper
+    if script == "overhead.py":   # a smaller batch of smaller images: the same runs, cheaper;
+        # "hooks only" is the gputrace mode's command with --collectors torch: not run here
         args += ["--ranks", "1", "--save", str(tmp_path / "runs.json"),
+                 "--modes", "plain,gputrace,torch.profiler",
                  "--sample-args=--batch-size 8 --image-size 32"]
     if script == "overhead_gpt.py":   # runs side by side on one core (overhead.py: in turn)
         args += ["--ranks", "1", "--together"]
@@ -33,7 +35,7 @@ def test_benchmark_runs_tiny(script, tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     assert "machine:" in p.stdout and "x" in p.stdout
     if script == "overhead.py":   # the kept runs give the same table again, with no new run
-        again = subprocess.run([sys.executable, str(BENCH / script), "--iterations", "6",
+        again = subprocess.run([sys.executable, str(BENCH / script), "--tiny",
                                 "--rounds", "0", *args[3:]],
                                capture_output=True, text=True, timeout=600, cwd=BENCH.parent)
         assert again.returncode == 0, again.stderr[-2000:]
