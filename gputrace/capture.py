@@ -219,23 +219,6 @@ def _request(job: dict[str, Any], d: str, count: int, wait_s: float) -> dict[str
             "unanswered": sorted(waiting)}
 
 
-def hangs(job: dict[str, Any]) -> dict[str, Any]:
-    """The collectives some process of `job` has waited in too long, from what its shards
-    hold so far (analyzers.hangs; none where they cannot be read)."""
-    from gputrace.analyzers import hangs as hg
-    from gputrace.trace.reader import SHARD_SUFFIXES, _read_one
-    from gputrace.trace.schema import TraceFormatError
-
-    d = job["shard_dir"]
-    rows = []
-    with contextlib.suppress(OSError):
-        for n in sorted(os.listdir(d)):
-            if n.endswith(SHARD_SUFFIXES):   # only the columns read: a shard in full can be GBs
-                with contextlib.suppress(TraceFormatError, OSError, ValueError):
-                    rows += hg.rows_of(_read_one(os.path.join(d, n), hg.COLUMNS).table)
-    return hg.as_json(hg.find(rows))
-
-
 def on_signal(job: dict[str, Any], count: int) -> None:
     """Make SIGSIGNAL to this process (`record`) open a window of `count` iterations."""
     def asked(signum: int, frame: Any) -> None:

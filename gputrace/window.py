@@ -8,6 +8,7 @@ always do, and what falls outside the window is folded before it is written."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -213,8 +214,6 @@ class Window:
         sampler (it samples at full rate there only: gputrace.record.thin)."""
         known = [(c[2], c[3]) for c in self.ranges if c[2] is not None]
         if known != self._told and self.dir is not None:
-            from gputrace.record.thin import publish
-
             publish(self.dir, known)
             self._told = known
 
@@ -346,3 +345,36 @@ def phase_sums(spans: list[tuple[Any, ...]], bounds: tuple[int, int, Any] | None
     if bounds is not None and requested and 0 <= last < bounds[1]:
         sums["after"] = bounds[1] - last
     return sums
+
+
+# -- where the windows are, for the system sampler (gputrace.record.thin) ---------------------
+PREFIX = "window-"
+
+
+def publish(shard_dir: str, ranges: list[tuple[int, int | None]]) -> None:
+    """This process's windows recorded in full, [(start_ns, end_ns or None: still open)],
+    where the sampler reads them. Never raises (the job goes on)."""
+    path = os.path.join(shard_dir, f"{PREFIX}{os.getpid()}.json")
+    tmp = f"{path}.tmp"
+    with contextlib.suppress(OSError, ValueError):
+        with open(tmp, "w") as f:
+            json.dump({"ranges": [list(r) for r in ranges]}, f)
+        os.replace(tmp, path)
+
+
+def published(shard_dir: str) -> list[tuple[int, int | None]]:
+    """Every process's windows, as `publish` wrote them."""
+    out: list[tuple[int, int | None]] = []
+    try:
+        names = [n for n in os.listdir(shard_dir)
+                 if n.startswith(PREFIX) and n.endswith(".json")]
+    except OSError:
+        return out
+    for n in names:
+        try:
+            with open(os.path.join(shard_dir, n)) as f:
+                d = json.load(f)
+            out += [(int(lo), None if hi is None else int(hi)) for lo, hi in d["ranges"]]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return out

@@ -6,7 +6,10 @@ have not arrived."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+from typing import Any
 
 from gputrace.cli import CommandError
 
@@ -39,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
             jobs = [capture.find(args.pid)]
         results = []
         for j in jobs:   # what it waits in now, read before the window is asked for
-            found = capture.hangs(j)
+            found = hangs(j)
             if not args.json:
                 for h in found["collectives"]:
                     print(f"hang (over {found['threshold_s']:g} s in a collective): "
@@ -53,3 +56,20 @@ def run(args: argparse.Namespace) -> int:
         for r in results:
             print(capture.describe(r))
     return 0
+
+
+def hangs(job: dict[str, Any]) -> dict[str, Any]:
+    """The collectives some process of `job` has waited in too long, from what its shards
+    hold so far (analyzers.hangs; none where they cannot be read)."""
+    from gputrace.analyzers import hangs as hg
+    from gputrace.trace.reader import SHARD_SUFFIXES, _read_one
+    from gputrace.trace.schema import TraceFormatError
+
+    d = job["shard_dir"]
+    rows = []
+    with contextlib.suppress(OSError):
+        for n in sorted(os.listdir(d)):
+            if n.endswith(SHARD_SUFFIXES):   # only the columns read: a shard in full can be GBs
+                with contextlib.suppress(TraceFormatError, OSError, ValueError):
+                    rows += hg.rows_of(_read_one(os.path.join(d, n), hg.COLUMNS).table)
+    return hg.as_json(hg.find(rows))

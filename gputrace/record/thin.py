@@ -18,53 +18,23 @@ full rate, and the ticks kept (one a second, the window's at full rate) to anoth
 SIZE / 2: `rings`), the most recent ones; the sampler's own shard holds its metadata and
 the first tick.
 
-This module is imported by the job's processes (publish): nothing heavy here."""
+The job's processes publish their windows through gputrace.window (publish)."""
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import time
 from collections import deque
 from typing import Any
 
+from gputrace.window import published
+
 HOLD_S = 20.0        # a tick waits this long for the job to say where its window began
 OUTSIDE_S = 1.0      # one tick a second outside the window (OUTSIDE_HZ)
 OUTSIDE_HZ = 1.0 / OUTSIDE_S
 _READ_EVERY_S = 0.5  # the job's window files are listed at most this often
-PREFIX = "window-"
 TAIL = "samples"     # the ring of the ticks left out (--max-size): samples.dN.spans
 KEPT = "ticks"       # the ring of the ticks kept (--max-size): ticks.dN.spans
-
-
-def publish(shard_dir: str, ranges: list[tuple[int, int | None]]) -> None:
-    """This process's windows recorded in full, [(start_ns, end_ns or None: still open)],
-    where the sampler reads them. Never raises (the job goes on)."""
-    path = os.path.join(shard_dir, f"{PREFIX}{os.getpid()}.json")
-    tmp = f"{path}.tmp"
-    with contextlib.suppress(OSError, ValueError):
-        with open(tmp, "w") as f:
-            json.dump({"ranges": [list(r) for r in ranges]}, f)
-        os.replace(tmp, path)
-
-
-def published(shard_dir: str) -> list[tuple[int, int | None]]:
-    """Every process's windows, as `publish` wrote them."""
-    out: list[tuple[int, int | None]] = []
-    try:
-        names = [n for n in os.listdir(shard_dir)
-                 if n.startswith(PREFIX) and n.endswith(".json")]
-    except OSError:
-        return out
-    for n in names:
-        try:
-            with open(os.path.join(shard_dir, n)) as f:
-                d = json.load(f)
-            out += [(int(lo), None if hi is None else int(hi)) for lo, hi in d["ranges"]]
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-    return out
 
 
 def _key(r: Any) -> tuple[Any, ...]:
