@@ -206,6 +206,20 @@ class Result:
 
         return headline(self.shown)
 
+    def show(self) -> None:
+        """Print what `gputrace analyze` prints for this trace and rank: every section."""
+        from gputrace.report.terminal_all import render_all
+
+        if self._inputs:
+            from gputrace.document import extras
+
+            render_all(self.analysis, extras(self.analysis, self.rank, self._inputs),
+                       self.rank)
+        else:
+            from gputrace.report.terminal import render
+
+            render(self.analysis, self.rank)
+
     # -- the JSON document and its tables --------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:

@@ -100,6 +100,17 @@ def test_built_trace_same_as_json_and_tables(built):
         r.rank = 0
 
 
+def test_show_prints_what_analyze_prints(built):
+    """`Result.show()` prints every section `gputrace analyze` prints (the terminal renderer
+    owns them all), in another process with the same environment."""
+    code = f"import gputrace; gputrace.analyze({str(built)!r}, rank=0).show()"
+    shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=300, check=True).stdout
+    printed = run_gputrace("analyze", str(built), "--rank", "0", check=True).stdout
+    assert shown == printed
+    assert "Where an iteration's time goes" in shown
+
+
 def test_options_are_the_command_lines(built):
     r = gputrace.analyze([built], rank=0, skip=2, gpus=[2, 8], link_bandwidth=2.5e9,
                          what_if=["gpus=8,bandwidth=2x", "bucket_cap_mb=1"])

@@ -35,29 +35,9 @@ def run(args: argparse.Namespace) -> int:
         # one write: json.dump to a stream writes each of its ~1e5 small pieces apart
         sys.stdout.write(json.dumps(document(a, args.rank, args.trace, more), indent=1) + "\n")
     else:
-        from gputrace.analyzers.findings_memory import memory_findings
-        from gputrace.analyzers.memory import memory_line
-        from gputrace.report.terminal import render
+        from gputrace.report.terminal_all import render_all
 
-        advised = render(a, args.rank)
-        for h in more["hangs"]["collectives"]:
-            print(f"Hang (over {more['hangs']['threshold_s']:g} s in a collective): "
-                  f"{h['message']}")
-        line = memory_line(more["memory"], args.rank if args.rank is not None
-                           else a.main.rank)
-        if line:
-            print(line)
-        for f in memory_findings(more["memory"]):
-            print(f"  {f.severity:>8}  {f.message}")
-        from gputrace.analyzers.flops import line as flops_line
-
-        if flops_line(more["flops"]):
-            print(flops_line(more["flops"], advise_probe=not advised))
-        if "window" in more:
-            from gputrace.report.solo import one_process
-            from gputrace.report.window import render_window
-
-            render_window(more, one=one_process(a))
+        render_all(a, more, args.rank)
     if args.report:
         sys.stdout.flush()
         print(write(a, args.report, args.rank, args.trace), file=sys.stderr)
