@@ -37,16 +37,18 @@ while True:
 
 @pytest.mark.slow
 def test_kill_9_keeps_every_event_older_than_a_second(tmp_path):
-    """20 jobs, each killed with SIGKILL at a random point 1.1-2.2 s into its run: no event
-    it logged more than a second before its kill is missing from its trace. Two at a time
-    (each is mostly asleep, 5 ms between its events): the waits for the kills overlap."""
+    """20 jobs, each killed with SIGKILL at a random point 1.1-1.9 s into its run (the span
+    of one 0.8 s flush interval, gputrace.recorder.FLUSH_INTERVAL_S, so the kills fall
+    anywhere between two flushes): no event it logged more than a second before its kill is
+    missing from its trace. Four at a time (each is mostly asleep, 5 ms between its events):
+    the waits for the kills overlap."""
     from concurrent.futures import ThreadPoolExecutor
 
     job = tmp_path / "job.py"
     job.write_text(LOGGING_JOB)
     rng = random.Random(7)
-    waits = [rng.uniform(1.1, 2.2) for _ in range(20)]
-    with ThreadPoolExecutor(max_workers=2) as pool:
+    waits = [rng.uniform(1.1, 1.9) for _ in range(20)]
+    with ThreadPoolExecutor(max_workers=4) as pool:
         rounds = list(pool.map(lambda kw: _kill_round(tmp_path, job, *kw), enumerate(waits)))
     lost_total = sum(lost for lost, _ in rounds)
     checked = sum(old for _, old in rounds)
