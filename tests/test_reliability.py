@@ -184,10 +184,12 @@ def test_eight_processes_writing_at_once_lose_and_duplicate_nothing(tmp_path):
 def test_file_size_limit_mid_run_keeps_the_jobs_exit_code_and_what_was_written(tmp_path):
     import resource
 
+    # 6 bursts of 20,000 spans, each flushed on its own: the limit is reached in the
+    # first (7,000-10,000 rows kept), the 5 after it would each be a line if said per batch
     job = tmp_path / "job.py"
     job.write_text(
         "import time, gputrace\n"
-        "for i in range(400_000):\n"
+        "for i in range(120_000):\n"
         "    t = time.time_ns()\n"
         "    gputrace.record_span('user', f'event-with-a-long-name-{i}', t, t + 1)\n"
         "    if i % 20000 == 0: time.sleep(0.6)\n"
