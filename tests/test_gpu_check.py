@@ -78,7 +78,9 @@ def test_dry_run_installs_gputrace_offline_and_skips_each_gpu_step(tmp_path, whe
     assert env["figures"]["gpu"] is False and env["figures"]["no_gpu_reason"]
     for st in s["steps"][2:]:
         assert st["status"] == "skipped" and st["reason"], st
-    assert s["wall_s"] >= sum(st["wall_s"] for st in s["steps"])
+    # each figure is rounded to 10 ms on its own: the steps' sum may pass the whole by
+    # half of that per figure (4.06 against 4.0600000000000005 once)
+    assert s["wall_s"] >= sum(st["wall_s"] for st in s["steps"]) - 0.005 * (len(s["steps"]) + 1)
     assert "skipped" in p.stdout
 
 
