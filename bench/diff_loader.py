@@ -24,7 +24,7 @@ import numpy as np
 from common import PY, ROOT, machine, run, table
 
 sys.path.insert(0, str(ROOT))
-from gputrace.analyzers.diff_runs import paired  # noqa: E402
+from gputrace.analyzers.compare.diff_runs import paired  # noqa: E402
 
 JOB = ROOT / "tests" / "jobs" / "timed_loop.py"
 

@@ -189,7 +189,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.tiny:
         a.iterations, a.models, a.buckets, a.throttle = 8, "deep", "1,one", ""
-    from gputrace.analyzers.replay import Scenario
+    from gputrace.analyzers.parallel.ddp.replay import Scenario
 
     models = a.models.split(",")
     buckets = a.buckets.split(",")

@@ -107,7 +107,7 @@ def alternate(prefix: Path, iterations: int, record_it: bool) -> list[tuple[floa
     clock, the what-if's saving for it, the unbiased neighbours' mean t_iter), seconds."""
     from gputrace import load
     from gputrace.analyzers import analyze
-    from gputrace.analyzers.parallel import ep_whatif
+    from gputrace.analyzers.parallel.ep import ep_whatif
 
     if record_it:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(

@@ -5,7 +5,7 @@ torch.distributed.pipelining, one stage per rank, or two under `interleaved` and
 recorded with gputrace, one run per configuration (GPipe and 1F1B, 4 and 8 microbatches by
 default; one model and global batch).
 Each run predicts every other run of the round with the pipeline replay
-(`gputrace.analyzers.parallel.pp.predict`, what `analyze`'s `parallelism.pipeline.what_if`
+(`gputrace.analyzers.parallel.pp.pp.predict`, what `analyze`'s `parallelism.pipeline.what_if`
 is made of), and the predicted t_iter and bubble are printed beside the measured ones.
 
 Beside each prediction, the ratio of the two runs' compute per iteration (every stage's
@@ -120,7 +120,7 @@ def kept(out: Path, sched: str, m: int) -> tuple[Path, float]:
         return trace, float("nan")
 
 
-def pipeline(trace: Path):  # noqa: ANN201 - gputrace.analyzers.parallel.pp.Pipeline
+def pipeline(trace: Path):  # noqa: ANN201 - gputrace.analyzers.parallel.pp.pp.Pipeline
     from gputrace import load
     from gputrace.analyzers import analyze
 
@@ -194,7 +194,7 @@ def main() -> None:
     out = a.reuse or a.keep or Path(tempfile.mkdtemp(prefix="whatif-pp-"))
     out.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(ROOT))      # this tree's analysis
-    from gputrace.analyzers.parallel import pipesim, pp, pp_whatif
+    from gputrace.analyzers.parallel.pp import pipesim, pp, pp_whatif
 
     try:
         runs: list[dict[tuple[str, int], object]] = []

@@ -119,7 +119,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     from gputrace import load
     from gputrace.analyzers import analyze
-    from gputrace.analyzers.parallel import pp_whatif
+    from gputrace.analyzers.parallel.pp import pp_whatif
 
     print(f"machine: {machine()}")
     print(f"pp_train.py: {a.blocks} blocks per stage, width {a.width}, batch {a.batch}, "

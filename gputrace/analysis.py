@@ -17,7 +17,7 @@ from gputrace.inputs import AnalysisError, load_inputs
 
 if TYPE_CHECKING:
     from gputrace.analyzers import Analysis
-    from gputrace.analyzers.replay import Scenario
+    from gputrace.analyzers.parallel.ddp.replay import Scenario
 
 __all__ = ["AnalysisError", "AnalysisOptions", "parse_bandwidth", "parse_bytes",
            "parse_what_if", "run_analysis", "run_diff", "Compared"]
@@ -164,7 +164,7 @@ DIFF_VERSION = 1
 class Compared:
     """The diff document (`diff --json`) and the two analyses it was made from (for the
     page's timelines); with several runs a side, each side's median run
-    (analyzers.diff_runs.median_run of the document's `noise.t_iter_runs`)."""
+    (analyzers.compare.diff_runs.median_run of the document's `noise.t_iter_runs`)."""
 
     doc: dict[str, Any]
     before: Analysis
@@ -176,10 +176,10 @@ def run_diff(opts: AnalysisOptions, before: str | Sequence[str],
     """Two runs, each analyzed as run_analysis does under `opts` (with their detail), and
     their diff: `opts.rank` of both, else each run's slowest rank. A side may be several
     runs of the same job (each input one run, see runs_of): the diff is then of the runs'
-    means, its intervals across the runs (analyzers.diff_runs). Every user error an
+    means, its intervals across the runs (analyzers.compare.diff_runs). Every user error an
     AnalysisError."""
-    from gputrace.analyzers.diff import compare
-    from gputrace.analyzers.diff_runs import Run, compare_runs, median_run
+    from gputrace.analyzers.compare.diff import compare
+    from gputrace.analyzers.compare.diff_runs import Run, compare_runs, median_run
 
     sides = [runs_of([x] if isinstance(x, str) else list(x)) for x in (before, after)]
     names = [" ".join([x] if isinstance(x, str) else list(x)) for x in (before, after)]
@@ -233,7 +233,7 @@ def runs_of(inputs: Sequence[str]) -> list[str]:
 
 def _side(opts: AnalysisOptions, path: str) -> tuple[Analysis, Any]:
     """One input's analysis (with its detail) and its per-name parts."""
-    from gputrace.analyzers.diff_parts import Parts, parts
+    from gputrace.analyzers.compare.diff_parts import Parts, parts
 
     a = run_analysis(opts.on(path), detail=True)
     ra = a.ranks[opts.rank if opts.rank is not None else a.slowest_rank]
@@ -255,7 +255,7 @@ def _calibration(opts: AnalysisOptions) -> Any:
     of them fit, and why the others do not, the pipeline section says)."""
     import os
 
-    from gputrace.analyzers.parallel.pp_whatif import calibration_of
+    from gputrace.analyzers.parallel.pp.pp_whatif import calibration_of
 
     assert opts.calibrate is not None
     paths = [opts.calibrate] if os.path.exists(opts.calibrate) else \
@@ -312,7 +312,7 @@ def parse_bandwidth(text: str) -> float:
 
 def parse_what_if(text: str) -> Scenario:
     """'gpus=16,bandwidth=2x,bucket_cap_mb=5' -> a replay Scenario (gpus 0: the run's own)."""
-    from gputrace.analyzers.replay import MIB, Scenario
+    from gputrace.analyzers.parallel.ddp.replay import MIB, Scenario
 
     gpus, bw, bucket = 0, 1.0, None
     for part in filter(None, (x.strip() for x in text.split(","))):

@@ -26,9 +26,9 @@ from typing import Any
 
 from gputrace.analysis import AnalysisError, AnalysisOptions
 from gputrace.analyzers import Analysis, RankAnalysis
-from gputrace.analyzers.findings import Finding
-from gputrace.analyzers.model import ModelResult, Speedup, UnitStats
-from gputrace.analyzers.replay import Replay, Scenario
+from gputrace.analyzers.core.model import ModelResult, Speedup, UnitStats
+from gputrace.analyzers.findings.rules import Finding
+from gputrace.analyzers.parallel.ddp.replay import Replay, Scenario
 from gputrace.report.tables import MissingExtra, Table
 from gputrace.report.tables_diff import TABLES as DIFF_TABLES
 

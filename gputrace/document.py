@@ -13,15 +13,15 @@ from typing import Any
 
 import pyarrow as pa
 
-from gputrace.analyzers.memory import COLUMNS as _MEMORY_COLUMNS
+from gputrace.analyzers.extras.memory import COLUMNS as _MEMORY_COLUMNS
 
 
 def extras(a: Any, rank: int | None, inputs: Sequence[str],
            rows: list[Any] | None = None) -> dict[str, Any]:
     """`window` and `run` (a windowed recording only) and `memory` of the trace `inputs`;
     `rows`: a list that gets the memory samples read (for the chart)."""
-    from gputrace.analyzers.memory import analyze_memory, empty, memory_rows
-    from gputrace.analyzers.window import analyze_window, window_of
+    from gputrace.analyzers.extras.memory import analyze_memory, empty, memory_rows
+    from gputrace.analyzers.extras.window import analyze_window, window_of
     from gputrace.inputs import load_inputs
 
     shown = rank if rank is not None else a.main.rank
@@ -45,10 +45,10 @@ def extras(a: Any, rank: int | None, inputs: Sequence[str],
 
 
 def _hangs(table: pa.Table | None, inputs: Sequence[str]) -> dict[str, Any]:
-    """`hangs`: the collectives some rank waited in too long (analyzers.hangs), from
+    """`hangs`: the collectives some rank waited in too long (analyzers.extras.hangs), from
     `table` where every row was read, else the trace files' `flight` instants alone, or the
     shards of a recording not closed (killed, or still running)."""
-    from gputrace.analyzers import hangs
+    from gputrace.analyzers.extras import hangs
     from gputrace.trace.reader import unclosed
 
     if table is None and any(unclosed(p) is not None for p in inputs):
@@ -71,8 +71,8 @@ def _flight(b: pa.RecordBatch) -> pa.RecordBatch:
 def more_findings(more: dict[str, Any]) -> list[Any]:
     """The findings of what extras() read (analyzers.Finding): the hangs', the window's,
     memory's and the FLOP count's."""
-    from gputrace.analyzers.findings import Finding
-    from gputrace.analyzers.findings_memory import memory_findings
+    from gputrace.analyzers.findings.findings_memory import memory_findings
+    from gputrace.analyzers.findings.rules import Finding
 
     out = [Finding("collective_hang", "high", h["message"])
            for h in (more.get("hangs") or {}).get("collectives", [])]

@@ -1,6 +1,6 @@
 """`flops` of analyze --json: the trace's `flops` rows (one per process that counted an
 iteration) read beside the analysis, with each layer's measured times over the analyzed
-iterations (analyzers.diff_parts) and the peaks (analyzers.flops)."""
+iterations (analyzers.compare.diff_parts) and the peaks (analyzers.extras.flops)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from gputrace.analyzers import flops as fl
+from gputrace.analyzers.extras import flops as fl
 
 _COLUMNS = ("kind", "cat", "name", "start_ns", "end_ns", "rank", "layer", "device", "args")
 NONE = ("the trace holds no FLOP count (a trace recorded before gputrace counted FLOPs, "
@@ -120,7 +120,7 @@ def _without_recomputed(table: pa.Table, rank: int) -> pa.Table:
                                  pc.equal(table["rank"], rank)))
     if not outer.num_rows:
         return table
-    from gputrace.analyzers import overlap as ov
+    from gputrace.analyzers.core import overlap as ov
 
     lo, hi = ov.union(outer["start_ns"].to_numpy(zero_copy_only=False),
                       outer["end_ns"].to_numpy(zero_copy_only=False))
@@ -135,8 +135,8 @@ def _layer_times(table: pa.Table, ra: Any, left: tuple[int, int] | None = None
                  ) -> dict[int, tuple[float | None, float | None]]:
     """Each layer's forward and backward time per analyzed iteration of rank `ra`; `left`:
     the counted iteration's [start, end), left out as the timings leave it out."""
-    from gputrace.analyzers.diff_parts import parts
-    from gputrace.analyzers.window import stored_rank
+    from gputrace.analyzers.compare.diff_parts import parts
+    from gputrace.analyzers.extras.window import stored_rank
 
     rank = stored_rank(table, ra.rank)
     m = pc.and_(pc.equal(table["cat"].cast(pa.string()), "iteration"),

@@ -244,7 +244,7 @@ def dropped_line(path: str) -> str | None:
     """What --max-size dropped, from a merged trace (None: not recorded with --max-size, or
     it cannot be read): the iterations of each rank kept in detail, and how many earlier
     ones keep their times only."""
-    from gputrace.analyzers.window import window_of
+    from gputrace.analyzers.extras.window import window_of
     from gputrace.trace.parts import metadata_of
 
     md = metadata_of(path)

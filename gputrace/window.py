@@ -257,7 +257,7 @@ class Window:
                 self._iteration(sp, out, out_rows)
         # spans of no iteration by their time, once this flush's iterations gave the window
         # its times (an evaluation pass between two of its steps, flushed with them); the
-        # whole run's spans wherever they fall (its goodput: analyzers.goodput)
+        # whole run's spans wherever they fall (its goodput: analyzers.extras.goodput)
         out.extend(sp for sp in timeless if sp[0] in WHOLE_RUN or self._in_time(sp[2]))
         if closing:
             for step in sorted(set(self.pending) | set(self.pending_rows)):
@@ -331,7 +331,7 @@ def phase_sums(spans: list[tuple[Any, ...]], bounds: tuple[int, int, Any] | None
     """ns per phase of one iteration's spans: io, h2d, update and comm spans whole (comm:
     busy time, hidden or not), forward and backward only the passes (layer < 1). With the
     iteration's (start, end, thread): also `after`, its time after its last phase where it
-    began at a batch request (analyzers.after_step: a data wait only on its own thread)."""
+    began at a batch request (analyzers.extras.after_step: a data wait only on its own thread)."""
     sums = dict.fromkeys(PHASES, 0)
     last, requested = -1, False
     for sp in spans:

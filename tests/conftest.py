@@ -63,7 +63,7 @@ def probe_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 # Every analysis the suite makes, in this process and in every `gputrace` it starts, checks
-# itself strictly: a broken consistency invariant (analyzers.invariants) is an error, so a
+# itself strictly: a broken consistency invariant (analyzers.findings.invariants) is an error, so a
 # job shape that makes the analysis contradict itself fails the suite. Tests of the
 # invariants themselves lift it for the commands they run.
 os.environ["GPUTRACE_STRICT_CHECKS"] = "1"

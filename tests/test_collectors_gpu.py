@@ -13,7 +13,7 @@ import pytest
 
 from gputrace import load
 from gputrace.analyzers import analyze
-from gputrace.analyzers.frame import build
+from gputrace.analyzers.core.frame import build
 from gputrace.collectors import Sampler, Unavailable
 from gputrace.collectors.cupti import CuptiCollector
 from gputrace.collectors.cupti_convert import Converter

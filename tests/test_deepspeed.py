@@ -20,11 +20,11 @@ pytest.importorskip("deepspeed")
 
 from gputrace import load  # noqa: E402
 from gputrace.analyzers import analyze  # noqa: E402
-from gputrace.analyzers import collectives as col  # noqa: E402
-from gputrace.analyzers.frame import build  # noqa: E402
-from gputrace.analyzers.rank_part import rank_steps  # noqa: E402
-from gputrace.analyzers.shardinputs import summarize_rank  # noqa: E402
-from gputrace.analyzers.zero_whatif import settings  # noqa: E402
+from gputrace.analyzers.core import collectives as col  # noqa: E402
+from gputrace.analyzers.core.frame import build  # noqa: E402
+from gputrace.analyzers.parallel.sharded.shardinputs import summarize_rank  # noqa: E402
+from gputrace.analyzers.parallel.sharded.zero_whatif import settings  # noqa: E402
+from gputrace.analyzers.run.rank_part import rank_steps  # noqa: E402
 from tests.truth import matched  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

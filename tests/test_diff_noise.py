@@ -1,4 +1,4 @@
-"""The interval of a change between two runs (gputrace.analyzers.diff_noise), on iteration
+"""The interval of a change between two runs (gputrace.analyzers.compare.diff_noise), on iteration
 series made here with known stalls and known changes: a run whose machine preempted it in
 some iterations against a run that was not is within noise; a change made in every
 iteration is beyond it, stalls or not; the excursions are the stalls put in; the job's
@@ -10,14 +10,14 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from gputrace.analyzers.diff_noise import (
+from gputrace.analyzers.compare.diff_noise import (
     Noise,
     excursions,
     interval,
     iteration_excursions,
     net_of_wait,
 )
-from gputrace.analyzers.diff_parts import parts
+from gputrace.analyzers.compare.diff_parts import parts
 
 N = 17          # the analyzed iterations of a 20-step recording
 

@@ -17,7 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import gputrace  # noqa: E402
-from gputrace.analyzers.diff_runs import paired  # noqa: E402
+from gputrace.analyzers.compare.diff_runs import paired  # noqa: E402
 from tests.conftest import run_gputrace  # noqa: E402
 
 JOB = str(Path(__file__).resolve().parent / "jobs" / "slowed_phase.py")

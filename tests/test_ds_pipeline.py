@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("deepspeed")
 
-from gputrace.analyzers.parallel import pipesim  # noqa: E402
+from gputrace.analyzers.parallel.pp import pipesim  # noqa: E402
 from tests.test_parallelism import (  # noqa: E402
     BYTES_TOL,
     Run,

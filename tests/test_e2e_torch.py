@@ -13,8 +13,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from gputrace.analyzers.diff_parts import run_wait  # noqa: E402
-from gputrace.analyzers.findings import INPUT_MODERATE  # noqa: E402
+from gputrace.analyzers.compare.diff_parts import run_wait  # noqa: E402
+from gputrace.analyzers.findings.rules import INPUT_MODERATE  # noqa: E402
 from gputrace.trace import load  # noqa: E402
 from tests.conftest import run_gputrace  # noqa: E402
 

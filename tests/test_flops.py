@@ -518,7 +518,7 @@ def test_no_share_of_the_peak_is_over_100_percent(resnet, mode):
     assert all(v <= 1 for v in bars["value"])
     assert not {ly["layer"] for ly in held} & set(bars["layer"])
     assert ("left out for" in chart.caption) == bool(held)
-    from gputrace.analyzers.flops import line
+    from gputrace.analyzers.extras.flops import line
 
     text = line(f)
     assert ("Share of the peak left out" in text) == bool(held)
@@ -535,7 +535,7 @@ def test_a_share_over_the_peak_is_withheld_with_the_reason():
     wrong), one within it: the first's share is null with the reason, the second's is its
     own; the rank's MFU over the peak likewise; the chart and the terminal line leave the
     first out and say why."""
-    from gputrace.analyzers import flops as fl
+    from gputrace.analyzers.extras import flops as fl
     from gputrace.report.charts_flops import flops_chart
 
     peak = {"flops_per_s": 1e12, "dtype": "fp32", "device": "gpu", "source": "X fp32 dense"}

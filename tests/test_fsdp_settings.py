@@ -130,7 +130,7 @@ def test_reshard_false_what_if_removes_the_measured_regathers(runs):
 
 
 def test_settings_depths_from_the_units():
-    from gputrace.analyzers.shardsettings import Settings
+    from gputrace.analyzers.parallel.sharded.shardsettings import Settings
 
     units = [{"unit": "", "reshard_after_forward": False, "forward_prefetch": [],
               "backward_prefetch": None, "param_dtype": None, "reduce_dtype": None},

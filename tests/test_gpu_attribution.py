@@ -20,8 +20,8 @@ import pytest
 import gputrace
 from gputrace import load
 from gputrace.analyzers import analyze
-from gputrace.analyzers.frame import build
-from gputrace.analyzers.steps import analyze_rank
+from gputrace.analyzers.core.frame import build
+from gputrace.analyzers.core.steps import analyze_rank
 from gputrace.collectors.cupti import CuptiCollector
 from gputrace.recorder import Recorder, set_current
 from gputrace.trace.schema import COLUMN_NAMES

@@ -25,7 +25,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from gputrace.analyzers.hangs import THRESHOLD_S  # noqa: E402
+from gputrace.analyzers.extras.hangs import THRESHOLD_S  # noqa: E402
 from gputrace.trace import load, shards  # noqa: E402
 from tests.conftest import GPUTRACE, run_gputrace  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""analyzers.hangs on `flight` rows laid out as the comm collector writes them, for what the
+"""analyzers.extras.hangs on `flight` rows laid out as the comm collector writes them, for what the
 2-rank job of test_hangs cannot show: a group of 3 where two wait, a rank with no record, a
 slow collective every rank waited in alike (no rank waited for), a straggler that waited a
 little too."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from gputrace.analyzers import hangs
+from gputrace.analyzers.extras import hangs
 
 S = 10**9
 G = {"size": 3, "ranks": [0, 1, 2], "name": "0", "desc": "default_pg"}

@@ -5,7 +5,11 @@ and the command line on top of it all.
 - nothing below `gputrace/cli/` imports `gputrace.cli` (only `cli/` itself and
   `__main__`): the library raises its own errors, the command line turns them into exit
   codes;
-- nothing under `gputrace/analyzers/` imports `gputrace.report` or `gputrace.cli`."""
+- nothing under `gputrace/analyzers/` imports `gputrace.report` or `gputrace.cli`;
+- inside `analyzers/`, one analysis of a run (`run/`) and the comparison of runs
+  (`compare/`) sit on top: no other room imports them;
+- every `__init__.py` under `analyzers/` only hands names on (a docstring, imports,
+  `__all__`)."""
 
 from __future__ import annotations
 
@@ -46,7 +50,10 @@ def reaches(mods: set[str], pkg: str) -> list[str]:
     return sorted(m for m in mods if m == pkg or m.startswith(pkg + "."))
 
 
-@pytest.mark.parametrize("rule", ["cli", "analyzers"])
+TOP_ROOMS = ("gputrace.analyzers.run", "gputrace.analyzers.compare")
+
+
+@pytest.mark.parametrize("rule", ["cli", "analyzers", "rooms"])
 def test_imports_follow_the_flow(rule):
     broken = {}
     for p in modules():
@@ -55,14 +62,37 @@ def test_imports_follow_the_flow(rule):
             if rel.startswith("cli/") or rel == "__main__.py":
                 continue
             bad = reaches(imports_of(p), "gputrace.cli")
-        else:
+        elif rule == "analyzers":
             if not rel.startswith("analyzers/"):
                 continue
             bad = reaches(imports_of(p), "gputrace.report") + \
                 reaches(imports_of(p), "gputrace.cli")
+        else:
+            if not rel.startswith("analyzers/") or rel == "analyzers/__init__.py" or \
+                    rel.startswith(("analyzers/run/", "analyzers/compare/")):
+                continue
+            bad = [m for top in TOP_ROOMS for m in reaches(imports_of(p), top)]
         if bad:
             broken[rel] = bad
     assert not broken, broken
+
+
+def test_analyzer_packages_only_hand_names_on():
+    """An analyzers package's __init__ holds a docstring, imports and `__all__`, no work."""
+    busy = {}
+    for p in modules("analyzers"):
+        if p.name != "__init__.py":
+            continue
+        for node in ast.parse(p.read_text(encoding="utf-8")).body:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+                continue
+            if isinstance(node, ast.Assign) and [getattr(t, "id", "") for t in node.targets
+                                                 ] == ["__all__"]:
+                continue
+            busy.setdefault(p.relative_to(PKG).as_posix(), []).append(node.lineno)
+    assert not busy, busy
 
 
 def test_the_rules_see_a_local_import(tmp_path):

@@ -1,4 +1,4 @@
-"""Every analysis checks itself before it speaks (analyzers.invariants): for each invariant a
+"""Every analysis checks itself before it speaks (analyzers.findings.invariants): for each invariant a
 hand-made trace (or a hand-made change to an analysis of one) that breaks it, and the figure
 it touches withheld with the reason, in the terminal, `--json`, the API and the report."""
 
@@ -14,8 +14,8 @@ from dataclasses import replace
 import pytest
 
 from gputrace.analyzers import analyze
-from gputrace.analyzers import invariants as inv
-from gputrace.analyzers.replay import Scenario
+from gputrace.analyzers.findings import invariants as inv
+from gputrace.analyzers.parallel.ddp.replay import Scenario
 from gputrace.report.json import to_dict
 from gputrace.trace import load
 from tests.tracebuilder import Builder, ddp_iterations, two_ranks

@@ -11,9 +11,9 @@ import json
 
 import pyarrow as pa
 
-from gputrace.analyzers.findings_memory import memory_findings
-from gputrace.analyzers.memory import analyze_memory
-from gputrace.analyzers.memory_phases import OUTSIDE
+from gputrace.analyzers.extras.memory import analyze_memory
+from gputrace.analyzers.extras.memory_phases import OUTSIDE
+from gputrace.analyzers.findings.findings_memory import memory_findings
 
 GIB = 2**30
 

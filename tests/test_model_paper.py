@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gputrace.analyzers import model as m
+from gputrace.analyzers.core import model as m
 
 MB = 1024 * 1024  # the paper divides MB by 1024 to get GB
 

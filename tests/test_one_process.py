@@ -273,7 +273,7 @@ def test_export_to_a_json_name_writes_json_and_names_the_process(run, tmp_path):
 
 
 def test_long_module_paths_keep_their_last_parts():
-    from gputrace.analyzers.layer_names import label, short
+    from gputrace.analyzers.core.layer_names import label, short
 
     assert short("Sequential.0") == "Sequential.0"
     assert short("ResNetish.layer3.short.0") == "ResNetish.layer3.short.0"

@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gputrace.analyzers import overlap as ov
+from gputrace.analyzers.core import overlap as ov
 
 intervals = st.lists(st.tuples(st.integers(0, 200), st.integers(0, 60)), max_size=25).map(
     lambda xs: (np.array([a for a, _ in xs], np.int64), np.array([a + d for a, d in xs], np.int64)))
@@ -63,7 +63,7 @@ def test_grouped_exclusive_counts_each_instant_once_in_the_first_layer():
     """A copy beside a forward kernel (another stream), a backward overlapping the forward:
     each instant of a group counts once, in the first layer holding it; groups apart even
     where their intervals interleave in time (records of iteration 1 running during 0's)."""
-    from gputrace.analyzers.overlap import grouped_exclusive
+    from gputrace.analyzers.core.overlap import grouped_exclusive
 
     s = np.array([0, 5, 8, 20, 15, 17])
     e = np.array([10, 12, 9, 30, 25, 40])

@@ -28,7 +28,7 @@ pytest.importorskip("torch")
 
 from gputrace import load  # noqa: E402
 from gputrace.analyzers import analyze  # noqa: E402
-from gputrace.analyzers.parallel import pipesim  # noqa: E402
+from gputrace.analyzers.parallel.pp import pipesim  # noqa: E402
 from gputrace.report.json import to_dict  # noqa: E402
 from tests.tracebuilder import Builder  # noqa: E402
 
@@ -576,7 +576,7 @@ def test_pp_microbatch_what_if_within_its_measured_band(gpipe_blocks):
     the fastest and the slowest of them, widened by the machine's drift the job measured. The replay of the recorded configuration gives
     the window's t_iter on the job's clock within 5 %, the schedule's own work per
     microbatch in it; no band on it."""
-    from gputrace.analyzers.parallel import pp_whatif
+    from gputrace.analyzers.parallel.pp import pp_whatif
 
     x = gpipe_blocks(4)
     pl = analyze(load(x.arrow), skip=0).main.parallel["pp"]

@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from gputrace.analyzers.parallel import pipesim  # noqa: E402
+from gputrace.analyzers.parallel.pp import pipesim  # noqa: E402
 from tests.test_parallelism import (  # noqa: E402
     PY,
     TIME_TOL,

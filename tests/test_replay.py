@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gputrace.analyzers.replay import MIB, Scenario
-from gputrace.analyzers.replay_sim import CommCost, buckets_by_cap, fit_cost, simulate
+from gputrace.analyzers.parallel.ddp.replay import MIB, Scenario
+from gputrace.analyzers.parallel.ddp.replay_sim import CommCost, buckets_by_cap, fit_cost, simulate
 from tests.conftest import run_gputrace
 from tests.test_analyze import CASE2_UNITS, run_analysis
 from tests.tracebuilder import Builder, ddp_iterations
@@ -98,10 +98,10 @@ def test_case2_trace_on_the_cpu_replays_to_the_hand_computed_timeline(tmp_path):
 def test_gpu_comm_after_backward_merging_units_saves_their_latency(tmp_path):
     """NCCL on a GPU: units one at a time on their stream, a fixed cost each, no cost to
     the compute beside them. Merging units saves their fixed costs."""
-    from gputrace.analyzers.frame import build
-    from gputrace.analyzers.model import build_model
-    from gputrace.analyzers.replay import replay
-    from gputrace.analyzers.steps import analyze_rank
+    from gputrace.analyzers.core.frame import build
+    from gputrace.analyzers.core.model import build_model
+    from gputrace.analyzers.core.steps import analyze_rank
+    from gputrace.analyzers.parallel.ddp.replay import replay
     from gputrace.trace import load
 
     units = [([4], 85, 88), ([3], 88, 91), ([2, 1], 91, 96)]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from gputrace.analyzers import analyze
-from gputrace.analyzers.detail import MAX_BARS
+from gputrace.analyzers.core.detail import MAX_BARS
 from gputrace.report import html as report_html
 from gputrace.trace import load
 from tests.conftest import run_gputrace

@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("torch")
 
 from gputrace.analyzers import analyze  # noqa: E402
-from gputrace.analyzers.parallel import pipesim  # noqa: E402
+from gputrace.analyzers.parallel.pp import pipesim  # noqa: E402
 from gputrace.analyzers.parallel.tp import as_dict as tp_section  # noqa: E402
 from gputrace.report import html as report_html  # noqa: E402
 from gputrace.report.charts import WIDTH, charts  # noqa: E402

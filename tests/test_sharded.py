@@ -14,7 +14,7 @@ import pyarrow as pa
 import pytest
 
 from gputrace.analyzers import analyze
-from gputrace.analyzers import shardsim as sim
+from gputrace.analyzers.parallel.sharded import shardsim as sim
 from gputrace.trace import load, write_trace
 from tests.conftest import run_gputrace
 from tests.test_report import browser, open_in_browser  # noqa: F401 (a fixture)

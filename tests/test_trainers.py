@@ -25,9 +25,9 @@ torch = pytest.importorskip("torch")
 
 from gputrace import load  # noqa: E402
 from gputrace.analyzers import analyze  # noqa: E402
-from gputrace.analyzers.frame import build  # noqa: E402
-from gputrace.analyzers.overlap import measure, union  # noqa: E402
-from gputrace.analyzers.steps import analyze_rank  # noqa: E402
+from gputrace.analyzers.core.frame import build  # noqa: E402
+from gputrace.analyzers.core.overlap import measure, union  # noqa: E402
+from gputrace.analyzers.core.steps import analyze_rank  # noqa: E402
 from tests.conftest import run_gputrace  # noqa: E402
 from tests.truth import matched  # noqa: E402
 

@@ -121,7 +121,7 @@ def disk_write_of(trace: Path) -> float | None:
 def check_findings(doc: dict, t: dict, disk_write: float | None) -> int:
     """The evaluation, checkpoint and stalls findings where the job's own time makes them
     one, their figures the job's; how many were asked either way."""
-    from gputrace.analyzers import goodput_findings as gp
+    from gputrace.analyzers.extras import goodput_findings as gp
     got = {f["id"]: f["message"] for f in doc["findings"]}
     own = {"evaluation_large": (sum(e["end"] - e["start"] for e in t["evals"]) / 1e9,
                                 gp.EVALUATION_LARGE),
@@ -338,7 +338,7 @@ def test_diff_of_repeated_runs_gives_each_category_its_interval(tmp_path):
     """Two runs a side, interleaved (`record --repeat 2 --interleave`), whose validation
     passes take 2 and 8 batches: each category a side's mean of its runs' own seconds, and
     its change's interval across the runs holds the job's own change."""
-    from gputrace.analyzers.diff_runs import paired
+    from gputrace.analyzers.compare.diff_runs import paired
     p = run_gputrace("record", "-q", "--repeat", "2", "-o", str(tmp_path / "b.arrow"),
                      "--interleave", str(tmp_path / "a.arrow"),
                      "--", sys.executable, JOB, str(tmp_path / "b.jsonl"), "--steps", "10",

@@ -18,8 +18,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from gputrace.analyzers.frame import build  # noqa: E402
-from gputrace.analyzers.steps import analyze_rank  # noqa: E402
+from gputrace.analyzers.core.frame import build  # noqa: E402
+from gputrace.analyzers.core.steps import analyze_rank  # noqa: E402
 from gputrace.trace import load  # noqa: E402
 from gputrace.window import unpack  # noqa: E402
 from tests.conftest import run_gputrace  # noqa: E402

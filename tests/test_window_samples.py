@@ -22,7 +22,7 @@ torch = pytest.importorskip("torch")
 import pyarrow as pa  # noqa: E402
 import pyarrow.compute as pc  # noqa: E402
 
-from gputrace.analyzers.window import series  # noqa: E402
+from gputrace.analyzers.extras.window import series  # noqa: E402
 from gputrace.trace.writer import _COMPRESSION  # noqa: E402
 from gputrace.window_pack import PHASE_PER_T  # noqa: E402
 from tests.conftest import run_gputrace  # noqa: E402

@@ -1,4 +1,4 @@
-"""ZeRO-3's fetch rule replayed on hand-made traces (analyzers.zero3_fetch): a root module
+"""ZeRO-3's fetch rule replayed on hand-made traces (analyzers.parallel.sharded.zero3_fetch): a root module
 without parameters, then layers of one large parameter (gathered) and one small
 (persistent), forward then backward, as DeepSpeed's coordinator sees a Sequential MLP. The
 rule's outcome on a real engine (how many all-gathers a run at another setting makes) is
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from gputrace.analyzers import zero3_fetch as zf
+from gputrace.analyzers.parallel.sharded import zero3_fetch as zf
 
 W = 1000          # a layer's weight: gathered
 B = 10            # its bias: persistent

@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from gputrace.analyzers.frame import build
-from gputrace.analyzers.steps import RankSteps, analyze_rank
+from gputrace.analyzers.core.frame import build
+from gputrace.analyzers.core.steps import RankSteps, analyze_rank
 from gputrace.collectors.cupti_convert import Converter
 
 

@@ -60,8 +60,8 @@ def run(args: argparse.Namespace) -> int:
 
 def hangs(job: dict[str, Any]) -> dict[str, Any]:
     """The collectives some process of `job` has waited in too long, from what its shards
-    hold so far (analyzers.hangs; none where they cannot be read)."""
-    from gputrace.analyzers import hangs as hg
+    hold so far (analyzers.extras.hangs; none where they cannot be read)."""
+    from gputrace.analyzers.extras import hangs as hg
     from gputrace.trace.reader import SHARD_SUFFIXES, _read_one
     from gputrace.trace.schema import TraceFormatError
 

@@ -1,6 +1,6 @@
 """The process's life as recorded: a `process` span named `run`, from the process's start
 as the kernel has it to the recording's end, written when the recorder closes (the whole
-run's clock: analyzers.goodput); and at once a `process` span named `start`, from the same
+run's clock: analyzers.extras.goodput); and at once a `process` span named `start`, from the same
 start to the recorder's, so that a run that never closes (killed, then `gputrace recover`)
 still has its start. Installed once per recorder by the framework collector
 that comes first (torch's, TensorFlow's)."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import html
 
 from gputrace.analyzers import RankAnalysis
-from gputrace.analyzers.timeline_comm import ROLE_WHAT
+from gputrace.analyzers.parallel.ddp.timeline_comm import ROLE_WHAT
 from gputrace.report.chart_kit import PALETTE, WIDTH, Chart, _colour, _columns
 from gputrace.report.collectives import in_model
 

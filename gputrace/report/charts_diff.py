@@ -190,7 +190,7 @@ def _noise(r: dict[str, Any]) -> str:
 def shown_run(doc: dict[str, Any], side: str) -> str:
     """' of run 2 of 3 (a-2.arrow, the side's median)': which of a side's several runs
     its timeline draws ('' with one run a side)."""
-    from gputrace.analyzers.diff_runs import median_run
+    from gputrace.analyzers.compare.diff_runs import median_run
 
     t = (doc.get("noise") or {}).get("t_iter_runs") or {}
     if len(t.get(side) or []) < 2:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from gputrace.analyzers.flops import withheld_line
-from gputrace.analyzers.layer_names import named
+from gputrace.analyzers.core.layer_names import named
+from gputrace.analyzers.extras.flops import withheld_line
 from gputrace.report.chart_kit import PALETTE, WIDTH, Chart, _colour, _columns
 
 PHASES = ("forward", "backward")
@@ -27,7 +27,7 @@ def flops_chart(f: dict[str, Any]) -> Chart | None:
         return None
     pk = f.get("peaks") or {}
     peak = (pk.get("vendor") or pk.get("probed") or {}).get("flops_per_s")
-    # a layer whose share of the peak is withheld (above 100 %: analyzers.flops) is left
+    # a layer whose share of the peak is withheld (above 100 %: analyzers.extras.flops) is left
     # out, and the caption says why
     held = withheld_line(rows) if peak else None
     if held:

@@ -1,4 +1,4 @@
-"""The report's chart of the whole run (analyzers.goodput): each category as bands over the
+"""The report's chart of the whole run (analyzers.extras.goodput): each category as bands over the
 rank's clock from its process's start (start-up, the training steps, each evaluation pass,
 each checkpoint, the stalls between steps, the end), and the goodput bar under it: the
 training steps' share of the wall time and each badput category's, side by side."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gputrace.analyzers.goodput import CATEGORIES, WITHHELD, Goodput
+from gputrace.analyzers.extras.goodput import CATEGORIES, WITHHELD, Goodput
 from gputrace.report.chart_kit import WIDTH, Chart, _columns
 from gputrace.report.goodput import NAMES, SHOWN_S, _s
 

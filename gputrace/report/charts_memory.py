@@ -15,7 +15,7 @@ SERIES = {"rss": "host RSS", "cuda_allocated": "GPU {device} allocated"}
 def memory_chart(ra: Any, rows: list[dict[str, Any]], m: dict[str, Any],
                  rank: int, one: bool = False) -> Chart | None:
     """`ra`: the shown rank's analysis (made with detail=True: its median iteration's
-    timeline); `rows`: the trace's memory samples (analyzers.memory.memory_rows), of which
+    timeline); `rows`: the trace's memory samples (analyzers.extras.memory.memory_rows), of which
     `rank`'s are drawn; `m`: analyze --json's `memory`. None without boundary samples in
     that iteration."""
     tl = getattr(getattr(ra, "detail", None), "timeline", None)

@@ -13,8 +13,8 @@ import html
 from typing import Any
 
 from gputrace.analyzers import Analysis, RankAnalysis
-from gputrace.analyzers import whatif_bands as wb
-from gputrace.analyzers.parallel import pipesim, pp, pp_whatif
+from gputrace.analyzers.parallel import whatif_bands as wb
+from gputrace.analyzers.parallel.pp import pipesim, pp, pp_whatif
 from gputrace.report.chart_kit import PALETTE, WIDTH, Chart, _colour, _columns
 
 BLOCKS = {"forward": ("forward", PALETTE["forward"]),

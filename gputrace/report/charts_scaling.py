@@ -8,8 +8,8 @@ import math
 from typing import Any
 
 from gputrace.analyzers import RankAnalysis
-from gputrace.analyzers import whatif_bands as wb
-from gputrace.analyzers.replay import MIB, Scenario
+from gputrace.analyzers.parallel import whatif_bands as wb
+from gputrace.analyzers.parallel.ddp.replay import MIB, Scenario
 from gputrace.fmt import DDP_DEFAULT
 from gputrace.report.chart_kit import WIDTH, Chart, _colour, _columns, _ms, _rule
 

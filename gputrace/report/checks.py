@@ -1,4 +1,4 @@
-"""What the analysis withheld because an invariant did not hold (analyzers.invariants): one
+"""What the analysis withheld because an invariant did not hold (analyzers.findings.invariants): one
 line per figure, the same words in the terminal, the report and the API."""
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from gputrace.analyzers import RankAnalysis
-from gputrace.analyzers import whatif_bands as wb
-from gputrace.analyzers.collective_totals import KindTotal
+from gputrace.analyzers.core.collective_totals import KindTotal
+from gputrace.analyzers.parallel import whatif_bands as wb
 from gputrace.report.parallel import dims_headline
 
 ROLE = {"unshard": "forward all-gather", "reshard_gather": "backward re-gather",
@@ -108,7 +108,7 @@ def render_sharded(con: Console, ra: RankAnalysis) -> None:
     w = Table(title="What if: t_iter from a replay of the measured sharded timeline",
               title_justify="left", box=None, padding=(0, 2))
     kinds = [wb.kind_of_label(o.label) for o in sh.what_if]
-    # a kind measured off by more than 10 % is shown with its band (analyzers.whatif_bands)
+    # a kind measured off by more than 10 % is shown with its band (analyzers.parallel.whatif_bands)
     errs = [wb.cell(k) for k in kinds]
     banded = any(e and not o.withheld for e, o in zip(errs, sh.what_if, strict=True))
     for h in ("change", "t_iter", "95 % interval", "vs measured", "exposed",

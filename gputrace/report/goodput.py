@@ -1,5 +1,5 @@
 """The whole run in words: the goodput line under the headline, the badput table, and the
-`goodput` document of `--json` (analyzers.goodput)."""
+`goodput` document of `--json` (analyzers.extras.goodput)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 from rich.markup import escape
 from rich.table import Table
 
-from gputrace.analyzers.goodput import CATEGORIES, FINDINGS, WITHHELD, Goodput, job
+from gputrace.analyzers.extras.goodput import CATEGORIES, FINDINGS, WITHHELD, Goodput, job
 from gputrace.report.solo import one_process
 
 LABELS = {"startup": "start-up (process start to the first training step)",

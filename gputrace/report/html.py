@@ -16,9 +16,9 @@ from dataclasses import replace
 from typing import Any
 
 from gputrace.analyzers import Analysis, RankAnalysis
-from gputrace.analyzers.findings import Finding
-from gputrace.analyzers.goodput import FINDINGS as GOODPUT_FINDINGS
-from gputrace.analyzers.goodput import WITHHELD
+from gputrace.analyzers.extras.goodput import FINDINGS as GOODPUT_FINDINGS
+from gputrace.analyzers.extras.goodput import WITHHELD
+from gputrace.analyzers.findings.rules import Finding
 from gputrace.report.charts import Chart, charts, evidence
 from gputrace.report.charts_comm import kinds_table
 from gputrace.report.checks import withheld

@@ -6,10 +6,10 @@ import math
 from typing import Any
 
 from gputrace.analyzers import Analysis, RankAnalysis
-from gputrace.analyzers.invariants import INVARIANTS
-from gputrace.analyzers.outliers import Outlier
-from gputrace.analyzers.replay import Replay
-from gputrace.analyzers.whatif_bands import band_keys
+from gputrace.analyzers.core.outliers import Outlier
+from gputrace.analyzers.findings.invariants import INVARIANTS
+from gputrace.analyzers.parallel.ddp.replay import Replay
+from gputrace.analyzers.parallel.whatif_bands import band_keys
 from gputrace.report.goodput import goodput_dict, job_dict
 from gputrace.report.json_comm import collectives_dict, parallelism_dict, sharded_dict
 

@@ -9,7 +9,7 @@ import math
 from typing import Any
 
 from gputrace.analyzers import RankAnalysis
-from gputrace.analyzers.whatif_bands import band_keys, kind_of_label
+from gputrace.analyzers.parallel.whatif_bands import band_keys, kind_of_label
 
 
 def _num(x: float | None) -> float | None:
@@ -70,7 +70,9 @@ def sharded_dict(ra: RankAnalysis) -> dict[str, Any] | None:
 def parallelism_dict(ra: RankAnalysis) -> dict[str, Any] | None:
     """The run's dimensions and, where it has them, each one's section (None: plain data
     parallelism or one process)."""
-    from gputrace.analyzers.parallel import ep, pp, tp
+    from gputrace.analyzers.parallel import tp
+    from gputrace.analyzers.parallel.ep import ep
+    from gputrace.analyzers.parallel.pp import pp
 
     if not ra.dimensions:
         return None

@@ -9,8 +9,9 @@ from rich.console import Console
 from rich.table import Table
 
 from gputrace.analyzers import RankAnalysis
-from gputrace.analyzers import whatif_bands as wb
-from gputrace.analyzers.parallel import ep_whatif, pipesim, pp_whatif
+from gputrace.analyzers.parallel import whatif_bands as wb
+from gputrace.analyzers.parallel.ep import ep_whatif
+from gputrace.analyzers.parallel.pp import pipesim, pp_whatif
 from gputrace.analyzers.parallel.registry import beyond_dp
 
 _SHORT_DIM = {"tp": "TP", "pp": "PP", "ep": "EP", "cp": "CP"}

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gputrace.analyzers import Analysis
-from gputrace.analyzers.steps import TERMS
+from gputrace.analyzers.core.steps import TERMS
 
 
 class MissingExtra(ImportError):

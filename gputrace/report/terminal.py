@@ -8,9 +8,10 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from gputrace.analyzers import Analysis, RankAnalysis, whatif_bands
-from gputrace.analyzers.model import UnitStats
-from gputrace.analyzers.replay import Scenario
+from gputrace.analyzers import Analysis, RankAnalysis
+from gputrace.analyzers.core.model import UnitStats
+from gputrace.analyzers.parallel import whatif_bands
+from gputrace.analyzers.parallel.ddp.replay import Scenario
 from gputrace.fmt import ranges, rate
 from gputrace.report import console
 from gputrace.report.checks import render_withheld, shares_withheld
@@ -96,7 +97,7 @@ def headline(ra: RankAnalysis) -> str:
 
 def _recompute(ra: RankAnalysis) -> str:
     """The headline's sentence on activation checkpointing, where its recompute is large
-    (over analyzers.recompute.LARGE of t_b)."""
+    (over analyzers.extras.recompute.LARGE of t_b)."""
     rc = ra.recompute
     if rc is None or not rc.large:
         return ""

@@ -13,9 +13,9 @@ from gputrace.analyzers import Analysis
 def render_all(a: Analysis, more: dict[str, Any], rank: int | None = None) -> None:
     """Print every section of `a` with its extras `more` (document.extras of the same
     trace and rank)."""
-    from gputrace.analyzers.findings_memory import memory_findings
-    from gputrace.analyzers.flops import line as flops_line
-    from gputrace.analyzers.memory import memory_line
+    from gputrace.analyzers.extras.flops import line as flops_line
+    from gputrace.analyzers.extras.memory import memory_line
+    from gputrace.analyzers.findings.findings_memory import memory_findings
     from gputrace.report.solo import one_process
     from gputrace.report.terminal import render
     from gputrace.report.window import render_window

@@ -10,8 +10,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from gputrace.analyzers import whatif_bands as wb
-from gputrace.analyzers.replay import MIB, Outcome, Replay
+from gputrace.analyzers.parallel import whatif_bands as wb
+from gputrace.analyzers.parallel.ddp.replay import MIB, Outcome, Replay
 from gputrace.fmt import DDP_DEFAULT
 
 

@@ -7,7 +7,7 @@ from typing import IO, Any
 import numpy as np
 from rich.markup import escape
 
-from gputrace.analyzers.window import sparkline
+from gputrace.analyzers.extras.window import sparkline
 from gputrace.fmt import mb
 from gputrace.report import console
 

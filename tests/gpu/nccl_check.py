@@ -25,7 +25,7 @@ READ = r"""
 import json, sys
 from collections import Counter
 from gputrace import load
-from gputrace.analyzers.collectives import kind_of
+from gputrace.analyzers.core.collectives import kind_of
 rows = load(sys.argv[1]).table.to_pylist()
 its = [r for r in rows if r["cat"] == "iteration"]
 lo = min((r["start_ns"] for r in its), default=0)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from gputrace.analyzers import whatif_bands as wb
-from gputrace.analyzers.findings import Finding
+from gputrace.analyzers.findings.rules import Finding
+from gputrace.analyzers.parallel import whatif_bands as wb
 
 
 def _sev(share: float) -> str:

@@ -1,7 +1,7 @@
 """Sharded data parallelism (FSDP1, FSDP2, HSDP) as one of the run's dimensions: its
 collectives (those FSDP's units issued and, under FSDP, every other data-parallel one;
 never tensor, pipeline, expert or context parallelism's), what one rank makes of them
-(analyzers.sharded: units, exposed per unit, Cases, model, what-ifs replayed on the sharded
+(analyzers.parallel.sharded.sharded: units, exposed per unit, Cases, model, what-ifs replayed on the sharded
 timeline) and, across the ranks, the same again knowing when the last rank arrived at each
 collective. docs/sharded.md says what it computes."""
 
@@ -12,9 +12,14 @@ from typing import Any
 
 import numpy as np
 
-from gputrace.analyzers import collectives as col
-from gputrace.analyzers import sharded as shd
-from gputrace.analyzers.shardinputs import Inputs, arrivals_of, inputs, small_arrivals
+from gputrace.analyzers.core import collectives as col
+from gputrace.analyzers.parallel.sharded import sharded as shd
+from gputrace.analyzers.parallel.sharded.shardinputs import (
+    Inputs,
+    arrivals_of,
+    inputs,
+    small_arrivals,
+)
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,9 @@ of one rank (`rank`), what of all of them (`run`: the pipeline's stages, the exp
 imbalance), and the words it adds to the headline. The analysis picks the dimensions a run
 shows and combines them; adding one is a module and a line in DIMENSIONS.
 
-FSDP (sharded data parallelism) is one of them (parallel.fsdp over analyzers.sharded: its
+FSDP (sharded data parallelism) is one of them (parallel.fsdp over analyzers.parallel.sharded.sharded: its
 part replaces the rank's model). Plain data parallelism (DDP's buckets, a job's own gradient
-all-reduces) is the paper's model itself (analyzers.steps, model, replay) that every run
+all-reduces) is the paper's model itself (analyzers.core.steps, model, replay) that every run
 gets; here it is recognized and named beside the others (its degree, its words)."""
 
 from __future__ import annotations
@@ -16,11 +16,13 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from gputrace.analyzers.collectives import Rows
-from gputrace.analyzers.frame import Spans
-from gputrace.analyzers.parallel import ep, fsdp, pp, tp
+from gputrace.analyzers.core.collectives import Rows
+from gputrace.analyzers.core.frame import Spans
+from gputrace.analyzers.core.steps import RankSteps
+from gputrace.analyzers.parallel import fsdp, tp
 from gputrace.analyzers.parallel.classify import NAMES, by_name
-from gputrace.analyzers.steps import RankSteps
+from gputrace.analyzers.parallel.ep import ep
+from gputrace.analyzers.parallel.pp import pp
 
 
 @dataclass(frozen=True)

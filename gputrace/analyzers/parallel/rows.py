@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from gputrace.analyzers.collectives import Rows
-from gputrace.analyzers.frame import Spans
+from gputrace.analyzers.core.collectives import Rows
+from gputrace.analyzers.core.frame import Spans
 
 
 def rows_in(sp: Spans, r: Rows, dim: str, it_start: np.ndarray, it_end: np.ndarray,

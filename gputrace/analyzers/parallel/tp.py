@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from gputrace.analyzers import whatif_bands as wb
-from gputrace.analyzers.collectives import Rows
-from gputrace.analyzers.frame import Spans
+from gputrace.analyzers.core.collectives import Rows
+from gputrace.analyzers.core.frame import Spans
+from gputrace.analyzers.parallel import whatif_bands as wb
 from gputrace.analyzers.parallel.rows import rows_in
 
 PHASES = ("forward", "backward", "update", "none")

@@ -11,7 +11,7 @@ description goes on that forward's span as `args.batch`:
      else null, "shape": [...], "dtype": "torch.int64", "input": "Net.forward input_ids"}
 
 The analysis counts the root's forwards per iteration (gradient accumulation, a pipeline's
-microbatches) to get the samples per iteration (analyzers/throughput.py)."""
+microbatches) to get the samples per iteration (analyzers/extras/throughput.py)."""
 
 from __future__ import annotations
 

@@ -44,7 +44,7 @@ class _Ctx:
     """The tags the collectives of one ZeRO role carry (collectors.torch.fsdp's contract)."""
 
     __slots__ = ("layer", "parts")
-    min_bytes = 1024    # smaller: a norm or a flag, untagged (analyzers.collectives.SMALL_BYTES)
+    min_bytes = 1024    # smaller: a norm or a flag, untagged (analyzers.core.collectives.SMALL_BYTES)
 
     def __init__(self, stage: int, unit: str, layer: int, roles: dict[str, str],
                  prefetch: bool = False) -> None:

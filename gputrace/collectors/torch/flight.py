@@ -11,7 +11,7 @@ when it changed, while something is in flight, at the recording's end, and every
 HEARTBEAT_NS else (a rank that sleeps still says where it stands). A collective that took
 LONG_NS or more leaves a `flight`/`waited` instant at its end, with its entry. Instants survive a
 recording window's folding, so a trace read while the job runs (`gputrace capture`), one
-recovered after a kill and one finished all hold them (analyzers.hangs reads them).
+recovered after a kill and one finished all hold them (analyzers.extras.hangs reads them).
 """
 
 from __future__ import annotations

@@ -1,0 +1,282 @@
+"""A pipeline's what-ifs: its iteration replayed (pipesim) with more or fewer microbatches,
+the other schedule, or the layers moved between stages to balance them, from each stage's
+compute per microbatch as the microbatch count changes (the global batch kept).
+
+One run gives each stage's time per microbatch at one size: the what-if takes its compute
+(the module's forward, the backward's autograd) as proportional to the microbatch's size
+and the schedule's own work per microbatch (Pipeline.own: around the compute in its chunks
+and between them) as the same at any size (stated), and says how far such a prediction was
+measured from the run it predicts (BAND). A second run of the same job at another
+microbatch count (`analyze --calibrate OTHER`) gives two sizes: each stage's forward,
+backward and loss are then fitted per microbatch as fixed + per-sample,
+t(m) = a + b / m (a: what a microbatch costs whatever its size, as reading the stage's
+weights and launching its work; b / m: its share of the global batch), and the what-if
+replays the fitted times. A smaller microbatch's lower efficiency is then predicted."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from gputrace.analyzers.parallel import whatif_bands as wb
+from gputrace.analyzers.parallel.pp import pipesim, pp_fit, pporders
+from gputrace.analyzers.parallel.pp.pp_model import (  # noqa: F401 - the what-ifs' records
+    ASSUMPTIONS,
+    FITTED,
+    FITTED_SEVERAL,
+    PROPORTIONAL,
+    REST,
+    REST_FITTED,
+    SPLIT_HALF,
+    Calibration,
+    Compute,
+    Pipeline,
+    Stage,
+    WhatIf,
+)
+
+SAME_BATCH = 0.10   # the two runs' bytes between stages per iteration agree this closely
+# how far a microbatch-count what-if was from the run at that count it predicts, measured
+# (analyzers.parallel.whatif_bands: of one run to fewer microbatches and to more, and fitted)
+BAND = {k: wb.KINDS[f"pp_{k}"].band for k in ("fewer", "more", "fitted")}
+BAND_WHERE = wb.KINDS["pp_fitted"].where
+
+
+def band_note(c: Compute) -> str:
+    """What the what-ifs' `band` is, in words."""
+    if c.calibrated_with:
+        return ("measured error: how far such a what-if, fitted with a run at another "
+                f"count, was from the run at its count ({BAND_WHERE}; bench/README.md)")
+    return ("measured error: how far such a what-if was from the run at that microbatch "
+            f"count ({BAND_WHERE}; bench/README.md): --calibrate with a run at another "
+            "count fits the compute per microbatch instead")
+
+
+def _refused(cal: Calibration, n: int, m: int, p2p_bytes: float) -> str:
+    """Why `cal` cannot calibrate this run ("" when it can)."""
+    if len(cal.forward_s) != n:
+        return (f"the calibrating run has {len(cal.forward_s)} stages, this one {n}: its "
+                "compute per microbatch is another stage's (a calibrating run needs the "
+                "same stages, under any schedule)")
+    if cal.microbatches == m:
+        return (f"the calibrating run has the same {m} microbatches: nothing to fit (it "
+                "needs another microbatch count)")
+    if p2p_bytes > 0 and cal.p2p_bytes > 0 and abs(cal.p2p_bytes / p2p_bytes - 1) > SAME_BATCH:
+        return (f"the calibrating run moves {cal.p2p_bytes / p2p_bytes:.2f}x the bytes "
+                "between stages per iteration: another global batch or model")
+    return ""
+
+
+def compute(fwd: Sequence[float], bwd: Sequence[float], loss: float, m: int,
+            p2p_bytes: float, cal: Calibration | Sequence[Calibration] | None
+            ) -> tuple[Compute, str]:
+    """The stages' compute model, and why a calibration given was not used ("" when it
+    was, or none was given). Several calibrating runs: those that fit, each at its own
+    microbatch count, with this run give the times at three or more counts."""
+    plain = Compute(tuple((0.0, x * m) for x in fwd), tuple((0.0, x * m) for x in bwd),
+                    (0.0, loss * m))
+    if cal is None:
+        return plain, ""
+    cals = [cal] if isinstance(cal, Calibration) else list(cal)
+    why = [w for w in (_refused(c, len(fwd), m, p2p_bytes) for c in cals) if w]
+    ok: dict[int, Calibration] = {}
+    for c in cals:
+        if not _refused(c, len(fwd), m, p2p_bytes):
+            ok.setdefault(c.microbatches, c)
+    if not ok:
+        return plain, "; ".join(why)
+    near = min(ok.values(), key=lambda c: abs(c.microbatches - m))
+    m1 = near.microbatches
+    out = Compute(tuple(pp_fit.line(a, m, b, m1)
+                        for a, b in zip(fwd, near.forward_s, strict=True)),
+                  tuple(pp_fit.line(a, m, b, m1)
+                        for a, b in zip(bwd, near.backward_s, strict=True)),
+                  pp_fit.line(loss, m, near.loss_s, m1), m1)
+    if len(ok) >= 2:
+        pts = [(m, tuple(fwd), tuple(bwd), loss)] + [
+            (c.microbatches, c.forward_s, c.backward_s, c.loss_s) for c in ok.values()]
+        out = replace(out, points=tuple(sorted(pts, key=lambda q: q[0])))
+    return out, "; ".join(why)
+
+
+def calibration_of(pl: Pipeline) -> Calibration:
+    """What a run's pipeline gives another run's what-ifs."""
+    f, b, loss, _ = pl.per_stage
+    return Calibration(pl.microbatches, tuple(f), tuple(b), loss,
+                       float(sum(s.p2p_bytes for s in pl.stages)), pl.schedule,
+                       tuple(pl.own), pl.transfer_s)
+
+
+# the schedules a pipeline's what-ifs replay, with their stages per rank
+CANDIDATES = (("ScheduleGPipe", 1), ("Schedule1F1B", 1), ("ScheduleInterleaved1F1B", 2),
+              ("ScheduleZBVZeroBubble", 2))
+
+
+def what_ifs(pl: Pipeline, stages: list[Stage], extra: list[int] | None = None
+             ) -> list[WhatIf]:
+    """The microbatch counts in `extra` (default: half and double the measured), the other
+    schedules (and, interleaved, twice the stages per rank), and the layers rebalanced
+    (`stages`: the first replica's ranks, their layers; one stage per rank)."""
+    m, p, sched, v = pl.microbatches, pl.ranks or pl.num_stages, pl.schedule, \
+        pl.stages_per_rank
+    ifs = []
+
+    def add(*a: Any, **k: Any) -> None:
+        try:
+            ifs.append(predict(pl, *a, **k))
+        except ValueError:      # a schedule that does not run so (torch's own rule)
+            pass
+
+    for m2 in sorted(set(extra or [max(p, m // 2), m * 2]) - {m}):
+        if m2 >= 1:
+            add(sched, m2)
+    more = [(sched, 2 * v)] if sched == "ScheduleInterleaved1F1B" else []
+    for other, v2 in (*CANDIDATES, *more):
+        if (other, v2) != (sched, v):
+            add(other, m, v=v2)
+    f0, b0, _, _ = pl.per_stage
+    moved = _balanced(stages, list(f0), list(b0)) if v == 1 else None
+    if moved is not None:
+        add(sched, m, *moved, what="layers balanced across stages")
+    return ifs
+
+
+def _times(pl: Pipeline, schedule: str, v: int, f: list[float], b: list[float],
+           own: list[tuple[float, float]] | None = None
+           ) -> tuple[list[float], list[float], list[float], pporders.Layout | None]:
+    """Each stage's forward, backward and weight part under `schedule` at v stages per rank
+    (`f`, `b`: the stages' compute per microbatch, their schedule's own work apart): the
+    measured stages' where the layout is the recorded one, else each rank's stages'
+    compute together split evenly over its new stages; the weight part the recorded share
+    of the backward, half of it where the recorded schedule did not split it; each stage's
+    own work per microbatch added (`own`, default the recorded; its rank's mean over its
+    stages where they change)."""
+    own = list(pl.own if own is None else own) or [(0.0, 0.0)] * len(f)
+    f2, b2, w2, lay = _split(pl, schedule, v, f, b)
+    p = pl.ranks or len(f)
+    place = pporders.placement(schedule, p, v)
+    was = pporders.placement(pl.schedule, p, pl.stages_per_rank) \
+        if pl.schedule in pipesim.SHORT else list(range(len(f)))
+    per = own
+    if place != was:
+        by: dict[int, list[tuple[float, float]]] = {}
+        for k, r in enumerate(was):
+            by.setdefault(r, []).append(own[k])
+        per = [(float(np.mean([x[0] for x in by.get(r, [(0.0, 0.0)])])),
+                float(np.mean([x[1] for x in by.get(r, [(0.0, 0.0)])]))) for r in place]
+    return ([x + o for x, (o, _) in zip(f2, per, strict=True)],
+            [x + o for x, (_, o) in zip(b2, per, strict=True)], w2, lay)
+
+
+def _split(pl: Pipeline, schedule: str, v: int, f: list[float], b: list[float]
+           ) -> tuple[list[float], list[float], list[float], pporders.Layout | None]:
+    """Each stage's compute under `schedule` at v stages per rank (see _times)."""
+    p = pl.ranks or len(f)
+    share = [w / x if x > 0 else 0.0 for w, x in zip(pl.weight or [0.0] * len(b), b,
+                                                      strict=False)]
+    split = schedule in pporders.SPLIT
+    place = pporders.placement(schedule, p, v)
+    was = pporders.placement(pl.schedule, p, pl.stages_per_rank) \
+        if pl.schedule in pipesim.SHORT else list(range(len(f)))
+    if place == was:
+        w = [x * (s if s > 0 else 0.5) if split else 0.0 for x, s in zip(b, share,
+                                                                          strict=True)]
+        return f, b, w, None
+    F, B, SH = [0.0] * p, [0.0] * p, [[] for _ in range(p)]   # noqa: N806
+    for k, r in enumerate(was):
+        F[r] += f[k]
+        B[r] += b[k]
+        SH[r].append(share[k])
+    f2 = [F[r] / v for r in place]
+    b2 = [B[r] / v for r in place]
+    w2 = [x * ((sum(SH[r]) / len(SH[r])) or 0.5) if split else 0.0
+          for x, r in zip(b2, place, strict=True)]
+    return f2, b2, w2, None
+
+
+def predict(pl: Pipeline, schedule: str, m: int, fwd: list[float] | None = None,
+            bwd: list[float] | None = None, what: str = "", v: int | None = None) -> WhatIf:
+    """The pipeline's iteration replayed with `schedule` over `m` microbatches (the global
+    batch kept) at `v` stages per rank (the schedule's own, else the recorded), each
+    stage's compute per microbatch from pl.compute at m (or `fwd`/`bwd` per stage: its
+    times per microbatch at m). ValueError where the schedule does not run so."""
+    v = pporders.stages_per_rank(schedule, v or pl.stages_per_rank)
+    p = pl.ranks or pl.num_stages
+    lay = pporders.layout(schedule, p, v, m)
+    f, b, loss = pl.compute.at(m, own=False)
+    own, transfer = pp_fit.rest_at(pl.compute.rest, m) if pl.compute.rest else \
+        (list(pl.own), pl.transfer_s)
+    f, b, w, _ = _times(pl, schedule, v, fwd or f, bwd or b, own)
+    r = pipesim.run(lay.orders, lay.rank_of, f, b, w, transfer, loss)
+    t_iter = r.makespan + pl.per_stage[3]
+    idle = float(np.mean(r.bubble))
+    if not what:
+        per = f", {v} stages per rank" if v > 1 and (schedule != pl.schedule or
+                                                      v != pl.stages_per_rank) else ""
+        what = (f"{m} microbatches" if schedule == pl.schedule and not per else
+                f"{pipesim.SHORT.get(schedule, schedule)} schedule{per}" + (
+                    f", {m} microbatches" if m != pl.microbatches else ""))
+    band = None
+    if m != pl.microbatches:
+        band = BAND["fitted" if pl.compute.calibrated_with else
+                    "fewer" if m < pl.microbatches else "more"]
+    return WhatIf(what, schedule, m, t_iter, idle / t_iter if t_iter > 0 else 0.0, idle,
+                  band)
+
+
+def calibrated(pl: Pipeline, cal: Calibration | Sequence[Calibration] | None, stages: list[Stage],
+               extra: list[int] | None = None) -> Pipeline:
+    """`pl` with its compute model (fitted when `cal` fits) and its what-ifs."""
+    f, b, loss, _ = pl.per_stage
+    model, why = compute(f, b, loss, pl.microbatches,
+                         float(sum(s.p2p_bytes for s in pl.stages)), cal)
+    first = FITTED.format(m=model.calibrated_with) if model.calibrated_with else PROPORTIONAL
+    if model.points:
+        first = FITTED_SEVERAL.format(ms=", ".join(str(q[0]) for q in model.points))
+    cals = [] if cal is None else [cal] if isinstance(cal, Calibration) else list(cal)
+    used = "; ".join(
+        f"the {pipesim.SHORT.get(c.schedule, c.schedule) or 'other'} run at {c.microbatches} "
+        "microbatches" for c in cals
+        if c.microbatches in ([q[0] for q in model.points] or [model.calibrated_with]))
+    counts = [q[0] for q in model.points] or [model.calibrated_with]
+    runs = {pl.microbatches: (tuple(pl.own), pl.transfer_s)} if pl.own else {}
+    for c in cals:
+        if c.microbatches in counts and len(c.own) == len(f) and c.transfer_s is not None:
+            runs.setdefault(c.microbatches, (c.own, c.transfer_s))
+    rest = tuple(sorted((k, o, t) for k, (o, t) in runs.items())) if len(runs) >= 2 else ()
+    if used:
+        used += (": each stage's compute per microbatch fitted through it and this run" +
+                 (", and the schedule's own work and transfer" if rest else ""))
+    model = replace(model, own=tuple(pl.own), rest=rest)
+    out = replace(pl, compute=model, calibration_note=why, calibration_used=used,
+                  assumptions=(first, *(REST_FITTED if rest else REST)))
+    return replace(out, what_if=what_ifs(out, stages, extra))
+
+
+def _balanced(st: list[Stage], fwd: list[float], bwd: list[float]
+              ) -> tuple[list[float], list[float]] | None:
+    """Stage times with the layers cut where they balance (by their backward time; a
+    stage's forward split in the same proportions), None when the layers are not known or
+    the cut stays. `st`: one rank per stage (its layers); `fwd`, `bwd`: each stage's."""
+    layers: list[tuple[float, float]] = []    # (backward, forward) per layer, in order
+    for s, f_s, b_s in zip(st, fwd, bwd, strict=True):
+        tot = sum(s.layers.values())
+        if not s.layers or tot <= 0:
+            return None
+        for b in s.layers.values():
+            share = b / tot
+            layers.append((b_s * share, f_s * share))
+    cuts = pipesim.balance([b + f for b, f in layers], len(st))
+    now, at = [], 0
+    for s in st[:-1]:
+        at += len(s.layers)
+        now.append(at)
+    if cuts == now:
+        return None
+    bounds = [0, *cuts, len(layers)]
+    fwd = [sum(f for _, f in layers[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+    bwd = [sum(b_ for b_, _ in layers[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+    return fwd, bwd

@@ -1,0 +1,2 @@
+"""Sharded data parallelism: FSDP and DeepSpeed ZeRO, their inputs, settings, simulations
+and what-ifs."""
