@@ -15,8 +15,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from gputrace.collectors.ranges import phase
-from gputrace.recorder import current
-from gputrace.session import Session, iterate, record_sample, record_span, step
+from gputrace.recorder.core import current
+from gputrace.recorder.session import Session, iterate, record_sample, record_span, step
 
 if TYPE_CHECKING:
     from gputrace.api import AnalysisError, DiffResult, Result, analyze, diff

@@ -24,7 +24,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
-from gputrace.analysis import AnalysisError, AnalysisOptions
+from gputrace.analysis.run import AnalysisError, AnalysisOptions
 from gputrace.analyzers import Analysis, RankAnalysis
 from gputrace.analyzers.core.model import ModelResult, Speedup, UnitStats
 from gputrace.analyzers.findings.rules import Finding
@@ -65,7 +65,7 @@ def analyze(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *,
     `tokens_per_sample`: the throughput's batch where the trace does not tell.
     Raises AnalysisError with the command line's one-line message on bad input."""
     from gputrace import progress as bars
-    from gputrace.analysis import run_analysis
+    from gputrace.analysis.run import run_analysis
 
     single = isinstance(paths, (str, os.PathLike))
     names = [os.fspath(p) for p in ([paths] if single else paths)]  # type: ignore[list-item]
@@ -95,7 +95,7 @@ def diff(before: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     glob of runs recorded one after the other): the intervals then hold the drift between
     runs (`diff A1 A2 A3 -- B1 B2 B3`). Raises AnalysisError on bad input."""
     from gputrace import progress as bars
-    from gputrace.analysis import run_diff
+    from gputrace.analysis.run import run_diff
 
     def side(x: Any) -> str | list[str]:
         return os.fspath(x) if isinstance(x, (str, os.PathLike)) else [os.fspath(p) for p in x]
@@ -211,7 +211,7 @@ class Result:
         from gputrace.report.terminal_all import render_all
 
         if self._inputs:
-            from gputrace.document import extras
+            from gputrace.analysis.extras import extras
 
             render_all(self.analysis, extras(self.analysis, self.rank, self._inputs),
                        self.rank)
@@ -225,7 +225,7 @@ class Result:
     def to_dict(self) -> dict[str, Any]:
         """The `analyze --json` document (a fresh copy)."""
         if not self._doc:
-            from gputrace.document import document
+            from gputrace.report.document import document
             from gputrace.report.json import to_dict
 
             self._doc.update(document(self.analysis, self.rank, self._inputs)
@@ -279,8 +279,8 @@ class Result:
         return [c.id for c in self._charts()]
 
     def _charts(self) -> list[Any]:
-        from gputrace.document import page_parts
         from gputrace.report.charts import charts
+        from gputrace.report.document import page_parts
 
         more = page_parts(self.analysis, self.rank, self._inputs)[0] if self._inputs else ()
         return [*charts(self.analysis, self.shown), *more]
@@ -295,7 +295,7 @@ class Result:
 
     def report(self, height: int = 900) -> ReportView:
         """The whole HTML report (as `gputrace report`), inline in Jupyter; `.save(path)`."""
-        from gputrace.document import page_parts
+        from gputrace.report.document import page_parts
         from gputrace.report.html import render, vega_script
 
         more, found = page_parts(self.analysis, self.rank, self._inputs) if self._inputs \

@@ -1,8 +1,16 @@
-"""Formats shared by the reports, findings and one-line messages."""
+"""Formats shared by the reports, findings and one-line messages, and the sizes both sides
+read back from text (parse_bytes; AnalysisError: the one line a bad value gets)."""
 
 from __future__ import annotations
 
+import math
+import re
 from typing import Any
+
+
+class AnalysisError(ValueError):
+    """Bad input (a missing or foreign file, a wrong option, a size that cannot be read):
+    the one line the command line prints."""
 
 
 def rate(bytes_per_s: float) -> str:
@@ -63,3 +71,23 @@ def reason(e: BaseException) -> str:
         return f"{text} ({e.filename})" if e.filename else text
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
+_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 1024, "mi": 1024**2,
+          "gi": 1024**3, "ti": 1024**4}
+
+
+def parse_bytes(text: str, what: str, per_second: bool = False) -> float:
+    """'64MiB', '1GB', '7GB/s', '56Gb/s' (small b: bits), '12.5e9' -> bytes (per second)."""
+    rate = r"(?:/s|ps)?" if per_second else ""
+    m = re.fullmatch(rf"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgt]i?)?([bB])?{rate}\s*", text,
+                     re.IGNORECASE)
+    if not m:
+        example = "7GB/s or 56Gb/s" if per_second else "64MiB or 1GB"
+        raise AnalysisError(f"cannot read {what} {text!r}; write e.g. {example}")
+    value = float(m.group(1)) * _UNITS[(m.group(2) or "").lower()]
+    if m.group(3) == "b":  # bits
+        value /= 8
+    if not 0 < value < math.inf:
+        raise AnalysisError(f"{what} must be positive and finite, not {text!r}")
+    return value

@@ -81,7 +81,7 @@ WHERE dur_s > 1.2 * median_s ORDER BY over_median DESC, rank, step""",
 def table(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> Any:
     """The trace's rows as one Arrow table (imports of Kineto JSON / nsys SQLite made on the
     fly); bad input raises api.AnalysisError with the command line's one line."""
-    from gputrace.inputs import load_inputs
+    from gputrace.analysis.inputs import load_inputs
 
     single = isinstance(paths, (str, os.PathLike))
     names = [os.fspath(p) for p in ([paths] if single else paths)]  # type: ignore[list-item]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gputrace import recorder as _recorder
+from gputrace.recorder import core as _recorder
 
 
 def instrument(model: Any = None, optimizer: Any = None, loader: Any = None,

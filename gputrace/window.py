@@ -28,6 +28,16 @@ _KEEP_DECIDED = 4096
 WHOLE_RUN = frozenset(("process", "startup", "evaluation", "checkpoint", "loader"))
 
 
+def window_of(md: dict[str, Any]) -> dict[str, Any] | None:
+    """The window a trace was recorded with (its metadata, or a shard's), None for none."""
+    if isinstance(md.get("window"), dict):
+        return md["window"]
+    for sh in md.get("shards") or []:
+        if isinstance(sh, dict) and isinstance(sh.get("window"), dict):
+            return sh["window"]
+    return None
+
+
 class WindowError(ValueError):
     """A window that cannot be: said as one line."""
 
@@ -104,7 +114,7 @@ class Window:
         # windows of steps (--steps, then those `gputrace capture` opened): [first step,
         # count, its first iteration's start, its last one's end]
         self.ranges: list[list[Any]] = [[*self.steps, None, None]] if self.steps else []
-        self.capture: Any = None     # gputrace.capture.Answer, where it can reach this job
+        self.capture: Any = None     # gputrace.recorder.capture.Answer, where it can reach this job
         self.last_decided = -1
         # the span describing the input, when it fell outside the window (False: carried)
         self._batch: Any = None
@@ -149,7 +159,7 @@ class Window:
         rec.window = self
         path = getattr(rec, "path", None)
         self.dir = os.path.dirname(os.path.abspath(path)) if isinstance(path, str) else None
-        from gputrace import capture
+        from gputrace.recorder import capture
 
         self.capture = capture.Answer.of(rec)
 

@@ -244,7 +244,7 @@ def test_garbage_and_empty_traces_exit_2(tmp_path):
 
 
 def test_link_bandwidth_units():
-    from gputrace.analysis import parse_bandwidth
+    from gputrace.analysis.run import parse_bandwidth
 
     assert parse_bandwidth("7GB/s") == 7e9
     assert parse_bandwidth("56Gb/s") == 7e9

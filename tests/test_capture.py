@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from gputrace.recorder import FLUSH_INTERVAL_S  # noqa: E402
+from gputrace.recorder.core import FLUSH_INTERVAL_S  # noqa: E402
 from gputrace.trace import load  # noqa: E402
 from gputrace.window import unpack  # noqa: E402
 from tests.conftest import GPUTRACE, run_gputrace  # noqa: E402

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from gputrace.clock import Clock
+from gputrace.recorder.clock import Clock
 
 
 def _spin(stop: threading.Event) -> None:

@@ -18,7 +18,7 @@ from gputrace.collectors import Sampler, Unavailable
 from gputrace.collectors.cupti import CuptiCollector
 from gputrace.collectors.cupti_convert import Converter
 from gputrace.collectors.nvml import NvmlCollector
-from gputrace.recorder import Recorder
+from gputrace.recorder.core import Recorder
 from tests.conftest import write_h2d_job
 from tests.fakes.cupti import ActivityFlag, ActivityMemcpyKind, ActivityMemoryKind, FakeCupti
 from tests.fakes.pynvml import FakeNvml

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import pytest
 
 from gputrace.collectors.cupti_convert import Converter
-from gputrace.recorder import Recorder
+from gputrace.recorder.core import Recorder
 from tests.fakes.cupti import ActivityKind, FakeCupti
 
 CATS = ("forward", "backward", "update", "h2d")

@@ -339,7 +339,7 @@ def test_python_api_tables_are_the_json(runs):
 
 
 def test_report_draws_each_layers_share_of_the_peak(runs):
-    from gputrace.document import page_parts
+    from gputrace.report.document import page_parts
 
     path, _, doc = runs["mlp"]
     # the charts the report draws beside the analysis' own (document.page_parts: `gputrace
@@ -488,7 +488,7 @@ def test_no_share_of_the_peak_is_over_100_percent(resnet, mode):
     """Every share of the peak analyze --json gives is at most 1; one that would be more is
     null with the reason beside it, the reason names the FLOP/s and the peak it beat, and
     the terminal and the report's chart leave it out with a line saying why."""
-    from gputrace.document import page_parts
+    from gputrace.report.document import page_parts
     from gputrace.report.terminal import render
 
     path, _, doc = resnet[mode]

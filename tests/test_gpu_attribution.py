@@ -23,7 +23,7 @@ from gputrace.analyzers import analyze
 from gputrace.analyzers.core.frame import build
 from gputrace.analyzers.core.steps import analyze_rank
 from gputrace.collectors.cupti import CuptiCollector
-from gputrace.recorder import Recorder, set_current
+from gputrace.recorder.core import Recorder, set_current
 from gputrace.trace.schema import COLUMN_NAMES
 from tests.fakes.cupti import FakeCupti, FakeDevice, pthread_id
 

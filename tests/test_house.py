@@ -9,7 +9,11 @@ and the command line on top of it all.
 - inside `analyzers/`, one analysis of a run (`run/`) and the comparison of runs
   (`compare/`) sit on top: no other room imports them;
 - every `__init__.py` under `analyzers/` only hands names on (a docstring, imports,
-  `__all__`)."""
+  `__all__`);
+- the two sides apart: the recorder's (`recorder/`, what runs in the job beside the
+  collectors) imports nothing of the analysis (`analysis/`, `analyzers/`), the report or
+  the command line; the analysis side (`analysis/`) nothing of the recorder's
+  (`recorder/`, `collectors/`, `record/`), the report or the command line."""
 
 from __future__ import annotations
 
@@ -51,9 +55,14 @@ def reaches(mods: set[str], pkg: str) -> list[str]:
 
 
 TOP_ROOMS = ("gputrace.analyzers.run", "gputrace.analyzers.compare")
+# a side -> what it never imports
+SIDES = {"recorder/": ("gputrace.analysis", "gputrace.analyzers", "gputrace.report",
+                       "gputrace.cli"),
+         "analysis/": ("gputrace.recorder", "gputrace.collectors", "gputrace.record",
+                       "gputrace.report", "gputrace.cli")}
 
 
-@pytest.mark.parametrize("rule", ["cli", "analyzers", "rooms"])
+@pytest.mark.parametrize("rule", ["cli", "analyzers", "rooms", *SIDES])
 def test_imports_follow_the_flow(rule):
     broken = {}
     for p in modules():
@@ -67,6 +76,10 @@ def test_imports_follow_the_flow(rule):
                 continue
             bad = reaches(imports_of(p), "gputrace.report") + \
                 reaches(imports_of(p), "gputrace.cli")
+        elif rule in SIDES:
+            if not rel.startswith(rule):
+                continue
+            bad = [m for pkg in SIDES[rule] for m in reaches(imports_of(p), pkg)]
         else:
             if not rel.startswith("analyzers/") or rel == "analyzers/__init__.py" or \
                     rel.startswith(("analyzers/run/", "analyzers/compare/")):

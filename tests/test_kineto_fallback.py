@@ -30,7 +30,7 @@ def test_kineto_records_become_rows_attributed_to_gputrace_phases(shared_data, t
 
     from gputrace.collectors.kineto import KinetoCollector
     from gputrace.metadata import base_metadata
-    from gputrace.recorder import Recorder
+    from gputrace.recorder.core import Recorder
     from gputrace.trace.schema import COLUMN_NAMES
 
     src = shared_data / "kineto/nccl_data.json.gz"
@@ -240,7 +240,7 @@ def test_fallback_joins_kinetos_pthread_ids_to_the_native_tids_of_phases(shared_
 
     from gputrace.collectors.kineto import KinetoCollector
     from gputrace.metadata import base_metadata
-    from gputrace.recorder import Recorder
+    from gputrace.recorder.core import Recorder
     from gputrace.trace.schema import COLUMN_NAMES
 
     src = shared_data / "kineto/nccl_data.json.gz"

@@ -38,7 +38,7 @@ while True:
 @pytest.mark.slow
 def test_kill_9_keeps_every_event_older_than_a_second(tmp_path):
     """20 jobs, each killed with SIGKILL at a random point 1.1-1.9 s into its run (the span
-    of one 0.8 s flush interval, gputrace.recorder.FLUSH_INTERVAL_S, so the kills fall
+    of one 0.8 s flush interval, gputrace.recorder.core.FLUSH_INTERVAL_S, so the kills fall
     anywhere between two flushes): no event it logged more than a second before its kill is
     missing from its trace. Four at a time (each is mostly asleep, 5 ms between its events):
     the waits for the kills overlap."""

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from gputrace.recorder import Recorder
+from gputrace.recorder.core import Recorder
 from gputrace.trace import TraceFormatError, load
 from gputrace.trace.frames import MAGIC
 from gputrace.trace.schema import COLUMN_NAMES

@@ -336,7 +336,7 @@ def test_gpu_records_turn_on_while_a_capture_is_agreed(tmp_path):
     with no window asked for, on from the flush that read a `gputrace capture` request (the
     window may begin at an iteration already under way), on inside the window it opened,
     off after it."""
-    from gputrace import capture
+    from gputrace.recorder import capture
     from gputrace.window import Window
 
     class Rec:      # what the answering side reads of the recorder

@@ -9,10 +9,10 @@ import sys
 from collections.abc import Sequence
 from typing import Protocol
 
-from gputrace.analysis import parse_bytes
+from gputrace.analysis.inputs import AnalysisError, one_line
+from gputrace.analysis.inputs import load_inputs as load_trace
+from gputrace.analysis.run import parse_bytes
 from gputrace.fmt import reason
-from gputrace.inputs import AnalysisError, one_line
-from gputrace.inputs import load_inputs as load_trace
 
 __all__ = ["CommandError", "load_trace", "main", "one_line", "output_name", "parse_bytes"]
 

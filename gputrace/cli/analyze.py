@@ -24,8 +24,9 @@ def run(args: argparse.Namespace) -> int:
     if args.report:
         check_output(args.report)
     from gputrace import progress
-    from gputrace.analysis import run_analysis
-    from gputrace.document import document, extras
+    from gputrace.analysis.extras import extras
+    from gputrace.analysis.run import run_analysis
+    from gputrace.report.document import document
 
     opts = options_of(args)
     with progress.shown(not args.json):

@@ -26,7 +26,7 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gputrace import capture
+    from gputrace.recorder import capture
 
     if (args.pid is None) == (not args.all):
         raise CommandError("gputrace capture: give a PID or --all, one of them")

@@ -9,8 +9,8 @@ import math
 import sys
 from typing import Any
 
-from gputrace.analysis import DIFF_FORMAT as FORMAT
-from gputrace.analysis import DIFF_VERSION as VERSION
+from gputrace.analysis.run import DIFF_FORMAT as FORMAT
+from gputrace.analysis.run import DIFF_VERSION as VERSION
 from gputrace.cli import CommandError
 from gputrace.cli.options import add_options, options_of
 
@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     if args.report:
         check_output(args.report)
     from gputrace import progress
-    from gputrace.analysis import run_diff
+    from gputrace.analysis.run import run_diff
 
     opts = options_of(args)
     with progress.shown(not args.json):

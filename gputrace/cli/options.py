@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from gputrace.analysis import AnalysisOptions
+from gputrace.analysis.run import AnalysisOptions
 
 INPUT_HELP = "trace file(s), a directory of shards, Kineto JSON or Nsight Systems SQLite"
 

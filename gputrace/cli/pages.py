@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from gputrace.cli import CommandError
 
 if TYPE_CHECKING:
-    from gputrace.analysis import Compared
+    from gputrace.analysis.run import Compared
     from gputrace.analyzers import Analysis
 
 
@@ -29,7 +29,7 @@ def check_output(path: str) -> None:
 
 def write(a: Analysis, path: str, rank: int | None, traces: list[str]) -> str:
     """Write the analysis' page; the line that says where it is."""
-    from gputrace.document import page_parts
+    from gputrace.report.document import page_parts
     from gputrace.report.html import write as write_html
 
     return _written(path, lambda: write_html(a, path, rank, " ".join(traces),
@@ -45,7 +45,7 @@ def write_diff(c: Compared, path: str) -> str:
 
 def report_of(trace: str, path: str) -> str:
     """The page of a trace with the default options (`record --report`)."""
-    from gputrace.analysis import AnalysisOptions, run_analysis
+    from gputrace.analysis.run import AnalysisOptions, run_analysis
 
     return write(run_analysis(AnalysisOptions(inputs=(trace,)), detail=True), path, None,
                  [trace])

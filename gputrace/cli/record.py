@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     if args.report and res.output:
         import sys
 
-        from gputrace.analysis import AnalysisError
+        from gputrace.analysis.run import AnalysisError
         from gputrace.cli.pages import report_of
 
         try:   # the job's exit code stands whatever becomes of the report

@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"{out}: {count(res.rows, 'row')} from {count(res.shards, 'shard')}"
           + (f" ({cut} cut short, recovered to their last complete batch)" if cut else "")
           + "; the recording was not closed, so it has no exit code")
-    from gputrace.ring import dropped_line
+    from gputrace.recorder.ring import dropped_line
 
     line = dropped_line(res.path)
     if line:

@@ -25,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
     out = args.output or output_name(args.trace[0], ".html")
     check_output(out)
     from gputrace import progress
-    from gputrace.analysis import run_analysis
+    from gputrace.analysis.run import run_analysis
 
     opts = options_of(args)
     with progress.shown():
@@ -44,7 +44,7 @@ def run_diff(args: argparse.Namespace) -> int:
     out = args.output or output_name(args.trace[1], "-diff.html")
     check_output(out)
     from gputrace import progress
-    from gputrace.analysis import run_diff as diff_of
+    from gputrace.analysis.run import run_diff as diff_of
 
     opts = options_of(args)
     with progress.shown():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import time
 
-from gputrace.recorder import Recorder
+from gputrace.recorder.core import Recorder
 
 _done: list[Recorder] = []     # the recorders whose span is installed
 # the modules whose import record's post-import hook saw end (record.inprocess): their

@@ -5,8 +5,8 @@ from __future__ import annotations
 from types import TracebackType
 from typing import Any
 
-from gputrace import recorder as _recorder
 from gputrace.collectors.memory import PHASES
+from gputrace.recorder import core as _recorder
 
 _DOMAIN: Any = None
 _LOADED = False

@@ -37,7 +37,7 @@ from typing import Any
 from gputrace.collectors import tensorflow_state as core
 from gputrace.collectors.process import install_run_span
 from gputrace.collectors.tensorflow_state import _fail, _refresh_rank, _State
-from gputrace.recorder import Recorder
+from gputrace.recorder.core import Recorder
 
 
 def _state_for(rec: Recorder) -> _State:

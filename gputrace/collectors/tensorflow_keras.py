@@ -13,7 +13,7 @@ from typing import Any
 
 from gputrace.collectors import tensorflow_state as core
 from gputrace.collectors.tensorflow_state import _safe, _State
-from gputrace.recorder import Recorder
+from gputrace.recorder.core import Recorder
 
 
 def _callback_class(keras: Any) -> Any:

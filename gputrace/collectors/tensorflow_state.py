@@ -16,7 +16,7 @@ import threading
 from typing import Any
 
 from gputrace.collectors import instrumentation_failed
-from gputrace.recorder import Recorder
+from gputrace.recorder.core import Recorder
 
 _state: _State | None = None
 _failed: list[str] = []
@@ -149,7 +149,7 @@ class _State:
         with self.lock:
             start = self.open_t if self.open_t is not None else t
             self.open_t = None
-            from gputrace.recorder import _native_tid
+            from gputrace.recorder.core import _native_tid
 
             if self.k == 0:
                 _refresh_rank(self.rec)

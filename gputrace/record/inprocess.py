@@ -15,8 +15,8 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
-from gputrace import recorder as _recorder
 from gputrace.metadata import base_metadata, hostname
+from gputrace.recorder import core as _recorder
 from gputrace.trace import frames
 
 _counter = itertools.count()
@@ -45,7 +45,7 @@ def _window(rec: _recorder.Recorder) -> None:
 def _max_size(rec: _recorder.Recorder) -> None:
     """The ring of detail `record --max-size` asked for, if any."""
     try:
-        from gputrace import ring
+        from gputrace.recorder import ring
 
         ring.from_env(rec)
     except Exception as e:  # noqa: BLE001 - recorded without a bound instead

@@ -13,8 +13,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from gputrace import capture
-from gputrace.clock import Clock, anchors_report
 from gputrace.collectors import (
     ALL_COLLECTORS,
     IN_PROCESS_COLLECTORS,
@@ -32,7 +30,9 @@ from gputrace.record import BOOTSTRAP_DIR
 from gputrace.record.job import Forwarder, spawn, wait_job
 from gputrace.record.nodes import node_output, spans_nodes
 from gputrace.record.summary import print_summary
-from gputrace.recorder import Recorder
+from gputrace.recorder import capture
+from gputrace.recorder.clock import Clock, anchors_report
+from gputrace.recorder.core import Recorder
 from gputrace.trace import frames, shards
 from gputrace.window_pack import RUN_KEYS
 
@@ -121,7 +121,7 @@ def _check(opts: RecordOptions) -> None:
     except WindowError as e:
         raise RecordError(str(e)) from None
     if opts.max_size is not None:
-        from gputrace.ring import MaxSizeError, parse_size
+        from gputrace.recorder.ring import MaxSizeError, parse_size
 
         try:
             parse_size(opts.max_size)
@@ -194,7 +194,7 @@ def _prepare(opts: RecordOptions, shard_dir: str, clock: Clock
         env[ENV] = win.env()
         md["window"] = win.describe()
     if opts.max_size is not None:
-        from gputrace import ring
+        from gputrace.recorder import ring
 
         size = ring.parse_size(opts.max_size)
         env[ring.ENV] = str(size)
@@ -243,7 +243,7 @@ def thinner(rec: Recorder, opts: RecordOptions, shard_dir: str) -> Any:
             and not opts.on_demand and opts.max_size is None:
         return rec
     from gputrace.record.thin import Thinner, rings
-    from gputrace.ring import parse_size
+    from gputrace.recorder.ring import parse_size
 
     try:
         tail, kept = (None, None) if opts.max_size is None else \
@@ -331,7 +331,7 @@ def record(opts: RecordOptions) -> RecordResult:
     if not opts.quiet:
         print_summary(output, duration, exit_code, summary)
     if opts.max_size is not None:   # said even with -q: what is not in the trace
-        from gputrace.ring import dropped_line
+        from gputrace.recorder.ring import dropped_line
 
         line = dropped_line(output)
         if line:

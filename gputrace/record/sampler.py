@@ -16,10 +16,10 @@ from typing import Any
 
 import psutil
 
-from gputrace.clock import Clock
 from gputrace.collectors import SYSTEM_COLLECTORS, Sampler, Unavailable, make_system_collector
 from gputrace.metadata import base_metadata
-from gputrace.recorder import Recorder
+from gputrace.recorder.clock import Clock
+from gputrace.recorder.core import Recorder
 
 # exit code when the samples could not all be written (the Session says so, once)
 WRITE_FAILED = 3

@@ -180,8 +180,8 @@ def tail_recorder(shard_dir: str, max_size: int, clock: Any, name: str = TAIL) -
     """A ring of the sampler's ticks with --max-size (started): a recorder of its own whose
     every row is detail (ring.RingWriter), the sampler's own metadata beside."""
     from gputrace.metadata import base_metadata
-    from gputrace.recorder import Recorder
-    from gputrace.ring import attach
+    from gputrace.recorder.core import Recorder
+    from gputrace.recorder.ring import attach
     from gputrace.trace.frames import SUFFIX
 
     rec = Recorder(os.path.join(shard_dir, name + SUFFIX), base_metadata("sampler", rank=-1),

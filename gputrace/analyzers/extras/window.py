@@ -11,22 +11,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from gputrace.window import PHASES, phase_sums, unpack
+from gputrace.window import PHASES, phase_sums, unpack, window_of
 from gputrace.window_pack import RUN_KEYS
 
 _CATS = ("iteration", "run", *PHASES)
 # leave out of the comparison the first iterations (warm-up)
 _WARMUP = 3
-
-
-def window_of(md: dict[str, Any]) -> dict[str, Any] | None:
-    """The window a trace was recorded with (its metadata, or a shard's), None for none."""
-    if isinstance(md.get("window"), dict):
-        return md["window"]
-    for sh in md.get("shards") or []:
-        if isinstance(sh, dict) and isinstance(sh.get("window"), dict):
-            return sh["window"]
-    return None
 
 
 def _rows(table: pa.Table, rank: int) -> list[dict[str, Any]]:

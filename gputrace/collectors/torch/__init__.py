@@ -51,7 +51,7 @@ from gputrace.collectors.torch.iterations import _Iterations, optimizer_made
 from gputrace.collectors.torch.modules import Modules, env_forward, env_mode
 from gputrace.collectors.torch.rank import learn_rank_from_torch
 from gputrace.collectors.torch.recompute import in_backward
-from gputrace.recorder import Recorder
+from gputrace.recorder.core import Recorder
 
 _installed: _State | None = None
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from gputrace.collectors.torch.guard import _guarded
-from gputrace.recorder import Recorder
+from gputrace.recorder.core import Recorder
 
 
 def patch_dataloader(state: Any) -> None:
@@ -83,6 +83,6 @@ def patch_dataloader(state: Any) -> None:
 
 
 def _current_rec() -> Recorder | None:
-    from gputrace.recorder import current
+    from gputrace.recorder.core import current
 
     return current()

@@ -7,7 +7,7 @@ import functools
 from typing import Any
 
 from gputrace.collectors import instrumentation_failed
-from gputrace.recorder import Recorder
+from gputrace.recorder.core import Recorder
 
 _failed: list[str] = []
 _rec: Recorder | None = None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gputrace.recorder import Recorder
+from gputrace.recorder.core import Recorder
 
 # optimizers constructed in this process (torch.optim.Optimizer's __init__: collectors.torch)
 _optimizers = [0]

@@ -13,7 +13,7 @@ import functools
 import sys
 from typing import Any
 
-from gputrace.recorder import Recorder
+from gputrace.recorder.core import Recorder
 
 
 def dist_rank() -> tuple[int, int] | None:
@@ -42,7 +42,7 @@ def _patch_destroy() -> None:
 
     @functools.wraps(orig)
     def destroy_process_group(*a: Any, **k: Any) -> Any:
-        from gputrace.recorder import current
+        from gputrace.recorder.core import current
 
         rec = current()
         if rec is not None and rec.rank_source is not None:

@@ -12,7 +12,7 @@ from typing import Any
 from gputrace.collectors.process import IMPORTED_WHILE_RECORDING, install_run_span
 from gputrace.collectors.torch import flight, lazy
 from gputrace.collectors.torch.guard import _guarded
-from gputrace.recorder import Recorder
+from gputrace.recorder.core import Recorder
 
 
 def install(rec: Recorder, get_state: Any) -> None:

@@ -12,11 +12,11 @@ from collections.abc import Iterable, Iterator
 from types import TracebackType
 from typing import Any, TypeVar
 
-from gputrace import recorder as _recorder
 from gputrace.collectors import SYSTEM_COLLECTORS
 from gputrace.collectors.ranges import phase
 from gputrace.fmt import reason
 from gputrace.metadata import base_metadata
+from gputrace.recorder import core as _recorder
 from gputrace.trace import frames
 
 T = TypeVar("T")
@@ -39,7 +39,7 @@ class Session:
                  flush_interval_s: float = _recorder.FLUSH_INTERVAL_S,
                  steps: str | tuple[int, int] | None = None, delay: float | None = None,
                  duration: float | None = None, max_size: str | int | None = None) -> None:
-        from gputrace.ring import parse_size
+        from gputrace.recorder.ring import parse_size
         from gputrace.window import make
 
         # as record's --steps/--delay/--duration/--max-size (a ValueError when it cannot be)
@@ -86,7 +86,7 @@ class Session:
         if self.window is not None:
             self.window.attach(rec)
         if self.max_size is not None:
-            from gputrace import ring
+            from gputrace.recorder import ring
 
             ring.attach(rec, self.max_size)
         with contextlib.suppress(Exception):   # recorded all the same
@@ -170,7 +170,7 @@ class Session:
 
             self.result = merge_shards(self._dir, self.path, top=dict(rec.metadata))
             if self.max_size is not None:
-                from gputrace.ring import dropped_line
+                from gputrace.recorder.ring import dropped_line
 
                 line = dropped_line(self.result.path)
                 if line:

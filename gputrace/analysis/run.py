@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-import re
 import sys
 from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from gputrace.inputs import AnalysisError, load_inputs
+from gputrace.analysis.inputs import AnalysisError, load_inputs
+from gputrace.fmt import parse_bytes
 
 if TYPE_CHECKING:
     from gputrace.analyzers import Analysis
@@ -111,8 +111,8 @@ def run_analysis(opts: AnalysisOptions, detail: bool = False,
     (as `dask` or `ray` give one)."""
     from pyarrow import ArrowInvalid
 
+    from gputrace.analysis.parallel import EngineError, cores, executor
     from gputrace.analyzers import NothingToAnalyze, analyze, parallel_worth_it
-    from gputrace.parallel import EngineError, cores, executor
     from gputrace.trace.ranked import RankedTrace, RankUnreadable
 
     names = list(opts.inputs)
@@ -284,26 +284,6 @@ def _say_skip_clamped(a: Analysis, skip: int | None, rank: int | None) -> None:
 
 
 # -- the options' text ----------------------------------------------------------------------
-
-_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "ki": 1024, "mi": 1024**2,
-          "gi": 1024**3, "ti": 1024**4}
-
-
-def parse_bytes(text: str, what: str, per_second: bool = False) -> float:
-    """'64MiB', '1GB', '7GB/s', '56Gb/s' (small b: bits), '12.5e9' -> bytes (per second)."""
-    rate = r"(?:/s|ps)?" if per_second else ""
-    m = re.fullmatch(rf"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgt]i?)?([bB])?{rate}\s*", text,
-                     re.IGNORECASE)
-    if not m:
-        example = "7GB/s or 56Gb/s" if per_second else "64MiB or 1GB"
-        raise AnalysisError(f"cannot read {what} {text!r}; write e.g. {example}")
-    value = float(m.group(1)) * _UNITS[(m.group(2) or "").lower()]
-    if m.group(3) == "b":  # bits
-        value /= 8
-    if not 0 < value < math.inf:
-        raise AnalysisError(f"{what} must be positive and finite, not {text!r}")
-    return value
-
 
 def parse_bandwidth(text: str) -> float:
     """'7GB/s', '56Gb/s', '12.5e9' -> bytes per second."""

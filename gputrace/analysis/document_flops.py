@@ -48,7 +48,7 @@ def _table(inputs: Sequence[str]) -> pa.Table | None:
     parts = []
     for p in inputs:
         if not (p.endswith(".arrow") and os.path.isfile(p)):
-            from gputrace.inputs import load_inputs
+            from gputrace.analysis.inputs import load_inputs
 
             return getattr(load_inputs(list(inputs), quiet=True), "table", None)
         try:

@@ -6,10 +6,9 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+from gputrace.fmt import AnalysisError
 
-class AnalysisError(ValueError):
-    """Bad input (a missing or foreign file, a wrong option): the one line the command
-    line prints."""
+__all__ = ["AnalysisError", "load_inputs"]
 
 
 def load_inputs(paths: Sequence[str], by_rank: bool = False,  # type: ignore[no-untyped-def]

@@ -39,8 +39,7 @@ def parse_size(text: str | int | float) -> int:
     if isinstance(text, int | float) and not isinstance(text, bool):
         n = float(text)
     else:
-        from gputrace.analysis import parse_bytes
-        from gputrace.inputs import AnalysisError
+        from gputrace.fmt import AnalysisError, parse_bytes
 
         try:
             n = parse_bytes(str(text), "--max-size")
@@ -244,8 +243,8 @@ def dropped_line(path: str) -> str | None:
     """What --max-size dropped, from a merged trace (None: not recorded with --max-size, or
     it cannot be read): the iterations of each rank kept in detail, and how many earlier
     ones keep their times only."""
-    from gputrace.analyzers.extras.window import window_of
     from gputrace.trace.parts import metadata_of
+    from gputrace.window import window_of
 
     md = metadata_of(path)
     win = window_of(md) if md is not None else None

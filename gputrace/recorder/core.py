@@ -10,13 +10,13 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from gputrace.clock import Clock
 from gputrace.fmt import reason
-from gputrace.loop import Iterations
 from gputrace.metadata import hostname
+from gputrace.recorder.clock import Clock
+from gputrace.recorder.loop import Iterations
 
 if TYPE_CHECKING:
-    from gputrace.ring import RingWriter
+    from gputrace.recorder.ring import RingWriter
     from gputrace.trace.frames import FrameWriter
     from gputrace.trace.writer import Row
 
@@ -85,7 +85,7 @@ class Recorder(Iterations):
         self.rank_source: Any = None
         # a recording window (gputrace.window): what falls outside it is folded at flush
         self.window: Any = None
-        # bytes of iterations' detail kept on disk, a ring of the latest (gputrace.ring)
+        # bytes of iterations' detail kept on disk, a ring of the latest (gputrace.recorder.ring)
         self.max_size: int | None = None
         self.ring_every_row = False   # with max_size: every row is detail (record.thin's)
         # collectors.memory.PhaseMemory: the memory at each phase's start and end (`mark`)
@@ -191,7 +191,7 @@ class Recorder(Iterations):
 
         try:
             if self.max_size:
-                from gputrace.ring import RingWriter
+                from gputrace.recorder.ring import RingWriter
 
                 return RingWriter(self.path, self.metadata, self.max_size, quiet=self.quiet,
                                   every_row=self.ring_every_row)

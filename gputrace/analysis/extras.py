@@ -1,9 +1,8 @@
-"""The `analyze --json` document of one analysis, as the command line prints it and the
-Python API returns it: the analyzers' results (report.json.to_dict), and what is read from
-the trace's rows beside them: a windowed recording's `window` and `run` (with its
-`window_missed` finding), `memory` (with its findings, and the report's chart of memory
-over one iteration), `flops` (with its finding, and the report's per-layer efficiency
-chart) and `hangs` (the collectives some rank waited in too long, each a finding)."""
+"""What is read from the trace's rows beside the analyzers' results: a windowed
+recording's `window` and `run` (with its `window_missed` finding), `memory` (with its
+findings), `flops` (with its finding) and `hangs` (the collectives some rank waited in too
+long, each a finding). report.document puts them in the `analyze --json` document and the
+report's charts."""
 
 from __future__ import annotations
 
@@ -20,9 +19,9 @@ def extras(a: Any, rank: int | None, inputs: Sequence[str],
            rows: list[Any] | None = None) -> dict[str, Any]:
     """`window` and `run` (a windowed recording only) and `memory` of the trace `inputs`;
     `rows`: a list that gets the memory samples read (for the chart)."""
+    from gputrace.analysis.inputs import load_inputs
     from gputrace.analyzers.extras.memory import analyze_memory, empty, memory_rows
     from gputrace.analyzers.extras.window import analyze_window, window_of
-    from gputrace.inputs import load_inputs
 
     shown = rank if rank is not None else a.main.rank
     out: dict[str, Any] = {}
@@ -37,7 +36,7 @@ def extras(a: Any, rank: int | None, inputs: Sequence[str],
         else empty()
     if rows is not None and table is not None:
         rows.extend(memory_rows(table))
-    from gputrace.document_flops import flops_doc
+    from gputrace.analysis.document_flops import flops_doc
 
     out["flops"] = flops_doc(a, shown, inputs)
     out["hangs"] = _hangs(full, inputs)
@@ -52,7 +51,7 @@ def _hangs(table: pa.Table | None, inputs: Sequence[str]) -> dict[str, Any]:
     from gputrace.trace.reader import unclosed
 
     if table is None and any(unclosed(p) is not None for p in inputs):
-        from gputrace.inputs import load_inputs
+        from gputrace.analysis.inputs import load_inputs
 
         table = load_inputs(list(inputs), quiet=True).table
     if table is None:
@@ -121,40 +120,3 @@ def _read(inputs: Sequence[str], columns: Sequence[str],
         except (OSError, pa.ArrowException):
             return None        # a truncated file: no such section rather than a full read
     return pa.concat_tables(parts, promote_options="permissive") if parts else None
-
-
-def document(a: Any, rank: int | None, inputs: Sequence[str],
-             more: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The whole document; `more`: extras() already computed."""
-    from gputrace.report.json import to_dict
-
-    doc = to_dict(a, rank)
-    more = extras(a, rank, inputs) if more is None else more
-    doc.update(more)
-    found = [{"id": f.id, "severity": f.severity, "message": f.message}
-             for f in more_findings(more)]
-    doc["findings"] += found
-    shown = doc.get("ranks", {}).get(str(doc.get("rank")))
-    if shown is not None and shown.get("findings") is not doc["findings"]:
-        shown["findings"] += found      # the findings table reads them per rank
-    return doc
-
-
-def page_parts(a: Any, rank: int | None, inputs: Sequence[str]
-               ) -> tuple[tuple[Any, ...], list[Any]]:
-    """The report's charts of what the analysis does not hold (a windowed recording's
-    whole run, memory over one iteration, each layer's efficiency where the trace has a FLOP
-    count) and the findings of it."""
-    from gputrace.report.charts_flops import flops_chart
-    from gputrace.report.charts_memory import memory_chart
-    from gputrace.report.charts_run import run_chart
-    from gputrace.report.solo import one_process
-
-    rows: list[Any] = []
-    more = extras(a, rank, inputs, rows)
-    ra = a.ranks[rank] if rank is not None else a.main
-    made = [run_chart(more) if "run" in more else None,
-            memory_chart(ra, rows, more["memory"], rank if rank is not None else ra.rank,
-                         one_process(a)),
-            flops_chart(more["flops"])]
-    return tuple(c for c in made if c is not None), more_findings(more)

@@ -1,0 +1,3 @@
+"""The analysis side: reading the inputs (`inputs`), one analysis of them under the
+options asked (`run`), on local processes or a cluster (`parallel`), and what is read
+beside the analyzers' results (`extras`, `document_flops`)."""
