@@ -211,9 +211,9 @@ class Result:
         from gputrace.report.terminal_all import render_all
 
         if self._inputs:
-            from gputrace.analysis.extras import extras
+            from gputrace.analysis.extras import beside
 
-            render_all(self.analysis, extras(self.analysis, self.rank, self._inputs),
+            render_all(self.analysis, beside(self.analysis, self.rank, self._inputs).doc,
                        self.rank)
         else:
             from gputrace.report.terminal import render

@@ -221,3 +221,25 @@ def test_without_pandas_duckdb_or_jupyter_the_core_and_cli_work(built):
                         "sys.modules if m.startswith(('gputrace.analyzers', 'gputrace.api', "
                         "'pandas', 'duckdb'))))"], capture_output=True, text=True, timeout=60)
     assert p.stdout.strip() == "[]", p.stdout
+
+
+@pytest.mark.slow
+def test_one_analysis_reads_its_trace_once_for_every_reader(recorded, tmp_path, capsys):
+    """What is read beside the ranks' analysis (window, memory, FLOPs, hangs) is read once,
+    by the analysis, and held in it: with the trace gone after `gputrace.analyze`, the
+    document, the printed sections and the report's charts are still those of the trace
+    (as `analyze --json` and `analyze` print them from the file)."""
+    import shutil
+
+    copy = tmp_path / "run.arrow"
+    shutil.copy(recorded, copy)
+    r = gputrace.analyze(copy)
+    copy.unlink()
+    doc, want = r.to_dict(), json.loads(cli_json(str(recorded)))
+    for key in ("memory", "flops", "hangs"):
+        assert doc[key] == want[key], key
+    assert want["memory"]["ranks"] and want["flops"]["layers"]     # something was read
+    r.show()
+    printed = run_gputrace("analyze", str(recorded), check=True).stdout
+    assert capsys.readouterr().out.replace(str(copy), str(recorded)) == printed
+    assert {"memory"} <= set(r.chart_ids)

@@ -8,11 +8,35 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
 
 from gputrace.analyzers.extras.memory import COLUMNS as _MEMORY_COLUMNS
+
+
+@dataclass(frozen=True)
+class Beside:
+    """What extras() read for one rank, kept with the analysis (Analysis.beside) so that
+    the terminal, `--json`, the API and the report read the one result."""
+
+    rank: int                                  # the rank it was read for
+    doc: dict[str, Any]                        # `window` and `run`, `memory`, `flops`, `hangs`
+    memory_rows: list[Any] | None = None       # the memory samples (the report's chart)
+
+
+def beside(a: Any, rank: int | None, inputs: Sequence[str], rows: bool = False) -> Beside:
+    """What is read beside the analysis `a` for `rank` (None: the rank shown), with the
+    memory samples where `rows`: the one the analysis holds where it was read for that rank
+    (and holds the rows asked for), else read now."""
+    shown = rank if rank is not None else a.main.rank
+    held = getattr(a, "beside", None)
+    if isinstance(held, Beside) and held.rank == shown and \
+            (not rows or held.memory_rows is not None):
+        return held
+    kept: list[Any] | None = [] if rows else None
+    return Beside(shown, extras(a, shown, inputs, kept), kept)
 
 
 def extras(a: Any, rank: int | None, inputs: Sequence[str],

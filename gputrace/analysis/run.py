@@ -105,10 +105,12 @@ class AnalysisOptions:
 
 
 def run_analysis(opts: AnalysisOptions, detail: bool = False,
-                 use: Executor | None = None) -> Analysis:
+                 use: Executor | None = None, with_beside: bool = True) -> Analysis:
     """The Analysis of `opts.inputs` under `opts`, every user error an AnalysisError;
-    `detail` keeps what the HTML report draws; `use`: an executor to analyze the ranks in
-    (as `dask` or `ray` give one)."""
+    `detail` keeps what the HTML report draws (the memory samples among them); `use`: an
+    executor to analyze the ranks in (as `dask` or `ray` give one); `with_beside`: read
+    what lies beside the ranks' analysis (window, memory, FLOPs, hangs) for the rank shown,
+    into `Analysis.beside`, once for every reader of this analysis."""
     from pyarrow import ArrowInvalid
 
     from gputrace.analysis.parallel import EngineError, cores, executor
@@ -153,6 +155,10 @@ def run_analysis(opts: AnalysisOptions, detail: bool = False,
         raise AnalysisError(f"no rank {opts.rank} in the trace (ranks: "
                             f"{', '.join(map(str, sorted(a.ranks)))})")
     _say_skip_clamped(a, opts.skip, opts.rank)
+    if with_beside:
+        from gputrace.analysis.extras import beside
+
+        a = replace(a, beside=beside(a, opts.rank, names, rows=detail))
     return a
 
 
@@ -235,7 +241,7 @@ def _side(opts: AnalysisOptions, path: str) -> tuple[Analysis, Any]:
     """One input's analysis (with its detail) and its per-name parts."""
     from gputrace.analyzers.compare.diff_parts import Parts, parts
 
-    a = run_analysis(opts.on(path), detail=True)
+    a = run_analysis(opts.on(path), detail=True, with_beside=False)
     ra = a.ranks[opts.rank if opts.rank is not None else a.slowest_rank]
     d = ra.detail
     if d is None or ra.iterations - ra.warmup_skipped < 1:
@@ -262,7 +268,8 @@ def _calibration(opts: AnalysisOptions) -> Any:
         [p.strip() for p in opts.calibrate.split(",") if p.strip()]
     out = []
     for path in paths:
-        a = run_analysis(replace(opts, inputs=(path,), calibrate=None, rank=None, skip=None))
+        a = run_analysis(replace(opts, inputs=(path,), calibrate=None, rank=None, skip=None),
+                         with_beside=False)
         pl = next((ra.parallel["pp"] for ra in a.ranks.values() if "pp" in ra.parallel),
                   None)
         if pl is None:

@@ -24,14 +24,14 @@ def run(args: argparse.Namespace) -> int:
     if args.report:
         check_output(args.report)
     from gputrace import progress
-    from gputrace.analysis.extras import extras
+    from gputrace.analysis.extras import beside
     from gputrace.analysis.run import run_analysis
     from gputrace.report.document import document
 
     opts = options_of(args)
     with progress.shown(not args.json):
         a = run_analysis(opts, detail=bool(args.report))
-        more = extras(a, args.rank, args.trace)
+        more = beside(a, args.rank, args.trace).doc
     if args.json:
         # one write: json.dump to a stream writes each of its ~1e5 small pieces apart
         sys.stdout.write(json.dumps(document(a, args.rank, args.trace, more), indent=1) + "\n")

@@ -8,16 +8,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from gputrace.analysis.extras import extras, more_findings
+from gputrace.analysis.extras import beside, more_findings
 
 
 def document(a: Any, rank: int | None, inputs: Sequence[str],
              more: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The whole document; `more`: extras() already computed."""
+    """The whole document; `more`: what was read beside it (default: the analysis' own,
+    Analysis.beside, where it was read for this rank)."""
     from gputrace.report.json import to_dict
 
     doc = to_dict(a, rank)
-    more = extras(a, rank, inputs) if more is None else more
+    more = beside(a, rank, inputs).doc if more is None else more
     doc.update(more)
     found = [{"id": f.id, "severity": f.severity, "message": f.message}
              for f in more_findings(more)]
@@ -38,8 +39,8 @@ def page_parts(a: Any, rank: int | None, inputs: Sequence[str]
     from gputrace.report.charts_run import run_chart
     from gputrace.report.solo import one_process
 
-    rows: list[Any] = []
-    more = extras(a, rank, inputs, rows)
+    held = beside(a, rank, inputs, rows=True)
+    more, rows = held.doc, held.memory_rows or []
     ra = a.ranks[rank] if rank is not None else a.main
     made = [run_chart(more) if "run" in more else None,
             memory_chart(ra, rows, more["memory"], rank if rank is not None else ra.rank,
