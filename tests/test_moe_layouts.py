@@ -90,6 +90,9 @@ def test_deepspeed_moe_layout(ds):
         assert ep["even_splits"] is True and ep["dispatch_rows"] == {}
         g = ep["imbalance"]["groups"][0]
         assert g["tokens_by_rank"] == {}
+        # no balanced-routing what-if of splits that say nothing of the load, nor its band
+        assert g["balanced_saves_s"] is None and g["band"] is None and \
+            g["band_source"] is None, g
         # the engine's gradient all-reduces (dense, then experts') in the backward, its
         # 4-byte one in the step
         ar = run.rank(rank)["collectives"]["kinds"]["all_reduce"]

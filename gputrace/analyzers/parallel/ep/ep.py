@@ -311,6 +311,11 @@ def imbalance(parts: dict[int, ExpertParallel],
     return Imbalance(by, worst.ratio, worst.most_loaded, groups, worst.tokens_ratio)
 
 
+def _finite(x: float) -> float | None:
+    """A figure for --json: null where there is none (NaN: withheld, or not told)."""
+    return float(x) if np.isfinite(x) else None
+
+
 def as_dict(ep: ExpertParallel, imb: Imbalance | None) -> dict[str, Any]:
     """`--json`'s expert_parallel section."""
     d: dict[str, Any] = {("bytes" if k == "nbytes" else k): v for k, v in vars(ep).items()
@@ -320,12 +325,14 @@ def as_dict(ep: ExpertParallel, imb: Imbalance | None) -> dict[str, Any]:
     if imb is not None:
         d["imbalance"] = {"ratio": imb.ratio, "most_loaded_rank": imb.most_loaded,
                           "bytes_by_rank": {str(k): v for k, v in imb.bytes_by_rank.items()},
-                          "tokens_ratio": imb.tokens_ratio,
+                          "tokens_ratio": _finite(imb.tokens_ratio),
                           "groups": [{"ranks": list(g.ranks), "ratio": g.ratio,
                                       "most_loaded_rank": g.most_loaded,
-                                      "tokens_ratio": g.tokens_ratio,
-                                      "balanced_saves_s": g.balanced_saves_s,
-                                      **wb.band_keys("ep_balanced"),
+                                      "tokens_ratio": _finite(g.tokens_ratio),
+                                      "balanced_saves_s": _finite(g.balanced_saves_s),
+                                      # no band beside a what-if withheld
+                                      **wb.band_keys("ep_balanced" if _finite(
+                                          g.balanced_saves_s) is not None else None),
                                       "most_loaded_expert_s": g.most_expert_s,
                                       "wait_s": {str(k): v for k, v in g.wait_s.items()},
                                       "wait_by_layer": {
