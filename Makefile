@@ -5,6 +5,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | cksum | cut -d' ' -f1)
 CHROMIUM := /usr/bin/chromium
 APT := DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 -q
+# PyTorch's compiled extensions (DeepSpeed's CPU comm op) kept with this venv: built once
+# when it is installed, never rebuilt because another checkout's venv built its own
+export TORCH_EXTENSIONS_DIR := $(abspath $(VENV))/torch-extensions
 
 .PHONY: demo test lint docs clean browser screenshot gpu-wheels gpu-check
 
@@ -21,6 +24,11 @@ $(STAMP): pyproject.toml constraints.txt
 	# DeepSpeed for its tests, on the CPU (DS_ACCELERATOR=cpu): its sdist builds against the
 	# torch installed above (no isolated build: it would fetch another torch); no ops compiled
 	DS_BUILD_OPS=0 $(BIN)/python -m pip install -q -c constraints.txt --no-build-isolation deepspeed
+	# its CPU comm op, which a DeepSpeed job on the CPU compiles at its first start (~30 s),
+	# compiled here, with the venv, rather than inside the first test that starts one
+	DS_ACCELERATOR=cpu $(BIN)/python -c "from deepspeed.ops.op_builder.cpu import \
+		ShareMemCommBuilder; ShareMemCommBuilder().load()" >/dev/null 2>&1 || \
+		echo "DeepSpeed's CPU comm op did not compile here: its first test job compiles it"
 	rm -f $(VENV)/.installed-*; touch $@
 
 demo: $(STAMP)
