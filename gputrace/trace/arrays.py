@@ -84,3 +84,39 @@ def strings(col: Sequence[str | None]) -> pa.Array:
     arr = pa.Array.from_buffers(typ, n, [valid, pa.py_buffer(offsets),
                                          pa.py_buffer(b"".join(data))], null_count=count)
     return arr if typ == pa.string() else arr.cast(pa.string())
+
+
+def scalar(value: int | float, typ: pa.DataType) -> pa.Scalar:
+    """A numeric scalar of `typ` (pa.scalar asks pyarrow's pandas shim, as pa.array does;
+    a compute function given a Python number makes one with it)."""
+    return numbers([value], typ)[0]
+
+
+def values(col: pa.Array | pa.ChunkedArray, fill: int | float = 0) -> np.ndarray:
+    """A numeric or boolean column as a numpy array (nulls as `fill`), read from its buffers:
+    `to_numpy` asks pyarrow's pandas shim too, which imports pandas the first time."""
+    chunks = col.chunks if isinstance(col, pa.ChunkedArray) else [col]
+    boolean = pa.types.is_boolean(col.type)
+    dt = np.dtype(bool) if boolean else np.dtype(_NUMPY[col.type])
+    out = []
+    for ch in chunks:
+        n, off = len(ch), ch.offset
+        if not n:
+            continue
+        valid_buf, data = ch.buffers()[:2]
+        if boolean:
+            v = _bits(data, off, n)
+        else:
+            v = np.frombuffer(data, dtype=dt, count=n, offset=off * dt.itemsize)
+        if ch.null_count:
+            v = np.where(_bits(valid_buf, off, n), v, np.array(fill, dtype=dt))
+        out.append(v)
+    if not out:
+        return np.zeros(0, dtype=dt)
+    return np.concatenate(out) if len(out) > 1 else np.array(out[0])
+
+
+def _bits(buf: pa.Buffer, off: int, n: int) -> np.ndarray:
+    """n bits of an Arrow bitmap from bit `off`, as booleans."""
+    return np.unpackbits(np.frombuffer(buf, dtype=np.uint8), bitorder="little"
+                         )[off:off + n].astype(bool)

@@ -11,6 +11,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from gputrace.trace import frames
+from gputrace.trace.arrays import scalar
 from gputrace.trace.schema import (
     TraceFormatError,
     conform,
@@ -265,12 +266,14 @@ class Shard:
         """Its rows of one rank (recovered as far as they can be, as `load` does)."""
         table = _read_one(self.path).table
         if self.ranks != {rank}:
-            table = table.filter(pc.equal(_ranks(table), rank))
+            ranks = _ranks(table)
+            table = table.filter(pc.equal(ranks, scalar(rank, ranks.type)))
         return table
 
 
 def _ranks(table: pa.Table) -> pa.ChunkedArray:
-    return pc.fill_null(table.column("rank"), -1)   # no rank given: the v1 default
+    col = table.column("rank")
+    return pc.fill_null(col, scalar(-1, col.type))   # no rank given: the v1 default
 
 
 def index_shards(path: str | os.PathLike[str]) -> tuple[list[Shard], list[str]]:

@@ -79,10 +79,9 @@ class _DictEncoder:
         mapping = np.fromiter(map(self._code, enc.dictionary.to_pylist()), np.int32,
                               len(enc.dictionary))
         idx = enc.indices
-        codes = mapping[idx.fill_null(0).to_numpy(zero_copy_only=False)] if len(mapping) \
-            else np.zeros(len(idx), np.int32)
+        codes = mapping[arrays.values(idx, 0)] if len(mapping) else np.zeros(len(idx), np.int32)
         if idx.null_count:
-            codes[idx.is_null().to_numpy(zero_copy_only=False)] = -1
+            codes[arrays.values(idx.is_null())] = -1
         return self._array(codes)
 
 
@@ -215,10 +214,11 @@ def by_rank(table: pa.Table) -> pa.Table:
 
     if table.num_rows < 2:
         return table
-    rank = np.diff(table.column("rank").to_numpy(zero_copy_only=False))
-    start = np.diff(table.column("start_ns").to_numpy(zero_copy_only=False))
-    if np.all((rank > 0) | ((rank == 0) & (start >= 0))):
-        return table
+    rank_col, start_col = table.column("rank"), table.column("start_ns")
+    if not rank_col.null_count and not start_col.null_count:
+        rank, start = np.diff(arrays.values(rank_col)), np.diff(arrays.values(start_col))
+        if np.all((rank > 0) | ((rank == 0) & (start >= 0))):
+            return table
     return table.sort_by([("rank", "ascending"), ("start_ns", "ascending")])
 
 
@@ -245,7 +245,7 @@ def write_by_rank(path: str | os.PathLike[str], metadata: dict[str, Any],
     table = by_rank(table)
     cuts: Any = []
     if table.num_rows:
-        rank = table.column("rank").to_numpy(zero_copy_only=False)
+        rank = arrays.values(table.column("rank"), -(2**31))   # null ranks sort last: a run of them
         cuts = np.concatenate(([0], np.flatnonzero(np.diff(rank)) + 1, [rank.size]))
     write_ranks(path, metadata, (table.slice(int(lo), int(hi - lo))
                                  for lo, hi in zip(cuts[:-1], cuts[1:], strict=True)))
