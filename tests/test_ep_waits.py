@@ -15,10 +15,10 @@ from tests.tracebuilder import Builder
 GROUP = {"size": 2, "ranks": [0, 1], "name": "0"}
 
 
-def _trace(path: Path, steps: bool = True) -> Path:
+def _trace(path: Path, steps: bool = True, combine_at: dict[int, int] | None = None) -> Path:
     b = Builder()
     got = {0: 1000, 1: 3000}
-    combine_at = {0: 16, 1: 24}
+    combine_at = combine_at or {0: 16, 1: 24}
     for rank in (0, 1):
         for k in range(8):
             t = k * 100
@@ -58,6 +58,30 @@ def test_wait_for_the_last_rank_and_the_balanced_replay(tmp_path):
     assert g["wait_s"]["1"] == pytest.approx(0.0, abs=1e-6)
     assert g["wait_by_layer"]["0"] == pytest.approx({"1": 0.008}, abs=1e-6)
     assert g["balanced_saves_s"] == pytest.approx(0.004, abs=1e-6)
+    text = gputrace.analyze(tmp_path / "ep.arrow", progress=False)
+    assert "the all-to-alls replayed give 4.0 ms less per iteration" in _shown(text)
+
+
+def _shown(r: gputrace.Result) -> str:
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        r.show()
+    return out.getvalue()
+
+
+def test_a_balanced_replay_that_takes_longer_says_more(tmp_path):
+    """The rank that receives fewer tokens computes longer (rank 0: 1000 bytes, 12 ms; rank
+    1: 3000, 4 ms): scaled to the mean load its experts take 24 ms from 12, and the combine
+    (2 ms after the last rank enters it) ends at 38 ms, not 26: balanced routing would
+    cost 12 ms per iteration, said as more, never as a negative saving."""
+    g = _group(_trace(tmp_path / "ep.arrow", combine_at={0: 24, 1: 16}))
+    assert g["balanced_saves_s"] == pytest.approx(-0.012, abs=1e-6)
+    text = _shown(gputrace.analyze(tmp_path / "ep.arrow", progress=False))
+    assert "the all-to-alls replayed give 12.0 ms more per iteration" in text, text
+    assert "-12.0 ms" not in text
 
 
 def test_iterations_without_step_numbers(tmp_path):

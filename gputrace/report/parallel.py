@@ -211,9 +211,13 @@ def _ep(con: Console, ep, imb) -> None:  # noqa: ANN001 - ep.ExpertParallel, ep.
                       "what balance would change (the tokens dropped, or a capacity set by "
                       "the most-loaded expert) is not in the comm")
         elif g.balanced_saves_s == g.balanced_saves_s:
+            saves = g.balanced_saves_s
+            # a replay that takes longer balanced says so, never "-4.5 ms less"
+            change = "no change" if abs(saves) < 5e-5 else \
+                f"{_ms(saves)} less" if saves > 0 else f"{_ms(-saves)} more"
             con.print(f"{head}what if routing were balanced (each rank the group's mean "
-                      f"tokens): the all-to-alls replayed give {_ms(g.balanced_saves_s)} "
-                      f"less per iteration; {ep_whatif.BAND}")
+                      f"tokens): the all-to-alls replayed give {change} per iteration; "
+                      f"{ep_whatif.BAND}")
 
 
 def _layers(by: dict[int, float]) -> str:
