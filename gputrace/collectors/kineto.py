@@ -176,17 +176,11 @@ class KinetoCollector(WindowGate):
         loops = {r.pid: (r.pid, loop)} if loop is not None else None
         counts = kineto.read(path, r.rank, rows, phases=phases, iters=iters, gpu_only=True,
                              threads=threads, loops=loops)
-        table = rows.table()
-        cols = [table.column(c).to_pylist() for c in COLUMN_NAMES]
-        at = {c: i for i, c in enumerate(COLUMN_NAMES)}
-        out = []
-        for row in zip(*cols, strict=True):
-            row = list(row)
-            row[at["host"]] = r.host
-            row[at["pid"]] = r.pid            # all of the session's records are this process's
-            out.append(tuple(row))
-            cat = row[at["cat"]]
-            self.counts[cat] = self.counts.get(cat, 0) + 1
+        # all of the session's records are this process's
+        out = rows.tuples(host=r.host, pid=r.pid)
+        cat = COLUMN_NAMES.index("cat")
+        for row in out:
+            self.counts[row[cat]] = self.counts.get(row[cat], 0) + 1
         self.counts["events_read"] = int(counts.get("events", 0))
         return out
 

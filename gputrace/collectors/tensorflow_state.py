@@ -258,7 +258,6 @@ class _State:
     def _convert(self) -> None:
         from gputrace.importers import tfprof, tfprof_files
         from gputrace.importers.common import Rows
-        from gputrace.trace.schema import COLUMN_NAMES
 
         assert self.logdir is not None
         keep = os.environ.get("GPUTRACE_TF_KEEP")
@@ -287,17 +286,9 @@ class _State:
             for d in devices:
                 self.converted["gpu"] = self.converted.get("gpu", 0) + tfprof.gpu_rows(
                     d, rows, rank=r.rank, optimizers=self.optimizers)
-        table = rows.table()
-        if not table.num_rows:
-            return
-        cols = [table.column(c).to_pylist() for c in COLUMN_NAMES]
-        at = {c: i for i, c in enumerate(COLUMN_NAMES)}
-        out = []
-        for row in zip(*cols, strict=True):
-            row = list(row)
-            row[at["host"]] = r.host
-            out.append(tuple(row))
-        r.add_rows(out)
+        out = rows.tuples(host=r.host)
+        if out:
+            r.add_rows(out)
 
     def _status(self) -> None:
         w = self.window

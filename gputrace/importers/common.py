@@ -191,6 +191,15 @@ class Rows:
             t = t.set_column(i, field, col.cast(field.type))
         return t
 
+    def tuples(self, **fixed: Any) -> list[tuple[Any, ...]]:
+        """The rows as a recorder's tuples (COLUMN_NAMES' order), with the columns `fixed`
+        names (e.g. the recording process's `host`) set in every row."""
+        table = self.table()
+        cols = [table.column(c).to_pylist() for c in COLUMN_NAMES]
+        for name, value in fixed.items():
+            cols[self._INDEX[name]] = [value] * table.num_rows
+        return list(zip(*cols, strict=True))
+
 
 def attribute(phase_key: Sequence[Any], phase_start: np.ndarray, phase_end: np.ndarray,
               launch_key: Sequence[Any], launch_t: np.ndarray,
