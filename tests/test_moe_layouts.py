@@ -150,3 +150,30 @@ def test_torchtitan_moe_layout(titan):
     assert got == pytest.approx(tokens, rel=0.02)
     assert g["most_loaded_rank"] == max(tokens, key=lambda r: tokens[r])
     assert f"(EP {cfg['ep']} on the same ranks), 2 ranks" in run.text
+
+
+def test_torchtitan_waits_for_the_groups_last_rank(titan):
+    """Each rank's wait in torchtitan's all-to-alls for the other rank to enter them (count
+    exchange, dispatch and combine, forward and backward), in all and per MoE layer, as the
+    job's own entries on the host's monotonic clock give it (the last rank's entry less its
+    own, summed per iteration over the iterations gputrace analyzed): within 15 % or 1 ms."""
+    run = titan
+    own = {r: _own(run, r) for r in (0, 1)}
+    n = len(own[0])
+    assert [o["it"] for o in own[0]] == [o["it"] for o in own[1]]
+    want: dict[int, dict[int, float]] = {0: {}, 1: {}}
+    for k in range(n):
+        calls = [own[r][k]["a2a"] for r in (0, 1)]
+        assert [(a["block"], a["role"], a["phase"]) for a in calls[0]] == \
+            [(a["block"], a["role"], a["phase"]) for a in calls[1]]
+        for x in range(len(calls[0])):
+            last = max(c[x]["entry"] for c in calls)
+            for r in (0, 1):
+                block = calls[r][x]["block"]
+                want[r][block] = want[r].get(block, 0.0) + (last - calls[r][x]["entry"]) / 1e9 / n
+    g = run.rank(0)["parallelism"]["expert_parallel"]["imbalance"]["groups"][0]
+    for r in (0, 1):
+        assert g["wait_s"][str(r)] == pytest.approx(sum(want[r].values()), rel=TIME_TOL,
+                                                    abs=1e-3), (r, g["wait_s"], want)
+        got = {int(k): v for k, v in g["wait_by_layer"][str(r)].items()}
+        assert got == pytest.approx(want[r], rel=TIME_TOL, abs=1e-3), (r, got, want[r])

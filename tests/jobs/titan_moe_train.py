@@ -60,8 +60,10 @@ def _nb(x: torch.Tensor) -> int:
 
 
 def _note(block: int, role: str, phase: str, x: torch.Tensor, rows: list[int]) -> None:
+    """One all-to-all about to be entered: its layer, role, bytes, rows, and when (the
+    host's monotonic clock, one clock for every rank of this host)."""
     LOG["a2a"].append({"block": block, "role": role, "phase": phase, "bytes": _nb(x),
-                       "rows": list(rows)})
+                       "rows": list(rows), "entry": time.monotonic_ns()})
 
 
 def _on_grad(block: int, role: str, rows: list[int]) -> Any:
