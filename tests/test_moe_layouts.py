@@ -109,6 +109,10 @@ def test_deepspeed_moe_layout(ds):
             pytest.approx(sum(c["phase"] == "update" for c in calls))
     assert "capacity-padded buffers" in run.text and "mean tokens (" not in run.text
     assert f"DP 2 (EP {cfg['ep']} on the same ranks), 2 ranks" in run.text
+    # its sharded reading names what ZeRO stage 0 runs: all-reduces, nothing gathered
+    assert "DeepSpeed ZeRO-0 (data parallel), 2 ranks" in run.text
+    assert "comm: all-reduces (all of it)" in run.text
+    assert "all-gathers" not in run.text and "reduce-scatters" not in run.text
     assert "other (under 1 KiB each, not gradient" in run.text
     want = _job_waits(run, [0, 1])
     g = run.rank(0)["parallelism"]["expert_parallel"]["imbalance"]["groups"][0]

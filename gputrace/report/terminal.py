@@ -36,13 +36,24 @@ def phase_rows(ra: RankAnalysis) -> tuple[tuple[str, str], ...]:
     fw = ra.breakdown.get(FRAMEWORK[0])
     rows = PHASES
     if ra.collectives.sharded:
-        rows = tuple((k, "comm: all-gathers, reduce-scatters (all of it)" if k == "t_comm"
+        rows = tuple((k, f"comm: {sharded_comm(ra)} (all of it)" if k == "t_comm"
                       else label) for k, label in rows)
     par = tuple((k, label) for k, label in PARALLEL if k in ra.breakdown)
     rows = (*rows[:-1], *par, rows[-1])
     if fw is None or not fw.mean > 0:
         return rows
     return (*rows[:-1], FRAMEWORK, rows[-1])
+
+
+def sharded_comm(ra: RankAnalysis) -> str:
+    """A sharded run's comm in words, by the kinds its units are: FSDP's and ZeRO-3's
+    "all-gathers, reduce-scatters", DeepSpeed's ZeRO stage 0 "all-reduces" (data parallel,
+    nothing gathered or scattered)."""
+    ran = {k.kind for k in ra.collectives.kinds}
+    kinds = [k.kind for k in ra.collectives.kinds if k.gradient and not k.small]
+    if kinds and not {"all_gather", "reduce_scatter"} & ran:
+        return ", ".join(dict.fromkeys(k.replace("_", "-") + "s" for k in kinds))
+    return "all-gathers, reduce-scatters"
 
 
 PARALLEL = (("t_tp", "tensor-parallel comm (exposed)"),
@@ -176,7 +187,7 @@ def render(a: Analysis, rank: int | None = None, file: IO[str] | None = None,
                padding=(0, 2))
     for c in ("", "total", "hidden", "exposed", "hidden %"):
         ot.add_column(c, justify="right" if c else "left")
-    comm = "all-gathers, reduce-scatters" if ra.collectives.sharded else "gradient comm"
+    comm = sharded_comm(ra) if ra.collectives.sharded else "gradient comm"
     for name, d in (((comm, ra.comm),) if not one else ()) + (("input I/O", ra.io),):
         ot.add_row(name, _ms(d["total_s"]), _ms(d["hidden_s"]), _ms(d["exposed_s"]),
                    f"{d['hidden_fraction']:.0%}")

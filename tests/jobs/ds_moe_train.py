@@ -81,13 +81,13 @@ def _log_a2a() -> None:
 
 
 class Model(nn.Module):
-    def __init__(self, d: int, capacity_factor: float) -> None:
+    def __init__(self, d: int, capacity_factor: float, drop_tokens: bool = True) -> None:
         super().__init__()
         self.inp = nn.Linear(d, d)
         expert = nn.Sequential(nn.Linear(d, 4 * d), nn.ReLU(), nn.Linear(4 * d, d))
         self.moe = nn.ModuleList(
             MoE(hidden_size=d, expert=expert, num_experts=EXPERTS, ep_size=EP, k=k,
-                capacity_factor=capacity_factor, min_capacity=4, drop_tokens=True,
+                capacity_factor=capacity_factor, min_capacity=4, drop_tokens=drop_tokens,
                 use_rts=False) for k in TOPK)
         self.head = nn.Linear(d, d)
         self.gate_out: list[tuple[Any, ...]] = []
@@ -120,13 +120,16 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--d", type=int, default=64)
     p.add_argument("--capacity-factor", type=float, default=1.25)
+    p.add_argument("--keep-tokens", action="store_true",
+                   help="drop_tokens=False: the capacity is the most-loaded expert's count, "
+                        "agreed over the group by an all-reduce of its max")
     a = p.parse_args()
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     _log_a2a()
     torch.manual_seed(0)
-    model = Model(a.d, a.capacity_factor)
+    model = Model(a.d, a.capacity_factor, drop_tokens=not a.keep_tokens)
     cfg = {"train_micro_batch_size_per_gpu": a.tokens, "gradient_accumulation_steps": 1,
            "steps_per_print": 10**9, "wall_clock_breakdown": False,
            "zero_allow_untested_optimizer": True}

@@ -96,6 +96,7 @@ class Sharded:
 
 
 LABELS = {"fsdp2": "FSDP", "fsdp1": "FSDP (FullyShardedDataParallel)",
+          "zero0": "DeepSpeed ZeRO-0 (data parallel)",
           "zero1": "DeepSpeed ZeRO-1", "zero2": "DeepSpeed ZeRO-2", "zero3": "DeepSpeed ZeRO-3"}
 
 
