@@ -208,8 +208,9 @@ def _ep(con: Console, ep, imb) -> None:  # noqa: ANN001 - ep.ExpertParallel, ep.
         if ep.even_splits and g.balanced_saves_s != g.balanced_saves_s:
             con.print(f"{head}what if routing were balanced: not predicted: with even "
                       "splits every rank's experts process as much whatever the routing; "
-                      "what balance would change (the tokens dropped, or a capacity set by "
-                      "the most-loaded expert) is not in the comm")
+                      "what balance would change (the tokens dropped, or the capacity the "
+                      "most-loaded expert sets, which even splits show only as it is) cannot "
+                      "be told from the comm")
         elif g.balanced_saves_s == g.balanced_saves_s:
             saves = g.balanced_saves_s
             # a replay that takes longer balanced says so, never "-4.5 ms less"
