@@ -105,8 +105,8 @@ def comm_outside_backward(trace, rs) -> np.ndarray:
 def held_to_own_clock(rs, steps, comm_in_backward: bool = False, skip: int = 3,
                       trace=None):
     """gputrace's figures iteration by iteration against the job's own: the median
-    difference within 15 % (or 1 ms) per phase, the median ratio within 5 % for the
-    iteration. A DDP backward, as the job times it, waits for its last buckets: t_b plus the
+    difference within 15 % (or 1 ms) per phase, the matched iterations' total within 5 %
+    for the iteration. A DDP backward, as the job times it, waits for its last buckets: t_b plus the
     gradient comm exposed after it (not the collectives outside the backward call: `trace`)."""
     pairs = matched(rs, steps)[skip:]
     assert len(pairs) >= 8, (len(pairs), len(steps), rs.iterations.start.size)
@@ -123,9 +123,15 @@ def held_to_own_clock(rs, steps, comm_in_backward: bool = False, skip: int = 3,
         assert abs(diff) <= max(TOL * float(np.median(w)), ABS_S), \
             (phase, diff, g.round(5).tolist(), w.round(5).tolist())
         out[phase] = (float(np.median(g)), float(np.median(w)))
+    # the iterations tile the loop on both clocks, whose boundaries may be drawn at other
+    # points of it (gputrace's at the batch fetch, the job's at on_train_batch_end): what
+    # runs between the two (a trainer's callbacks and logging, a preemption there beside a
+    # busy neighbour) is in one iteration on one clock and the next on the other, which
+    # moves single iterations' ratios (0.85-1.20 in one run at load 6) and not the time
+    # the matched iterations take together
     g = np.array([rs.terms["t_iter"][k] for _, k in pairs])
     w = np.array([(steps[i]["end"] - steps[i]["start"]) / 1e9 for i, _ in pairs])
-    ratio = float(np.median(g / w))
+    ratio = float(g.sum() / w.sum())
     assert abs(ratio - 1) <= ITER_TOL, ("t_iter", ratio, g.tolist(), w.tolist())
     return out
 
