@@ -108,9 +108,7 @@ def _pandas_left_out(args: argparse.Namespace) -> None:
     it converts a Python value or a column to numpy (0.13-0.2 s of CPU of a ~0.7 s
     `analyze`), only to ask whether the value is a pandas object. A finder refuses it to
     this process, as where pandas is not installed (pyarrow then converts as it does
-    there); only for the process's own command line (main() without arguments: the
-    `gputrace` command, `python -m gputrace`), not where pandas was already imported, nor
-    on a cluster (--dask, --ray)."""
+    there); not where pandas was already imported, nor on a cluster (--dask, --ray)."""
     import importlib.abc
 
     name = getattr(args._run, "__module__", "").rpartition(".")[2]
@@ -129,8 +127,6 @@ def _pandas_left_out(args: argparse.Namespace) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one command; `argv` None: the process's own command line (sys.argv)."""
-    own = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         p = build_parser()
@@ -138,8 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not getattr(args, "_run", None):
             p.print_help()
             return 2
-        if own:
-            _pandas_left_out(args)
+        _pandas_left_out(args)
         return int(args._run(args))
     except CommandError as e:
         print(f"gputrace: error: {one_line(str(e))}", file=sys.stderr)
