@@ -100,27 +100,6 @@ def test_built_trace_same_as_json_and_tables(built):
         r.rank = 0
 
 
-def test_the_command_line_leaves_pandas_out_and_says_the_same(built):
-    """`gputrace analyze` and `diff` never import pandas (pyarrow would, only to ask whether
-    a value is a pandas object: 0.13-0.2 s of a ~0.7 s call), and say what the API says
-    in a process that has it."""
-    import os
-    import re
-
-    pytest.importorskip("pandas")
-    env = {**os.environ, "PYTHONPROFILEIMPORTTIME": "1"}
-    for args in (["analyze", str(built), "--json"], ["diff", str(built), str(built), "--json"]):
-        p = subprocess.run([sys.executable, "-m", "gputrace", *args], capture_output=True,
-                           text=True, timeout=300, env=env, cwd=ROOT)
-        assert p.returncode == 0, p.stderr[-2000:]
-        assert "| gputrace.cli" in p.stderr            # the imports are listed
-        assert not re.search(r"\|\s+pandas\.", p.stderr), args   # none of pandas' own modules
-        if args[0] == "analyze":
-            assert p.stdout == gputrace.analyze(built).to_json() + "\n"
-        else:
-            assert json.loads(p.stdout) == gputrace.diff(built, built).to_dict()
-
-
 def test_show_prints_what_analyze_prints(built):
     """`Result.show()` prints every section `gputrace analyze` prints (the terminal renderer
     owns them all), in another process with the same environment."""

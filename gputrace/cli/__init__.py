@@ -11,7 +11,8 @@ from typing import Protocol
 
 from gputrace.analysis.inputs import AnalysisError, one_line
 from gputrace.analysis.inputs import load_inputs as load_trace
-from gputrace.fmt import parse_bytes, reason
+from gputrace.analysis.run import parse_bytes
+from gputrace.fmt import reason
 
 __all__ = ["CommandError", "load_trace", "main", "one_line", "output_name", "parse_bytes"]
 
@@ -98,34 +99,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-# the commands that read traces and hand pyarrow no pandas objects; record is not among
-# them (its in-process mode runs the user's script here), nor export (its Perfetto writer)
-_NO_PANDAS = ("analyze", "diff", "report", "info", "recover", "capture", "imports")
-
-
-def _pandas_left_out(args: argparse.Namespace) -> None:
-    """Keep pandas out of a command that never needs it: pyarrow imports it the first time
-    it converts a Python value or a column to numpy (0.13-0.2 s of CPU of a ~0.7 s
-    `analyze`), only to ask whether the value is a pandas object. A finder refuses it to
-    this process, as where pandas is not installed (pyarrow then converts as it does
-    there); not where pandas was already imported, nor on a cluster (--dask, --ray)."""
-    import importlib.abc
-
-    name = getattr(args._run, "__module__", "").rpartition(".")[2]
-    if name not in _NO_PANDAS or "pandas" in sys.modules or \
-            getattr(args, "dask", None) or getattr(args, "ray", None):
-        return
-
-    class _Refused(importlib.abc.MetaPathFinder):
-        def find_spec(self, fullname: str, path: object = None, target: object = None
-                      ) -> None:
-            if fullname == "pandas" or fullname.startswith("pandas."):
-                raise ModuleNotFoundError(f"No module named {fullname!r}", name=fullname)
-            return None
-
-    sys.meta_path.insert(0, _Refused())
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -134,7 +107,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not getattr(args, "_run", None):
             p.print_help()
             return 2
-        _pandas_left_out(args)
         return int(args._run(args))
     except CommandError as e:
         print(f"gputrace: error: {one_line(str(e))}", file=sys.stderr)
