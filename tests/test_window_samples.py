@@ -148,11 +148,14 @@ def test_ticks_inside_the_window_at_full_rate(runs):
         inside = [t for t in ticks if lo * 1e9 <= t <= hi * 1e9]
         # the sampler never bursts to catch up (a tick is skipped instead): no two ticks
         # closer than half its period, so at most its rate (one more where the tick before
-        # the window ran late into it), and on this shared machine at least three quarters
+        # the window ran late into it); at its rate: most ticks one period apart (thinned,
+        # as outside, they would be a second apart), whatever ticks a descheduled sampler
+        # skipped beside a busy neighbour (24 of the window's 34 periods in one CI-like run)
         gaps = [b - a for a, b in zip(inside[:-1], inside[1:], strict=True)]
         assert min(gaps) >= 0.45e9 / HZ, (n, min(gaps))
-        assert 0.75 * HZ * (hi - lo) - 1 <= len(inside) <= HZ * (hi - lo) + 2, \
-            (n, len(inside), hi - lo)
+        assert len(inside) <= HZ * (hi - lo) + 2, (n, len(inside), hi - lo)
+        assert len(gaps) >= 0.25 * HZ * (hi - lo), (n, len(inside), hi - lo)
+        assert float(np.median(gaps)) <= 1.25e9 / HZ, (n, float(np.median(gaps)))
 
 
 def test_session_sampler_takes_the_same_window(tmp_path):
