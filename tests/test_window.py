@@ -202,7 +202,10 @@ def test_time_window(runs):
     # every iteration that fits the window is in it
     assert not any(lo <= r["start_ns"] and r["end_ns"] <= hi for r in outside)
     d = _json(path, "--skip", "0")
-    assert d["window"]["duration_s"] == 2 and d["window"]["iterations"] == len(its)
+    # the window section counts the rank shown (the slowest), whose iterations inside a
+    # timed window may be one fewer or more than rank 0's (172 against 173 once)
+    shown = [r for r in t if r["rank"] == d["rank"] and r["cat"] == "iteration"]
+    assert d["window"]["duration_s"] == 2 and d["window"]["iterations"] == len(shown)
     steps = sorted(r["step"] for r in its)
     assert steps == list(range(steps[0], steps[-1] + 1))
     _agree(np.array(d["run"]["t_iter_s"]),
