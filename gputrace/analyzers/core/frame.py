@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -19,6 +20,10 @@ COLUMNS = ("kind", "rank", "cat", "name", "start_ns", "end_ns", "pid", "tid", "d
            "layer", "bytes", "args", "src_kind", "dst_kind", "phase", "launch_ns", "value",
            "unit", "stream", "host")
 _SAMPLE_COLUMNS = ("name", "device", "start_ns", "value", "unit", "host")
+# the columns of the samples and instants a frame's `others` (build's) is handed, beside
+# `kind`: what the sections beside the analysis read of them (analyzers.extras.held)
+OTHER_COLUMNS = ("cat", "name", "host", "rank", "pid", "device", "value", "unit", "start_ns",
+                 "step", "args")
 
 
 def _codes(col: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, list[str]]:
@@ -148,6 +153,9 @@ class Frame:
     ranks: dict[int, Spans]
     hosts: dict[str, dict[str, Samples]]    # host -> its samples by name
     metadata: dict[str, object]
+    # what build's `others` kept of the frame's samples and instants (None: nothing)
+    others: pa.Table | None = None
+    present: tuple[int, ...] = ()           # the ranks its rows carry, as stored (-1 too)
 
     @property
     def samples(self) -> dict[str, Samples]:
@@ -158,13 +166,16 @@ class Frame:
 
 
 def build(table: pa.Table | dict[str, pa.ChunkedArray] | RankColumns,
-          metadata: dict[str, object] | None = None, drop_unranked: bool = False) -> Frame:
+          metadata: dict[str, object] | None = None, drop_unranked: bool = False,
+          others: Callable[[pa.Table], pa.Table | None] | None = None) -> Frame:
     """The frame of a table, or of a dict of its columns, or of a RankColumns that reads
     each column as it is asked for: a dict is emptied as the columns are converted, so the
     caller that hands over its only reference to them never holds the table and its numpy
     copy at once. Spans without a rank are dropped when they stand beside ranked ones
     (launchers such as torchrun), here or, with `drop_unranked`, in another part of the
-    same trace."""
+    same trace. `others`: given the frame's samples and instants (`kind` and
+    OTHER_COLUMNS, put aside as each column is converted, as the samples are), what of them
+    the frame keeps (Frame.others), with the ranks its rows carry (Frame.present)."""
     cols = table if not isinstance(table, pa.Table) else \
         {c: table.column(c) for c in table.column_names}
     del table
@@ -175,15 +186,24 @@ def build(table: pa.Table | dict[str, pa.ChunkedArray] | RankColumns,
     span_code = kinds.index("span") if "span" in kinds else -2
     sample_code = kinds.index("sample") if "sample" in kinds else -2
     is_sample = kind_codes == sample_code
-    keep = pa.array(is_sample) if is_sample.any() else None
-    del is_sample
+    aside_mask = is_sample if others is None else \
+        is_sample | (kind_codes == (kinds.index("instant") if "instant" in kinds else -2))
+    aside = np.flatnonzero(aside_mask)
+    keep = pa.array(aside_mask) if aside.size else None
+    aside_sample = is_sample[aside]         # which of the rows put aside are samples
+    del aside_mask, is_sample
+    stash = _SAMPLE_COLUMNS if others is None else OTHER_COLUMNS
     smp: dict[str, pa.ChunkedArray] = {}
+    present: set[int] = set()
 
     def pop(name: str) -> pa.ChunkedArray:
-        """A column, handed over; its sample rows (few) are put aside first."""
+        """A column, handed over; its sample rows (few), and where `others` is given its
+        instants (fewer), are put aside first."""
         c = cols.pop(name)
-        if keep is not None and name in _SAMPLE_COLUMNS:
+        if keep is not None and name in stash:
             smp[name] = c.filter(keep)
+        if name == "rank" and others is not None:
+            present.update(int(r) for r in pc.unique(c).to_pylist() if r is not None)
         return c
 
     ranks: dict[int, Spans] = {}
@@ -249,11 +269,18 @@ def build(table: pa.Table | dict[str, pa.ChunkedArray] | RankColumns,
                 launch=launch[sl], stream=None if stream is None else stream[sl],
                 host=_most(host[sl], hosts))
     samples: dict[str, dict[str, Samples]] = {}
-    if keep is not None:
-        for c in _SAMPLE_COLUMNS:
-            if c not in smp:
+    if keep is not None or others is not None:
+        for c in stash if keep is not None else ("rank",):
+            if c not in smp and c in cols:
                 pop(c)
     cols.clear()
+    kept = None
+    if others is not None and keep is not None:
+        kept = others(pa.table({"kind": pa.DictionaryArray.from_arrays(
+            kind_codes[aside], pa.array(kinds, pa.string())), **smp}))
+    if not aside_sample.all():     # instants among the rows put aside
+        smp = {c: smp[c].filter(pa.array(aside_sample)) for c in _SAMPLE_COLUMNS
+               if c in smp} if aside_sample.any() else {}
     if smp:
         name, names = _codes(smp["name"])
         dev = _np(smp["device"], -1, np.int32)
@@ -275,7 +302,7 @@ def build(table: pa.Table | dict[str, pa.ChunkedArray] | RankColumns,
                     idx = sel[dev[sel] == d]
                     key = nm if d < 0 else f"{nm}@{d}"  # per-GPU counters stay apart
                     out[key] = Samples(t[idx], v[idx], units[idx[0]] or "")
-    return Frame(ranks, samples, dict(metadata or {}))
+    return Frame(ranks, samples, dict(metadata or {}), kept, tuple(sorted(present)))
 
 
 def _most(codes: np.ndarray, values: list[str]) -> str:

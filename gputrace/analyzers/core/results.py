@@ -97,9 +97,11 @@ class Analysis:
     slowest_why: Outlier | None = None      # the slowest rank, told as an outlier is
     throughput: Any = None   # throughput.JobThroughput: the job's, over its DP replicas
     checks: list[Any] = field(default_factory=list)   # invariants.Check: what did not hold
-    # analysis.extras.Beside: what was read from the rows beside the ranks' analysis (the
-    # window, memory, FLOPs, hangs), read once by run_analysis for the rank shown
+    # analysis.extras.Beside: what lies beside the ranks' analysis (the window, memory,
+    # FLOPs, hangs) for the rank shown, made once by run_analysis from `held`
     beside: Any = None
+    # analyzers.extras.held.Held: what the ranks' parts kept of the rows for it
+    held: Any = None
 
     @property
     def main(self) -> RankAnalysis:

@@ -6,13 +6,14 @@ and the GPUs' capacity; and the GPUs' used memory as NVML sampled it (`gpu.mem_u
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Collection
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from gputrace.analyzers.extras.memory_phases import OUTSIDE, Attribution, attribute
-from gputrace.analyzers.extras.window import stored_rank
+from gputrace.analyzers.extras.window import stored_of, stored_rank
 from gputrace.collectors.memory import CAT, PHASES
 
 UNAVAILABLE = ("no memory samples in this trace (recorded before gputrace sampled memory, "
@@ -27,26 +28,34 @@ def empty() -> dict[str, Any]:
             "largest_rank": None, "unavailable": UNAVAILABLE}
 
 
-def memory_rows(table: pa.Table) -> list[dict[str, Any]]:
-    """The trace's memory samples and NVML's used-memory samples, as dicts."""
+def is_memory(table: pa.Table) -> pa.ChunkedArray:
+    """Which rows of a table (kind, cat, name) are memory samples or NVML's used memory."""
     cat = table["cat"].cast(pa.string())
-    m = pc.and_(pc.equal(table["kind"].cast(pa.string()), "sample"),
-                pc.or_(pc.equal(cat, CAT), pc.and_(pc.equal(cat, "gpu"), pc.equal(
-                    table["name"].cast(pa.string()), "gpu.mem_used"))))
+    return pc.and_(pc.equal(table["kind"].cast(pa.string()), "sample"),
+                   pc.or_(pc.equal(cat, CAT), pc.and_(pc.equal(cat, "gpu"), pc.equal(
+                       table["name"].cast(pa.string()), "gpu.mem_used"))))
+
+
+def memory_rows(table: pa.Table, present: Collection[int] | None = None
+                ) -> list[dict[str, Any]]:
+    """The trace's memory samples and NVML's used-memory samples, as dicts; `present`: the
+    ranks the trace's rows carry, where `table` holds only some of its rows (else its
+    own)."""
     cols = [c for c in COLUMNS[2:] if c in table.column_names]
-    rows = table.filter(m).select(cols).to_pylist()
-    if rows and stored_rank(table, 0) == -1:    # one process that never said its rank
+    rows = table.filter(is_memory(table)).select(cols).to_pylist()
+    stored = stored_rank(table, 0) if present is None else stored_of(present, 0)
+    if rows and stored == -1:    # one process that never said its rank
         for r in rows:
             if r["name"] != "gpu.mem_used":
                 r["rank"] = 0 if r["rank"] == -1 else r["rank"]
     return rows
 
 
-def analyze_memory(table: pa.Table, rank: int,
-                   metadata: dict[str, Any] | None = None) -> dict[str, Any]:
+def analyze_memory(table: pa.Table, rank: int, metadata: dict[str, Any] | None = None,
+                   present: Collection[int] | None = None) -> dict[str, Any]:
     """`memory` of analyze --json: `rank`'s peaks, with the phases they happened in, and
-    every rank's."""
-    rows = memory_rows(table)
+    every rank's (`present`: as memory_rows takes it)."""
+    rows = memory_rows(table, present)
     gpus = _nvml(rows, metadata or {})
     rows = [r for r in rows if r["name"] != "gpu.mem_used" and r["rank"] >= 0]
     if not rows:

@@ -5,7 +5,8 @@ spans inside), with a finding when the iterations outside it differ from those i
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import Collection
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -13,6 +14,9 @@ import pyarrow.compute as pc
 
 from gputrace.window import PHASES, phase_sums, unpack, window_of
 from gputrace.window_pack import RUN_KEYS
+
+if TYPE_CHECKING:
+    from gputrace.analyzers.core.frame import Spans
 
 _CATS = ("iteration", "run", *PHASES)
 # leave out of the comparison the first iterations (warm-up)
@@ -29,7 +33,29 @@ def _rows(table: pa.Table, rank: int) -> list[dict[str, Any]]:
 def series(table: pa.Table, rank: int) -> dict[str, Any]:
     """Per iteration of the run on `rank`, in order: step, start/end (ns), whether it was
     inside the window, and its phase sums (ns)."""
-    rows = _rows(table, rank)
+    return series_of(_rows(table, rank))
+
+
+def span_series(sp: Spans) -> dict[str, np.ndarray]:
+    """`series` of one rank's spans, as arrays (what its part of the analysis keeps)."""
+    codes = [sp.cats.index(c) for c in _CATS if c in sp.cats]
+    idx = np.flatnonzero(np.isin(sp.cat, codes))
+    cat = [sp.cats[c] for c in sp.cat[idx].tolist()]
+    run = [i for i, c in zip(idx.tolist(), cat, strict=True) if c == "run"]
+    args = dict(zip(run, sp.args.take(pa.array(run, pa.int64())).to_pylist(), strict=True)) \
+        if run else {}
+    rows = [{"cat": c, "name": sp.names[n], "start_ns": s, "end_ns": e, "step": st,
+             "layer": ly, "args": args.get(i)}
+            for i, c, n, s, e, st, ly in zip(
+                idx.tolist(), cat, sp.name[idx].tolist(), sp.start[idx].tolist(),
+                sp.end[idx].tolist(), sp.step[idx].tolist(), sp.layer[idx].tolist(),
+                strict=True)]
+    s = series_of(rows)
+    return {k: np.asarray(v, bool if k == "inside" else np.int64) for k, v in s.items()}
+
+
+def series_of(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """`series` of a rank's rows (cat, name, start_ns, end_ns, step, layer, args)."""
     by_step: dict[int, list[tuple[Any, ...]]] = {}
     its = []
     for r in rows:
@@ -85,10 +111,20 @@ def spikes(t: np.ndarray) -> np.ndarray:
 
 def analyze_window(table: pa.Table, md: dict[str, Any], rank: int) -> dict[str, Any] | None:
     """`window` and `run` of analyze --json (None: not a windowed recording)."""
+    if window_of(md) is None:
+        return None
+    at = stored_rank(table, rank)
+    return window_doc(series(table, at), captured(table, at), md, rank)
+
+
+def window_doc(s: dict[str, Any], capture: list[dict[str, Any]], md: dict[str, Any],
+               rank: int) -> dict[str, Any] | None:
+    """`window` and `run` of `rank` from its series (`series`, lists or arrays) and the
+    windows `gputrace capture` opened on it (`capture`, as `captured` finds them)."""
     win = window_of(md)
     if win is None:
         return None
-    s = series(table, stored_rank(table, rank))
+    s = {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in s.items()}
     steps = np.array(s["step"], np.int64)
     t = (np.array(s["end"], np.int64) - np.array(s["start"], np.int64)) / 1e9
     inside = np.array(s["inside"], bool)
@@ -102,7 +138,7 @@ def analyze_window(table: pa.Table, md: dict[str, Any], rank: int) -> dict[str, 
                               "start_s": (s["start"][ins[0]] - t0) / 1e9 if len(ins) else None,
                               "end_s": (s["end"][ins[-1]] - t0) / 1e9 if len(ins) else None,
                               "windows": _windows(s, ins, t0),
-                              "captured": _captured(table, stored_rank(table, rank))}
+                              "captured": capture}
     sp = spikes(t)
     run: dict[str, Any] = {
         "rank": rank, "iterations": int(len(t)), "step": steps.tolist(),
@@ -120,7 +156,12 @@ def analyze_window(table: pa.Table, md: dict[str, Any], rank: int) -> dict[str, 
 def stored_rank(table: pa.Table, rank: int) -> int:
     """The rank `rank`'s rows carry: a job of one process that never said its rank records
     -1, which the analysis calls rank 0."""
-    present = set(pc.unique(table["rank"]).to_pylist())
+    return stored_of(pc.unique(table["rank"]).to_pylist(), rank)
+
+
+def stored_of(present: Collection[int | None], rank: int) -> int:
+    """stored_rank where the ranks the trace's rows carry (`present`) are known."""
+    present = set(present)
     return -1 if rank not in present and rank == 0 and -1 in present else rank
 
 
@@ -139,9 +180,11 @@ def _windows(s: dict[str, Any], ins: np.ndarray, t0: int) -> list[dict[str, Any]
     return out
 
 
-def _captured(table: pa.Table, rank: int) -> list[dict[str, Any]]:
+def captured(table: pa.Table | None, rank: int) -> list[dict[str, Any]]:
     """The windows `gputrace capture` (or SIGUSR2) opened on `rank`: first step, length,
-    and when asked (Unix time, seconds)."""
+    and when asked (Unix time, seconds); none where `table` is None."""
+    if table is None:
+        return []
     m = pc.and_(pc.equal(table["kind"], "instant"), pc.equal(table["cat"], "window"))
     m = pc.and_(m, pc.equal(table["rank"], rank))
     out: dict[tuple[Any, Any], dict[str, Any]] = {}

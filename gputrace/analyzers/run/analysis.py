@@ -23,6 +23,7 @@ from gputrace.analyzers.core.results import Analysis, NothingToAnalyze, RankAnal
 from gputrace.analyzers.core.steps import (
     TERMS,
 )
+from gputrace.analyzers.extras import held
 from gputrace.analyzers.extras import recompute as rcp
 from gputrace.analyzers.extras import throughput as tput
 from gputrace.analyzers.findings import invariants, sanity
@@ -51,6 +52,7 @@ from gputrace.analyzers.run.ranks import (
 )
 from gputrace.analyzers.run.reading import _frames, _give_back, parallel_worth_it  # noqa: F401
 from gputrace.trace.ranked import RankedTrace
+from gputrace.window import window_of
 
 
 def analyze(trace: Any, *, skip: int | None = None, gpus: Sequence[int] = (2, 4, 8, 16),
@@ -81,7 +83,7 @@ def analyze(trace: Any, *, skip: int | None = None, gpus: Sequence[int] = (2, 4,
     opts = Options(skip, tuple(gpus), link_bytes_per_s, shared_io, tuple(what_if), detail, 1,
                    host_bytes_per_s or _host_bandwidth(md),
                    tuple(sorted(zero_whatif.settings(md).items())), calibration, batch,
-                   _peaks(probe).get("disk_write"))
+                   _peaks(probe).get("disk_write"), window_of(md) is not None)
     parts: list[FramePart] = []
     if isinstance(trace, RankedTrace):
         ranked = any(r >= 0 for r in trace.groups)
@@ -98,14 +100,18 @@ def analyze(trace: Any, *, skip: int | None = None, gpus: Sequence[int] = (2, 4,
         for f in _frames(trace, consume):
             opts = replace(opts, world=max(len(f.ranks), world, opts.world))
             parts.append(analyze_frame(f, opts))
-    return combine(parts, md, opts, probe, align, executor)
+    return combine(parts, md, opts, probe, align, executor,
+                   ranked=isinstance(trace, RankedTrace))
 
 
 def combine(parts: list[FramePart], md: dict[str, Any], opts: Options, probe: Any,
-            align: bool = True, executor: Executor | None = None) -> Analysis:
+            align: bool = True, executor: Executor | None = None,
+            ranked: bool = False) -> Analysis:
     """The analysis of a run from its ranks' parts: the wait for peers in comm (on host
     clocks aligned), each rank's replay and speedup given it (in `executor`'s workers when
-    given), its bandwidth (its host's samples) and findings, host clock offsets, outliers."""
+    given), its bandwidth (its host's samples) and findings, host clock offsets, outliers;
+    and what the parts kept for the sections beside it (Analysis.held; `ranked`: the
+    trace was read rank by rank)."""
     ranks = {p.rank: p for fp in parts for p in fp.ranks}
     if not ranks:
         raise NothingToAnalyze("the trace has no spans (no iterations or phases) to analyze")
@@ -196,10 +202,14 @@ def combine(parts: list[FramePart], md: dict[str, Any], opts: Options, probe: An
     figures = {r: {**{k: p.breakdown[k].mean for k in TERMS}, "comm_exposed": p.comm_exposed_s}
                for r, p in ranks.items()}
     outliers, told = find_outliers(figures, {r: p.host for r, p in ranks.items()})
+    kept = held.gather([(fp.rows, fp.present) for fp in parts],
+                       {r: p.flops for r, p in ranks.items()},
+                       {r: p.run_series for r, p in ranks.items()}, ranked)
     return invariants.check(
         Analysis(out, slowest, world, dict(md), clock=clock, outliers=outliers,
                  slowest_why=told, throughput=tput.job(
-                     {r: p.throughput for r, p in ranks.items()}, world, degrees)),
+                     {r: p.throughput for r, p in ranks.items()}, world, degrees),
+                 held=kept),
         opts.what_if, [deg_check] if deg_check else [])
 
 

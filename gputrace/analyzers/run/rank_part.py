@@ -34,9 +34,11 @@ from gputrace.analyzers.core.steps import (
     warmup_skip,
 )
 from gputrace.analyzers.extras import goodput as gp
+from gputrace.analyzers.extras import held
 from gputrace.analyzers.extras import recompute as rcp
 from gputrace.analyzers.extras import throughput as tput
 from gputrace.analyzers.extras.goodput_findings import findings as gp_findings
+from gputrace.analyzers.extras.window import span_series
 from gputrace.analyzers.findings.rules import Finding
 from gputrace.analyzers.parallel import registry
 from gputrace.analyzers.parallel.ddp.findings_replay import _extra_findings
@@ -66,6 +68,7 @@ class Options:
     calibration: Any = None   # another run of a pipeline (pp_whatif.Calibration)
     batch: tuple[int | None, int | None] = (None, None)   # samples per forward, tokens each
     disk_write_bytes_per_s: float | None = None   # the probe's, beside a checkpoint's rate
+    windowed: bool = False        # a windowed recording: each rank's whole run kept
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,10 @@ class RankPart:
     left_out: int | None = None   # the analyzed iteration whose FLOPs were counted (its index)
     recompute: rcp.Recompute | None = None   # the forward recomputed in the backward
     goodput: gp.Goodput | None = None   # the whole run: its training share, its badput
+    # kept for the sections beside the analysis (analyzers.extras.held): its `flops` rows
+    # with its layers' times, and a windowed recording's whole run (window.span_series)
+    flops: tuple[held.FlopsRow, ...] = ()
+    run_series: dict[str, np.ndarray] | None = None
 
     @property
     def sel(self) -> np.ndarray:
@@ -112,10 +119,14 @@ class RankPart:
 
 @dataclass(frozen=True)
 class FramePart:
-    """The ranks of one frame, and its samples by host."""
+    """The ranks of one frame, its samples by host, and what it keeps of its samples and
+    instants for the sections beside the analysis (held.keep) with the ranks its rows
+    carry."""
 
     ranks: list[RankPart]
     hosts: dict[str, dict[str, fr.Samples]]
+    rows: Any = None          # a small pyarrow Table, or None
+    present: tuple[int, ...] = ()
 
 
 def rank_steps(sp: fr.Spans, cr: col.Rows | None = None) -> RankSteps:
@@ -180,7 +191,8 @@ def analyze_spans(sp: fr.Spans, o: Options) -> RankPart:
         throughput=tput.rank(sp, its.start, its.end, sel, float(rs.terms["t_iter"][sel].mean())
                              if sel.size else 0.0, *o.batch), left_out=left,
         recompute=rcp.summarize(sp, rs.recompute_s, rs.layer_recompute_s, rs.terms["t_b"], sel),
-        goodput=good)
+        goodput=good, flops=held.flops_rows(sp, skipped, left),
+        run_series=span_series(sp) if o.windowed else None)
 
 
 def _fsdp_part(p: RankPart, o: Options) -> Any:
@@ -196,7 +208,7 @@ def analyze_frame(f: fr.Frame, o: Options) -> FramePart:
         sp = f.ranks.pop(r)
         parts.append(analyze_spans(sp, o))
         del sp
-    return FramePart(parts, f.hosts)
+    return FramePart(parts, f.hosts, f.others, f.present)
 
 
 def analyze_source(source: RankSource, drop_unranked: bool, o: Options) -> FramePart:
@@ -204,7 +216,8 @@ def analyze_source(source: RankSource, drop_unranked: bool, o: Options) -> Frame
     Ray worker that sees the same files) runs."""
     _give_back()
     cols = read_rank(source, fr.COLUMNS)
-    return analyze_frame(fr.build(cols, None, drop_unranked=drop_unranked), o)
+    return analyze_frame(fr.build(cols, None, drop_unranked=drop_unranked, others=held.keep),
+                         o)
 
 
 def replay_rank(p: RankPart, arrivals: np.ndarray | None, world: int, o: Options,

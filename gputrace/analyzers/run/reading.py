@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from gputrace.analyzers.core import frame as fr
+from gputrace.analyzers.extras.held import keep
 from gputrace.trace.ranked import RankedTrace
 
 _trim: Any = None     # glibc's malloc_trim, once looked up (False: none here)
@@ -36,14 +37,14 @@ def _frames(trace: Any, consume: bool) -> Iterator[fr.Frame]:
             _give_back()
             cols = trace.columns(r, fr.COLUMNS)
             # unranked spans beside ranked ones belong to launchers (torchrun): dropped
-            yield fr.build(cols, trace.metadata, drop_unranked=ranked and r < 0)
+            yield fr.build(cols, trace.metadata, drop_unranked=ranked and r < 0, others=keep)
             del cols
     elif consume:
         cols = {c: trace.table.column(c) for c in trace.table.column_names}
         trace.table = None
-        yield fr.build(cols, trace.metadata)
+        yield fr.build(cols, trace.metadata, others=keep)
     else:
-        yield fr.build(trace.table, trace.metadata)
+        yield fr.build(trace.table, trace.metadata, others=keep)
 
 
 
