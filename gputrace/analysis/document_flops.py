@@ -1,6 +1,7 @@
 """`flops` of analyze --json: the trace's `flops` rows (one per process that counted an
-iteration) read beside the analysis, with each layer's measured times over the analyzed
-iterations (analyzers.compare.diff_parts) and the peaks (analyzers.extras.flops)."""
+iteration), with each layer's measured times over the analyzed iterations
+(analyzers.extras.layer_times) and the peaks (analyzers.extras.flops), as the analysis kept
+them (analyzers.extras.held), or read from the files where it did not (analysis.extras)."""
 
 from __future__ import annotations
 
@@ -62,7 +63,10 @@ def _table(inputs: Sequence[str]) -> pa.Table | None:
     return pa.concat_tables(parts, promote_options="permissive") if parts else None
 
 
-def flops_doc(a: Any, shown: int, inputs: Sequence[str]) -> dict[str, Any]:
+def flops_doc(a: Any, shown: int, inputs: Sequence[str], held: Any = None) -> dict[str, Any]:
+    """`flops` for rank `shown`: from the `flops` rows and layer times the analysis kept
+    (`held`: analyzers.extras.held.Held), else read from the trace `inputs` (analysis.extras
+    says when)."""
     statuses = _statuses(a.metadata)
     if not any(s == "ok" for s in statuses):
         # a training process's reason before a launcher's (torchrun's own process trains
@@ -74,24 +78,21 @@ def flops_doc(a: Any, shown: int, inputs: Sequence[str]) -> dict[str, Any]:
         if why is None and _tensorflow(a.metadata):
             why = TENSORFLOW
         return fl.not_counted(why or NONE)
-    table = _table(inputs)
-    if table is None:
-        return fl.not_counted("the trace could not be read for them")
-    cat = table["cat"].cast(pa.string())
-    rows = table.filter(pc.equal(cat, "flops")).select(
-        ["rank", "args", "start_ns", "end_ns"]).to_pylist()
+    if held is not None:
+        rows = [(r, f) for r, fs in held.flops.items() for f in fs]
+    else:
+        table = _table(inputs)
+        if table is None:
+            return fl.not_counted("the trace could not be read for them")
+        rows = _rows(a, table)
     if not rows:
         return fl.not_counted(NONE)
-    ranks = sorted(a.ranks)
     md = a.metadata if isinstance(a.metadata, dict) else {}
     gpus = [g.get("name") for g in md.get("gpus") or [] if isinstance(g, dict)]
     out: dict[str, Any] = {"counted": True, "unavailable": None, "rank": shown, "ranks": {},
                            "layers": []}
-    for row in rows:
-        r = row["rank"] if row["rank"] in a.ranks else (ranks[0] if len(ranks) == 1 else None)
-        if r is None:
-            continue
-        args = json.loads(row["args"])
+    for r, row in rows:
+        args = json.loads(row.args)
         ra = a.ranks[r]
         t_iter = float(ra.breakdown["t_iter"].mean)
         pk = fl.peaks(args, md.get("probe"), gpus)
@@ -101,8 +102,7 @@ def flops_doc(a: Any, shown: int, inputs: Sequence[str]) -> dict[str, Any]:
             out.update({k: args.get(k) for k in ("method", "dtype", "device", "device_name")})
             out["peaks"] = pk
             out["peak_used"] = peak["source"] if peak else None
-            left = (row["start_ns"], row["end_ns"]) if ra.flops_left_out is not None else None
-            out["layers"] = fl.layers(args, _layer_times(table, ra, left), t_iter,
+            out["layers"] = fl.layers(args, row.times, t_iter,
                                       peak["flops_per_s"] if peak else None,
                                       peak["source"] if peak else None)
             out["finding"] = fl.finding(out["layers"], peak["source"] if peak else None)
@@ -111,51 +111,48 @@ def flops_doc(a: Any, shown: int, inputs: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-def _without_recomputed(table: pa.Table, rank: int) -> pa.Table:
-    """The table less the forward spans that ran inside a backward pass: a checkpointed
-    layer's forward recomputed there is the backward's work (its FLOPs are the
-    recomputation's), not the layer's forward. `rank`: the rank whose backward passes."""
-    cat = table["cat"].cast(pa.string())
-    outer = table.filter(pc.and_(pc.and_(pc.equal(cat, "backward"), pc.less(table["layer"], 0)),
-                                 pc.equal(table["rank"], rank)))
-    if not outer.num_rows:
-        return table
-    from gputrace.analyzers.core import overlap as ov
+def _rows(a: Any, table: pa.Table) -> list[tuple[int, Any]]:
+    """The `flops` rows of a table read from the files, each with the rank it is taken
+    for (a row of a process without a rank: the run's one rank) and, for the rank shown,
+    its layers' times (held.FlopsRow)."""
+    from gputrace.analyzers.extras.held import FlopsRow
 
-    lo, hi = ov.union(outer["start_ns"].to_numpy(zero_copy_only=False),
-                      outer["end_ns"].to_numpy(zero_copy_only=False))
-    start = table["start_ns"].to_numpy(zero_copy_only=False)
-    j = np.searchsorted(lo, start, side="right") - 1
-    inside = (j >= 0) & (start < hi[np.clip(j, 0, None)])
-    fwd = pc.equal(cat, "forward").to_numpy(zero_copy_only=False)
-    return table.filter(pa.array(~(fwd & inside)))
+    cat = table["cat"].cast(pa.string())
+    ranks = sorted(a.ranks)
+    out = []
+    for row in table.filter(pc.equal(cat, "flops")).select(
+            ["rank", "args", "start_ns", "end_ns"]).to_pylist():
+        r = row["rank"] if row["rank"] in a.ranks else (ranks[0] if len(ranks) == 1 else None)
+        if r is None:
+            continue
+        ra = a.ranks[r]
+        left = (row["start_ns"], row["end_ns"]) if ra.flops_left_out is not None else None
+        out.append((r, FlopsRow(row["args"], row["start_ns"], row["end_ns"],
+                                _layer_times(table, ra, left))))
+    return out
 
 
 def _layer_times(table: pa.Table, ra: Any, left: tuple[int, int] | None = None
                  ) -> dict[int, tuple[float | None, float | None]]:
-    """Each layer's forward and backward time per analyzed iteration of rank `ra`; `left`:
-    the counted iteration's [start, end), left out as the timings leave it out."""
-    from gputrace.analyzers.compare.diff_parts import parts
+    """Each layer's forward and backward time per analyzed iteration of rank `ra`
+    (analyzers.extras.layer_times) from a table of the trace's rows: the rank's own, or
+    every row where only one rank is ranked (a job's one process beside its launcher's);
+    `left`: the counted iteration's [start, end), left out as the timings leave it out."""
+    from gputrace.analyzers.extras.layer_times import layer_times
     from gputrace.analyzers.extras.window import stored_rank
 
     rank = stored_rank(table, ra.rank)
-    m = pc.and_(pc.equal(table["cat"].cast(pa.string()), "iteration"),
-                pc.equal(table["name"].cast(pa.string()), "iteration"))
-    its = table.filter(pc.and_(m, pc.equal(table["rank"], rank)))
-    start = np.sort(its["start_ns"].to_numpy(zero_copy_only=False))[ra.warmup_skipped:]
-    if left is not None:
-        start = start[(start < left[0]) | (start >= left[1])]
-        t = table["start_ns"]
-        table = table.filter(pc.or_(pc.less(t, left[0]), pc.greater_equal(t, left[1])))
-    if not start.size:
-        return {}
-    end = int(pc.max(its["end_ns"]).as_py())
-    p = parts(_without_recomputed(table, rank), rank, start, end)
-    out: dict[int, tuple[float | None, float | None]] = {}
-    for ph, i in (("forward", 0), ("backward", 1)):
-        for key, v in getattr(p, ph).items():
-            ly = int(key.split(" ", 1)[0])
-            cur = list(out.get(ly, (None, None)))
-            cur[i] = (cur[i] or 0.0) + v["time_s"]
-            out[ly] = (cur[0], cur[1])
-    return out
+    ranked = [r for r in pc.unique(table["rank"]).to_pylist() if r is not None and r >= 0]
+    rk = table["rank"].to_numpy(zero_copy_only=False)
+    mine = rk == rank
+    rows = mine if len(ranked) > 1 else np.ones(rk.size, bool)
+    cat = np.asarray(table["cat"].cast(pa.string()).to_pylist(), dtype=object)
+    name = table["name"].cast(pa.string()).to_pylist()
+    start = table["start_ns"].to_numpy(zero_copy_only=False)
+    end = pc.coalesce(table["end_ns"], table["start_ns"]).to_numpy(zero_copy_only=False)
+    layer = table["layer"].to_numpy(zero_copy_only=False)
+    bwd = cat == "backward"
+    its = (cat == "iteration") & (np.asarray(name, dtype=object) == "iteration") & mine
+    return layer_times(start, end, layer, (cat == "forward") & rows, bwd & rows,
+                       lambda idx: [name[i] for i in idx.tolist()], its,
+                       bwd & mine & (layer < 0), ra.warmup_skipped, left)

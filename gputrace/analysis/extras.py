@@ -1,8 +1,16 @@
-"""What is read from the trace's rows beside the analyzers' results: a windowed
-recording's `window` and `run` (with its `window_missed` finding), `memory` (with its
-findings), `flops` (with its finding) and `hangs` (the collectives some rank waited in too
-long, each a finding). report.document puts them in the `analyze --json` document and the
-report's charts."""
+"""What lies beside the analyzers' results: a windowed recording's `window` and `run` (with
+its `window_missed` finding), `memory` (with its findings), `flops` (with its finding) and
+`hangs` (the collectives some rank waited in too long, each a finding). report.document
+puts them in the `analyze --json` document and the report's charts.
+
+They are made from what the analysis kept of the rows as it read them (Analysis.held,
+analyzers.extras.held), for any rank, with no read of the trace. One kind of input is read
+again: trace files the analysis could not read rank by rank (a file whose record batches
+mix ranks, or one truncated or damaged, which the analysis read whole, recovering what it
+could), whose memory samples, FLOP count and `flight` instants are read from the files as
+they always were (`_columns`, document_flops, `_read`: a file that cannot be read that way
+has no such section), so that what they say of those files stays what it was; an Analysis
+that holds nothing (not made by analyzers.analyze) is read the same way."""
 
 from __future__ import annotations
 
@@ -18,18 +26,18 @@ from gputrace.analyzers.extras.memory import COLUMNS as _MEMORY_COLUMNS
 
 @dataclass(frozen=True)
 class Beside:
-    """What extras() read for one rank, kept with the analysis (Analysis.beside) so that
+    """What extras() made for one rank, kept with the analysis (Analysis.beside) so that
     the terminal, `--json`, the API and the report read the one result."""
 
-    rank: int                                  # the rank it was read for
+    rank: int                                  # the rank it was made for
     doc: dict[str, Any]                        # `window` and `run`, `memory`, `flops`, `hangs`
     memory_rows: list[Any] | None = None       # the memory samples (the report's chart)
 
 
 def beside(a: Any, rank: int | None, inputs: Sequence[str], rows: bool = False) -> Beside:
-    """What is read beside the analysis `a` for `rank` (None: the rank shown), with the
-    memory samples where `rows`: the one the analysis holds where it was read for that rank
-    (and holds the rows asked for), else read now."""
+    """What lies beside the analysis `a` for `rank` (None: the rank shown), with the
+    memory samples where `rows`: the one the analysis holds where it was made for that rank
+    (and holds the rows asked for), else made now."""
     shown = rank if rank is not None else a.main.rank
     held = getattr(a, "beside", None)
     if isinstance(held, Beside) and held.rank == shown and \
@@ -41,46 +49,61 @@ def beside(a: Any, rank: int | None, inputs: Sequence[str], rows: bool = False) 
 
 def extras(a: Any, rank: int | None, inputs: Sequence[str],
            rows: list[Any] | None = None) -> dict[str, Any]:
-    """`window` and `run` (a windowed recording only) and `memory` of the trace `inputs`;
-    `rows`: a list that gets the memory samples read (for the chart)."""
-    from gputrace.analysis.inputs import load_inputs
-    from gputrace.analyzers.extras.memory import analyze_memory, empty, memory_rows
-    from gputrace.analyzers.extras.window import analyze_window, window_of
-
-    shown = rank if rank is not None else a.main.rank
-    out: dict[str, Any] = {}
-    table = None
-    if window_of(a.metadata) is not None:
-        table = load_inputs(list(inputs), quiet=True).table
-        out.update(analyze_window(table, a.metadata, shown))
-    full = table          # every row (a windowed recording's), else None
-    if table is None:
-        table = _columns(inputs)
-    out["memory"] = analyze_memory(table, shown, a.metadata) if table is not None \
-        else empty()
-    if rows is not None and table is not None:
-        rows.extend(memory_rows(table))
+    """`window` and `run` (a windowed recording only), `memory`, `flops` and `hangs` of
+    the analysis `a` of the trace `inputs`; `rows`: a list that gets the memory samples
+    (for the chart)."""
     from gputrace.analysis.document_flops import flops_doc
-
-    out["flops"] = flops_doc(a, shown, inputs)
-    out["hangs"] = _hangs(full, inputs)
-    return out
-
-
-def _hangs(table: pa.Table | None, inputs: Sequence[str]) -> dict[str, Any]:
-    """`hangs`: the collectives some rank waited in too long (analyzers.extras.hangs), from
-    `table` where every row was read, else the trace files' `flight` instants alone, or the
-    shards of a recording not closed (killed, or still running)."""
+    from gputrace.analysis.inputs import load_inputs
     from gputrace.analyzers.extras import hangs
+    from gputrace.analyzers.extras.held import Held
+    from gputrace.analyzers.extras.memory import analyze_memory, empty, memory_rows
+    from gputrace.analyzers.extras.window import (
+        analyze_window,
+        captured,
+        series_of,
+        stored_of,
+        window_doc,
+        window_of,
+    )
     from gputrace.trace.reader import unclosed
 
-    if table is None and any(unclosed(p) is not None for p in inputs):
-        from gputrace.analysis.inputs import load_inputs
-
-        table = load_inputs(list(inputs), quiet=True).table
-    if table is None:
-        table = _read(inputs, hangs.COLUMNS, _flight)
-    return hangs.as_json(hangs.find(hangs.rows_of(table)))
+    shown = rank if rank is not None else a.main.rank
+    held = a.held if isinstance(getattr(a, "held", None), Held) else None
+    files = held.files if held is not None and held.files is not None else \
+        all(p.endswith(".arrow") and os.path.isfile(p) for p in inputs)
+    # what the analysis kept stands for every input but trace files it read whole (above)
+    kept = held if held is not None and (held.ranked or not files) else None
+    out: dict[str, Any] = {}
+    present = None
+    if window_of(a.metadata) is None:
+        table = kept.rows if kept is not None else None
+        present = kept.present if kept is not None else None
+        # memory samples are looked for in trace files alone (as ever: other inputs, an
+        # import, a glob, a directory, have no memory section)
+        mem = None if not files else table if kept is not None else _columns(inputs)
+        if kept is None and files:
+            flight = _read(inputs, hangs.COLUMNS, _flight)
+        elif any(unclosed(p) is not None for p in inputs):
+            flight = table if held is not None else \
+                load_inputs(list(inputs), quiet=True).table
+        else:   # nor are `flight` instants of other inputs but an unclosed recording
+            flight = table if files else None
+    elif held is not None:     # every row of a windowed recording's was kept
+        mem = flight = held.rows
+        present = held.present
+        at = stored_of(present, shown)
+        out.update(window_doc(held.series.get(shown) or series_of([]), captured(mem, at),
+                              a.metadata, shown) or {})
+    else:
+        mem = flight = load_inputs(list(inputs), quiet=True).table
+        out.update(analyze_window(mem, a.metadata, shown) or {})
+    out["memory"] = analyze_memory(mem, shown, a.metadata, present) if mem is not None \
+        else empty()
+    if rows is not None and mem is not None:
+        rows.extend(memory_rows(mem, present))
+    out["flops"] = flops_doc(a, shown, inputs, kept)
+    out["hangs"] = hangs.as_json(hangs.find(hangs.rows_of(flight)))
+    return out
 
 
 def _flight(b: pa.RecordBatch) -> pa.RecordBatch:
@@ -92,7 +115,7 @@ def _flight(b: pa.RecordBatch) -> pa.RecordBatch:
 
 
 def more_findings(more: dict[str, Any]) -> list[Any]:
-    """The findings of what extras() read (analyzers.Finding): the hangs', the window's,
+    """The findings of what extras() made (analyzers.Finding): the hangs', the window's,
     memory's and the FLOP count's."""
     from gputrace.analyzers.findings.findings_memory import memory_findings
     from gputrace.analyzers.findings.rules import Finding
@@ -111,8 +134,7 @@ def _columns(inputs: Sequence[str]) -> pa.Table | None:
     row of each rank in each batch (its rank -1 is rank 0 only where no row says 0:
     window.stored_rank), a batch at a time, read, not mapped (every row of the columns at
     once peaked at ~100 B per event of the trace beside the analysis); None for other
-    inputs (imports, directories), which hold no memory samples or are read in full
-    elsewhere."""
+    inputs, or a file that cannot be read."""
     import numpy as np
     import pyarrow.compute as pc
 

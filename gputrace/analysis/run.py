@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import sys
 from collections.abc import Sequence
 from concurrent.futures import Executor
@@ -108,9 +109,10 @@ def run_analysis(opts: AnalysisOptions, detail: bool = False,
                  use: Executor | None = None, with_beside: bool = True) -> Analysis:
     """The Analysis of `opts.inputs` under `opts`, every user error an AnalysisError;
     `detail` keeps what the HTML report draws (the memory samples among them); `use`: an
-    executor to analyze the ranks in (as `dask` or `ray` give one); `with_beside`: read
+    executor to analyze the ranks in (as `dask` or `ray` give one); `with_beside`: make
     what lies beside the ranks' analysis (window, memory, FLOPs, hangs) for the rank shown,
-    into `Analysis.beside`, once for every reader of this analysis."""
+    into `Analysis.beside`, once for every reader of this analysis, from what the ranks'
+    parts kept of the rows as they were read (`Analysis.held`: analysis.extras)."""
     from pyarrow import ArrowInvalid
 
     from gputrace.analysis.parallel import EngineError, cores, executor
@@ -120,6 +122,7 @@ def run_analysis(opts: AnalysisOptions, detail: bool = False,
     names = list(opts.inputs)
     if not names:
         raise AnalysisError("no trace given")
+    files = all(p.endswith(".arrow") and os.path.isfile(p) for p in names)
     engine = use is not None or opts.dask is not None or opts.ray is not None
     cal = _calibration(opts) if opts.calibrate else None
     kw = dict(skip=opts.skip, gpus=list(opts.gpus), link_bytes_per_s=opts.link_bytes_per_s,
@@ -155,6 +158,8 @@ def run_analysis(opts: AnalysisOptions, detail: bool = False,
         raise AnalysisError(f"no rank {opts.rank} in the trace (ranks: "
                             f"{', '.join(map(str, sorted(a.ranks)))})")
     _say_skip_clamped(a, opts.skip, opts.rank)
+    if a.held is not None:      # what lies beside it is told apart by the inputs' kind
+        a = replace(a, held=replace(a.held, files=files))
     if with_beside:
         from gputrace.analysis.extras import beside
 

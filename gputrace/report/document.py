@@ -1,6 +1,6 @@
 """The `analyze --json` document of one analysis, as the command line prints it and the
 Python API returns it: the analyzers' results (report.json.to_dict) with what
-analysis.extras read beside them, and the report's charts of those (memory over one
+analysis.extras makes beside them, and the report's charts of those (memory over one
 iteration, the whole run, each layer's efficiency)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from gputrace.analysis.extras import beside, more_findings
 
 def document(a: Any, rank: int | None, inputs: Sequence[str],
              more: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The whole document; `more`: what was read beside it (default: the analysis' own,
-    Analysis.beside, where it was read for this rank)."""
+    """The whole document; `more`: what lies beside it (default: the analysis' own,
+    Analysis.beside, where it was made for this rank)."""
     from gputrace.report.json import to_dict
 
     doc = to_dict(a, rank)
