@@ -79,3 +79,15 @@ def test_what_lies_beside_the_ranks_is_read_with_them(tmp_path, monkeypatch, job
         doc = document(a, rank, opts.inputs)
         for key in ("memory", "flops", "hangs"):
             assert doc[key] == want[rank][key], (rank, key)
+
+
+def test_a_glob_or_directory_of_the_trace_says_what_its_file_says(tmp_path):
+    """The trace named by a glob or by its directory (as a multi-node recording's files are)
+    gets the memory, FLOP count and hangs its file gets: the pass read the same rows."""
+    path = _trace(tmp_path / "run.arrow")
+    want = document(run_analysis(AnalysisOptions(inputs=(str(path),))), None, (str(path),))
+    assert want["memory"]["ranks"] and want["hangs"]["collectives"]
+    for name in (str(tmp_path / "r*.arrow"), str(tmp_path)):
+        got = document(run_analysis(AnalysisOptions(inputs=(name,))), None, (name,))
+        for key in ("memory", "flops", "hangs"):
+            assert got[key] == want[key], (name, key)

@@ -76,18 +76,15 @@ def extras(a: Any, rank: int | None, inputs: Sequence[str],
     out: dict[str, Any] = {}
     present = None
     if window_of(a.metadata) is None:
-        table = kept.rows if kept is not None else None
-        present = kept.present if kept is not None else None
-        # memory samples are looked for in trace files alone (as ever: other inputs, an
-        # import, a glob, a directory, have no memory section)
-        mem = None if not files else table if kept is not None else _columns(inputs)
-        if kept is None and files:
-            flight = _read(inputs, hangs.COLUMNS, _flight)
+        if kept is not None:   # every input the pass read: its samples and instants
+            mem = flight = kept.rows
+            present = kept.present
+        elif files:
+            mem, flight = _columns(inputs), _read(inputs, hangs.COLUMNS, _flight)
         elif any(unclosed(p) is not None for p in inputs):
-            flight = table if held is not None else \
-                load_inputs(list(inputs), quiet=True).table
-        else:   # nor are `flight` instants of other inputs but an unclosed recording
-            flight = table if files else None
+            mem = flight = load_inputs(list(inputs), quiet=True).table
+        else:
+            mem = flight = None
     elif held is not None:     # every row of a windowed recording's was kept
         mem = flight = held.rows
         present = held.present
