@@ -62,9 +62,10 @@ browser:
 # them. Tests marked `serial` compare two runs recorded one after the other (a prediction
 # with the run it predicts, a diff of two runs): they run afterwards, alone, so that both
 # runs see the same machine. Both parts always run; the exit code is the first failure's.
-# Three workers on two cores: most files wait on their jobs' processes (gloo's rendezvous,
-# a job's sleeps, torchrun's start) a quarter of the time, which a third worker fills
-# (24:20 -> 21:10 for this part measured beside the same other work on 2 cores).
+# Three workers on two cores: beside a busy neighbour (CI's: one CPU hog per core) the
+# suite holds more of the cores, and it fills the time files wait on their jobs' processes
+# (this part in a fresh clone on 2 cores, two workers -> three: beside two hogs 30:24 ->
+# 27:11; quiet 20:07 -> 19:48).
 TEST_WORKERS ?= 3
 
 test: lint docs browser
