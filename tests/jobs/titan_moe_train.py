@@ -23,8 +23,8 @@ The job writes OUT_PREFIX.rank<R>.json: its counted collectives at the ProcessGr
 their phases, and `moe`: per iteration the all-to-alls it issued in order (block, role,
 phase, input bytes, rows to each peer): in the forward as it calls them (role `counts`,
 `dispatch`, `combine`), in the backward in the order autograd ran them, each named by the
-gradient hook on the forward all-to-all's output that fired just before it (the combine's
-output's gradient first), its bytes that gradient's; the tokens its experts received and
+pre-hook of the forward all-to-all's autograd node that fired just before it (the
+combine's first), its bytes that gradient's; the tokens its experts received and
 their compute (forward)."""
 
 from __future__ import annotations
@@ -66,12 +66,15 @@ def _note(block: int, role: str, phase: str, x: torch.Tensor, rows: list[int]) -
                        "rows": list(rows), "entry": time.monotonic_ns()})
 
 
-def _on_grad(block: int, role: str, rows: list[int]) -> Any:
-    """The gradient hook on a forward all-to-all's output: its backward all-to-all sends
-    this gradient next, with the splits swapped."""
-    def hook(g: torch.Tensor) -> None:
-        _note(block, role, "backward", g, rows)
-    return hook
+def _on_grad(out: torch.Tensor, block: int, role: str, rows: list[int]) -> None:
+    """The pre-hook of the autograd node of a forward all-to-all's output: autograd runs
+    that node, the backward all-to-all sending this gradient with the splits swapped, right
+    after. Not a hook on the output tensor: its gradient's hooks run before FSDP2's own
+    hooks on the block's output (the parameters' all-gather, where the ranks wait for each
+    other), so they fire milliseconds before the all-to-all is entered."""
+    def hook(grad_outputs: tuple) -> None:
+        _note(block, role, "backward", grad_outputs[0], rows)
+    out.grad_fn.register_prehook(hook)
 
 
 class ExpertParallel:
@@ -107,7 +110,7 @@ class ExpertParallel:
         _note(block, "dispatch", "forward", routed_input, self.input_splits)
         routed_input = all_to_all_single_autograd(
             routed_input, self.output_splits, self.input_splits, device_mesh.get_group())
-        routed_input.register_hook(_on_grad(block, "dispatch", self.output_splits))
+        _on_grad(routed_input, block, "dispatch", self.output_splits)
         (self.input_shape, routed_input, self.permuted_indices,
          num_tokens_per_expert_group) = _permute(
             routed_input, num_tokens_per_expert_group, ep_degree, num_local_experts)
@@ -121,7 +124,7 @@ class ExpertParallel:
         _note(block, "combine", "forward", routed_output, self.output_splits)
         routed_output = all_to_all_single_autograd(
             routed_output, self.input_splits, self.output_splits, device_mesh.get_group())
-        routed_output.register_hook(_on_grad(block, "combine", self.input_splits))
+        _on_grad(routed_output, block, "combine", self.input_splits)
         return routed_output
 
     def apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
