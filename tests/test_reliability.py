@@ -181,6 +181,29 @@ def test_eight_processes_writing_at_once_lose_and_duplicate_nothing(tmp_path):
     assert len(set(names)) == 8 * n
 
 
+@pytest.mark.slow
+def test_a_ddp_job_forking_after_each_step_never_leaves_a_child_hung(tmp_path):
+    """DDP over gloo on 2 ranks forking a child after each of 300 steps (as a DataLoader
+    starts its workers): no child hangs, as without gputrace (a Python callback on gloo's
+    thread, made there after the step completed, hung 2-6 children a run on Python 3.11.7),
+    and each gradient bucket and each asynchronous all-reduce the job waited on is recorded."""
+    prefix = tmp_path / "f"
+    out = tmp_path / "f.arrow"
+    p = run_gputrace("record", "-q", "-o", str(out), "--", sys.executable, "-m",
+                     "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                     str(Path(__file__).parent / "jobs" / "fork_after_step.py"), str(prefix),
+                     "--steps", "300", timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [r for r in load(out).table.to_pylist() if r["kind"] == "span" and r["cat"] == "comm"]
+    for rank in (0, 1):
+        own = json.loads(Path(f"{prefix}.rank{rank}.json").read_text())
+        assert own["hung"] == 0, own
+        mine = [r for r in rows if r["rank"] == rank]
+        assert sum(r["name"] == "allreduce" for r in mine) == own["steps"]      # DDP's buckets
+        assert sum(r["name"] == "all_reduce" for r in mine) == own["async_all_reduces"]
+        assert all(r["end_ns"] >= r["start_ns"] for r in mine)
+
+
 def test_file_size_limit_mid_run_keeps_the_jobs_exit_code_and_what_was_written(tmp_path):
     import resource
 

@@ -25,7 +25,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from gputrace.collectors.torch import flight
+from gputrace.collectors.torch import flight, waiter
 from gputrace.collectors.torch.comm_args import (
     _SPECS,
     _c10d,
@@ -188,13 +188,28 @@ def _record(st: Any, kind: str, a: tuple[Any, ...], k: dict[str, Any], ex: Any,
         for w in works:
             _pending[id(w)] = e
             e.out.add(id(w))
+    cpu = _on_cpu(a, k)
     for w in works:
         try:
-            # on the backend's thread when it completes (no child future, unlike then())
-            w.get_future().add_done_callback(functools.partial(_completed, e, w))
+            fut, done = w.get_future(), functools.partial(_completed, e, w)
+            if cpu:   # on a thread of gputrace's, not the backend's (collectors.torch.waiter)
+                waiter.when_done(fut, done)
+            else:     # NCCL: on the issuing thread when it completes
+                fut.add_done_callback(done)
         except Exception:  # noqa: BLE001 - no future: a backend's own Work ends at its wait(),
             if type(w) is not _Work[0]:  # any other (a coalesced call's) at the call's end
                 _finish(e, w, t1, False)
+
+
+def _on_cpu(a: tuple[Any, ...], k: dict[str, Any]) -> bool:
+    """Whether the call's first tensor (or its first op's) is on the CPU."""
+    for x in (*a, *k.values()):
+        if isinstance(x, (list, tuple)) and x:
+            x = x[0]
+        x = getattr(x, "tensor", x)       # a P2POp
+        if hasattr(x, "device"):
+            return waiter.on_cpu(x)
+    return False
 
 
 def _is_send(op: Any) -> bool:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from gputrace.collectors.torch import flight
+from gputrace.collectors.torch import flight, waiter
 from gputrace.collectors.torch.comm import ddp_hook_enter, ddp_hook_exit
 from gputrace.collectors.torch.guard import _hook_failed
 
@@ -112,7 +112,26 @@ def timed_hook(self: Any, hook: Any) -> Any:
                      step=step)
             return f.value()[0] if own else f.value()
 
-        return fut.then(done)
+        if not waiter.on_cpu(buf):    # NCCL: then() runs on the issuing thread
+            return fut.then(done)
+        # gloo: not a then() on gloo's thread (collectors.torch.waiter), the bucket's result
+        # handed to the reducer by a thread of gputrace's once the all-reduce completed
+        out = torch.futures.Future()
+
+        def settle(f: Any) -> None:
+            try:
+                value = f.value()[0] if own else f.value()
+            except Exception as e:  # noqa: BLE001 - the all-reduce's own failure, the job's
+                out.set_exception(e)
+                return
+            try:
+                done(f)
+            except Exception as e:  # noqa: BLE001 - the bucket goes unrecorded, not unsent
+                _hook_failed("the DDP comm hook (completion)", e)
+            out.set_result(value)
+
+        waiter.when_done(fut, settle)
+        return out
 
     return timed
 
