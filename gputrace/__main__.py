@@ -1,3 +1,3 @@
-from gputrace.cli import main
+from gputrace.cli import entry
 
-raise SystemExit(main())
+raise SystemExit(entry())

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import io
 import json
+import subprocess
+import sys
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
 
 import pytest
 
 from gputrace.analyzers import analyze
+from gputrace.cli import main
 from gputrace.fmt import ranges
 from gputrace.trace import load
 from tests.conftest import run_gputrace
@@ -302,3 +308,38 @@ def test_a_wait_for_the_last_rank_is_not_scaled_with_the_ring(tmp_path):
         p2, p8 = sp.points
         assert p8.t_iter - p2.t_iter == pytest.approx(0.006 * (2 * 7 / 8 - 1), rel=1e-6), r
     assert any("waiting for the last rank" in s for s in a.ranks[0].speedup.assumptions)
+
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+@pytest.mark.parametrize("source", ["recorded", "kineto/control.json.gz",
+                                    "nsys/mfu_2gpu_before.sqlite"])
+def test_the_command_runs_without_pandas_and_says_what_it_says_with_it(tmp_path, source):
+    """`gputrace analyze` never imports pandas (pyarrow would, to ask whether objects are
+    pandas ones: 0.4 s of CPU at each command's start), and prints what `main` prints inside
+    a process where pyarrow has pandas to ask; on a 2-rank trace and on real traces other
+    tools wrote."""
+    if source == "recorded":
+        b = Builder()
+        ddp_iterations(b, CASE1_UNITS, rank=0)
+        ddp_iterations(b, [(ly, s + 3, e) for ly, s, e in CASE1_UNITS], rank=1)
+        trace = b.write(tmp_path / "t.arrow", world_size=2)
+    else:
+        trace = SHARED / source
+        if not trace.exists():
+            pytest.skip(f"{trace} is not here")
+    p = subprocess.run([sys.executable, "-X", "importtime", "-m", "gputrace", "analyze",
+                        str(trace), "--json"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    imported = [ln.rsplit("|", 1)[-1].strip() for ln in p.stderr.splitlines()
+                if ln.startswith("import time:")]
+    # (a refused `import pandas` is timed too: none of its modules is)
+    assert "pyarrow" in imported and not [m for m in imported if m.startswith("pandas.")]
+    out = io.StringIO()
+    with redirect_stdout(out), redirect_stderr(io.StringIO()):
+        assert main(["analyze", str(trace), "--json"]) == 0
+    import pyarrow.lib
+
+    assert pyarrow.lib._pandas_api.have_pandas     # the process beside it has pandas
+    assert json.loads(p.stdout) == json.loads(out.getvalue())
