@@ -69,6 +69,7 @@ class KinetoCollector(WindowGate):
     def start(self, reason: str) -> None:
         global _active
         self.prof.start()
+        self.thread = threading.get_ident()   # the session stops on this thread only
         _active = self
         _yield_to_the_job(self.torch)
         self.recorder.flush_hooks.append(self.on_flush)
@@ -102,7 +103,7 @@ class KinetoCollector(WindowGate):
     def on_flush(self, spans: list[tuple[Any, ...]], final: bool) -> list[tuple[Any, ...]]:
         with self.lock:
             self._take(spans, self.phases, self.iters)
-        if final:
+        if final and threading.get_ident() == self.thread:
             self.finish()
         with self.lock:
             rows, self.out = self.out, []
@@ -112,8 +113,9 @@ class KinetoCollector(WindowGate):
         """Stop the session (once, in the process that started it) and convert its records."""
         global _active
         with self.lock:
-            if self.stopped or os.getpid() != self.pid:
-                return
+            if self.stopped or os.getpid() != self.pid or \
+                    threading.get_ident() != getattr(self, "thread", None):
+                return     # Kineto's session stopped on another thread crashes the process
             self.stopped = True
             # spans the flusher has not drained yet still tell where launches were made
             phases, iters = list(self.phases), list(self.iters)

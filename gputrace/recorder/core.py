@@ -69,7 +69,7 @@ class Recorder(Iterations):
         self._swap = threading.Lock()
         self._write = threading.Lock()
         self._writer: FrameWriter | RingWriter | _DeadWriter | None = None
-        self._closed = False
+        self._closed = self._closing = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._dir_lock: int | None = None
@@ -209,8 +209,9 @@ class Recorder(Iterations):
         return getattr(self._writer, "error", None)
 
     def close(self) -> None:
-        if self._closed:
+        if self._closed or self._closing:
             return
+        self._closing = True
         t = self.clock.now_ns()
         for hook in list(self.close_hooks):
             try:
@@ -221,10 +222,13 @@ class Recorder(Iterations):
         if self._iter_live:
             self.close_iteration(t)
         self._iter_start = None   # opened where the last one ended, and nothing since
-        self._closed = True
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
+        # only now: the final flush (its hooks told `final`) is this thread's, never the
+        # flusher's last one (the torch.profiler fallback stops its session there, which
+        # must be on the thread that started it: on the flusher it crashed the process)
+        self._closed = True
         end = Clock.anchor()
         # a process with something to say (events, or a collector's status) leaves a shard
         if self._writer is not None or self._spans or self._perf_spans or self._rows or \
@@ -257,7 +261,7 @@ class Recorder(Iterations):
         if self._writer is not None:
             self._writer.abandon()   # the parent's shard: it goes on writing it
         self._writer = None
-        self._closed = False
+        self._closed = self._closing = False
         self._iter_start = None
         if self.window is not None:   # the parent's pending spans are the parent's
             self.window = self.window.fresh()
