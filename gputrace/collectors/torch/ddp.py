@@ -105,12 +105,18 @@ def timed_hook(self: Any, hook: Any) -> Any:
         finally:
             ddp_hook_exit(prev)
 
-        def done(f: Any) -> Any:
+        def record() -> None:
             t1 = now()
             flight.leave(tok, t1)
             rec.span("comm", "allreduce", t0, t1, layer=index, nbytes=nbytes, args=args,
                      step=step)
+
+        def value(f: Any) -> Any:
             return f.value()[0] if own else f.value()
+
+        def done(f: Any) -> Any:
+            record()
+            return value(f)
 
         if not waiter.on_cpu(buf):    # NCCL: then() runs on the issuing thread
             return fut.then(done)
@@ -120,15 +126,15 @@ def timed_hook(self: Any, hook: Any) -> Any:
 
         def settle(f: Any) -> None:
             try:
-                value = f.value()[0] if own else f.value()
+                v = value(f)
             except Exception as e:  # noqa: BLE001 - the all-reduce's own failure, the job's
                 out.set_exception(e)
                 return
             try:
-                done(f)
+                record()
             except Exception as e:  # noqa: BLE001 - the bucket goes unrecorded, not unsent
                 _hook_failed("the DDP comm hook (completion)", e)
-            out.set_result(value)
+            out.set_result(v)
 
         waiter.when_done(fut, settle)
         return out
