@@ -36,9 +36,12 @@ def _owns(m: nn.Module) -> bool:
 
 
 def _compiled(m: nn.Module) -> bool:
-    from torch._dynamo.eval_frame import OptimizedModule
-
-    return isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
+    """Whether `m` is torch.compile's: an OptimizedModule (`torch.compile(model)`) or a
+    module compiled in place (`model.compile()`). Not importing torch._dynamo to ask (1 s
+    of each process's start): a module made by it is there only where it was imported."""
+    ev = sys.modules.get("torch._dynamo.eval_frame")
+    return (ev is not None and isinstance(m, ev.OptimizedModule)) or \
+        getattr(m, "_compiled_call_impl", None) is not None
 
 
 def choose(root: nn.Module, mode: str) -> list[tuple[nn.Module, list[nn.Parameter]]]:

@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 
 from gputrace.collectors.torch.guard import _hook_failed
+from gputrace.collectors.torch.module_choice import _compiled
 
 _graph_task = getattr(torch._C, "_current_graph_task_id", None)
 
@@ -41,12 +42,6 @@ def in_backward() -> bool:
 
 _perf = time.perf_counter_ns
 _tid = threading.get_native_id
-
-
-def _compiled(m: nn.Module) -> bool:
-    from torch._dynamo.eval_frame import OptimizedModule
-
-    return isinstance(m, OptimizedModule) or getattr(m, "_compiled_call_impl", None) is not None
 
 
 class _Shared:
