@@ -58,22 +58,36 @@ def _mean(xs: list[float]) -> float:
     return float(np.mean(xs)) if xs else 0.0
 
 
-def jobs_stage_times(t: dict) -> dict[int, dict[str, float]]:
+def analyzed(run, rank: int) -> set[int]:
+    """The job's iterations (its `it`) that gputrace analyzed on `rank`: each of its kept
+    iterations matched to the job's iteration it overlaps most. A per-stage mean is compared
+    over these (a mean over other iterations moves with one preempted iteration: 0.5 ms of
+    a 2 ms mean for 20 ms in one chunk of 40)."""
+    s = run.analysis.ranks[rank].detail.series
+    its = run.truth[rank]["iterations"]
+    out = set()
+    for a, b in zip(s.start_ns[s.kept], s.end_ns[s.kept], strict=True):
+        ov = [min(b, t["end"]) - max(a, t["start"]) for t in its]
+        out.add(its[int(np.argmax(ov))]["it"])
+    return out
+
+
+def jobs_stage_times(t: dict, its: set[int]) -> dict[int, dict[str, float]]:
     """Per stage the job held, per microbatch: its module's forward and its backward chunks
-    (input and weight parts together), as it timed them after warm-up: the autograd call
-    inside a chunk where it made one (the schedule's own work around it is no compute;
-    3-9 % of the chunk on a quiet machine, up to 15 % beside the suite's other worker),
-    else the whole chunk (a zero-bubble schedule's split backward)."""
+    (input and weight parts together), as it timed them in the iterations `its`: the
+    autograd call inside a chunk where it made one (the schedule's own work around it is no
+    compute; 3-9 % of the chunk on a quiet machine, up to 15 % beside the suite's other
+    worker), else the whole chunk (a zero-bubble schedule's split backward)."""
     m = t["stage"]["microbatches"]
     fwd, bwd, chunk = defaultdict(list), defaultdict(float), defaultdict(list)
-    its = {c["it"] for c in t["chunks"] if c["it"] >= WARMUP}
+    its = {c["it"] for c in t["chunks"] if c["it"] in its}
     for f in t["forwards"]:
-        if f["it"] >= WARMUP:
+        if f["it"] in its:
             fwd[f["stage"]].append(f["s"])
     for c in t["chunks"]:
-        if c["it"] >= WARMUP and c["kind"] == "forward":
+        if c["it"] in its and c["kind"] == "forward":
             chunk[c["stage"]].append(c["s"])
-        elif c["it"] >= WARMUP:
+        elif c["it"] in its:
             own = c.get("autograd_s")
             bwd[c["stage"]] += c["s"] if own is None else own
     return {k: {"forward": _mean(fwd[k]), "forward_chunk": _mean(chunk[k]),
@@ -126,14 +140,15 @@ def test_per_stage_compute_and_waits_on_the_jobs_clock(recorded, name):
     the module's own clock); its backward (both parts) within 15 % of the job's backward
     chunks; each rank's waits for
     its neighbours within 15 % (or WAIT_FLOOR) of the job's own waits on its sends and
-    receives; t_iter within 5 % of the job's iterations."""
+    receives; t_iter within 5 % of the job's iterations. The job's means are over the
+    iterations gputrace analyzed."""
     run = recorded(name)
     pl = run.doc["parallelism"]["pipeline"]
     per = {s["stage"]: s for s in pl["per_stage"]}
     # the pipeline's per-stage times are its replicas' mean: the job's the same
     mine = defaultdict(list)
-    for t in run.truth.values():
-        for k, own in jobs_stage_times(t).items():
+    for r, t in run.truth.items():
+        for k, own in jobs_stage_times(t, analyzed(run, r)).items():
             mine[k].append(own)
     for k, owns in mine.items():
         got, inner, outer = (per[k]["forward_s"], _mean([o["forward"] for o in owns]),
@@ -145,7 +160,8 @@ def test_per_stage_compute_and_waits_on_the_jobs_clock(recorded, name):
     for r, t in run.truth.items():
         t_iter_on_the_jobs_clock(run, r)
         (st,) = [s for s in pl["stages"] if s["rank"] == r]
-        own = _mean([i["waits_s"] for i in t["iterations"][WARMUP:]])
+        its = analyzed(run, r)
+        own = _mean([i["waits_s"] for i in t["iterations"] if i["it"] in its])
         assert abs(st["waits_s"] - own) <= max(TIME_TOL * own, WAIT_FLOOR), \
             (name, r, st["waits_s"], own)
 
