@@ -307,6 +307,32 @@ def test_optimizer_step_with_closure(recorded, data_dir):
         assert upd["start_ns"] >= bwd_end  # the closure's forward/backward are not "update"
 
 
+def test_recording_a_model_that_is_not_compiled_never_imports_torch_compile(tmp_path):
+    """Each recorded process asks at its model's first forward whether it is
+    torch.compile's; importing torch._dynamo to ask took 1 s of CPU (a job of no torch.optim
+    step, whose first step imports it anyway: an evaluation, a hand-written update; 1.6 s
+    plain, 3.3 s recorded). Such a job ends without it, its layers recorded (the question
+    was asked); a compiled one is test_trainers'."""
+    job = tmp_path / "job.py"
+    job.write_text(
+        "import sys, torch\n"
+        "m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))\n"
+        "for _ in range(4):\n"
+        "    m.zero_grad(); m(torch.randn(4, 8)).sum().backward()\n"
+        "    with torch.no_grad():\n"
+        "        for q in m.parameters(): q -= 0.1 * q.grad\n"
+        "print('torch._dynamo' in sys.modules)\n")
+    out = tmp_path / "t.arrow"
+    p = run_gputrace("record", "-q", "-o", str(out), "--layers", "leaves", "--",
+                     sys.executable, str(job), timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.split() == ["False"], p.stdout
+    spans = rows_of(out)
+    assert [r["step"] for r in spans if r["cat"] == "iteration"] == [0, 1, 2, 3]
+    assert sorted({r["layer"] for r in spans if r["cat"] == "backward" and r["layer"] > 0}) \
+        == [1, 2]
+
+
 def test_instrument_in_a_harness_without_record(tmp_path):
     import subprocess
     import textwrap
