@@ -19,7 +19,10 @@ kept busy while it was recorded.
 ms apart at one machine speed; beside it, the error of predicting no change.
 
     python bench/whatif_ep.py [--rounds 2] [--iterations 12] [--keep DIR | --reuse DIR]
-    [--tiny] [--alternate]"""
+    [--tiny] [--alternate [--job titan]]
+
+`--job titan`: the alternating recording of tests/jobs/titan_moe_train.py, the same MoE laid
+out as torchtitan lays it out (functional all-to-alls under FSDP2)."""
 
 from __future__ import annotations
 
@@ -41,6 +44,8 @@ from common import machine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "tests" / "jobs" / "moe_train.py"
+# the same MoE laid out as torchtitan lays it out (functional all-to-alls, FSDP2), `--alternate` only
+JOBS = {"moe": JOB, "titan": ROOT / "tests" / "jobs" / "titan_moe_train.py"}
 WARMUP = 3
 
 
@@ -101,7 +106,8 @@ def saves(prefix: Path) -> tuple[float, float]:
     return g["balanced_saves_s"] * 1e3, g["tokens_ratio"]
 
 
-def alternate(prefix: Path, iterations: int, record_it: bool) -> list[tuple[float, ...]]:
+def alternate(prefix: Path, iterations: int, record_it: bool, job: Path = JOB
+              ) -> list[tuple[float, ...]]:
     """One recording whose odd iterations are routed without the bias: per biased
     iteration after warm-up with an unbiased one on either side, (its t_iter on the job's
     clock, the what-if's saving for it, the unbiased neighbours' mean t_iter), seconds."""
@@ -115,7 +121,7 @@ def alternate(prefix: Path, iterations: int, record_it: bool) -> list[tuple[floa
         subprocess.run([sys.executable, "-m", "gputrace", "record", "-q", "-f", "-o",
                         f"{prefix}.arrow", "--", sys.executable, "-m",
                         "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        str(JOB), str(prefix), "--iterations", str(iterations),
+                        str(job), str(prefix), "--iterations", str(iterations),
                         "--alternate"], check=True, capture_output=True, env=env,
                        timeout=1200)
     an = analyze(load(f"{prefix}.arrow"), detail=True)
@@ -152,6 +158,9 @@ def main() -> None:
     p.add_argument("--alternate", action="store_true",
                    help="one recording whose odd iterations are unbiased: each biased one "
                         "predicts its unbiased neighbours, at one machine speed")
+    p.add_argument("--job", choices=sorted(JOBS), default="moe",
+                   help="with --alternate: the hand-written MoE (moe) or torchtitan's "
+                        "layout (titan)")
     a = p.parse_args()
     if a.tiny:
         a.rounds, a.iterations = 1, 6
@@ -164,7 +173,8 @@ def main() -> None:
         print("|---|---|---|---|---|---|---|---|---|")
         k = 0
         while (out / f"alt{k}.rank0.json").exists() if a.reuse else k < a.rounds:
-            rows = np.array(alternate(out / f"alt{k}", a.iterations, not a.reuse))
+            rows = np.array(alternate(out / f"alt{k}", a.iterations, not a.reuse,
+                                      JOBS[a.job]))
             if rows.size:
                 t, sv, u = rows.T
                 err = (t - sv) / u - 1

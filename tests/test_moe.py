@@ -208,10 +208,14 @@ def test_balanced_routing_what_if(moe2, moe2_balanced):
     assert np.isfinite(g["balanced_saves_s"])
     assert g["balanced_saves_s"] <= g["most_loaded_expert_s"]
     assert "what if routing were balanced" in moe2.text
-    # its measured error, bench/README.md's what-if table's round medians, in --json too
-    row = next(x for x in (Path(__file__).parents[1] / "bench" / "README.md").read_text()
-               .splitlines() if x.startswith("| EP balanced routing | the router's bias off"))
-    lo, hi = map(float, re.search(r"(-[\d.]+) \.\. \+([\d.]+) %", row).groups())
+    # its measured error, bench/README.md's what-if table's round medians over the layouts
+    # checked in one recording (the hand-written and torchtitan's), in --json too
+    rows = [x for x in (Path(__file__).parents[1] / "bench" / "README.md").read_text()
+            .splitlines() if x.startswith("| EP balanced routing") and "--alternate" in x]
+    assert len(rows) == 2, rows
+    bands = [tuple(map(float, re.search(r"(-[\d.]+) \.\. \+([\d.]+) %", row).groups()))
+             for row in rows]
+    lo, hi = min(b[0] for b in bands), max(b[1] for b in bands)
     assert g["band"] == pytest.approx([lo / 100, hi / 100]) and g["band_source"], g
     assert f"off by {lo:+.1f} .. {hi:+.1f} %" in moe2.text
     run = moe2_balanced

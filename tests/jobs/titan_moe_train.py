@@ -3,7 +3,7 @@ expert_parallel.py's ExpertParallel, models/llama4/parallelize.py's meshes and F
 ranks over gloo on the CPU, counting its own all-to-alls and timing itself; torchtitan is
 not installed, so its calls are written here as it makes them.
 
-    torchrun --nproc_per_node 2 titan_moe_train.py OUT_PREFIX [--iterations N]
+    torchrun --nproc_per_node 2 titan_moe_train.py OUT_PREFIX [--iterations N] [--alternate]
 
 The meshes as torchtitan's ParallelDims builds them: init_device_mesh over ("world",),
 unflattened into the dense mesh ("fsdp",) and the sparse mesh ("efsdp", "ep") (efsdp = fsdp
@@ -14,7 +14,8 @@ functions: `_token_dispatch` exchanges the per-expert token counts (the function
 `all_to_all_single` under no_grad, its wait_tensor) then the tokens
 (`all_to_all_single_autograd` with the split sizes), `_token_combine` sends the experts'
 outputs back (`all_to_all_single_autograd`, the splits swapped); the backward's all-to-alls
-are autograd's. A top-2 router with a fixed bias (uneven expert loads). FSDP2
+are autograd's. A top-2 router with a fixed bias (uneven expert loads; `--alternate`: no
+bias in the odd iterations, each iteration's `balanced` says which). FSDP2
 (`fully_shard`): each block's experts on the efsdp mesh, each block and the model on the
 fsdp mesh.
 
@@ -223,6 +224,8 @@ def main() -> None:
     p.add_argument("--iterations", type=int, default=6)
     p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--d", type=int, default=64)
+    p.add_argument("--alternate", action="store_true",
+                   help="the odd iterations routed without the bias")
     a = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -246,12 +249,16 @@ def main() -> None:
     for i in range(a.iterations):
         truth.begin(i)
         LOG.update(a2a=[], expert_s=0.0, received={})
+        unbiased = a.alternate and i % 2 == 1
+        for b in model.layers:
+            b.moe.bias.copy_(torch.zeros(EXPERTS) if unbiased else torch.tensor(BIAS))
         loss = truth.timed("forward", model, x)
         truth.timed("backward", loss.backward)
         truth.timed("update", opt.step)
         opt.zero_grad()
         truth.end()
         moe.append({"it": i, "a2a": list(LOG["a2a"]), "expert_s": LOG["expert_s"],
+                    "balanced": unbiased,
                     "received": {str(b): n for b, n in LOG["received"].items()}})
     truth.dump(f"{a.out}.rank{rank}.json")
     with open(f"{a.out}.rank{rank}.json") as f:
