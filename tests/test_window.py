@@ -27,7 +27,7 @@ from tests.conftest import run_gputrace  # noqa: E402
 pytestmark = pytest.mark.slow
 
 JOB = str(Path(__file__).parent / "jobs" / "window_loop.py")
-ITERATIONS, START, COUNT, SPIKE = 2000, 1000, 20, 1500
+ITERATIONS, START, COUNT, SPIKE = 1000, 500, 20, 750
 DELAY = 45      # beyond the job's start-up on a loaded machine (it sleeps meanwhile)
 # per-iteration detail that dominates a full recording: a span per layer's forward and
 # backward (24 layers); the system samplers are left out of both recordings (they sample
