@@ -18,6 +18,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from gputrace.cache import cache_dir
+
 FORMAT = "gputrace-probe"
 VERSION = 1
 
@@ -85,11 +87,6 @@ def timed(fn: Callable[[], object], repeats: int) -> list[float]:
 
 
 # -- the per-host cache -------------------------------------------------------------------
-
-
-def cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.environ.get("GPUTRACE_CACHE_DIR") or os.path.join(base, "gputrace")
 
 
 def cache_path(host: str | None = None) -> str:

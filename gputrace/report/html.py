@@ -85,7 +85,7 @@ def vega_script() -> str:
 
     import vl_convert
 
-    from gputrace.probe import cache_dir
+    from gputrace.cache import cache_dir
 
     path = os.path.join(cache_dir(), f"vega-embed-{version('vl-convert-python')}-"
                                      f"vl{VEGA_LITE}.js")

@@ -68,6 +68,47 @@ def layout(schedule: str, p: int, v: int, m: int) -> Layout:
             raise ValueError(f"1F1B needs at least {p} microbatches")
         return Layout([[(k, s, i) for k, i in pipesim.order(schedule, s, p, m)]
                        for s in range(p)], list(range(p)))
+    rank_of = placement(schedule, p, v)
+    return Layout(_torch_orders(schedule, p, m, rank_of), rank_of)
+
+
+CACHE, KEEP = "pipeline-orders.json", 64
+
+
+def _torch_orders(schedule: str, p: int, m: int, rank_of: list[int]) -> list[list[Action]]:
+    """Each rank's actions as torch orders them, kept in the cache per torch release:
+    importing torch.distributed.pipelining takes seconds (torch, DTensor, dynamo), the
+    order it computes is the same every time; a refusal is kept as its message."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from gputrace.cache import read_json, write_json
+
+    short = pipesim.SHORT.get(schedule, schedule)
+    try:
+        key = f"{version('torch')} {schedule} p{p} m{m} {','.join(map(str, rank_of))}"
+    except PackageNotFoundError:
+        key = None
+    kept = read_json(CACHE) if key else {}
+    got = kept.get(key)
+    if not (isinstance(got, dict) and ("orders" in got or "error" in got)):
+        try:
+            got = {"orders": _ordered(schedule, p, m, rank_of)}
+        except _Refused as e:
+            got = {"error": str(e)}
+        if key:   # the last KEEP layouts asked for
+            kept = {k: v for k, v in read_json(CACHE).items() if k != key}
+            write_json(CACHE, dict([*kept.items()][-KEEP + 1:] + [(key, got)]))
+    if "error" in got:
+        raise ValueError(f"{short} over {p} ranks, {len(rank_of) // max(p, 1)} stages each, "
+                         f"{m} microbatches: {got['error']}")
+    return [[(str(k), int(s), int(i)) for k, s, i in rank] for rank in got["orders"]]
+
+
+class _Refused(Exception):
+    """The schedule's own refusal of a layout (kept in the cache as its message)."""
+
+
+def _ordered(schedule: str, p: int, m: int, rank_of: list[int]) -> list[list[Action]]:
     try:
         from torch.distributed.pipelining import schedules
     except Exception as e:  # noqa: BLE001 - torch absent or broken
@@ -75,8 +116,7 @@ def layout(schedule: str, p: int, v: int, m: int) -> Layout:
                          f"torch.distributed.pipelining, not importable here ({e})") from e
     cls = getattr(schedules, schedule, None)
     if cls is None:
-        raise ValueError(f"this torch has no {schedule}")
-    rank_of = placement(schedule, p, v)
+        raise _Refused(f"this torch has no {schedule}")
     orders = []
     for r in range(p):
         mine = [s for s, q in enumerate(rank_of) if q == r]
@@ -85,11 +125,10 @@ def layout(schedule: str, p: int, v: int, m: int) -> Layout:
                         loss_fn=lambda out, target: out)
             acts = sched.pipeline_order[r]
         except Exception as e:  # noqa: BLE001 - the schedule's own refusal
-            raise ValueError(f"{pipesim.SHORT.get(schedule, schedule)} over {p} ranks, "
-                             f"{len(mine)} stages each, {m} microbatches: {e}") from e
+            raise _Refused(str(e)) from e
         out: list[Action] = []
         for a in acts:
             if a is not None:
                 out += [(k, int(s), int(i)) for s, k, i in _ACTION.findall(str(a))]
         orders.append(out)
-    return Layout(orders, rank_of)
+    return orders
