@@ -8,8 +8,6 @@ and loss), `backward` and `update`.
                                                [--start-at T]
 
 `--spike-at K`: iteration K sleeps 60 ms more (a stall that a window elsewhere misses).
-`--tail-ms T`: each backward sleeps T ms at its end, after DDP's own end (inside
-loss.backward(), where no layer and no collective is).
 `--until FILE` / `--stop-at T`: the loop runs until FILE exists / until time.time() T (at
 most --iterations; the ranks agree on the iteration they stop at); rank 0 writes
 `OUT.ready` once the loop has begun. Each row also holds `wall`: time.time() at the
@@ -45,9 +43,6 @@ def main() -> None:
     p.add_argument("--start-at", type=float, default=0.0,
                    help="begin the loop at this time.time(), not before")
     p.add_argument("--progress", default="")
-    p.add_argument("--tail-ms", type=float, default=0.0,
-                   help="sleep this long at the end of each backward, after DDP's own end "
-                        "(an autograd callback queued after its)")
     a = p.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -55,13 +50,6 @@ def main() -> None:
     torch.set_num_threads(1)
     model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(24)])
     ddp = nn.parallel.DistributedDataParallel(model)
-    if a.tail_ms:   # the first layer's gradient is the backward's last: DDP queued its end
-        # (the wait for its last all-reduce, the copy back into the gradients) before this
-        def tail(*_: object) -> None:
-            torch.autograd.Variable._execution_engine.queue_callback(
-                lambda: time.sleep(a.tail_ms / 1e3))
-
-        model[0].register_full_backward_hook(tail)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(100 + rank)
     x, y = torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)

@@ -253,18 +253,13 @@ def analyze_rank(sp: Spans, stood: tuple[np.ndarray, np.ndarray] | None = None,
         h2d = _u(sp, sp.of("h2d"))
         fwd = ov.subtract(_u(sp, (sp.of("forward") & ~rec_m) | pass_f), st)
         phase_b = _u(sp, bwd_m & (sp.device < 0))
-        # backward's own work: the per-layer spans where known, and the phase's instants
-        # outside them in which no collective was in flight (the framework's hooks between
-        # layers, DDP's copy of the reduced buckets back into the gradients, a preemption of
-        # the job's thread in any of it: the job's own clock holds them in its backward).
-        # The outer autograd call of DDP also waits for its last all-reduce, which no span
-        # of the job's thread marks: while that all-reduce is in flight the instants are
-        # its (exposed comm), not the backward's. When the job's thread stood in gradient
-        # collectives inside the backward (FSDP's reduce-scatters, a job's own all-reduce),
-        # those are its waits: the rest of the phase (layers, the framework's hooks between
-        # them) is the backward. Activation all-to-alls in the backward (a MoE layer's,
-        # expert parallel) are no such wait: the phase's tail after its layers is still
-        # DDP's wait for its last all-reduce
+        # backward's own work: the per-layer spans where known (the outer autograd call of
+        # DDP also waits for its last all-reduce, which no span of the job's thread marks).
+        # When the job's thread stood in gradient collectives inside the backward (FSDP's
+        # reduce-scatters, a job's own all-reduce), those are its waits: the rest of the
+        # phase (layers, the framework's hooks between them) is the backward. Activation
+        # all-to-alls in the backward (a MoE layer's, expert parallel) are no such wait:
+        # the phase's tail after its layers is still DDP's wait for its last all-reduce
         own_waits = ov.total(ov.intersect(phase_b, ov.merge(st_grad, *(
             u for d, u in par.items() if d != "ep")))) > 0
         # a process with no collective at all has no all-reduce to wait for: its backward
@@ -272,9 +267,8 @@ def analyze_rank(sp: Spans, stood: tuple[np.ndarray, np.ndarray] | None = None,
         # layer's, the engine's end: 4-5 ms of it beside busy neighbours)
         comm_m = sp.of("comm")
         alone = not comm_m.any()
-        own_b = phase_b if own_waits or alone or not per_layer.any() else \
-            ov.merge(_u(sp, per_layer), ov.subtract(phase_b, _u(sp, comm_m)))
-        bwd = ov.subtract(ov.merge(own_b, _u(sp, pass_b)), st)
+        bwd = ov.subtract(ov.merge(phase_b if own_waits or alone or not per_layer.any()
+                                   else _u(sp, per_layer), _u(sp, pass_b)), st)
         upd = ov.subtract(_u(sp, sp.of("update")), st)
         # two phases at once (TensorFlow runs ops of both on its threads): the time counts
         # once, in the earlier phase; the loop's wait for data, where no compute ran beside
