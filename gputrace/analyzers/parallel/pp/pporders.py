@@ -95,7 +95,7 @@ def _torch_orders(schedule: str, p: int, m: int, rank_of: list[int]) -> list[lis
             got = {"orders": _ordered(schedule, p, m, rank_of)}
         except _Refused as e:
             got = {"error": str(e)}
-        if key:   # the last KEEP layouts asked for
+        if key:   # the last KEEP layouts computed
             kept = {k: v for k, v in read_json(CACHE).items() if k != key}
             write_json(CACHE, dict([*kept.items()][-KEEP + 1:] + [(key, got)]))
     if "error" in got:
