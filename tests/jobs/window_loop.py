@@ -8,6 +8,10 @@ and loss), `backward` and `update`.
                                                [--start-at T]
 
 `--spike-at K`: iteration K sleeps 60 ms more (a stall that a window elsewhere misses).
+`--width W`: the layers' width (16). Each row also holds `grad_wait`: from the backward's
+last gradient (its first layer's, accumulated) to `backward()` returning, the job's wait
+for DDP's gradient sync (its last all-reduce, the copy of the buckets back into the
+gradients).
 `--until FILE` / `--stop-at T`: the loop runs until FILE exists / until time.time() T (at
 most --iterations; the ranks agree on the iteration they stop at); rank 0 writes
 `OUT.ready` once the loop has begun. Each row also holds `wall`: time.time() at the
@@ -43,16 +47,21 @@ def main() -> None:
     p.add_argument("--start-at", type=float, default=0.0,
                    help="begin the loop at this time.time(), not before")
     p.add_argument("--progress", default="")
+    p.add_argument("--width", type=int, default=16)
     a = p.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(24)])
+    w = a.width
+    model = nn.Sequential(*[nn.Linear(w, w) for _ in range(24)])
     ddp = nn.parallel.DistributedDataParallel(model)
+    ready: list[float] = []      # the first layer's gradients: the backward's last
+    for q in model[0].parameters():
+        q.register_post_accumulate_grad_hook(lambda _: ready.append(time.perf_counter()))
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(100 + rank)
-    x, y = torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)
+    x, y = torch.randn(8, w, generator=g), torch.randn(8, w, generator=g)
     now = time.perf_counter
     rows = []
     prev = None
@@ -73,12 +82,14 @@ def main() -> None:
         prev = t0 if prev is None else prev
         loss = nn.functional.mse_loss(ddp(x), y)
         t1 = now()
+        ready.clear()
         loss.backward()
         t2 = now()
+        grad_wait = t2 - max(ready) if ready else 0.0
         opt.step()
         t3 = now()
         rows.append({"t_iter": t3 - prev, "forward": t1 - t0, "backward": t2 - t1,
-                     "update": t3 - t2, "wall": wall})
+                     "update": t3 - t2, "wall": wall, "grad_wait": grad_wait})
         prev = t3
         if log is not None:
             log.write(f"{i} {wall!r} {rows[-1]['t_iter']!r}\n")

@@ -59,6 +59,10 @@ def exposed_union(sp: Spans, r: Rows, compute: ov.Union, m: np.ndarray,
     has_wait = r.wait_s >= 0
     w = m & has_wait
     parts = [ov.union(r.wait_s[w], r.wait_e[w])]
+    # DDP's buckets given their wait at the backward's end (backward_wait): also the part
+    # of their flight no compute covers, as before they had one
+    implied = w & ~r.contract
+    parts.append(ov.subtract(ov.union(s[implied], e[implied]), compute))
     if r.call_s.size == r.n:   # an asynchronous functional collective's issuing call
         called = w & (r.call_s >= 0)
         parts.append(ov.union(r.call_s[called], r.call_e[called]))

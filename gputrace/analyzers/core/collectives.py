@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from gputrace.analyzers.core.backward_wait import with_backward_waits
 from gputrace.analyzers.core.comm_rows import KINDS, Rows, kind_of
 from gputrace.analyzers.core.frame import Spans
 from gputrace.analyzers.parallel.classify import group_name, mesh_dim, role
@@ -150,7 +151,8 @@ def rows(sp: Spans) -> Rows:
                              "parallelism")
         final.append(d)
         why.append(w)
-    return replace(r, gradient=grad, dim=final, why=why, small=small, small_below=below)
+    return with_backward_waits(sp, replace(r, gradient=grad, dim=final, why=why, small=small,
+                                           small_below=below))
 
 
 def gradient_bytes(sp: Spans, r: Rows) -> float:
