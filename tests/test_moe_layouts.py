@@ -4,6 +4,7 @@
 - tests/jobs/ds_moe_train.py: `deepspeed.moe.layer.MoE` under `deepspeed.initialize`, 2
   blocks of 4 experts at ep_size 2 (top-1 and top-2 gating), capacity-padded dispatch with
   even splits and no count exchange, the engine's gradient all-reduces after the backward;
+  and with drop_tokens=False, each gate's capacity all-reduced over the EP group;
 - tests/jobs/titan_moe_train.py: torchtitan's ExpertParallel (the count exchange, then
   dispatch and combine with split sizes by c10d's functional all-to-alls, the backward's by
   autograd) on its ("efsdp", "ep") and ("fsdp",) meshes, FSDP2 over the blocks."""
@@ -25,6 +26,12 @@ pytestmark = pytest.mark.slow
 def ds(tmp_path_factory):
     return record_run(tmp_path_factory.mktemp("dsmoe") / "ds", "ds_moe_train.py", 2,
                       ("--iterations", "8"))
+
+
+@pytest.fixture(scope="module")
+def ds_keep(tmp_path_factory):
+    return record_run(tmp_path_factory.mktemp("dskeep") / "ds", "ds_moe_train.py", 2,
+                      ("--iterations", "8", "--keep-tokens"))
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +121,37 @@ def test_deepspeed_moe_layout(ds):
     assert "comm: all-reduces (all of it)" in run.text
     assert "all-gathers" not in run.text and "reduce-scatters" not in run.text
     assert "other (under 1 KiB each, not gradient" in run.text
+    want = _job_waits(run, [0, 1])
+    g = run.rank(0)["parallelism"]["expert_parallel"]["imbalance"]["groups"][0]
+    for r in (0, 1):
+        assert g["wait_s"][str(r)] == pytest.approx(sum(want[r].values()), rel=TIME_TOL,
+                                                    abs=1e-3), (r, g["wait_s"], want)
+
+
+def test_deepspeed_moe_keeping_every_token(ds_keep):
+    """DeepSpeed-MoE with drop_tokens=False: each gate's all-reduce of its most-loaded
+    expert's count over the EP group before the dispatch is expert parallel (`capacity`),
+    as many and as large as the job's own, not a gradient nor a norm or a flag; the
+    all-to-alls still pair as dispatch and combine; the headline counts both; each rank's
+    wait for the group's last rank, which the capacity all-reduce now takes first, as the
+    job's own entries give it (within 15 % or 1 ms)."""
+    run = ds_keep
+    cfg = run.truth[0]["config"]
+    for rank in (0, 1):
+        own = _own(run, rank)
+        assert all(b["dropped"] == 0 for o in own for b in o["blocks"].values())
+        ep = _roles_as_the_jobs(run, rank, own)     # capacity, dispatch, combine
+        assert ep["capacity"] == pytest.approx(cfg["blocks"])
+        assert ep["count"] == pytest.approx(
+            sum(a["role"] != "capacity" for a in own[0]["a2a"]))
+        ar = run.rank(rank)["collectives"]["kinds"]["all_reduce"]["parallelism"]
+        calls = [c for c in run.truth[rank]["calls"]
+                 if c["kind"] == "all_reduce" and c["it"] == own[0]["it"]
+                 and c["phase"] == "forward"]
+        assert ar["ep"]["count"] == pytest.approx(len(calls)) == cfg["blocks"]
+        assert ar["ep"]["bytes"] == pytest.approx(sum(c["bytes"] for c in calls))
+    assert "EP 8 all-to-alls and 2 capacity all-reduces per iteration" in run.text
+    assert "expert parallel (the capacity agreed before dispatch)" in run.text
     want = _job_waits(run, [0, 1])
     g = run.rank(0)["parallelism"]["expert_parallel"]["imbalance"]["groups"][0]
     for r in (0, 1):

@@ -47,6 +47,8 @@ def few_bytes(n: float) -> str:
 
 def in_model(ra: RankAnalysis, k: KindTotal) -> str:
     """What the model makes of a kind's collectives: the words of the kinds table."""
+    if k.dim == "ep" and k.kind == "all_reduce":
+        return "expert parallel (the capacity agreed before dispatch)"
     if k.dim in DIM_WORDS:
         return DIM_WORDS[k.dim]
     if k.dim == "other" and k.why and not k.small and not k.why.startswith("not gradient"):

@@ -43,7 +43,8 @@ def dims_headline(ra: RankAnalysis) -> str:
     ep = ra.dims.get("ep")
     if ep is not None:
         imb = ra.parallel.get("ep")
-        clauses.append(f"EP {ep.count:.3g} all-to-alls per iteration, {_ms(ep.exposed_s)} "
+        clauses.append(f"EP {ep.count:.3g} all-to-alls{_capacity(ep)} per iteration, "
+                       f"{_ms(ep.exposed_s)} "
                        f"exposed" + (f", the most-loaded rank {imb.ratio:.2f}x the mean"
                                      if imb is not None else ""))
     if ra.sharded is not None:
@@ -165,11 +166,18 @@ def _pp(con: Console, pl) -> None:  # noqa: ANN001 - pp.Pipeline
                                                                 strict=True))))
 
 
+def _capacity(ep) -> str:  # noqa: ANN001 - ep.ExpertParallel
+    """' and N capacity all-reduces' where the MoE layers agreed their capacity."""
+    n = ep.capacity
+    return f" and {n:.3g} capacity all-reduce{'s' if n != 1 else ''}" if n else ""
+
+
 def _ep(con: Console, ep, imb) -> None:  # noqa: ANN001 - ep.ExpertParallel, ep.Imbalance
     con.print()
     roles = ", ".join(f"{k} {v['count']:.3g} ({v['bytes'] / 1e6:.2f} MB, "
                       f"{_ms(v['exposed_s'])} exposed)" for k, v in ep.roles.items())
-    con.print(f"Expert parallel (EP {ep.degree}): {ep.count:.3g} all-to-alls per iteration, "
+    con.print(f"Expert parallel (EP {ep.degree}): {ep.count:.3g} all-to-alls{_capacity(ep)} "
+              "per iteration, "
               f"{ep.nbytes / 1e6:.2f} MB, {_ms(ep.exposed_s)} exposed; {ep.moe_layers} MoE "
               f"layer{'s' if ep.moe_layers != 1 else ''} in the forward: {roles}")
     if ep.roles_backward:
@@ -201,8 +209,9 @@ def _ep(con: Console, ep, imb) -> None:  # noqa: ANN001 - ep.ExpertParallel, ep.
             con.print(f"{head}imbalance: the most-loaded rank ({g.most_loaded}) moves "
                       f"{g.ratio:.2f}x the group's mean bytes")
         if g.wait_s:
+            cap = " (the capacity all-reduces before them included)" if ep.capacity else ""
             con.print(f"{head}wait in the all-to-alls for the group's last rank to enter "
-                      "them, per iteration: " + "; ".join(
+                      f"them{cap}, per iteration: " + "; ".join(
                           f"rank {r} {_ms(w)}" + _layers(g.wait_by_layer.get(r, {}))
                           for r, w in sorted(g.wait_s.items())))
         if ep.even_splits and g.balanced_saves_s != g.balanced_saves_s:

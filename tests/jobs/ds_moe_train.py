@@ -19,7 +19,11 @@ the forward, an all-to-all before the block's experts ran is the dispatch, after
 combine; in the backward each is the gradient of the forward one whose autograd node runs
 it. Per block: the capacity, the tokens each of the 4 experts was routed from this rank
 (the gate's exp_counts) and the tokens dropped (beyond the capacity) and padded (the
-capacity's empty slots); the experts' compute (forward)."""
+capacity's empty slots); the experts' compute (forward).
+
+`--keep-tokens` (drop_tokens=False): each gate all-reduces its most-loaded expert's count
+(MAX) over the expert-parallel group before the dispatch, the capacity no token is dropped
+under; the job notes each such all-reduce among its all-to-alls (role `capacity`)."""
 
 from __future__ import annotations
 
@@ -47,6 +51,27 @@ EXPERTS, EP, TOPK = 4, 2, (1, 2)
 LOG: dict[str, Any] = {"a2a": [], "expert_s": 0.0, "block": 0, "experts_ran": False,
                        "grad_of": None}
 TRUTH: Truth | None = None
+
+
+def _log_capacity() -> None:
+    """The gating's all-reduce of the capacity (drop_tokens=False) noted with the
+    all-to-alls, role `capacity`: the module's `dist` (deepspeed.comm) seen through a
+    proxy that times its all-reduces."""
+    real = sharded_moe.dist
+
+    class Dist:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        def all_reduce(self, t: torch.Tensor, *args: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            out = real.all_reduce(t, *args, **kw)
+            LOG["a2a"].append({"block": LOG["block"], "role": "capacity",
+                               "phase": "forward", "bytes": t.numel() * t.element_size(),
+                               "s": time.perf_counter() - t0, "entry": t0})
+            return out
+
+    sharded_moe.dist = Dist()
 
 
 def _log_a2a() -> None:
@@ -128,6 +153,7 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     _log_a2a()
+    _log_capacity()
     torch.manual_seed(0)
     model = Model(a.d, a.capacity_factor, drop_tokens=not a.keep_tokens)
     cfg = {"train_micro_batch_size_per_gpu": a.tokens, "gradient_accumulation_steps": 1,

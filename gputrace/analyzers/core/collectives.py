@@ -22,6 +22,7 @@ from gputrace.analyzers.core.backward_wait import with_backward_waits
 from gputrace.analyzers.core.comm_rows import KINDS, Rows, kind_of
 from gputrace.analyzers.core.frame import Spans
 from gputrace.analyzers.parallel.classify import group_name, mesh_dim, role
+from gputrace.analyzers.parallel.ep.capacity import capacity_rows
 
 PARALLEL = frozenset(("tp", "pp", "ep", "cp"))
 
@@ -125,6 +126,9 @@ def rows(sp: Spans) -> Rows:
     contract, bout, asy, ws, we, pre, gsize, cs, ce = (
         v[inv] for v in (contract, bout, asy, ws, we, pre, gsize, cs, ce))
     nbytes = nbytes_all
+    # a MoE layer's capacity agreed before its dispatch: expert parallel, from its context
+    cap = capacity_rows(sp.start[idx], kinds, contract, phase, granks, nbytes, told)
+    told = [("ep", "") if c else t for c, t in zip(cap.tolist(), told, strict=True)]
     dims = [d for d, _ in told]
     r = Rows(idx, kinds, contract, nbytes, bout, asy, phase, ws, we, fsdp, unit,
              roles, pre, gsize, call_s=cs, call_e=ce, dim=dims, mesh_dim=mdims,

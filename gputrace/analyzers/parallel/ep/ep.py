@@ -11,7 +11,8 @@ combine moving back exactly the bytes its dispatch moved (its input bytes the di
 output bytes and the other way round). In the forward the first of a pair is the dispatch
 (before the experts' compute), the second the combine; in the backward the combine's
 gradient runs first, then the dispatch's. An all-to-all no later one pairs with is
-`unpaired` (no role: nothing says which it is).
+`unpaired` (no role: nothing says which it is). A layer's capacity all-reduce before its
+dispatch (capacity.py) is `capacity`: its bytes, time and wait count with the all-to-alls'.
 
 Tokens come from the dispatches' split sizes (args.splits). A dispatch given none
 (args.even: its first dimension cut evenly, DeepSpeed-MoE's capacity-padded [experts,
@@ -67,6 +68,9 @@ class ExpertParallel:
     # every forward dispatch moved even splits (no split sizes given): capacity-padded
     # buffers, whose rows are no tokens (dispatch_rows then empty)
     even_splits: bool = False
+    # per iteration, the capacity all-reduces before the dispatches (capacity.py: DeepSpeed-
+    # MoE's drop_tokens=False); `count` is the all-to-alls', the other figures hold both
+    capacity: float = 0.0
 
 
 def _args(sp: Spans, r: Rows, j: np.ndarray) -> list[dict[str, Any]]:
@@ -118,8 +122,13 @@ def analyze(sp: Spans, r: Rows, it_start: np.ndarray, it_end: np.ndarray,
     layers: dict[int, int] = {}
     groups: dict[tuple[int, str], list[int]] = {}
     n_counts: dict[int, int] = {}
+    n_cap: dict[int, int] = {}
+    kind = [r.kind[i] for i in j.tolist()]
     for x in range(j.size):
-        if args[x].get("integer"):
+        if kind[x] == "all_reduce":      # a layer's capacity agreed (capacity.py)
+            role[x] = "capacity"
+            n_cap[int(it[x])] = layer[x] = n_cap.get(int(it[x]), 0) + 1
+        elif args[x].get("integer"):
             role[x] = "counts"
             if r.phase[j[x]] == "forward":   # one per layer, before its dispatch
                 n_counts[int(it[x])] = layer[x] = n_counts.get(int(it[x]), 0) + 1
@@ -183,11 +192,13 @@ def analyze(sp: Spans, r: Rows, it_start: np.ndarray, it_end: np.ndarray,
                sp.end[r.idx[j]].astype(np.int64),
                np.array([x in ("dispatch", "combine") for x in role], np.int64), after,
                np.where(nout > 0, nout, nb).astype(np.int64))
+    a2a = sum(k == "all_to_all" for k in kind)
     return ExpertParallel(sp.rank, int(sizes.max()) if (sizes > 0).any() else 0,
-                          float(j.size) / n_it, float(nb.sum()) / n_it,
+                          float(a2a) / n_it, float(nb.sum()) / n_it,
                           float(stood.sum()) / n_it, float(dur.sum()) / n_it, phases, roles,
                           peers, max(layers.values(), default=0), roles_bwd, ranks, group,
-                          rows_to, expert_ns / 1e9 / n_it, entries, int(n_it), even)
+                          rows_to, expert_ns / 1e9 / n_it, entries, int(n_it), even,
+                          float(j.size - a2a) / n_it)
 
 
 def _peers(args: list[dict[str, Any]], n_it: float) -> list[float]:
