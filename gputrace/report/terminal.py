@@ -58,7 +58,7 @@ def sharded_comm(ra: RankAnalysis) -> str:
 
 PARALLEL = (("t_tp", "tensor-parallel comm (exposed)"),
             ("t_pp", "pipeline bubble (stage idle, its waits)"),
-            ("t_ep", "expert-parallel all-to-all (exposed)"),
+            ("t_ep", "expert-parallel comm (exposed)"),
             ("t_cp", "context-parallel comm (exposed)"))
 
 

@@ -29,7 +29,7 @@ TERMS = (("t_iter", "iteration"), ("t_io", "waiting for data (I/O)"),
          ("t_h2d", "host to device copies"), ("t_f", "forward"), ("t_b", "backward"),
          ("t_u", "update (optimizer)"), ("t_comm", "comm (all of it)"),
          ("comm_exposed", "exposed comm"), ("t_tp", "tensor-parallel comm"),
-         ("t_pp", "pipeline bubble"), ("t_ep", "expert-parallel all-to-all"),
+         ("t_pp", "pipeline bubble"), ("t_ep", "expert-parallel comm"),
          ("t_cp", "context-parallel comm"), ("t_framework", "framework"),
          ("t_other", "in no phase"))
 # the terms an iteration is made of, whose stalls its own spread can hide
