@@ -116,7 +116,10 @@ def units(sp: Spans, comm: np.ndarray, host: np.ndarray, it_of: np.ndarray, n: i
     b = back_end[k] if k.size else np.zeros(0, np.int64)
     covered = ov.measure(compute, start, end)
     hidden &= ((b < 0) | (end <= b)) & (2 * covered >= end - start)
-    return Units(k, pos, ready, start, end, sp.nbytes[ci], hidden, code, sets, cuts)
+    # iterations, launch places and layer-set codes fit 32 bits: each rank's units are
+    # held by the run's analysis until its end (a twelfth of a rank's part less)
+    return Units(k.astype(np.int32), pos.astype(np.int32), ready, start, end, sp.nbytes[ci],
+                 hidden, code.astype(np.int32), sets, cuts)
 
 
 def gpu_layer_ends(sp: Spans, per_layer: np.ndarray, bwd_gpu: np.ndarray) -> np.ndarray:
