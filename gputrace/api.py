@@ -16,7 +16,6 @@ from that document, so the three say the same thing.
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 from collections.abc import Sequence
@@ -29,6 +28,7 @@ from gputrace.analyzers import Analysis, RankAnalysis
 from gputrace.analyzers.core.model import ModelResult, Speedup, UnitStats
 from gputrace.analyzers.findings.rules import Finding
 from gputrace.analyzers.parallel.ddp.replay import Replay, Scenario
+from gputrace.report.json_text import dumps, plain
 from gputrace.report.tables import MissingExtra, Table
 from gputrace.report.tables_diff import TABLES as DIFF_TABLES
 
@@ -122,7 +122,7 @@ class DiffResult(dict):  # type: ignore[type-arg]
 
     def to_dict(self) -> dict[str, Any]:
         """The document as a plain dict (a fresh copy)."""
-        return json.loads(json.dumps(self))
+        return plain(self)
 
     def table(self, name: str) -> Table:
         """One of TABLES: `breakdown` (every term: before, after, change, its
@@ -230,11 +230,11 @@ class Result:
 
             self._doc.update(document(self.analysis, self.rank, self._inputs)
                              if self._inputs else to_dict(self.analysis, self.rank))
-        return json.loads(json.dumps(self._doc))
+        return plain(self._doc)
 
     def to_json(self, indent: int | None = 1) -> str:
         """The document as `analyze --json` prints it."""
-        return json.dumps(self.to_dict(), indent=indent)
+        return dumps(self.to_dict(), indent)
 
     def table(self, name: str) -> Table:
         """One of TABLES: `breakdown` (the shown rank's terms, mean and std), `iterations`

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from gputrace.cli.options import add_options, options_of
@@ -33,8 +32,9 @@ def run(args: argparse.Namespace) -> int:
         a = run_analysis(opts, detail=bool(args.report))
         more = beside(a, args.rank, args.trace).doc
     if args.json:
-        # one write: json.dump to a stream writes each of its ~1e5 small pieces apart
-        sys.stdout.write(json.dumps(document(a, args.rank, args.trace, more), indent=1) + "\n")
+        from gputrace.report.json_text import dumps
+
+        sys.stdout.write(dumps(document(a, args.rank, args.trace, more)) + "\n")
     else:
         from gputrace.report.terminal_all import render_all
 

@@ -4,7 +4,6 @@ help, and where, beside the run-to-run noise."""
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from typing import Any
@@ -96,7 +95,9 @@ def run(args: argparse.Namespace) -> int:
         c = run_diff(opts, before, after)
     doc = c.doc
     if args.json:
-        sys.stdout.write(json.dumps(doc, indent=1) + "\n")
+        from gputrace.report.json_text import dumps
+
+        sys.stdout.write(dumps(doc) + "\n")
     else:
         from gputrace.report.diff import render
 
