@@ -70,6 +70,16 @@ def _roles_as_the_jobs(run, rank: int, own: list[dict]) -> dict:
     return ep
 
 
+def _waits_as_the_jobs(run) -> None:
+    """Each rank's wait for the group's last rank (2 ranks, one EP group) within 15 % (or
+    1 ms) of the job's own entries."""
+    want = _job_waits(run, [0, 1])
+    g = run.rank(0)["parallelism"]["expert_parallel"]["imbalance"]["groups"][0]
+    for r in (0, 1):
+        assert g["wait_s"][str(r)] == pytest.approx(sum(want[r].values()), rel=TIME_TOL,
+                                                    abs=1e-3), (r, g["wait_s"], want)
+
+
 def test_deepspeed_moe_layout(ds):
     """DeepSpeed-MoE: per MoE layer the dispatch and combine as the job's _AllToAll issued
     them, forward and backward (no count exchange: DeepSpeed pads to capacity), EP 2 over
@@ -121,11 +131,7 @@ def test_deepspeed_moe_layout(ds):
     assert "comm: all-reduces (all of it)" in run.text
     assert "all-gathers" not in run.text and "reduce-scatters" not in run.text
     assert "other (under 1 KiB each, not gradient" in run.text
-    want = _job_waits(run, [0, 1])
-    g = run.rank(0)["parallelism"]["expert_parallel"]["imbalance"]["groups"][0]
-    for r in (0, 1):
-        assert g["wait_s"][str(r)] == pytest.approx(sum(want[r].values()), rel=TIME_TOL,
-                                                    abs=1e-3), (r, g["wait_s"], want)
+    _waits_as_the_jobs(run)
 
 
 def test_deepspeed_moe_keeping_every_token(ds_keep):
@@ -152,11 +158,7 @@ def test_deepspeed_moe_keeping_every_token(ds_keep):
         assert ar["ep"]["bytes"] == pytest.approx(sum(c["bytes"] for c in calls))
     assert "EP 8 all-to-alls and 2 capacity all-reduces per iteration" in run.text
     assert "expert parallel (the capacity agreed before dispatch)" in run.text
-    want = _job_waits(run, [0, 1])
-    g = run.rank(0)["parallelism"]["expert_parallel"]["imbalance"]["groups"][0]
-    for r in (0, 1):
-        assert g["wait_s"][str(r)] == pytest.approx(sum(want[r].values()), rel=TIME_TOL,
-                                                    abs=1e-3), (r, g["wait_s"], want)
+    _waits_as_the_jobs(run)
 
 
 def test_torchtitan_moe_layout(titan):
