@@ -18,7 +18,8 @@ merge's peak flat in the rank count.
 --compare: `analyze --json` of this tree beside gputrace at each git REF (`git archive`),
 in alternating rounds on the same files, and a raw columnar scan of them (every file read,
 `start_ns` and `end_ns` only, their difference summed): wall time, CPU (one job: the
-command's own) and peak RSS, the best of the rounds each.
+command's own) and peak RSS and PSS (a page the processes share counted once in all, not
+once in each), the best of the rounds each.
 
 --keep DIR writes the traces there once and reuses them on later runs (writing 1e8 events
 takes minutes and ~1 GB).
@@ -77,6 +78,13 @@ def tree_rss(procs: list[psutil.Process]) -> int:
     return int(_tree_sum(procs, lambda p: p.memory_info().rss))
 
 
+def tree_pss(procs: list[psutil.Process]) -> int:
+    """The proportional set size summed: a page shared by n of the processes (a pool's
+    workers forked from its forkserver, whose preloaded modules they share) counts 1/n in
+    each, where summed RSS counts it whole in each."""
+    return int(_tree_sum(procs, lambda p: p.memory_full_info().pss))
+
+
 def tree_cpu(procs: list[psutil.Process]) -> float:
     return _tree_sum(procs, lambda p: sum(p.cpu_times()[:2]))
 
@@ -97,9 +105,14 @@ def measure(cmd: list[str], also: list[psutil.Process] = (), timeout: float = 18
     p = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                          text=True, env=None if env is None else dict(os.environ, **env))
     me = psutil.Process(p.pid)
-    peak = 0
+    peak = peak_pss = 0
+    base_pss = tree_pss(list(also))
+    tick = 0
     while p.poll() is None:
         peak = max(peak, tree_rss([me, *also]) - base)
+        if tick % 10 == 0:   # every 0.2 s: reading every page map costs a core's ms each
+            peak_pss = max(peak_pss, tree_pss([me, *also]) - base_pss)
+        tick += 1
         if time.perf_counter() - t > timeout:
             p.kill()
         time.sleep(0.02)
@@ -108,7 +121,7 @@ def measure(cmd: list[str], also: list[psutil.Process] = (), timeout: float = 18
     if p.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({p.returncode}):\n{err[-3000:]}")
     cpu = children_cpu() + tree_cpu(list(also)) - cpu
-    return {"wall_s": wall, "peak_rss_bytes": peak, "cpu_s": cpu}
+    return {"wall_s": wall, "peak_rss_bytes": peak, "peak_pss_bytes": peak_pss, "cpu_s": cpu}
 
 
 def gib(n: float) -> str:
@@ -171,11 +184,14 @@ def compare(refs: list[str], path: Path, events: int, n_ranks: int, jobs: list[i
         wall, cpu = min(m["wall_s"] for m in ms), min(m["cpu_s"] for m in ms)
         one = how in ("", "-j 1")  # a pool's workers are not the command's children: no CPU
         rows.append([name, how, f"{wall:.1f} s", f"{cpu:.1f} s" if one else "n/a",
-                     gib(min(m["peak_rss_bytes"] for m in ms)), f"{wall / scan['wall_s']:.1f}x",
+                     gib(min(m["peak_rss_bytes"] for m in ms)),
+                     gib(min(m["peak_pss_bytes"] for m in ms)), f"{wall / scan['wall_s']:.1f}x",
                      f"{cpu / scan['cpu_s']:.1f}x" if one else "n/a"])
     print(table(f"analyze --json of {events:.2g} events over {n_ranks} ranks, side by side "
-                f"({rounds} rounds, the best of each; peak RSS summed over its processes)",
-                ["tree", "jobs", "time", "CPU", "peak RSS", "time / scan", "CPU / scan"],
+                f"({rounds} rounds, the best of each; peak RSS and PSS summed over its "
+                "processes)",
+                ["tree", "jobs", "time", "CPU", "peak RSS", "peak PSS", "time / scan",
+                 "CPU / scan"],
                 rows))
     print(f"machine: {machine()}")
 
