@@ -178,7 +178,11 @@ def test_the_sampler_thread_runs_below_the_job_and_leaves_the_rest_of_its_proces
     base = os.getpriority(os.PRIO_PROCESS, 0)
     s = Sampler([Probe()], None, 200, time.time_ns)
     s.start()
-    time.sleep(0.2)
+    # until its thread has sampled a few times (niced, beside a busy neighbour it waits for
+    # a core: no fixed sleep tells how many ticks it got)
+    deadline = time.monotonic() + 60
+    while len(seen) < 6 and time.monotonic() < deadline:
+        time.sleep(0.01)
     s.stop()
     # the first and last samples are taken by the caller of start() and stop()
     assert seen[0] == seen[-1] == base
