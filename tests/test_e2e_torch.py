@@ -9,11 +9,14 @@ import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from gputrace.analyzers.compare.diff_parts import run_wait  # noqa: E402
+from gputrace.analyzers.core.frame import build  # noqa: E402
+from gputrace.analyzers.core.steps import analyze_rank  # noqa: E402
 from gputrace.analyzers.findings.rules import INPUT_MODERATE  # noqa: E402
 from gputrace.trace import load  # noqa: E402
 from tests.conftest import run_gputrace  # noqa: E402
@@ -247,11 +250,18 @@ def test_io_bound_sample_gets_an_input_bound_finding(recorded, data_dir, tmp_pat
     d = analysis(path)
     found = {f["id"]: f for f in d["findings"]}
     skip = d["iterations"]["warmup_skipped"]
-    waits = json.loads(own.read_text())[skip:]
-    wait = sum(waits) / len(waits)
-    t_io, t_iter = d["breakdown"]["t_io"]["mean"], d["breakdown"]["t_iter"]["mean"]
-    # the job's wait also holds its loop's own steps around next(): 15 % or 2 ms
-    assert t_io == pytest.approx(wait, rel=0.15, abs=0.002), (t_io, wait)
+    waits = json.loads(own.read_text())
+    trace = load(path)
+    rs = analyze_rank(next(iter(build(trace.table, trace.metadata).ranks.values())))
+    t_io = rs.terms["t_io"]
+    assert t_io.size == len(waits) == 12, (t_io.size, len(waits))
+    # iteration by iteration, the median (a preemption of the loop's own steps around
+    # next(), inside the job's clock and outside the loader's wait, moves one iteration:
+    # 9 iterations' mean 15.3 % under the job's once in a quiet suite): 15 % or 2 ms
+    got, want = float(np.median(t_io[skip:])), float(np.median(waits[skip:]))
+    assert got == pytest.approx(want, rel=0.15, abs=0.002), (t_io[skip:], waits[skip:])
+    wait = sum(waits[skip:]) / len(waits[skip:])
+    t_iter = d["breakdown"]["t_iter"]["mean"]
     if wait / t_iter >= 1.2 * INPUT_MODERATE:      # a share the finding is for, with margin
         assert "input_bound" in found, d["findings"]
     # cold cache: the loader's reads reach the disk
