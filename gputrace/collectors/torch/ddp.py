@@ -3,6 +3,7 @@ comm hook (the default all-reduce, or the job's own)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 from collections.abc import Callable
@@ -90,6 +91,7 @@ def timed_hook(self: Any, hook: Any) -> Any:
             return hook(state, bucket)
         step = rec.step
         tok = None
+        cpu = waiter.on_cpu(buf)
         prev = ddp_hook_enter()   # the bucket's collectives are this span, not their own
         try:
             if own:
@@ -99,8 +101,11 @@ def timed_hook(self: Any, hook: Any) -> Any:
                 except Exception as e:  # noqa: BLE001
                     _hook_failed("the DDP comm hook (entry)", e)
                 buf.div_(group.size())
-                fut = _all_reduce(dist)(buf, group=group, async_op=True).get_future()
-            else:
+                # gloo: issued without the backward's Python context (collectors.torch.waiter)
+                with waiter.outside_backward_context() if cpu else _AS_IS:
+                    work = _all_reduce(dist)(buf, group=group, async_op=True)
+                fut = work.get_future()
+            else:   # the job's hook: its own collectives pass through collectors.torch.comm
                 fut = hook(state, bucket)
         finally:
             ddp_hook_exit(prev)
@@ -118,7 +123,7 @@ def timed_hook(self: Any, hook: Any) -> Any:
             record()
             return value(f)
 
-        if not waiter.on_cpu(buf):    # NCCL: then() runs on the issuing thread
+        if not cpu:    # NCCL: then() runs on the issuing thread
             return fut.then(done)
         # gloo: not a then() on gloo's thread (collectors.torch.waiter), the bucket's result
         # handed to the reducer by a thread of gputrace's once the all-reduce completed
@@ -140,6 +145,9 @@ def timed_hook(self: Any, hook: Any) -> Any:
         return out
 
     return timed
+
+
+_AS_IS = contextlib.nullcontext()
 
 
 def _all_reduce(dist: Any) -> Any:
