@@ -315,8 +315,14 @@ def test_two_multi_worker_mirrored_workers_show_comm_units_a_case_and_the_model(
     assert res["units"], res
     assert all(u["index"] == k for k, u in enumerate(res["units"]))
     assert res["breakdown"]["t_comm"]["mean"] > 0
-    assert res["model"]["case"] in (1, 2)
-    assert res["model"]["strategy"] in ("sequential", "wfbp", "wfbp_update_after")
+    # a case where the gradient all-reduces overlapped the backward (wait-free backprop);
+    # none where most iterations began them after it (beside a busy neighbour TensorFlow's
+    # executor can run them so): then the sequential model, eq. 2
+    m = res["model"]
+    if m["strategy"] == "sequential":
+        assert m["case"] is None and m["equation"] in ("2", "4"), m
+    else:
+        assert m["strategy"] in ("wfbp", "wfbp_update_after") and m["case"] in (1, 2), m
     assert res["model"]["predicted_t_iter"] > 0
     sp = res["speedup"]
     assert sp and json.dumps(sp).count("speedup") >= 1
