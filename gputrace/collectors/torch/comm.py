@@ -20,7 +20,6 @@ receives it holds (`ops`).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
 from collections.abc import Callable
@@ -258,17 +257,6 @@ def _state_now() -> int:
     return st.now() if st is not None else 0
 
 
-_AS_IS = contextlib.nullcontext()
-
-
-def _issuing(a: tuple[Any, ...], k: dict[str, Any]) -> Any:
-    """A CPU collective inside a backward is issued without the backward's Python context
-    (collectors.torch.waiter); any other as it is."""
-    if waiter.in_backward_context() and _on_cpu(a, k):
-        return waiter.outside_backward_context()
-    return _AS_IS
-
-
 # -- patches --------------------------------------------------------------------------------
 def _wrap(name: str, orig: Any) -> Any:
     spec = _SPECS.get(name)
@@ -281,7 +269,7 @@ def _wrap(name: str, orig: Any) -> Any:
     @functools.wraps(orig)
     def collective(*a: Any, **k: Any) -> Any:
         if tls.busy:   # inside another's (a DDP comm hook's): the bucket's span, no record
-            with _issuing(a, k):
+            with waiter.issuing(lambda: _on_cpu(a, k)):
                 return orig(*a, **k)
         st = _state()
         if st is None:
@@ -296,7 +284,7 @@ def _wrap(name: str, orig: Any) -> Any:
                 _hook_failed(f"torch.distributed.{name} (entry)", e)
         tls.busy = True
         try:
-            with _issuing(a, k):
+            with waiter.issuing(lambda: _on_cpu(a, k)):
                 res = orig(*a, **k)
         except BaseException:
             flight.leave(tok, now())

@@ -3,7 +3,6 @@ comm hook (the default all-reduce, or the job's own)."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 from collections.abc import Callable
@@ -102,7 +101,7 @@ def timed_hook(self: Any, hook: Any) -> Any:
                     _hook_failed("the DDP comm hook (entry)", e)
                 buf.div_(group.size())
                 # gloo: issued without the backward's Python context (collectors.torch.waiter)
-                with waiter.outside_backward_context() if cpu else _AS_IS:
+                with waiter.issuing(lambda: cpu):
                     work = _all_reduce(dist)(buf, group=group, async_op=True)
                 fut = work.get_future()
             else:   # the job's hook: its own collectives pass through collectors.torch.comm
@@ -145,9 +144,6 @@ def timed_hook(self: Any, hook: Any) -> Any:
         return out
 
     return timed
-
-
-_AS_IS = contextlib.nullcontext()
 
 
 def _all_reduce(dist: Any) -> Any:

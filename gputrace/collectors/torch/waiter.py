@@ -16,7 +16,7 @@ for the next. A CUDA future (NCCL) keeps its callback: it completes on the threa
 it, and a wait on another thread would make that thread's stream wait for it.
 
 A CPU collective issued inside a backward (DDP's buckets, a hook's all-reduce) is issued
-`outside_backward_context()`: torch (2.13) keeps a Python object (the backward's
+under `issuing()`: torch (2.13) keeps a Python object (the backward's
 `contextvars` context) in the thread-local state each collective's Work copies, and gloo's
 thread frees a completed Work itself, taking the GIL to drop that object. When the job's
 last step ends the process within a few milliseconds, that happens during the
@@ -105,9 +105,10 @@ def when_done(fut: Any, done: Callable[[Any], None]) -> None:
 
 
 _TLS_KEY = "context"   # what torch.autograd.graph._engine_run_backward stashes
+_AS_IS = contextlib.nullcontext()
 
 
-def in_backward_context() -> bool:
+def _in_backward_context() -> bool:
     """Whether this thread's torch state holds the backward's stashed context."""
     try:
         import torch
@@ -117,18 +118,25 @@ def in_backward_context() -> bool:
         return False
 
 
+def issuing(on_cpu: Callable[[], bool]) -> contextlib.AbstractContextManager[None]:
+    """What a collective about to be issued runs in: outside the backward's context where
+    it is inside a backward and `on_cpu()` (the module's docstring), else as it is."""
+    if _in_backward_context() and on_cpu():
+        return _outside_backward_context()
+    return _AS_IS
+
+
 @contextlib.contextmanager
-def outside_backward_context() -> Iterator[None]:
-    """The backward's stashed `contextvars` context out of this thread's torch state while
-    a CPU collective is issued (the module's docstring), put back after it."""
+def _outside_backward_context() -> Iterator[None]:
+    """The backward's stashed `contextvars` context out of this thread's torch state for
+    the call, put back after it."""
     import torch
 
     c = torch._C
     held = None
     try:
-        if in_backward_context():
-            held = c._get_obj_in_tls(_TLS_KEY)
-            c._remove_obj_from_tls(_TLS_KEY)
+        held = c._get_obj_in_tls(_TLS_KEY)
+        c._remove_obj_from_tls(_TLS_KEY)
     except Exception as e:  # noqa: BLE001 - issued as the job would have
         held = None
         _hook_failed("the backward's thread-local context", e)
