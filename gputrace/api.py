@@ -57,9 +57,9 @@ def analyze(paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *,
     recording, Kineto JSON or Nsight Systems SQLite. `rank`: the rank shown (default: the
     slowest). `skip`: warm-up iterations left out. `gpus`: GPU counts of the speedup model.
     `link_bandwidth`: bytes/s or text like "7GB/s". `what_if`: replay scenarios, text like
-    "gpus=16,bandwidth=2x,bucket_cap_mb=5" or `Scenario`s. `jobs`: worker processes for the
-    ranks; `executor`: a concurrent.futures Executor to analyze them in instead (e.g. a Dask
-    `Client.get_executor()`). `progress`: draw progress bars (default: on a terminal only).
+    "gpus=16,bandwidth=2x,bucket_cap_mb=5" or `Scenario`s. `jobs`: processes for the ranks
+    (this one and `jobs - 1` workers); `executor`: a concurrent.futures Executor to analyze
+    them in instead (e.g. a Dask `Client.get_executor()`). `progress`: draw progress bars (default: on a terminal only).
     `calibrate`: another run of the same pipeline job at another microbatch count, to fit
     the pipeline what-ifs' compute per microbatch (`analyze --calibrate`). `batch_size`,
     `tokens_per_sample`: the throughput's batch where the trace does not tell.

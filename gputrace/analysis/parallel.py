@@ -30,13 +30,67 @@ def _worker_init() -> None:
 
 
 def process_pool(jobs: int) -> ProcessPoolExecutor:
-    """`jobs` worker processes, forked from a server that has the analysis loaded (not from
-    this process, whose Arrow threads a fork would copy mid-flight)."""
+    """`jobs` worker processes, started fresh (not forked from this process, whose Arrow
+    threads a fork would copy mid-flight); each imports the analysis it is handed. As with
+    any process pool that does not fork, a script that starts one runs again as the workers'
+    `__mp_main__`: the `if __name__ == "__main__":` idiom (docs/python.md)."""
     import multiprocessing
 
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["gputrace.analyzers"])
-    return ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=_worker_init)
+    return ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_worker_init)
+
+
+class WithCaller(Executor):
+    """A pool of `workers` processes and the calling process at work together (`--jobs N`:
+    N - 1 workers): the caller takes tasks of each `map` itself whenever the next result in
+    order is not in yet, rather than idling in the wait; a worker fewer (see bench/README.md,
+    "Many ranks").
+    Results come in order, as `Executor.map`'s; a task's error is raised where its result
+    would have come."""
+
+    def __init__(self, pool: Executor, workers: int) -> None:
+        self._pool = pool
+        self._ahead = max(2 * workers, 1)   # tasks handed out beyond the one awaited
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        return self._pool.submit(fn, *args, **kwargs)
+
+    def map(self, fn: Callable[..., Any], *iterables: Iterable[Any],
+            timeout: float | None = None, chunksize: int = 1) -> Iterator[Any]:
+        tasks = list(zip(*iterables, strict=True))
+        return self._ordered(fn, tasks)
+
+    def _ordered(self, fn: Callable[..., Any], tasks: list[tuple[Any, ...]]) -> Iterator[Any]:
+        pending: dict[int, Future[Any]] = {}
+        here: dict[int, tuple[bool, Any]] = {}   # done in this process: (ok, result or error)
+        nxt = 0      # the first task not yet handed out
+        try:
+            for i in range(len(tasks)):
+                while i not in here:
+                    while nxt < len(tasks) and len(pending) < self._ahead:
+                        pending[nxt] = self._pool.submit(fn, *tasks[nxt])
+                        nxt += 1
+                    f = pending[i]    # handed out in order: i is out, here or in a worker
+                    if f.done() or nxt >= len(tasks):
+                        del pending[i]
+                        yield f.result()
+                        break
+                    j, nxt = nxt, nxt + 1          # the next unsent, done here meanwhile
+                    try:
+                        here[j] = (True, fn(*tasks[j]))
+                    except Exception as e:   # raised in its turn, as map does
+                        here[j] = (False, e)
+                else:
+                    ok, res = here.pop(i)
+                    if not ok:
+                        raise res
+                    yield res
+        finally:
+            for f in pending.values():
+                f.cancel()
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self._pool.shutdown(wait=wait, cancel_futures=cancel_futures)
 
 
 @contextlib.contextmanager
@@ -121,7 +175,8 @@ def ray_executor(address: str) -> Iterator[Executor]:
 @contextlib.contextmanager
 def executor(jobs: int, dask: str | None = None, ray: str | None = None
              ) -> Iterator[Executor | None]:
-    """The executor the options ask for (None: analyze in this process)."""
+    """The executor the options ask for (None: analyze in this process; `jobs` processes:
+    this one and `jobs - 1` workers)."""
     if dask is not None:
         with dask_executor(dask) as ex:
             yield ex
@@ -129,7 +184,7 @@ def executor(jobs: int, dask: str | None = None, ray: str | None = None
         with ray_executor(ray) as ex:
             yield ex
     elif jobs > 1:
-        with process_pool(jobs) as ex:
-            yield ex
+        with process_pool(jobs - 1) as pool:
+            yield WithCaller(pool, jobs - 1)
     else:
         yield None

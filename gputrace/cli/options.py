@@ -25,8 +25,8 @@ def add_options(p: argparse.ArgumentParser, inputs: bool = True) -> None:
     p.add_argument("--shared-io", action="store_true",
                    help="one loader feeds all GPUs of a node (t_io grows with N)")
     p.add_argument("--jobs", "-j", type=int, metavar="N",
-                   help="analyze ranks in N worker processes (default: one per core, for "
-                   "traces of 2e6 rows or more)")
+                   help="analyze ranks in N processes, this one and N - 1 workers (default: one "
+                   "per core, for traces of 2e6 rows or more)")
     p.add_argument("--dask", metavar="ADDRESS", help="analyze ranks on a Dask distributed "
                    "cluster, e.g. tcp://scheduler:8786 (its workers read the trace files)")
     p.add_argument("--ray", metavar="ADDRESS", help="analyze ranks on a Ray cluster "
