@@ -46,13 +46,31 @@ def command(name: str, out_dir: Path, iterations: int | None = None) -> list[str
 
 
 def record(name: str, out_dir: Path, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    """Record one configuration; the environment's PYTHONPATH is kept (the source tree)."""
+    """Record one configuration; the environment's PYTHONPATH is kept (the source tree).
+    Recorded again, once, where a rank was aborted by torch at its exit (exit_abort)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     root = str(JOBS.parents[1])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    return subprocess.run(command(name, out_dir), capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    p = subprocess.run(command(name, out_dir), capture_output=True, text=True,
+                       timeout=timeout, env=env)
+    if exit_abort(p):
+        print(f"{name}: a rank aborted at its exit (torch's, see exit_abort); recorded again",
+              file=sys.stderr)
+        p = subprocess.run(command(name, out_dir), capture_output=True, text=True,
+                           timeout=timeout, env=env)
+    return p
+
+
+def exit_abort(p: subprocess.CompletedProcess[str]) -> bool:
+    """Whether the job failed only as torch 2.13 aborts a gloo job at its exit: a gloo thread
+    taking the GIL as the interpreter finalizes ("terminate called without an active
+    exception", SIGABRT), after every rank finished its work. collective_tour.py (no
+    backward, so not what collectors/torch/waiter.py keeps out) did so once in a suite run
+    and, not recorded, once in 64 runs beside recorded ones (0 of 117 alone). Told only of
+    a job whose two ranks both printed that their work was right (the tour's `RESULT ok`)."""
+    return (p.returncode != 0 and "terminate called without an active exception" in p.stderr
+            and "(SIGABRT)" in p.stderr and p.stdout.count("RESULT ok") == 2)
 
 
 def main() -> None:
