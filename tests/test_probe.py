@@ -34,9 +34,11 @@ def test_probe_measures_this_machine_then_traces_carry_it(tmp_path, probe_cache)
         f = r[key]
         assert f["min_bytes_per_s"] <= f["bytes_per_s"] <= f["max_bytes_per_s"]
         assert f["repeats"] == 3 and f["bytes"] > 0 and f["method"]
-    # plausible: a disk does 1 MB/s .. 100 GB/s, the page cache is faster than the disk
+    # plausible: a disk does 1 MB/s .. 100 GB/s, the page cache 10 MB/s .. 1 TB/s. Not that
+    # the cache beats the disk: a virtual machine's disk can be its host's memory (here,
+    # four test workers beside it: disk 1.07 GB/s, page cache 0.71 GB/s)
     assert 1e6 < r["disk_read"]["bytes_per_s"] < 1e11
-    assert r["disk_read"]["bytes_per_s"] < r["cache_read"]["bytes_per_s"] < 1e12
+    assert 1e7 < r["cache_read"]["bytes_per_s"] < 1e12
     assert r["disk_read"]["bytes"] == 32 << 20
     ar = r["allreduce_bus"]
     assert ar["backend"] == "gloo" and ar["processes"] == 2
