@@ -24,8 +24,11 @@ STEPS = 7           # the default warm-up skip (3 of 7) holds the counted iterat
 COUNTED = 2
 
 
-def own_matmul(n: int, threads: int, repeats: int) -> float:
-    """The best of `repeats` torch.matmul of two n x n fp32 matrices, as FLOP/s."""
+def own_matmul(n: int, threads: int, repeats: int) -> tuple[float, float]:
+    """The best and the median of `repeats` torch.matmul of two n x n fp32 matrices, as
+    FLOP/s."""
+    import statistics
+
     import torch
 
     old = torch.get_num_threads()
@@ -33,14 +36,14 @@ def own_matmul(n: int, threads: int, repeats: int) -> float:
     try:
         a, b = torch.randn(n, n), torch.randn(n, n)
         torch.matmul(a, b)
-        best = float("inf")
+        secs = []
         for _ in range(repeats):
             t0 = time.perf_counter()
             torch.matmul(a, b)
-            best = min(best, time.perf_counter() - t0)
+            secs.append(time.perf_counter() - t0)
     finally:
         torch.set_num_threads(old)
-    return 2 * n ** 3 / best
+    return 2 * n ** 3 / min(secs), 2 * n ** 3 / statistics.median(secs)
 
 
 @pytest.fixture(scope="module")
@@ -308,13 +311,17 @@ def test_flops_off_records_every_iteration_and_the_count_changes_no_result(runs,
 
 @pytest.mark.serial
 def test_probed_cpu_matmul_peak_is_torch_matmuls(cache):
-    """Serial: a peak is compared with torch.matmul timed just before and after it, which a
-    neighbour's load between the three moves by more than the bound (20.6 GFLOP/s probed
-    between 26.6 and 42.0 beside the other test worker)."""
+    """Serial: the probe's matmul is compared with torch.matmul timed just before and after
+    it, which a neighbour's load between the three moves by more than the bound (20.6
+    GFLOP/s probed between 26.6 and 42.0 beside the other test worker). Its median between
+    theirs; its peak, a best of many, at least their bests: beside two CPU hogs a single
+    lucky repeat made the peak 112.8 GFLOP/s where each side's best was 92.0 and 92.2."""
     _, probe, own = cache
-    # between what torch.matmul did just before and just after it (a busy machine moves)
-    got = probe["results"]["matmul_cpu_fp32"]["flops_per_s"]
-    assert 0.85 * min(own) <= got <= 1.15 * max(own), (got, own)
+    fig = probe["results"]["matmul_cpu_fp32"]
+    best, median = [o[0] for o in own], [o[1] for o in own]
+    got = fig["median_flops_per_s"]
+    assert 0.85 * min(median) <= got <= 1.15 * max(median), (got, median)
+    assert fig["flops_per_s"] >= 0.85 * min(best), (fig["flops_per_s"], best)
 
 
 def test_python_api_tables_are_the_json(runs):
