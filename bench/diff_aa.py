@@ -15,7 +15,7 @@ comparisons' standard errors it also estimates the smallest change found 9 times
 at 3, 10 and 20 runs a side ((t 0.975 + t 0.90) times the null pairs' pooled standard
 deviation over the root of the pairs).
 
-    python bench/diff_aa.py [--rounds 10] [--steps 30] [--extra-ms 0.6] [--keep DIR]
+    python bench/diff_aa.py [--rounds 10] [--runs 3] [--steps 30] [--extra-ms 0.6] [--keep DIR]
 
 One run against one (`--pairs N`): the job recorded twice, one after the other, N pairs;
 how often the headline calls the change within noise:
@@ -70,22 +70,22 @@ def pair(out: Path, i: int, steps: int) -> dict[str, float | str | bool]:
             "wait": wait, "stalls": doc["noise"]["excursions_s"]}
 
 
-def record_round(out: Path, r: int, steps: int, extra_ms: float, reuse: bool = False
-                 ) -> dict[str, Any]:
-    """Round `r`: A and B, 3 runs each, interleaved: side -> (traces, each run's steps);
+def record_round(out: Path, r: int, steps: int, extra_ms: float, reuse: bool = False,
+                 runs: int = 3) -> dict[str, Any]:
+    """Round `r`: A and B, `runs` runs each, interleaved: side -> (traces, each run's steps);
     `reuse`: a round whose traces are there already (--keep) is diffed, not recorded again."""
     a, b = out / f"r{r}-a", out / f"r{r}-b"
     job = [PY, str(JOB)]
-    have = [Path(f"{x}-{i}.arrow") for x in (a, b) for i in (1, 2, 3)]
+    have = [Path(f"{x}-{i}.arrow") for x in (a, b) for i in range(1, runs + 1)]
     if not (reuse and all(f.is_file() for f in have)):
         for x in (a, b):
             Path(f"{x}.jsonl").unlink(missing_ok=True)
-        run([PY, "-m", "gputrace", "record", "-q", "-f", "--repeat", "3", "-o",
+        run([PY, "-m", "gputrace", "record", "-q", "-f", "--repeat", str(runs), "-o",
              f"{a}.arrow", "--interleave", f"{b}.arrow",
              "--", *job, f"{a}.jsonl", "--steps", str(steps),
              "--", *job, f"{b}.jsonl", "--steps", str(steps),
              "--backward-extra-ms", str(extra_ms)], timeout=1800)
-    return {k: ([f"{x}-{i}.arrow" for i in (1, 2, 3)],
+    return {k: ([f"{x}-{i}.arrow" for i in range(1, runs + 1)],
                 [json.loads(ln) for ln in Path(f"{x}.jsonl").read_text().splitlines()])
             for k, x in (("a", a), ("b", b))}
 
@@ -131,11 +131,12 @@ def runs_needed(sd: float, change: float) -> int:
 
 
 def repeated(a: argparse.Namespace, out: Path) -> None:
-    rounds = [record_round(out, r, a.steps, a.extra_ms, a.reuse) for r in range(a.rounds)]
+    rounds = [record_round(out, r, a.steps, a.extra_ms, a.reuse, a.runs)
+              for r in range(a.rounds)]
     ab, null, dfs = [], [], []
     for r, rd in enumerate(rounds):
         d = diff_doc(rd["a"][0], rd["b"][0])
-        n = d["iterations"]["before"] // 3
+        n = d["iterations"]["before"] // a.runs
         top = d["layers"]["backward"]["top"]    # the slowed layer: model[2], the 2nd Linear
         layer = next((x for x in top if x["name"].split()[0] == SLOWED),
                      max(top, key=lambda x: x["change"]))
@@ -155,7 +156,7 @@ def repeated(a: argparse.Namespace, out: Path) -> None:
                 h, (rows, beyond) = d["headline"], rows_called(d)
                 se = [d["breakdown"]["t_iter"]["between_s"]] + [
                     x["between_s"] for x in d["layers"]["backward"]["top"] if x["between_s"]]
-                dfs.append(2 if d["noise"]["paired"] else 4)
+                dfs.append(a.runs - 1 if d["noise"]["paired"] else 2 * a.runs - 2)
                 null.append([f"{r - 1}+{r} {side.upper()}", f"{h['before'] * 1e3:.1f}",
                              f"{h['change'] * 1e3:+.2f}",
                              f"[{h['low'] * 1e3:+.2f}, {h['high'] * 1e3:+.2f}]", h["verdict"],
@@ -163,7 +164,7 @@ def repeated(a: argparse.Namespace, out: Path) -> None:
                              f"{max(se[1:] or [0]) * 1e3:.3f}"])
                 print(" ".join(null[-1]), file=sys.stderr)
     print(f"machine: {machine()}")
-    print(table(f"A/B: tests/jobs/slowed_phase.py, {a.steps} steps, 3 runs a side "
+    print(table(f"A/B: tests/jobs/slowed_phase.py, {a.steps} steps, {a.runs} runs a side "
                 f"interleaved, B with a {a.extra_ms:g} ms busy wait in one layer's backward "
                 "(ms)", ["round", "t_iter", "change", "95 % interval", "verdict",
                          "job's own change", "top backward layer, change", "layer",
@@ -174,7 +175,7 @@ def repeated(a: argparse.Namespace, out: Path) -> None:
           f"{len(ab)}")
     if not null:
         return
-    print(table("Null: 3 runs against 3 of the same code, interleaved (ms)",
+    print(table(f"Null: {a.runs} runs against {a.runs} of the same code, interleaved (ms)",
                 ["rounds", "t_iter", "change", "95 % interval", "verdict",
                  "rows beyond noise", "t_iter std. error", "largest layer std. error"],
                 null))
@@ -186,14 +187,14 @@ def repeated(a: argparse.Namespace, out: Path) -> None:
     # the spread of the null pairs' differences, pooled (each comparison's standard error
     # times the root of its pairs, squared, averaged): the smallest change found 9 times
     # in 10 at n pairs is (t 0.975 + t 0.90, n - 1 df) times it over the root of n
-    df = max(set(dfs), key=dfs.count)   # 3 pairs: 2 degrees of freedom; Welch's: about 4
-    sd = float(np.sqrt(np.mean([3 * float(r[6]) ** 2 for r in null])))
+    df = max(set(dfs), key=dfs.count)   # n pairs: n - 1 degrees of freedom
+    sd = float(np.sqrt(np.mean([a.runs * float(r[6]) ** 2 for r in null])))
     base = float(np.median([float(r[1]) for r in null]))
     at = ", ".join(f"{n} runs a side {(t_pct(n - 1, 97.5) + t_pct(n - 1, 90)) * sd / n ** 0.5:.2f}"
                    f" ms ({100 * (t_pct(n - 1, 97.5) + t_pct(n - 1, 90)) * sd / n ** 0.5 / base:.0f}"
                    " %)" for n in (3, 10, 20))
     print(f"smallest change found 9 times in 10, estimated from the null pairs' differences "
-          f"(standard deviation {sd:.2f} ms, pooled; df {df} at 3 pairs; iteration "
+          f"(standard deviation {sd:.2f} ms, pooled; df {df} at {a.runs} pairs; iteration "
           f"{base:.1f} ms): {at}")
     print(f"a 5 % change ({0.05 * base:.2f} ms) found 9 times in 10 at "
           f"{runs_needed(sd, 0.05 * base)} runs a side, at this spread")
@@ -208,6 +209,8 @@ def main() -> None:
     p.add_argument("--extra-ms", type=float, default=0.6,
                    help="repeated runs: B's busy wait in one layer's backward (0.6 ms: about "
                    "5 %% of the job's iteration on the bench machine)")
+    p.add_argument("--runs", type=int, default=3, help="repeated runs: runs a side in a "
+                   "round (3)")
     p.add_argument("--steps", type=int, help="iterations of each run (20; repeated: 30)")
     p.add_argument("--hog", action="store_true", help="a busy process beside each run")
     p.add_argument("--keep", metavar="DIR", help="keep the recordings there")
