@@ -66,28 +66,37 @@ KINDS: dict[str, Measured] = {
                              "on a loaded 2-CPU machine: no pair of runs at one machine speed, "
                              "so this holds the machine's drift (forward compute 0.61-2.56x "
                              "between the pair's runs)"),
-    "fsdp_forward_prefetch": Measured((-0.288, 0.404), "bench/whatif_kinds.py",
+    "fsdp_forward_prefetch": Measured((-0.340, 0.516), "bench/whatif_kinds.py",
                                       "forward prefetch 0 <-> 1, 2-rank FSDP2 over gloo, 6 "
                                       "predictions over 3 interleaved rounds, median +0.6 %, "
                                       "on a loaded 2-CPU machine whose runs of one "
-                                      "configuration moved up to 103 %"),
+                                      "configuration moved up to 103 %; on it quiet, median "
+                                      "+0.1 %, -34.0 .. +51.6 % (one round's runs 50 and "
+                                      "76 ms)"),
     "fsdp_backward_prefetch": Measured((-0.519, 1.078), "bench/whatif_kinds.py",
                                        "backward prefetch FSDP2's default (1) <-> 2, 2-rank "
                                        "FSDP2 over gloo, 6 predictions over 3 interleaved "
                                        "rounds, median +1.7 %, on a loaded 2-CPU machine "
-                                       "whose runs of one configuration moved up to 195 %"),
+                                       "whose runs of one configuration moved up to 195 %; "
+                                       "on it quiet, prefetch 2 ran 11-45 % slower than the "
+                                       "default in each of 3 rounds where no change is "
+                                       "predicted"),
     "sharded_link": Measured((-0.721, 3.425), "bench/whatif_kinds.py",
                              "a veth link as it is <-> throttled by tc (0.33x of its "
                              "all-reduce bus bandwidth), 2-rank FSDP2 over gloo, 6 "
                              "predictions over 3 interleaved rounds, median +11.1 %, on a "
                              "loaded 2-CPU machine whose runs of one configuration moved up "
-                             "to 657 %; the throttled runs were not slower in 2 of 3 rounds"),
+                             "to 657 %; the throttled runs were not slower in 2 of 3 rounds; "
+                             "on it quiet, throttled to 0.50x, -39.9 .. +90.5 %: predicted "
+                             "54-60 % slower, the throttled runs -16 .. +16 %"),
     # TP degree: on 2 CPU ranks only 2 -> 1 can be run (bench/whatif_kinds.py)
     "tp_fewer": Measured((-0.044, 0.855), "bench/whatif_kinds.py",
                          "TP degree 2 on 2 ranks -> 1 (one process), 3 predictions over 3 "
                          "interleaved rounds, median +1.4 %, on a loaded 2-CPU machine whose "
                          "one-process runs moved up to 143 % (a lower degree than the "
-                         "measured; only 1 and 2 can be run on 2 CPU ranks)"),
+                         "measured; only 1 and 2 can be run on 2 CPU ranks); on it quiet, "
+                         "+40.9 .. +62.5 %, the one process faster than predicted in every "
+                         "round"),
     "tp_more": Measured(None, "", "a TP degree above the measured one"),
     # the pipeline's microbatch what-ifs: of one run to fewer microbatches and to more
     # (bench/whatif_pp_inside.py), and fitted with a calibrating run (bench/whatif_pp.py's
