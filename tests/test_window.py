@@ -92,9 +92,18 @@ def test_every_iteration_time_matches_the_jobs_clock(runs, steps_json):
     truth = [r["t_iter"] for r in runs["steps"][1][run["rank"]]]
     assert run["iterations"] == ITERATIONS
     assert run["step"] == list(range(ITERATIONS))
-    _agree(np.array(run["t_iter_s"]), np.array(truth))
+    got = np.array(run["t_iter_s"])
+    _agree(got, np.array(truth))
     s = run["summary"]
-    assert s["max_s"] == pytest.approx(max(truth), rel=0.05)
+    # the longest iteration is the summary's, and the job's longest agrees with its own
+    # figure within 5 % or, its boundary moved into a neighbour (see _agree), with the two
+    # together (CI once: 70.8 ms against the job's 75.0 ms, the 4.2 ms in the next one)
+    assert s["max_s"] == pytest.approx(float(got.max()), rel=1e-3)
+    i = int(np.argmax(truth))
+    assert min([abs(got[i] / truth[i] - 1)]
+               + [abs((got[i] + got[j]) / (truth[i] + truth[j]) - 1)
+                  for j in (i - 1, i + 1) if 0 <= j < len(got)]) <= 0.05, \
+        (i, got[i - 1:i + 2], truth[i - 1:i + 2])
     assert s["p50_s"] == pytest.approx(float(np.median(truth)), rel=0.05)
     # the stall the job made, outside the window (its sleep belongs to the next iteration);
     # the window missed it where the job's own clock has it longer than every iteration the
