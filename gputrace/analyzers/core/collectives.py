@@ -12,6 +12,7 @@ units exactly as before."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import fields, replace
 from typing import Any
 
@@ -337,8 +338,10 @@ def unit_kinds(sp: Spans, r: Rows, it_start: np.ndarray) -> dict[int, str]:
     j, it = j[order], it[order]
     first = np.r_[0, np.flatnonzero(np.diff(it)) + 1]
     pos = np.arange(j.size) - np.repeat(first, np.diff(np.r_[first, j.size]))
-    out: dict[int, dict[str, int]] = {}
-    for p, k in zip(pos.tolist(), (r.kind[x] for x in j.tolist()), strict=True):
-        c = out.setdefault(p, {})
-        c[k] = c.get(k, 0) + 1
-    return {p: max(c, key=lambda k: c[k]) for p, c in out.items()}
+    # per place the kind most of its units have (the first seen of those as many)
+    out: dict[int, tuple[str, int]] = {}
+    for (p, k), c in Counter(zip(pos.tolist(), [r.kind[x] for x in j.tolist()],
+                                 strict=True)).items():
+        if p not in out or c > out[p][1]:
+            out[p] = (k, c)
+    return {p: k for p, (k, _) in out.items()}

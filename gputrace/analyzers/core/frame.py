@@ -219,15 +219,26 @@ def build(table: pa.Table | dict[str, pa.ChunkedArray] | RankColumns,
         rs = rank_all[sel]
         order = sel if (rs[1:] >= rs[:-1]).all() else sel[np.argsort(rs, kind="stable")]
         del rs
-        rank = rank_all[order]
+        # the spans in rank order already (a rank read alone): no permutation, at most a
+        # mask (a boolean one selects faster than indices), none when every row is a span
+        in_order = order is sel
+        same = in_order and sel.size == n_all
+        pick = is_span if in_order else order
+        rank = rank_all if same else rank_all[pick]
         del rank_all, sel
 
+        def put(a: np.ndarray) -> np.ndarray:
+            """A column in the frame's order, the frame's own (writable) array."""
+            if not same:
+                return a[pick]
+            return a if a.flags.writeable else a.copy()
+
         def col(name: str, fill: int, dtype: type) -> np.ndarray:
-            return _np(pop(name), fill, dtype)[order]
+            return put(_np(pop(name), fill, dtype))
 
         def codes(name: str) -> tuple[np.ndarray, list[str]]:
             c, values = _codes(pop(name))
-            return c[order], values
+            return put(c), values
 
         cat, cats = codes("cat")
         name, names = codes("name")
@@ -239,12 +250,14 @@ def build(table: pa.Table | dict[str, pa.ChunkedArray] | RankColumns,
         device = col("device", -1, np.int16)
         step = col("step", -1, np.int32)
         layer = col("layer", -1, np.int32)
-        nbytes = pop("bytes").cast(pa.float64()).fill_null(np.nan).to_numpy()[order]
-        args = pop("args").take(pa.array(order))
+        nbytes = put(pop("bytes").cast(pa.float64()).fill_null(np.nan).to_numpy())
+        args = pop("args")
+        if not same:
+            args = args.take(pa.array(order))
         mem = pa.chunked_array(pop("src_kind").chunks + pop("dst_kind").chunks)
         mem_codes, mem_kinds = _codes(mem)
         del mem
-        srck, dstk = mem_codes[:n_all][order], mem_codes[n_all:][order]
+        srck, dstk = put(mem_codes[:n_all]), put(mem_codes[n_all:])
         del mem_codes
         stream = col("stream", -1, np.int32) if "stream" in cols else None
         if "phase" in cols:

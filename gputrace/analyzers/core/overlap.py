@@ -76,20 +76,31 @@ def measure(u: Union, lo: np.ndarray | int, hi: np.ndarray | int) -> np.ndarray:
     return np.maximum(_cover_before(u, hi) - _cover_before(u, lo), 0.0)
 
 
-def _covered(u: Union, x: np.ndarray) -> np.ndarray:
-    """Whether each point x lies inside the union."""
-    i = np.searchsorted(u[0], x, side="right") - 1
-    return (i >= 0) & (x < u[1][np.maximum(i, 0)])
-
-
 def _combine(a: Union, b: Union, keep_b: bool) -> Union:
-    # Between consecutive boundaries of both unions coverage is constant: test the left end.
-    pts = np.sort(np.concatenate([a[0], a[1], b[0], b[1]]), kind="stable")
-    pts = pts[np.concatenate(([True], pts[1:] != pts[:-1]))]
-    mid = pts[:-1]
-    in_b = _covered(b, mid)
-    keep = _covered(a, mid) & (in_b if keep_b else ~in_b)
-    return union(pts[:-1][keep], pts[1:][keep], own=True)
+    """One sweep over both unions' edges (each union's are sorted already, so the stable
+    sort merges two runs): how many of a's and of b's intervals cover each stretch between
+    two distinct edges, counted at the stretch's left end, and the stretches kept laid end
+    to end into intervals."""
+    na, nb = a[0].size, b[0].size
+    at = np.empty(2 * (na + nb), np.result_type(a[0], b[0]))
+    at[0:2 * na:2], at[1:2 * na:2], at[2 * na::2], at[2 * na + 1::2] = a[0], a[1], b[0], b[1]
+    order = np.argsort(at, kind="stable")
+    at = at[order]
+    # each edge's step of its union's coverage: +1 at a start (even place), -1 at an end
+    step = (1 - 2 * (order & 1)).astype(np.int8)
+    of_a = order < 2 * na
+    in_a = np.cumsum(np.where(of_a, step, 0), dtype=np.int32)
+    in_b = np.cumsum(np.where(of_a, 0, step), dtype=np.int32)
+    # the coverage after the last edge at each position
+    last = np.empty(at.size, dtype=bool)
+    last[-1] = True
+    np.not_equal(at[1:], at[:-1], out=last[:-1])
+    at, in_a, in_b = at[last], in_a[last], in_b[last]
+    by_b = in_b[:-1] > 0
+    keep = (in_a[:-1] > 0) & (by_b if keep_b else ~by_b)
+    # runs of kept stretches: each run's first stretch's start to its last's end
+    edge = np.diff(np.concatenate(([0], keep.view(np.int8), [0])))
+    return at[np.flatnonzero(edge == 1)], at[np.flatnonzero(edge == -1)]
 
 
 def intersect(a: Union, b: Union) -> Union:
@@ -203,6 +214,18 @@ def grouped_hidden(start: np.ndarray, end: np.ndarray, group: np.ndarray, n: int
     return Hidden(tot / 1e9, hid / 1e9, (tot - hid) / 1e9)
 
 
+def _in_order(*keys: np.ndarray) -> bool:
+    """Whether rows are in order by their keys, the first most significant (as
+    np.lexsort(keys[::-1]) would put them)."""
+    later = np.zeros(keys[0].size - 1, bool)     # placed after the row before, already
+    for k in keys:
+        d = np.diff(k)
+        if (~later & (d < 0)).any():
+            return False
+        later |= d > 0
+    return True
+
+
 def runs(start: np.ndarray, end: np.ndarray, group: np.ndarray, lane: np.ndarray,
          label: np.ndarray
          ) -> tuple[np.ndarray, ...]:
@@ -216,8 +239,9 @@ def runs(start: np.ndarray, end: np.ndarray, group: np.ndarray, lane: np.ndarray
     if not s.size:
         z = np.zeros(0, np.int64)
         return z, z.copy(), z.copy(), z.copy(), z.copy(), z.copy()
-    order = np.lexsort((s, ln, g))
-    s, e, g, ln, lb, m = s[order], e[order], g[order], ln[order], lb[order], m[order]
+    if not _in_order(g, ln, s):   # a device's records come in start order, mostly
+        order = np.lexsort((s, ln, g))
+        s, e, g, ln, lb, m = s[order], e[order], g[order], ln[order], lb[order], m[order]
     new = np.ones(s.size, dtype=bool)
     new[1:] = (g[1:] != g[:-1]) | (ln[1:] != ln[:-1]) | (lb[1:] != lb[:-1])
     first = np.flatnonzero(new)

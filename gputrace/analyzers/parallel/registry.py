@@ -151,8 +151,9 @@ def degrees(rows: Rows, inside: np.ndarray | None = None) -> dict[str, int]:
     """Per dimension the rank's collectives show (those that tell one: _told), its group's
     size (0 unknown)."""
     out: dict[str, int] = {}
-    for d, g, ok in zip(rows.dim, rows.group_size.tolist(), _told(rows, inside),
-                        strict=True):
+    # each distinct row once (a repeat changes nothing), in the order of their first
+    for d, g, ok in dict.fromkeys(zip(rows.dim, rows.group_size.tolist(),
+                                      _told(rows, inside), strict=True)):
         if ok:
             out[d] = max(out.get(d, 0), int(g))
     return out
@@ -163,9 +164,10 @@ def groups(rows: Rows, inside: np.ndarray | None = None) -> dict[str, dict[str, 
     dimension's name ("" none) and the ranks of each of its groups seen (up to 64 ranks a
     group)."""
     out: dict[str, dict[str, Any]] = {}
-    for d, m, gr, k in zip(rows.dim, rows.mesh_dim or [""] * rows.n,
-                           rows.group_ranks or [None] * rows.n, _told(rows, inside),
-                           strict=True):
+    # each distinct row once (a repeat changes nothing), in the order of their first
+    for d, m, gr, k in dict.fromkeys(zip(rows.dim, rows.mesh_dim or [""] * rows.n,
+                                         rows.group_ranks or [None] * rows.n,
+                                         _told(rows, inside), strict=True)):
         if not k:
             continue
         # one process group may be two mesh dimensions (torchtitan's fsdp and ep over the

@@ -12,20 +12,43 @@ from gputrace.analyzers.core import frame as fr
 from gputrace.analyzers.extras.held import keep
 from gputrace.trace.ranked import RankedTrace
 
-_trim: Any = None     # glibc's malloc_trim, once looked up (False: none here)
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+_heap: Any = None    # glibc's (malloc_trim, mallinfo2 or None), once looked up; False: none
+# free heap bytes kept for the next rank's arrays rather than handed back to the OS: pages
+# handed back are faulted in again, zeroed, when the next rank's arrays reuse them (with
+# glibc's defaults, every array over 128 KiB mapped on its own and each rank's heap trimmed,
+# 1e8 events over 1024 ranks took 59 s with -j 2, 1.5 million page faults a 1e7 run; with
+# 64 MiB kept and arrays on the heap, 33 s and the same peak memory: bench/README.md)
+KEEP_FREE = 64 << 20
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 
 
 def _give_back() -> None:
-    """Hand the heap's free pages back to the OS (glibc's malloc_trim; a no-op elsewhere),
-    so that one rank's freed arrays do not stay in the process beside the next rank's."""
-    global _trim
-    if _trim is None:
+    """Between ranks: hand the heap's free pages beyond KEEP_FREE back to the OS (glibc's
+    malloc_trim; a no-op elsewhere), so that one rank's freed arrays do not stay in the
+    process beside the next rank's. From the first call on, arrays up to 32 MiB come from
+    the heap rather than each from a mapping of its own, and only this trims the heap."""
+    global _heap
+    if _heap is None:
         try:
-            _trim = ctypes.CDLL(None).malloc_trim
+            libc = ctypes.CDLL(None)
+            trim = libc.malloc_trim
+            info = getattr(libc, "mallinfo2", None)    # glibc 2.33 on
+            if info is not None:
+                info.restype = _MallInfo2
+                libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)
+                libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
+            _heap = (trim, info)
         except (OSError, AttributeError):
-            _trim = False
-    if _trim:
-        _trim(0)
+            _heap = False
+    if _heap and (_heap[1] is None or _heap[1]().fordblks > KEEP_FREE):
+        _heap[0](0)
 
 
 def _frames(trace: Any, consume: bool) -> Iterator[fr.Frame]:
