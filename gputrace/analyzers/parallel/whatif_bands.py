@@ -32,6 +32,7 @@ class Measured:
 
 _WHATIF = ("2-rank gloo DDP, 2 models, on a 2-CPU machine whose runs of one configuration "
            "moved up to 16 %")
+_PP = "GPipe, 1F1B and Interleaved1F1B, 4 <-> 8 <-> 16 microbatches, 2 ranks over gloo"
 _DS = "2-rank DeepSpeed over gloo on a 2-CPU machine whose unchanged pairs moved up to 9 %"
 # the kinds, by the key analyzers give their what-ifs (kind_of_scenario, kind_of_label)
 KINDS: dict[str, Measured] = {
@@ -103,14 +104,14 @@ KINDS: dict[str, Measured] = {
     # microbatch pairs, and whatif_pp_inside.py's with the window of a recording at a third
     # count, the schedule's own work and transfer fitted through the runs too: the wider)
     "pp_fewer": Measured((-0.036, 0.749), "bench/whatif_pp_inside.py",
-                         "GPipe, 1F1B and Interleaved1F1B, 4 <-> 8 <-> 16 microbatches, 2 "
-                         "ranks over gloo on a loaded 2-CPU machine"),
+                         f"{_PP} on a loaded 2-CPU machine; on it quiet, 12 predictions, "
+                         "+18.3 .. +49.1 %"),
     "pp_more": Measured((-0.353, 0.660), "bench/whatif_pp_inside.py",
-                        "GPipe, 1F1B and Interleaved1F1B, 4 <-> 8 <-> 16 microbatches, 2 "
-                        "ranks over gloo on a loaded 2-CPU machine"),
+                        f"{_PP} on a loaded 2-CPU machine; on it quiet, 12 predictions, "
+                        "-32.2 .. -14.5 %"),
     "pp_fitted": Measured((-0.402, 0.778), "bench/whatif_pp.py, bench/whatif_pp_inside.py",
-                          "GPipe, 1F1B and Interleaved1F1B, 4 <-> 8 <-> 16 microbatches, 2 "
-                          "ranks over gloo on a loaded 2-CPU machine"),
+                          f"{_PP} on a loaded 2-CPU machine; on it quiet, 24 predictions, "
+                          "-14.9 .. +10.8 %, 18 within 10 %"),
     # expert-parallel balanced routing, against iterations of the same job routed without
     # the bias in one recording: each round's median, the hand-written layout's 5 rounds
     # and torchtitan's 4
