@@ -93,13 +93,15 @@ class Link:
             return False
         return True
 
-    def throttle(self, rate: str | None) -> None:
+    def throttle(self, rate: str | None, burst: str = "256kb") -> None:
+        """The link limited to `rate` by a token bucket of `burst` bytes (None: as it is). A
+        transfer shorter than the bucket passes at the link's own speed."""
         for ns, dev in zip(self.ns, self.dev, strict=True):
             subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root"],
                            capture_output=True)
             if rate:
                 subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev,
-                                "root", "tbf", "rate", rate, "burst", "256kb", "latency",
+                                "root", "tbf", "rate", rate, "burst", burst, "latency",
                                 "100ms"], check=True, capture_output=True)
 
     def stop(self) -> None:

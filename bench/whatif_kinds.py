@@ -43,6 +43,10 @@ from common import PY, ROOT, machine, run, table
 from whatif import Link, bus_bandwidth
 
 PORT = 29561
+# the token bucket of the throttled link: smaller than FSDP's transfers of a unit (~0.26 MB a
+# rank), which a bucket of 256 KB (bench/whatif.py's) let through at the link's own speed:
+# its collectives took as long throttled as not
+BURST = "64kb"
 
 JOBS = ROOT / "tests" / "jobs"
 
@@ -74,7 +78,7 @@ class Veth:
         bits = base * 8 * 0.5
         for _ in range(2):
             self.rate = f"{int(bits)}bit"
-            link.throttle(self.rate)
+            link.throttle(self.rate, BURST)
             got = bus_bandwidth(link, PORT, self.work)
             link.throttle(None)
             self.ratio = got / base
@@ -90,7 +94,7 @@ class Veth:
         def cmd(out: str, it: int) -> list[str]:
             self.start()
             assert self.link is not None
-            self.link.throttle(self.rate if throttled else None)
+            self.link.throttle(self.rate if throttled else None, BURST)
             return self.link.command([PY, str(JOBS / "fsdp_train.py"), out, "--mode", "fsdp2",
                                       "--iterations", str(it)], PORT)
         return cmd

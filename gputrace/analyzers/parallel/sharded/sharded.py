@@ -26,6 +26,7 @@ from gputrace.analyzers.core.steps import RankSteps
 from gputrace.analyzers.findings.sanity import far_off
 from gputrace.analyzers.parallel.sharded import shardsettings, zero_run
 from gputrace.analyzers.parallel.sharded import shardsim as sim
+from gputrace.analyzers.parallel.sharded import zero_whatif as zw
 from gputrace.analyzers.parallel.sharded.shardinputs import Inputs, summarize_rank  # noqa: F401 (here too)
 from gputrace.analyzers.parallel.sharded.shardtimeline import timelines
 from gputrace.analyzers.parallel.sharded.shardwhatif import WhatIf, mean_ci
@@ -135,6 +136,17 @@ def _depth(cr: col.Rows, facts: dict, role: str) -> int:
     return 1 if np.mean(cr.prefetch[facts["rows"][js]]) > 0.5 else 0
 
 
+def _link_cost(facts: dict, cr: col.Rows, inside: np.ndarray) -> zw.Cost | None:
+    """The service time of the run's sharded collectives as a fixed part per call and a
+    part per byte (a least-squares line through their sizes and service times, wherever
+    the sizes differ): gloo's calls on the CPU cost ~2 ms whatever their bytes, which a
+    slower link leaves as they are (bench/README.md). Where no line fits (one size, or a
+    cost that does not grow with the bytes), the fixed part is 0."""
+    rows = facts["rows"][inside]
+    # no collectives of a few bytes given: where no line fits, alpha comes out 0
+    return zw.fit(facts["svc"][inside], cr.nbytes[rows], np.zeros(0), np.zeros(0), least=0.0)
+
+
 def _ring(n: int) -> float:
     return (n - 1) / n if n > 1 else 0.0
 
@@ -196,9 +208,12 @@ def analyze_sharded(si: Inputs, rs: RankSteps, sel: np.ndarray, world: int,
     resharded = per_role["reshard_gather"] > 0
     order = list(dict.fromkeys(u.name for u in sorted(units, key=lambda u: u.unit)))
     st = shardsettings.read(si, sel, order) if strategy == "fsdp2" else None
-    base = sim.Knobs(_depth(cr, facts, "unshard"), _depth(cr, facts, "reshard_gather"))
+    cost = _link_cost(facts, cr, inside)
+    fixed = cost.alpha_s if cost is not None else 0.0
+    base = sim.Knobs(_depth(cr, facts, "unshard"), _depth(cr, facts, "reshard_gather"),
+                     fixed_s=fixed)
     if st is not None:    # the depths the job set, not those guessed from issue order
-        base = sim.Knobs(st.prefetch_forward, st.prefetch_backward)
+        base = sim.Knobs(st.prefetch_forward, st.prefetch_backward, fixed_s=fixed)
     root = first
     kw = {"forward_gathers": None, "root": root}
 
@@ -216,8 +231,12 @@ def analyze_sharded(si: Inputs, rs: RankSteps, sel: np.ndarray, world: int,
         "collectives of one process group run one after another, in issue order (one channel)",
         "compute between unit boundaries stays as measured; a unit's gather is needed when its "
         "compute begins, its reduce-scatter issued when its backward ends",
-        "service times scale with the bytes each rank moves, (N-1)/N of the full parameters, "
-        "and inversely with the link bandwidth; latency is not modeled",
+        "service times scale with the bytes each rank moves, (N-1)/N of the full parameters; "
+        + (f"of each, {fixed * 1e3:.2f} ms (a call's own cost, what a collective of no bytes "
+           f"would take: {cost.how}) stays whatever the link, the rest scales inversely with "
+           "its bandwidth" if cost is not None and fixed > 0 else
+           "they scale inversely with the link bandwidth, a call's own cost with them (not "
+           "told apart: no line through the collectives' sizes and times)"),
     ]
     peer = float(np.sum(facts["peer"][inside])) / 1e9 / n_it
     beside = float(np.sum(np.maximum(facts["beside"][inside], 0))) / 1e9 / n_it

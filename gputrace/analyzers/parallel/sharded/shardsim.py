@@ -56,7 +56,9 @@ class Timeline:
 class Knobs:
     """What a what-if changes: prefetch depths, link speed, collective scale (N GPUs),
     reshard after forward (None: as measured; False: no re-gathers; True: a re-gather of
-    each non-root unit ahead of its backward, as long as its forward all-gather)."""
+    each non-root unit ahead of its backward, as long as its forward all-gather). `fixed_s`:
+    the part of each collective's service time a faster or slower link leaves as it is (a
+    call's own cost, fitted over the run's collectives: sharded._link_cost)."""
 
     prefetch_forward: int
     prefetch_backward: int
@@ -64,6 +66,7 @@ class Knobs:
     scale: float = 1.0                   # service time factor ((N-1)/N over the measured)
     reshard: bool | None = None
     no_comm: bool = False                # one GPU: nothing to gather or reduce
+    fixed_s: float = 0.0                 # of each service time, what no link speed changes
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,10 @@ class Result:
 def _svc(x: float | None, k: Knobs) -> float | None:
     if x is None:
         return None
-    return 0.0 if k.no_comm else x * k.scale / k.bandwidth_x
+    if k.no_comm:
+        return 0.0
+    fixed = min(k.fixed_s, x)
+    return (fixed + (x - fixed) / k.bandwidth_x) * k.scale
 
 
 def run_side(side: Side, depth: int, k: Knobs, gathers: list[float | None] | None = None,
