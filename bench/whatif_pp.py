@@ -91,13 +91,24 @@ def configs(text: str) -> list[tuple[str, int]]:
     return out
 
 
+def per_stage(blocks: int, sched: str) -> int:
+    """A stage's blocks: `--blocks` per rank, split over the schedule's stages per rank, so
+    that every configuration trains the same model (pp_train's `--blocks` is per stage: an
+    interleaved run with as many per stage was a model twice as deep)."""
+    v = 1 if sched in ("gpipe", "1f1b") else 2
+    if blocks % v:
+        raise SystemExit(f"--blocks {blocks}: {sched} splits a rank's blocks over {v} stages")
+    return blocks // v
+
+
 def record(out: Path, sched: str, m: int, a: argparse.Namespace) -> tuple[Path, float]:
     """The trace, and the cores other processes kept busy while it was recorded."""
     trace = out / f"{sched}{m}.arrow"
     cmd = [PY, "-m", "gputrace", "record", "-q", "-f", "-o", str(trace), "--", PY, "-m",
            "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(JOB),
            str(out / f"{sched}{m}"), "--schedule", sched, "--microbatches", str(m),
-           "--iterations", str(a.iterations), "--blocks", str(a.blocks), "--width",
+           "--iterations", str(a.iterations), "--blocks", str(per_stage(a.blocks, sched)),
+           "--width",
            str(a.width), "--batch", str(a.batch)]
     # this tree's gputrace, in the recorder and in every process it bootstraps
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
@@ -174,7 +185,8 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=12)
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=512)
-    ap.add_argument("--blocks", type=int, default=4)
+    ap.add_argument("--blocks", type=int, default=4,
+                    help="blocks per rank (each stage of a rank holding two: half)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="recordings of every configuration, one round after the other")
     ap.add_argument("--quiet", type=float, default=0.0, metavar="SECONDS",
@@ -268,7 +280,7 @@ def main() -> None:
                                                    else " (differs)"),
                                  f"{busy:.2f}" if busy == busy else "?"])
         print(f"machine: {machine()}")
-        print(f"pp_train.py: {a.blocks} blocks per stage, width {a.width}, batch {a.batch}, "
+        print(f"pp_train.py: {a.blocks} blocks per rank, width {a.width}, batch {a.batch}, "
               f"{a.iterations} iterations; t_iter and bubble: stage 0's (its iteration is "
               "what the replay predicts), bubble: share of the iteration, mean over stages")
         print(table("Pipeline what-if against the run it predicts (one round: every "
