@@ -209,10 +209,11 @@ def test_balanced_routing_what_if(moe2, moe2_balanced):
     assert g["balanced_saves_s"] <= g["most_loaded_expert_s"]
     assert "what if routing were balanced" in moe2.text
     # its measured error, bench/README.md's what-if table's round medians over the layouts
-    # checked in one recording (the hand-written and torchtitan's), in --json too
+    # checked in one recording (the hand-written and torchtitan's, on a loaded machine and
+    # a quiet one), in --json too
     rows = [x for x in (Path(__file__).parents[1] / "bench" / "README.md").read_text()
             .splitlines() if x.startswith("| EP balanced routing") and "--alternate" in x]
-    assert len(rows) == 2, rows
+    assert len(rows) >= 2 and any("titan" in x for x in rows), rows
     bands = [tuple(map(float, re.search(r"(-[\d.]+) \.\. \+([\d.]+) %", row).groups()))
              for row in rows]
     lo, hi = min(b[0] for b in bands), max(b[1] for b in bands)

@@ -114,11 +114,11 @@ KINDS: dict[str, Measured] = {
     # expert-parallel balanced routing, against iterations of the same job routed without
     # the bias in one recording: each round's median, the hand-written layout's 5 rounds
     # and torchtitan's 4
-    "ep_balanced": Measured((-0.111, 0.194), "bench/whatif_ep.py --alternate",
+    "ep_balanced": Measured((-0.111, 0.221), "bench/whatif_ep.py --alternate",
                             "iterations of the same job routed without the bias (a "
                             "hand-written MoE and torchtitan's layout), on a 2-CPU "
-                            "machine (single iterations -49 to +179 %, where predicting "
-                            "no change was off by -12.9 to +16.8 %)"),
+                            "machine, loaded and quiet (single iterations -49 to +179 %, "
+                            "where predicting no change was off by -12.9 to +21.5 %)"),
 }
 
 
