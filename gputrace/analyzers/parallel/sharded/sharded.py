@@ -139,7 +139,7 @@ def _depth(cr: col.Rows, facts: dict, role: str) -> int:
 def _link_cost(facts: dict, cr: col.Rows, inside: np.ndarray) -> zw.Cost | None:
     """The service time of the run's sharded collectives as a fixed part per call and a
     part per byte (a least-squares line through their sizes and service times, wherever
-    the sizes differ): gloo's calls on the CPU cost ~2 ms whatever their bytes, which a
+    the sizes differ): gloo's calls on the CPU cost ~1 ms whatever their bytes, which a
     slower link leaves as they are (bench/README.md). Where no line fits (one size, or a
     cost that does not grow with the bytes), the fixed part is 0."""
     rows = facts["rows"][inside]
@@ -210,10 +210,10 @@ def analyze_sharded(si: Inputs, rs: RankSteps, sel: np.ndarray, world: int,
     st = shardsettings.read(si, sel, order) if strategy == "fsdp2" else None
     cost = _link_cost(facts, cr, inside)
     fixed = cost.alpha_s if cost is not None else 0.0
-    base = sim.Knobs(_depth(cr, facts, "unshard"), _depth(cr, facts, "reshard_gather"),
-                     fixed_s=fixed)
-    if st is not None:    # the depths the job set, not those guessed from issue order
-        base = sim.Knobs(st.prefetch_forward, st.prefetch_backward, fixed_s=fixed)
+    # the depths the job set, not those guessed from issue order
+    depths = (st.prefetch_forward, st.prefetch_backward) if st is not None else \
+        (_depth(cr, facts, "unshard"), _depth(cr, facts, "reshard_gather"))
+    base = sim.Knobs(*depths, fixed_s=fixed)
     root = first
     kw = {"forward_gathers": None, "root": root}
 
