@@ -50,7 +50,7 @@ from gputrace.analyzers.run.ranks import (
     _md_world,
     _shared,
 )
-from gputrace.analyzers.run.reading import _frames, _give_back, parallel_worth_it  # noqa: F401
+from gputrace.analyzers.run.reading import _frames, _give_back, parallel_worth_it, release  # noqa: F401
 from gputrace.trace.ranked import RankedTrace
 from gputrace.window import window_of
 
@@ -100,6 +100,7 @@ def analyze(trace: Any, *, skip: int | None = None, gpus: Sequence[int] = (2, 4,
         for f in _frames(trace, consume):
             opts = replace(opts, world=max(len(f.ranks), world, opts.world))
             parts.append(analyze_frame(f, opts))
+    release()
     return combine(parts, md, opts, probe, align, executor,
                    ranked=isinstance(trace, RankedTrace))
 

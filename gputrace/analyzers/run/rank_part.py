@@ -91,7 +91,6 @@ class RankPart:
     findings: list[Finding]
     steps: RankSteps
     devices: tuple[int, ...]      # the GPUs its records name
-    all_units: UnitTimes          # every iteration's units, for clock alignment
     analyzed: tuple[int, int, int] | None   # (first start, last end, iterations) analyzed
     window: tuple[int, int]       # first start, last end of every iteration
     series: IterationSeries | None = None
@@ -115,6 +114,13 @@ class RankPart:
     def sel(self) -> np.ndarray:
         sel = np.arange(self.warmup_skipped, self.iterations)
         return sel if self.left_out is None else sel[sel != self.left_out]
+
+    @property
+    def all_units(self) -> UnitTimes:
+        """Every iteration's units, for clock alignment (made when asked: the arrays of
+        `steps.units` but for the iteration's step, 8 bytes a unit no part keeps)."""
+        u = self.steps.units
+        return UnitTimes(self.steps.iterations.step[u.it], u.index, u.start, u.end)
 
 
 @dataclass(frozen=True)
@@ -167,7 +173,6 @@ def analyze_spans(sp: fr.Spans, o: Options) -> RankPart:
     timeline = iteration_timeline(sp, rs, representative(rs, sel)) if o.detail and n else None
     if timeline is not None:
         timeline = with_collectives(timeline, sp, cr)
-    u = rs.units
     its = rs.iterations
     return RankPart(
         rank=sp.rank, host=sp.host, iterations=int(n), warmup_skipped=skipped,
@@ -183,7 +188,6 @@ def analyze_spans(sp: fr.Spans, o: Options) -> RankPart:
         model=model, findings=extra + gp_findings(good, o.disk_write_bytes_per_s),
         steps=replace(rs, compute=EMPTY_UNION, layer_backward_s=[], layer_recompute_s=[]),
         devices=tuple(int(d) for d in np.unique(sp.device[sp.on_gpu()])),
-        all_units=UnitTimes(its.step[u.it], u.index, u.start, u.end),
         analyzed=(int(its.start[skipped]), int(its.end[n - 1]), int(n - skipped))
         if sel.size else None,
         window=(int(its.start[0]), int(its.end[-1])) if n else (0, 0),

@@ -33,7 +33,8 @@ def _give_back() -> None:
     """Between ranks: hand the heap's free pages beyond KEEP_FREE back to the OS (glibc's
     malloc_trim; a no-op elsewhere), so that one rank's freed arrays do not stay in the
     process beside the next rank's. From the first call on, arrays up to 32 MiB come from
-    the heap rather than each from a mapping of its own, and only this trims the heap."""
+    the heap rather than each from a mapping of its own, and only this trims the heap, until
+    `release`."""
     global _heap
     if _heap is None:
         try:
@@ -44,11 +45,25 @@ def _give_back() -> None:
                 info.restype = _MallInfo2
                 libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)
                 libc.mallopt(M_TRIM_THRESHOLD, 1 << 30)
-            _heap = (trim, info)
+            _heap = (trim, info, libc)
         except (OSError, AttributeError):
             _heap = False
     if _heap and (_heap[1] is None or _heap[1]().fordblks > KEEP_FREE):
         _heap[0](0)
+
+
+def release() -> None:
+    """After the last rank: the free heap kept for the next rank handed back (at 1e7 events
+    over 256 ranks, ~25 MiB that stayed beside the combining of the ranks' parts and the
+    document), and glibc's own thresholds (128 KiB) set again, for the process that called
+    the analysis (a notebook's, through gputrace.analyze) as for the command's."""
+    global _heap
+    if _heap:
+        if _heap[1] is not None:
+            _heap[2].mallopt(M_MMAP_THRESHOLD, 128 << 10)
+            _heap[2].mallopt(M_TRIM_THRESHOLD, 128 << 10)
+        _heap[0](0)
+        _heap = None
 
 
 def _frames(trace: Any, consume: bool) -> Iterator[fr.Frame]:
