@@ -1,7 +1,7 @@
 """The pipeline what-if checked against the runs it predicts.
 
 Real 2-rank pipelines over gloo on the CPU (tests/jobs/pp_train.py under torchrun:
-torch.distributed.pipelining, one stage per rank, or two under `interleaved` and `zbv`) are
+torch.distributed.pipelining, one stage per rank, or two under `interleaved`, `izb` and `zbv`) are
 recorded with gputrace, one run per configuration (GPipe and 1F1B, 4 and 8 microbatches by
 default; one model and global batch).
 Each run predicts every other run of the round with the pipeline replay
@@ -54,7 +54,8 @@ JOB = ROOT / "tests" / "jobs" / "pp_train.py"
 # assumption (the machine's speed or the microbatch's fixed costs): the target is 10 %
 SAME_COMPUTE = 0.10
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
-             "interleaved": "ScheduleInterleaved1F1B", "zbv": "ScheduleZBVZeroBubble"}
+             "interleaved": "ScheduleInterleaved1F1B", "zbv": "ScheduleZBVZeroBubble",
+             "izb": "ScheduleInterleavedZeroBubble"}
 IDLE_CORES = 0.3      # --quiet: the machine counts as idle below this many cores busy
 BUSY_OTHERS = 0.2     # a run beside more than this many cores of other work is marked
 

@@ -201,3 +201,27 @@ def test_calibrate_says_what_it_used_or_why_not(recorded):
                         str(Path(a.arrow).with_suffix(".missing"))], capture_output=True,
                        text=True)
     assert p.returncode == 2
+
+
+def test_a_schedule_what_if_across_a_split_backward_carries_its_measured_error(recorded):
+    """At the recorded microbatch count, a schedule what-if between a fused backward
+    (Interleaved1F1B, GPipe, 1F1B) and one split into its input and weight parts (ZBV) is
+    given with the error such what-ifs were measured off by (torch's split backward costs
+    more than the fused one, which the replay does not predict: whatif_bands' pp_split);
+    one between two fused or two split schedules with none, its figure bare."""
+    from gputrace.analyzers.parallel.pp import pp_whatif, pporders
+
+    for name in ("interleaved", "zbv"):
+        pl = recorded(name).doc["parallelism"]["pipeline"]
+        same_m = [w for w in pl["what_if"] if w["microbatches"] == pl["microbatches"]]
+        assert {w["schedule"] for w in same_m} >= {"ScheduleGPipe", "Schedule1F1B"}, same_m
+        crossed = 0
+        for w in same_m:
+            split = (w["schedule"] in pporders.SPLIT) != (pl["schedule"] in pporders.SPLIT)
+            crossed += split
+            assert (w["band"] is not None) == split, (pl["schedule"], w)
+            if split:
+                assert tuple(w["band"]) == pp_whatif.BAND_SPLIT, w
+        assert crossed, (name, same_m)
+        text = recorded(name).text
+        assert "split into its input and weight parts" in text, text[-3000:]

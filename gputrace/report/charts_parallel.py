@@ -145,8 +145,8 @@ def _pipeline_tables(pl: pp.Pipeline) -> str:
                        "pipeline-what-if"),
                 f'<p class="caption">Measured: {_ms(measured)} per iteration (the first '
                 f"stage's), bubble {pl.bubble:.0%}."
-                + (" " + html.escape(_first_up(pp_whatif.band_note(pl.compute))) + "."
-                   if banded else "")
+                + (" " + html.escape(_first_up(pp_whatif.band_note(
+                    pl.compute, pp_whatif.splits(pl)))) + "." if banded else "")
                 + "</p>",
                 _assumptions(pl.assumptions)]
     return "".join(out)

@@ -111,6 +111,17 @@ KINDS: dict[str, Measured] = {
     "pp_fitted": Measured((-0.402, 0.778), "bench/whatif_pp.py, bench/whatif_pp_inside.py",
                           f"{_PP} on a loaded 2-CPU machine; on it quiet, 24 predictions, "
                           "-14.9 .. +10.8 %, 18 within 10 %"),
+    # a schedule what-if between a fused backward and one split into its input and weight
+    # parts (zero bubble), at the recorded microbatch count: the split's own cost is not
+    # predicted (bench/whatif_pp.py, GPipe, 1F1B and Interleaved1F1B <-> ZBVZeroBubble and
+    # InterleavedZeroBubble at 8 microbatches)
+    "pp_split": Measured((-0.310, 0.426), "bench/whatif_pp.py",
+                         "GPipe, 1F1B and Interleaved1F1B <-> ZBVZeroBubble and "
+                         "InterleavedZeroBubble at 8 microbatches, 2 ranks over gloo, 36 "
+                         "predictions in 5 rounds on a quiet 2-CPU machine: from a fused "
+                         "backward -31.0 .. -1.8 %, from a split one +10.2 .. +42.6 % "
+                         "(torch's split backward took 1.16-1.44 times the fused one per "
+                         "microbatch there)"),
     # expert-parallel balanced routing, against iterations of the same job routed without
     # the bias in one recording: each round's median, the hand-written layout's 5 rounds
     # and torchtitan's 4

@@ -43,16 +43,44 @@ SAME_BATCH = 0.10   # the two runs' bytes between stages per iteration agree thi
 # (analyzers.parallel.whatif_bands: of one run to fewer microbatches and to more, and fitted)
 BAND = {k: wb.KINDS[f"pp_{k}"].band for k in ("fewer", "more", "fitted")}
 BAND_WHERE = wb.KINDS["pp_fitted"].where
+# a schedule what-if between a fused and a split backward (split_changed), measured
+BAND_SPLIT = wb.KINDS["pp_split"].band
 
 
-def band_note(c: Compute) -> str:
-    """What the what-ifs' `band` is, in words."""
+def split_changed(recorded: str, schedule: str) -> bool:
+    """Whether one of the two schedules splits the backward into its input and weight parts
+    (zero bubble) and the other does not: the split's own cost is then not predicted."""
+    return (recorded in pporders.SPLIT) != (schedule in pporders.SPLIT)
+
+
+def splits(pl: Pipeline) -> bool:
+    """Whether one of the pipeline's what-ifs goes between a fused and a split backward."""
+    return any(split_changed(pl.schedule, w.schedule) for w in pl.what_if)
+
+
+def _wider(a: tuple[float, float] | None, b: tuple[float, float] | None
+           ) -> tuple[float, float] | None:
+    """The band that holds both (None where neither is given)."""
+    if a is None or b is None:
+        return a or b
+    return (min(a[0], b[0]), max(a[1], b[1]))
+
+
+def band_note(c: Compute, split: bool = False) -> str:
+    """What the what-ifs' `band` is, in words (`split`: some what-if goes between a fused
+    and a split backward)."""
     if c.calibrated_with:
-        return ("measured error: how far such a what-if, fitted with a run at another "
-                f"count, was from the run at its count ({BAND_WHERE}; bench/README.md)")
-    return ("measured error: how far such a what-if was from the run at that microbatch "
-            f"count ({BAND_WHERE}; bench/README.md): --calibrate with a run at another "
-            "count fits the compute per microbatch instead")
+        out = ("measured error: how far such a what-if, fitted with a run at another "
+               f"count, was from the run at its count ({BAND_WHERE}; bench/README.md)")
+    else:
+        out = ("measured error: how far such a what-if was from the run at that microbatch "
+               f"count ({BAND_WHERE}; bench/README.md): --calibrate with a run at another "
+               "count fits the compute per microbatch instead")
+    if split:
+        out += ("; between a fused backward and one split into its input and weight parts "
+                "(zero bubble), how far such a schedule what-if was from the run of that "
+                f"schedule ({wb.KINDS['pp_split'].where})")
+    return out
 
 
 def _refused(cal: Calibration, n: int, m: int, p2p_bytes: float) -> str:
@@ -223,6 +251,8 @@ def predict(pl: Pipeline, schedule: str, m: int, fwd: list[float] | None = None,
     if m != pl.microbatches:
         band = BAND["fitted" if pl.compute.calibrated_with else
                     "fewer" if m < pl.microbatches else "more"]
+    if split_changed(pl.schedule, schedule):
+        band = _wider(band, BAND_SPLIT)
     return WhatIf(what, schedule, m, t_iter, idle / t_iter if t_iter > 0 else 0.0, idle,
                   band)
 
