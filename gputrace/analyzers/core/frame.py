@@ -210,9 +210,10 @@ def build(table: pa.Table | dict[str, pa.ChunkedArray] | RankColumns,
     is_span = kind_codes == span_code
     rank_all = _np(pop("rank"), -1, np.int32) if is_span.any() else None
     if rank_all is not None:
-        present = np.unique(rank_all[is_span])
-        if drop_unranked or (present.size > 1 and -1 in present):
+        span_ranks = np.unique(rank_all[is_span])
+        if drop_unranked or (span_ranks.size > 1 and -1 in span_ranks):
             is_span &= rank_all >= 0
+        del span_ranks
     if rank_all is not None and is_span.any():
         sel = np.flatnonzero(is_span)
         # one permutation puts each rank's spans together: per-rank arrays are views
