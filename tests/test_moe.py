@@ -148,9 +148,20 @@ def test_ep2_dp2_groups_and_expert_gradient_sync(moe4):
         assert g["most_loaded_rank"] == max(g["ranks"], key=lambda r: tokens[r])
         # each rank's wait for its own group's last rank, never the other group's
         want = _job_waits(run, g["ranks"])
+        slack = stamp_slack(run, g["ranks"])
         for r in g["ranks"]:
             assert g["wait_s"][str(r)] == pytest.approx(sum(want[r].values()), rel=TIME_TOL,
-                                                        abs=1e-3), (g["ranks"], r, want)
+                                                        abs=1e-3 + slack), \
+                (g["ranks"], r, want, slack)
+
+
+def _kept(run, rank: int) -> list[int]:
+    """The job's iterations (its `it`) gputrace analyzed on `rank`, each of gputrace's kept
+    iterations matched to the job's it overlaps most."""
+    s = run.analysis.ranks[rank].detail.series
+    its = run.truth[rank]["iterations"]
+    return [its[int(np.argmax([min(b, t["end"]) - max(a, t["start"]) for t in its]))]["it"]
+            for a, b in zip(s.start_ns[s.kept], s.end_ns[s.kept], strict=True)]
 
 
 def _job_waits(run, ranks: list[int]) -> dict[int, dict[int, float]]:
@@ -160,12 +171,8 @@ def _job_waits(run, ranks: list[int]) -> dict[int, dict[int, float]]:
     to the job's iteration it overlaps most)."""
     own = {r: {m["it"]: m["a2a"] for m in run.truth[r]["moe"]} for r in ranks}
     out: dict[int, dict[int, float]] = {r: {} for r in ranks}
-    s = run.analysis.ranks[ranks[0]].detail.series
-    its = run.truth[ranks[0]]["iterations"]
-    kept = s.kept
-    for a, b in zip(s.start_ns[kept], s.end_ns[kept], strict=True):
-        ov = [min(b, t["end"]) - max(a, t["start"]) for t in its]
-        i = its[int(np.argmax(ov))]["it"]
+    kept = _kept(run, ranks[0])
+    for i in kept:
         calls = [own[r][i] for r in ranks]
         assert len({len(c) for c in calls}) == 1
         for x in range(len(calls[0])):
@@ -176,19 +183,53 @@ def _job_waits(run, ranks: list[int]) -> dict[int, dict[int, float]]:
     return out
 
 
+def stamp_slack(run, ranks: list[int], per_s: float = 1.0) -> float:
+    """Seconds per iteration by which gputrace's waits may differ from the job's own in this
+    run: the job stamps its entry before its call, gputrace when the collective is entered,
+    and a thread switch between the two (ms beside a busy neighbour) moves one rank's entry
+    on one clock only. A wait is the last rank's entry less one's own, so a delay common to
+    every call cancels; what each call's delay (gputrace's start less the job's entry) moves
+    away from its rank's median delay, summed over the ranks' calls and averaged over the
+    analyzed iterations, bounds the difference. `per_s`: the job's entry units per second
+    (1 for perf_counter seconds, 1e9 for nanoseconds)."""
+    kept = _kept(run, ranks[0])
+    delays: dict[int, list[list[float]]] = {}
+    for r in ranks:
+        starts = np.sort(np.array([c["start_ns"] for c in run.comm.get(r, [])], np.int64))
+        clocks = run.truth[r]["clocks"]
+        wall = clocks["time_ns"] - clocks["monotonic_ns"]    # monotonic -> wall clock
+        own = {m["it"]: m["a2a"] for m in run.truth[r]["moe"]}
+        per_it = []
+        for i in kept:
+            ds = []
+            for c in own[i]:
+                at = c["entry"] * 1e9 / per_s + wall
+                k = int(np.searchsorted(starts, at - 1e5))     # 0.1 ms of clock reads
+                ds.append(float(starts[k] - at) / 1e9 if k < starts.size else 0.0)
+            per_it.append(ds)
+        delays[r] = per_it
+    med = {r: float(np.median([d for it in v for d in it] or [0.0])) for r, v in delays.items()}
+    return float(np.mean([sum(abs(d - med[r]) for r in ranks for d in delays[r][k])
+                          for k in range(len(kept))])) if kept else 0.0
+
+
 def test_wait_for_the_groups_last_rank(moe2):
     """Each rank's wait in its all-to-alls for the other to enter them (count exchange,
     dispatch and combine, forward and backward), per MoE layer and in all, as the job's own
-    entries on the host's clock give it: within 15 % or 1 ms; and in the terminal."""
+    entries on the host's clock give it: within 15 % or 1 ms (more by what a thread switch
+    between the job's stamp and gputrace's moved in this run: stamp_slack); and in the
+    terminal."""
     run = moe2
     want = _job_waits(run, [0, 1])
+    slack = stamp_slack(run, [0, 1])
     g = run.rank(0)["parallelism"]["expert_parallel"]["imbalance"]["groups"][0]
     for r in (0, 1):
         total = sum(want[r].values())
-        assert g["wait_s"][str(r)] == pytest.approx(total, rel=TIME_TOL, abs=1e-3), \
-            (r, g["wait_s"], want)
+        assert g["wait_s"][str(r)] == pytest.approx(total, rel=TIME_TOL, abs=1e-3 + slack), \
+            (r, g["wait_s"], want, slack)
         got = {int(k): v for k, v in g["wait_by_layer"][str(r)].items()}
-        assert got == pytest.approx(want[r], rel=TIME_TOL, abs=1e-3), (r, got, want[r])
+        assert got == pytest.approx(want[r], rel=TIME_TOL, abs=1e-3 + slack), \
+            (r, got, want[r], slack)
     assert "wait in the all-to-alls for the group's last rank to enter them" in run.text
 
 

@@ -264,6 +264,9 @@ def main() -> None:
     with open(f"{a.out}.rank{rank}.json") as f:
         d = json.load(f)
     d["moe"] = moe
+    # the host's monotonic clock (its entries') against the wall clock gputrace's spans
+    # and the iterations are on, read together
+    d["clocks"] = {"monotonic_ns": time.monotonic_ns(), "time_ns": time.time_ns()}
     d["config"] = {"world": world, "ep": ep, "experts": EXPERTS, "top_k": TOP_K,
                    "blocks": 2, "tokens": a.tokens, "d": a.d,
                    "ep_group": sparse["ep"].mesh.flatten().tolist(),
