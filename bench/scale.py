@@ -45,6 +45,8 @@ from common import PY, ROOT, machine, table
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import synth  # noqa: E402
 
+from gputrace.analyzers.core.frame import COLUMNS as ANALYZED  # noqa: E402
+
 CLUSTER = """
 import sys
 from distributed import LocalCluster
@@ -169,6 +171,10 @@ def compare(refs: list[str], path: Path, events: int, n_ranks: int, jobs: list[i
         for _ in range(rounds):
             runs.setdefault(("raw columnar scan", ""), []).append(
                 measure([PY, "-c", synth.SCAN, str(path.parent)]))
+            # the same scan of every column the analysis reads (frame.COLUMNS): what
+            # reading them alone costs, beside the two the scan above reads
+            runs.setdefault(("scan, analyze's columns", ""), []).append(
+                measure([PY, "-c", synth.SCAN, str(path.parent), ",".join(ANALYZED)]))
             for j in jobs:
                 for name, tree in trees.items():
                     # run outside the checkout (`-m` puts the directory first on

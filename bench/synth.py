@@ -223,12 +223,14 @@ def write_kineto(directory: Path, events: int, ranks: int = 4, gz: bool = False)
 
 # the raw columnar scan the analysis is held against: every trace file of a directory, two
 # columns read (the projection in the reader), the spans' durations summed; run as
-# `python -c SCAN DIR`
+# `python -c SCAN DIR`: every file read, two columns of it, summed
 SCAN = """import sys, glob, pyarrow as pa, pyarrow.compute as pc
+names = sys.argv[2].split(',') if len(sys.argv) > 2 else ['start_ns', 'end_ns']
 total = 0
 for f in sorted(glob.glob(sys.argv[1] + '/*.arrow')):
     with pa.OSFile(f) as src:
-        at = [pa.ipc.open_file(src).schema.get_field_index(c) for c in ('start_ns', 'end_ns')]
+        schema = pa.ipc.open_file(src).schema
+        at = [schema.get_field_index(c) for c in names if c in schema.names]
         t = pa.ipc.open_file(src, options=pa.ipc.IpcReadOptions(included_fields=at)).read_all()
         total += pc.sum(pc.subtract(t.column('end_ns'), t.column('start_ns'))).as_py()
 print(total)
