@@ -203,25 +203,36 @@ def test_calibrate_says_what_it_used_or_why_not(recorded):
     assert p.returncode == 2
 
 
-def test_a_schedule_what_if_across_a_split_backward_carries_its_measured_error(recorded):
-    """At the recorded microbatch count, a schedule what-if between a fused backward
-    (Interleaved1F1B, GPipe, 1F1B) and one split into its input and weight parts (ZBV) is
-    given with the error such what-ifs were measured off by (torch's split backward costs
-    more than the fused one, which the replay does not predict: whatif_bands' pp_split);
-    one between two fused or two split schedules with none, its figure bare."""
-    from gputrace.analyzers.parallel.pp import pp_whatif, pporders
+def test_each_schedule_what_if_carries_its_kinds_measured_error(recorded):
+    """At the recorded microbatch count, each schedule what-if is given with the error its
+    kind was measured off by (whatif_bands, beyond 10 %): between a fused backward
+    (Interleaved1F1B, GPipe, 1F1B) and one split into its input and weight parts (ZBV) the
+    widest (torch's split backward costs more than the fused one, which the replay does not
+    predict: pp_split); between stage counts per rank, pp_stages; between schedules alike in
+    both, pp_schedule; and the terminal says what each band is."""
+    from gputrace.analyzers.parallel import whatif_bands as wb
+    from gputrace.analyzers.parallel.pp import pporders
 
     for name in ("interleaved", "zbv"):
         pl = recorded(name).doc["parallelism"]["pipeline"]
         same_m = [w for w in pl["what_if"] if w["microbatches"] == pl["microbatches"]]
         assert {w["schedule"] for w in same_m} >= {"ScheduleGPipe", "Schedule1F1B"}, same_m
-        crossed = 0
+        kinds = set()
         for w in same_m:
-            split = (w["schedule"] in pporders.SPLIT) != (pl["schedule"] in pporders.SPLIT)
-            crossed += split
-            assert (w["band"] is not None) == split, (pl["schedule"], w)
-            if split:
-                assert tuple(w["band"]) == pp_whatif.BAND_SPLIT, w
-        assert crossed, (name, same_m)
+            if (w["schedule"] in pporders.SPLIT) != (pl["schedule"] in pporders.SPLIT):
+                kind = "pp_split"
+            elif w["stages_per_rank"] != pl["stages_per_rank"]:
+                kind = "pp_stages"
+            else:
+                kind = "pp_schedule" if w["schedule"] != pl["schedule"] else None
+            want = wb.band(kind)
+            assert (tuple(w["band"]) if w["band"] else None) == want, (pl["schedule"], w)
+            kinds.add(kind)
+        assert "pp_split" in kinds, (name, same_m)
+        # the terminal says what each band shown is
         text = recorded(name).text
-        assert "split into its input and weight parts" in text, text[-3000:]
+        for kind, words in (("pp_split", "split into its input and weight parts"),
+                            ("pp_stages", "between 1 and 2 stages per rank"),
+                            ("pp_schedule", "between schedules at the same stages per rank")):
+            assert (words in text) == (kind in kinds and wb.band(kind) is not None), \
+                (name, kind, text[-3000:])

@@ -146,7 +146,7 @@ def _pipeline_tables(pl: pp.Pipeline) -> str:
                 f'<p class="caption">Measured: {_ms(measured)} per iteration (the first '
                 f"stage's), bubble {pl.bubble:.0%}."
                 + (" " + html.escape(_first_up(pp_whatif.band_note(
-                    pl.compute, pp_whatif.splits(pl)))) + "." if banded else "")
+                    pl.compute, pp_whatif.schedule_kinds(pl)))) + "." if banded else "")
                 + "</p>",
                 _assumptions(pl.assumptions)]
     return "".join(out)

@@ -156,7 +156,7 @@ def _pp(con: Console, pl) -> None:  # noqa: ANN001 - pp.Pipeline
                         if banded else ()))
         con.print(w)
         if banded:
-            con.print(f"  {pp_whatif.band_note(c, pp_whatif.splits(pl))}")
+            con.print(f"  {pp_whatif.band_note(c, pp_whatif.schedule_kinds(pl))}")
         for a in pl.assumptions:
             con.print(f"  assumes {a}")
         if c.calibrated_with:

@@ -111,6 +111,19 @@ KINDS: dict[str, Measured] = {
     "pp_fitted": Measured((-0.402, 0.778), "bench/whatif_pp.py, bench/whatif_pp_inside.py",
                           f"{_PP} on a loaded 2-CPU machine; on it quiet, 24 predictions, "
                           "-14.9 .. +10.8 %, 18 within 10 %"),
+    # a schedule what-if at the recorded microbatch count and stages per rank, both
+    # schedules fused or both split (GPipe <-> 1F1B; ZBVZeroBubble <-> InterleavedZeroBubble)
+    "pp_schedule": Measured((-0.099, 0.110), "bench/whatif_pp.py",
+                            "GPipe <-> 1F1B at 4 and 8 microbatches and ZBVZeroBubble <-> "
+                            "InterleavedZeroBubble at 8, 2 ranks over gloo, 22 predictions "
+                            "on a quiet 2-CPU machine, 21 within 10 %"),
+    # one at the recorded count between 1 and 2 stages a rank, both fused (GPipe, 1F1B <->
+    # Interleaved1F1B)
+    "pp_stages": Measured((-0.136, 0.191), "bench/whatif_pp.py",
+                          "GPipe and 1F1B <-> Interleaved1F1B (1 <-> 2 stages a rank) at 4 "
+                          "and 8 microbatches, 2 ranks over gloo, 22 predictions on a quiet "
+                          "2-CPU machine, 18 within 10 % (the misses where a run of one "
+                          "configuration itself moved 15-17 % between rounds)"),
     # a schedule what-if between a fused backward and one split into its input and weight
     # parts (zero bubble), at the recorded microbatch count: the split's own cost is not
     # predicted (bench/whatif_pp.py, GPipe, 1F1B and Interleaved1F1B <-> ZBVZeroBubble and

@@ -63,6 +63,7 @@ class WhatIf:
     # how far such a what-if was from the run it predicts, measured (BAND): (lowest,
     # highest) of predicted / measured - 1; None where it was measured within 10 %
     band: tuple[float, float] | None = None
+    stages_per_rank: int = 1   # v of the what-if's layout (the schedule's own where fixed)
 
 
 @dataclass(frozen=True)

@@ -53,9 +53,23 @@ def split_changed(recorded: str, schedule: str) -> bool:
     return (recorded in pporders.SPLIT) != (schedule in pporders.SPLIT)
 
 
-def splits(pl: Pipeline) -> bool:
-    """Whether one of the pipeline's what-ifs goes between a fused and a split backward."""
-    return any(split_changed(pl.schedule, w.schedule) for w in pl.what_if)
+def kind_of(pl: Pipeline, schedule: str, v: int) -> str | None:
+    """The measured kind (whatif_bands) of a what-if with `schedule` at `v` stages per rank
+    at the recorded microbatch count: across a fused and a split backward, between stage
+    counts per rank, or between schedules alike in both (None: the recorded layout)."""
+    if split_changed(pl.schedule, schedule):
+        return "pp_split"
+    if v != pl.stages_per_rank:
+        return "pp_stages"
+    return "pp_schedule" if schedule != pl.schedule else None
+
+
+def schedule_kinds(pl: Pipeline) -> list[str]:
+    """The measured kinds of the pipeline's schedule what-ifs whose error is shown, in the
+    order band_note names them."""
+    kinds = {kind_of(pl, w.schedule, w.stages_per_rank) for w in pl.what_if}
+    return [k for k in ("pp_schedule", "pp_stages", "pp_split")
+            if k in kinds and wb.band(k) is not None]
 
 
 def _wider(a: tuple[float, float] | None, b: tuple[float, float] | None
@@ -66,9 +80,17 @@ def _wider(a: tuple[float, float] | None, b: tuple[float, float] | None
     return (min(a[0], b[0]), max(a[1], b[1]))
 
 
-def band_note(c: Compute, split: bool = False) -> str:
-    """What the what-ifs' `band` is, in words (`split`: some what-if goes between a fused
-    and a split backward)."""
+_KIND_WORDS = {
+    "pp_schedule": "between schedules at the same stages per rank",
+    "pp_stages": "between 1 and 2 stages per rank",
+    "pp_split": "between a fused backward and one split into its input and weight parts "
+                "(zero bubble)",
+}
+
+
+def band_note(c: Compute, kinds: Sequence[str] = ()) -> str:
+    """What the what-ifs' `band` is, in words (`kinds`: the schedule what-ifs' measured
+    kinds shown with a band, schedule_kinds)."""
     if c.calibrated_with:
         out = ("measured error: how far such a what-if, fitted with a run at another "
                f"count, was from the run at its count ({BAND_WHERE}; bench/README.md)")
@@ -76,10 +98,9 @@ def band_note(c: Compute, split: bool = False) -> str:
         out = ("measured error: how far such a what-if was from the run at that microbatch "
                f"count ({BAND_WHERE}; bench/README.md): --calibrate with a run at another "
                "count fits the compute per microbatch instead")
-    if split:
-        out += ("; between a fused backward and one split into its input and weight parts "
-                "(zero bubble), how far such a schedule what-if was from the run of that "
-                f"schedule ({wb.KINDS['pp_split'].where})")
+    for k in kinds:
+        out += (f"; a schedule what-if {_KIND_WORDS[k]}, how far such a what-if was from "
+                f"the run of that schedule ({wb.KINDS[k].where})")
     return out
 
 
@@ -251,10 +272,9 @@ def predict(pl: Pipeline, schedule: str, m: int, fwd: list[float] | None = None,
     if m != pl.microbatches:
         band = BAND["fitted" if pl.compute.calibrated_with else
                     "fewer" if m < pl.microbatches else "more"]
-    if split_changed(pl.schedule, schedule):
-        band = _wider(band, BAND_SPLIT)
+    band = _wider(band, wb.band(kind_of(pl, schedule, v)))
     return WhatIf(what, schedule, m, t_iter, idle / t_iter if t_iter > 0 else 0.0, idle,
-                  band)
+                  band, v)
 
 
 def calibrated(pl: Pipeline, cal: Calibration | Sequence[Calibration] | None, stages: list[Stage],
