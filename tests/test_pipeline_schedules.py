@@ -36,7 +36,13 @@ CONFIGS = {
     "zbv": (2, ("--schedule", "zbv", "--microbatches", "8", *ARGS)),
     "interleaved-dp": (4, ("--schedule", "interleaved", "--microbatches", "4", "--dp", "2",
                            *ARGS)),
+    # one model cut unevenly (5 blocks, then 1 and the head): its layers-balanced what-if
+    "uneven": (2, ("--schedule", "1f1b", "--microbatches", "4", "--split", "5,1",
+                   "--iterations", "10", "--width", "512")),
 }
+# the configurations with several stages per rank (the stages, the schedule and the waits
+# held to the job's); "uneven" is one stage a rank, for the layers-balanced what-if
+SEVERAL = ("interleaved", "zbv", "interleaved-dp")
 WAIT_FLOOR = 0.008    # s: a wait this short is the job's timing around torch's as much
 
 
@@ -95,7 +101,7 @@ def jobs_stage_times(t: dict, its: set[int]) -> dict[int, dict[str, float]]:
             for k in t["stage"]["indices"]}
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", SEVERAL)
 def test_stages_schedule_and_samples_as_the_job_has_them(recorded, name):
     """The pipeline section: the job's schedule class, microbatches, p x v stages and which
     rank holds which; the theory (p-1)/(v m+p-1); the headline names them; samples per
@@ -131,7 +137,7 @@ def test_stages_schedule_and_samples_as_the_job_has_them(recorded, name):
     assert pl["what_if"], "no what-ifs"
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", SEVERAL)
 def test_per_stage_compute_and_waits_on_the_jobs_clock(recorded, name):
     """Each stage's forward per microbatch between its module's forward as the job timed it
     inside the module (less 15 %) and the job's forward chunk around it (plus 15 %): gputrace
@@ -236,3 +242,35 @@ def test_each_schedule_what_if_carries_its_kinds_measured_error(recorded):
                             ("pp_schedule", "between schedules at the same stages per rank")):
             assert (words in text) == (kind in kinds and wb.band(kind) is not None), \
                 (name, kind, text[-3000:])
+
+
+def test_layers_balanced_what_if_of_an_uneven_cut(recorded):
+    """A pipeline cut unevenly (the job's `--split 5,1`): its "layers balanced across
+    stages" what-if moves a block to the lighter stage and predicts a shorter iteration than
+    the run's own, given with the error such what-ifs were measured off by against the run
+    of the model cut so (whatif_bands' pp_layers, bench/whatif_pp_balance.py); the terminal
+    says what that band is."""
+    from gputrace.analyzers.parallel import whatif_bands as wb
+
+    run = recorded("uneven")
+    pl = run.doc["parallelism"]["pipeline"]
+    assert (pl["schedule"], pl["microbatches"], pl["num_stages"]) == ("Schedule1F1B", 4, 2)
+    (w,) = [w for w in pl["what_if"] if w["what"].startswith("layers balanced across stages")]
+    # the cut it replays, beside the job's: 5 blocks and 1 block with the head
+    assert w["what"].endswith("layers (now 5 + 2)"), w
+    assert w["schedule"] == pl["schedule"] and w["microbatches"] == pl["microbatches"]
+    own = float(np.mean([s["t_iter"] for s in pl["stages"]]))
+    assert w["t_iter"] < own, (w, own)
+    assert tuple(w["band"]) == wb.band("pp_layers"), w
+    assert "the layers balanced across stages, how far such a what-if was" in run.text
+
+
+def test_a_balanced_cut_counts_what_each_stage_carries_besides_its_layers():
+    """The cut that balances the layers counts each stage's own work (the last stage's loss,
+    the schedule's work around its chunks), which stays with the stage: four equal layers
+    over two stages cut 2 + 2 alone, 3 + 1 when the second stage carries two layers' worth
+    of its own (a cut by the layers alone predicted a 3 + 1 job, at width 512, slower when
+    "balanced": 24.9 against 22.3 ms)."""
+    assert pipesim.balance([1.0] * 4, 2) == [2]
+    assert pipesim.balance([1.0] * 4, 2, [0.0, 2.0]) == [3]
+    assert pipesim.balance([1.0] * 4, 2, [2.0, 0.0]) == [1]

@@ -215,6 +215,9 @@ def main() -> None:
     p.add_argument("--dp", type=int, default=1)
     p.add_argument("--iterations", type=int, default=12)
     p.add_argument("--blocks", type=int, default=4)
+    p.add_argument("--split", default="",
+                   help="blocks of each stage, comma-separated (an uneven cut of the model "
+                        "for a rebalancing what-if), in place of --blocks")
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--then", default="",
@@ -229,6 +232,7 @@ def main() -> None:
     cls = getattr(S, SCHEDULES[a.schedule], None)
     if cls is None:
         p.error(f"this torch has no {SCHEDULES[a.schedule]}")
+    split = [int(x) for x in a.split.split(",") if x]
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -240,6 +244,8 @@ def main() -> None:
         dp_groups = [dist.new_group(list(range(k, world, pp))) for k in range(pp)]
         pp_group, dp_group = pp_groups[replica], dp_groups[prank]
     n = pp * v
+    if split and len(split) != n:
+        p.error(f"--split gives {len(split)} stages; the job has {n}")
     torch.manual_seed(prank)
     clock = Clock(marks=v == 1)
     indices = held(prank, pp, v, a.schedule)
@@ -247,7 +253,7 @@ def main() -> None:
     mods, stages = [], []
     passes = None
     for idx in indices:
-        mod = Stage(a.width, a.blocks, idx == n - 1, clock, idx)
+        mod = Stage(a.width, split[idx] if split else a.blocks, idx == n - 1, clock, idx)
         if v == 1:
             first = mod.layers[0]
             for prm in (first.weight, first.bias):

@@ -124,6 +124,15 @@ KINDS: dict[str, Measured] = {
                           "and 8 microbatches, 2 ranks over gloo, 22 predictions on a quiet "
                           "2-CPU machine, 18 within 10 % (the misses where a run of one "
                           "configuration itself moved 15-17 % between rounds)"),
+    # the layers balanced across stages (one stage a rank), against the run of the model
+    # cut so (bench/whatif_pp_balance.py)
+    "pp_layers": Measured((-0.250, 0.077), "bench/whatif_pp_balance.py",
+                          "GPipe and 1F1B, 8 Linear(1024) blocks cut 6 + 2 and 2 + 6 "
+                          "predicting the run cut 4 + 4, at 4 and 8 microbatches, 2 ranks "
+                          "over gloo, 12 predictions on a quiet 2-CPU machine, 11 within "
+                          "10 % (the uneven runs' own iterations 10-30 % off the even "
+                          "run's); 6 Linear(512) blocks cut 5 + 1 predicting 3 + 3: -25.0 % "
+                          "(the even cut ran slower than the uneven one)"),
     # a schedule what-if between a fused backward and one split into its input and weight
     # parts (zero bubble), at the recorded microbatch count: the split's own cost is not
     # predicted (bench/whatif_pp.py, GPipe, 1F1B and Interleaved1F1B <-> ZBVZeroBubble and

@@ -135,10 +135,11 @@ def theory(stages: int, m: int, virtual: int = 1) -> float:
     return (stages - 1) / (virtual * m + stages - 1) if virtual * m + stages > 1 else 0.0
 
 
-def balance(costs: list[float], stages: int) -> list[int]:
+def balance(costs: list[float], stages: int, fixed: list[float] | None = None) -> list[int]:
     """Cut points splitting layers of the given costs (in order) into `stages` contiguous
-    groups with the smallest largest group: the first layer of each group after the
-    first."""
+    groups with the smallest largest group (`fixed`: what each stage costs besides its
+    layers, whichever it holds): the first layer of each group after the first."""
+    fixed = list(fixed or [0.0] * stages)
     n = len(costs)
     if stages <= 1 or n <= stages:
         return list(range(1, min(n, stages)))
@@ -153,7 +154,7 @@ def balance(costs: list[float], stages: int) -> list[int]:
     for k in range(1, stages + 1):
         for i in range(k, n + 1):
             for j in range(k - 1, i):
-                v = max(best[k - 1][j], pre[i] - pre[j])
+                v = max(best[k - 1][j], pre[i] - pre[j] + fixed[k - 1])
                 if v < best[k][i]:
                     best[k][i], cut[k][i] = v, j
     cuts, i = [], n

@@ -64,11 +64,15 @@ def kind_of(pl: Pipeline, schedule: str, v: int) -> str | None:
     return "pp_schedule" if schedule != pl.schedule else None
 
 
+BALANCED = "layers balanced across stages"   # the layers what-if's `what` begins so
+
+
 def schedule_kinds(pl: Pipeline) -> list[str]:
-    """The measured kinds of the pipeline's schedule what-ifs whose error is shown, in the
-    order band_note names them."""
-    kinds = {kind_of(pl, w.schedule, w.stages_per_rank) for w in pl.what_if}
-    return [k for k in ("pp_schedule", "pp_stages", "pp_split")
+    """The measured kinds of the pipeline's what-ifs at the recorded microbatch count whose
+    error is shown, in the order band_note names them."""
+    kinds = {"pp_layers" if w.what.startswith(BALANCED) else
+             kind_of(pl, w.schedule, w.stages_per_rank) for w in pl.what_if}
+    return [k for k in ("pp_schedule", "pp_stages", "pp_split", "pp_layers")
             if k in kinds and wb.band(k) is not None]
 
 
@@ -81,10 +85,15 @@ def _wider(a: tuple[float, float] | None, b: tuple[float, float] | None
 
 
 _KIND_WORDS = {
-    "pp_schedule": "between schedules at the same stages per rank",
-    "pp_stages": "between 1 and 2 stages per rank",
-    "pp_split": "between a fused backward and one split into its input and weight parts "
-                "(zero bubble)",
+    "pp_schedule": "a schedule what-if between schedules at the same stages per rank, how "
+                   "far such a what-if was from the run of that schedule",
+    "pp_stages": "a schedule what-if between 1 and 2 stages per rank, how far such a what-if "
+                 "was from the run of that schedule",
+    "pp_split": "a schedule what-if between a fused backward and one split into its input "
+                "and weight parts (zero bubble), how far such a what-if was from the run of "
+                "that schedule",
+    "pp_layers": "the layers balanced across stages, how far such a what-if was from the run "
+                 "of the model cut so",
 }
 
 
@@ -99,8 +108,7 @@ def band_note(c: Compute, kinds: Sequence[str] = ()) -> str:
                f"count ({BAND_WHERE}; bench/README.md): --calibrate with a run at another "
                "count fits the compute per microbatch instead")
     for k in kinds:
-        out += (f"; a schedule what-if {_KIND_WORDS[k]}, how far such a what-if was from "
-                f"the run of that schedule ({wb.KINDS[k].where})")
+        out += f"; {_KIND_WORDS[k]} ({wb.KINDS[k].where})"
     return out
 
 
@@ -187,9 +195,13 @@ def what_ifs(pl: Pipeline, stages: list[Stage], extra: list[int] | None = None
         if (other, v2) != (sched, v):
             add(other, m, v=v2)
     f0, b0, _, _ = pl.per_stage
-    moved = _balanced(stages, list(f0), list(b0)) if v == 1 else None
+    own = [a + b for a, b in pl.own] if len(pl.own) == len(f0) else None
+    moved = _balanced(stages, list(f0), list(b0), own) if v == 1 else None
     if moved is not None:
-        add(sched, m, *moved, what="layers balanced across stages")
+        fwd, bwd, counts = moved
+        now = " + ".join(str(len(s.layers)) for s in stages)
+        add(sched, m, fwd, bwd, kind="pp_layers",
+            what=f"{BALANCED}: {' + '.join(map(str, counts))} layers (now {now})")
     return ifs
 
 
@@ -247,7 +259,8 @@ def _split(pl: Pipeline, schedule: str, v: int, f: list[float], b: list[float]
 
 
 def predict(pl: Pipeline, schedule: str, m: int, fwd: list[float] | None = None,
-            bwd: list[float] | None = None, what: str = "", v: int | None = None) -> WhatIf:
+            bwd: list[float] | None = None, what: str = "", v: int | None = None,
+            kind: str | None = None) -> WhatIf:
     """The pipeline's iteration replayed with `schedule` over `m` microbatches (the global
     batch kept) at `v` stages per rank (the schedule's own, else the recorded), each
     stage's compute per microbatch from pl.compute at m (or `fwd`/`bwd` per stage: its
@@ -272,7 +285,9 @@ def predict(pl: Pipeline, schedule: str, m: int, fwd: list[float] | None = None,
     if m != pl.microbatches:
         band = BAND["fitted" if pl.compute.calibrated_with else
                     "fewer" if m < pl.microbatches else "more"]
-    band = _wider(band, wb.band(kind_of(pl, schedule, v)))
+    # the measured kind: the layout's, or the caller's where the layout does not tell (the
+    # layers moved between stages: pp_layers)
+    band = _wider(band, wb.band(kind or kind_of(pl, schedule, v)))
     return WhatIf(what, schedule, m, t_iter, idle / t_iter if t_iter > 0 else 0.0, idle,
                   band, v)
 
@@ -306,11 +321,15 @@ def calibrated(pl: Pipeline, cal: Calibration | Sequence[Calibration] | None, st
     return replace(out, what_if=what_ifs(out, stages, extra))
 
 
-def _balanced(st: list[Stage], fwd: list[float], bwd: list[float]
-              ) -> tuple[list[float], list[float]] | None:
+def _balanced(st: list[Stage], fwd: list[float], bwd: list[float],
+              own: list[float] | None = None
+              ) -> tuple[list[float], list[float], list[int]] | None:
     """Stage times with the layers cut where they balance (by their backward time; a
     stage's forward split in the same proportions), None when the layers are not known or
-    the cut stays. `st`: one rank per stage (its layers); `fwd`, `bwd`: each stage's."""
+    the cut stays. `st`: one rank per stage (its layers); `fwd`, `bwd`: each stage's; `own`:
+    each stage's own work per microbatch, which stays with the stage whatever layers it
+    holds (the last stage's loss and the schedule's work around its chunks: a cut by the
+    layers alone could load the stage that already carries the most)."""
     layers: list[tuple[float, float]] = []    # (backward, forward) per layer, in order
     for s, f_s, b_s in zip(st, fwd, bwd, strict=True):
         tot = sum(s.layers.values())
@@ -319,7 +338,7 @@ def _balanced(st: list[Stage], fwd: list[float], bwd: list[float]
         for b in s.layers.values():
             share = b / tot
             layers.append((b_s * share, f_s * share))
-    cuts = pipesim.balance([b + f for b, f in layers], len(st))
+    cuts = pipesim.balance([b + f for b, f in layers], len(st), own)
     now, at = [], 0
     for s in st[:-1]:
         at += len(s.layers)
@@ -329,4 +348,4 @@ def _balanced(st: list[Stage], fwd: list[float], bwd: list[float]
     bounds = [0, *cuts, len(layers)]
     fwd = [sum(f for _, f in layers[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
     bwd = [sum(b_ for b_, _ in layers[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
-    return fwd, bwd
+    return fwd, bwd, [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
