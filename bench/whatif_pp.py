@@ -111,16 +111,22 @@ def record(out: Path, sched: str, m: int, a: argparse.Namespace) -> tuple[Path, 
            "--iterations", str(a.iterations), "--blocks", str(per_stage(a.blocks, sched)),
            "--width",
            str(a.width), "--batch", str(a.batch)]
-    # this tree's gputrace, in the recorder and in every process it bootstraps
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
-    if a.quiet:
-        wait_quiet(a.quiet)
-    b, c, t = _busy_s(), _children_s(), time.monotonic()
-    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1200, env=env)
-    others = max((_busy_s() - b) - (_children_s() - c), 0.0) / (time.monotonic() - t)
+    others = run_recording(cmd, a.quiet)
     trace.with_suffix(".others").write_text(f"{others}\n")    # for --reuse
     return trace, others
+
+
+def run_recording(cmd: list[str], quiet: float) -> float:
+    """Run a `gputrace record` command with this tree's gputrace (in the recorder and in
+    every process it bootstraps), first waiting up to `quiet` seconds for the machine to
+    idle; the cores other processes kept busy while it ran."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    if quiet:
+        wait_quiet(quiet)
+    b, c, t = _busy_s(), _children_s(), time.monotonic()
+    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1200, env=env)
+    return max((_busy_s() - b) - (_children_s() - c), 0.0) / (time.monotonic() - t)
 
 
 def kept(out: Path, sched: str, m: int) -> tuple[Path, float]:

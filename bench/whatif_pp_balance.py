@@ -15,18 +15,15 @@ run's own and the cores other work kept busy.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from common import PY, ROOT, machine, table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from whatif_pp import BUSY_OTHERS, SCHEDULES, _busy_s, _children_s, pipeline, wait_quiet  # noqa: E402
+from whatif_pp import BUSY_OTHERS, SCHEDULES, pipeline, run_recording  # noqa: E402
 
 JOB = ROOT / "tests" / "jobs" / "pp_train.py"
 BALANCED = "layers balanced across stages"
@@ -42,14 +39,7 @@ def record(out: Path, sched: str, split: str, a: argparse.Namespace) -> tuple[Pa
            str(out / name), "--schedule", sched, "--microbatches", str(a.microbatches),
            "--iterations", str(a.iterations), "--split", split, "--width", str(a.width),
            "--batch", str(a.batch)]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
-    if a.quiet:
-        wait_quiet(a.quiet)
-    b, c, t = _busy_s(), _children_s(), time.monotonic()
-    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1200, env=env)
-    others = max((_busy_s() - b) - (_children_s() - c), 0.0) / (time.monotonic() - t)
-    return trace, others
+    return trace, run_recording(cmd, a.quiet)
 
 
 def even(split: str) -> str:
