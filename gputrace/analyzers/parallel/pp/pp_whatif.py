@@ -43,8 +43,6 @@ SAME_BATCH = 0.10   # the two runs' bytes between stages per iteration agree thi
 # (analyzers.parallel.whatif_bands: of one run to fewer microbatches and to more, and fitted)
 BAND = {k: wb.KINDS[f"pp_{k}"].band for k in ("fewer", "more", "fitted")}
 BAND_WHERE = wb.KINDS["pp_fitted"].where
-# a schedule what-if between a fused and a split backward (split_changed), measured
-BAND_SPLIT = wb.KINDS["pp_split"].band
 
 
 def split_changed(recorded: str, schedule: str) -> bool:
