@@ -34,6 +34,12 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
                    help="PyTorch: count one iteration's FLOPs per layer with torch's "
                    "FlopCounterMode (on, the default; that iteration is left out of the "
                    "timings), or off")
+    p.add_argument("--pp-probe", action="store_true",
+                   help="PyTorch pipelines: after the last iteration, time each stage's "
+                   "forward and backward at half and twice the microbatch's rows (inside the "
+                   "job, on its own inputs; nothing of the job changes), so that the "
+                   "microbatch what-ifs take how its compute changes with its size from this "
+                   "run")
     p.add_argument("--steps", metavar="START:COUNT",
                    help="PyTorch: record COUNT iterations from iteration START (0-based) in "
                    "full detail; every other iteration keeps its time and phase sums only")
@@ -104,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
         force=args.force, redact_argv=args.redact_argv, gpu_timeline=args.gpu_timeline,
         kill_after_s=args.kill_after, per_host=True if args.per_host else None,
         tf_steps=args.tf_steps, layers=args.layers, layer_forward=args.layer_forward, flops=args.flops,
+        pp_probe=args.pp_probe,
         quiet=args.quiet, steps=args.steps, delay_s=args.delay, duration_s=args.duration,
         on_demand=args.on_demand, capture_steps=args.capture_steps,
         max_size=args.max_size)

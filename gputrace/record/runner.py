@@ -60,6 +60,7 @@ class RecordOptions:
     layers: str | None = None      # blocks | leaves | off (PyTorch modules timed)
     layer_forward: bool = False    # their forward spans too
     flops: str = "on"              # on | off: one iteration's FLOPs counted (PyTorch)
+    pp_probe: bool = False         # pipeline stages timed at other microbatch sizes at exit
     steps: str | None = None       # START:COUNT: the iterations recorded in full
     delay_s: float | None = None   # or the seconds recorded in full: from delay_s after the
     duration_s: float | None = None  # job starts, for duration_s
@@ -205,6 +206,8 @@ def _prepare(opts: RecordOptions, shard_dir: str, clock: Clock
         env["GPUTRACE_LAYER_FORWARD"] = "1"
     if opts.flops == "off":
         env["GPUTRACE_FLOPS"] = "off"
+    if opts.pp_probe:   # collectors.torch.pp_probe.ENV (that package imports torch)
+        env["GPUTRACE_PP_PROBE"] = "1"
     for name in IN_PROCESS_COLLECTORS:
         if name not in opts.collectors:
             env[f"GPUTRACE_NO_{name.upper()}"] = "1"

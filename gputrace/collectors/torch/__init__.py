@@ -331,6 +331,7 @@ def _patch_backward(state: _State) -> None:
         finally:
             state.backward_exit()
 
+    backward._gputrace_orig = orig  # type: ignore[attr-defined]
     torch.autograd.backward = backward
 
 

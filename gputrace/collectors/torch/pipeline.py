@@ -17,11 +17,12 @@ microbatch, what its schedule is, and which of its collectives go between stages
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 from typing import Any
 
-from gputrace.collectors.torch import comm, lazy
+from gputrace.collectors.torch import comm, lazy, pp_probe
 from gputrace.collectors.torch.comm import TLS
 from gputrace.collectors.torch.guard import _hook_failed
 
@@ -43,7 +44,10 @@ def _chunk(name: str, orig: Any) -> Any:
         if name != "forward":
             st.loss_from = 0     # the schedule's own loss span was taken
         try:
-            return orig(self, chunk_id, *a, **k)
+            if name != "forward" or not pp_probe.enabled():
+                return orig(self, chunk_id, *a, **k)
+            with _probing(st, self, chunk_id):
+                return orig(self, chunk_id, *a, **k)
         finally:
             TLS.pp = prev
             try:
@@ -54,6 +58,15 @@ def _chunk(name: str, orig: Any) -> Any:
 
     one_chunk._gputrace_orig = orig  # type: ignore[attr-defined]
     return one_chunk
+
+
+def _probing(st: Any, stage: Any, chunk_id: int) -> Any:
+    """`record --pp-probe`: the context that keeps this forward's inputs (pp_probe)."""
+    try:
+        return pp_probe.chunk(st, stage, chunk_id)
+    except Exception as e:  # noqa: BLE001
+        _hook_failed("pipeline probe", e)
+        return contextlib.nullcontext()
 
 
 def _patch_stage(mod: Any) -> None:
