@@ -139,11 +139,15 @@ def _pp(con: Console, pl) -> None:  # noqa: ANN001 - pp.Pipeline
         con.print(f"  --calibrate: {pl.calibration_used}")
     if pl.calibration_note:
         con.print(f"  [yellow]--calibrate not used: {pl.calibration_note}[/yellow]")
+    if pl.probe_note:
+        con.print(f"  [yellow]--pp-probe's timings not used: {pl.probe_note}[/yellow]")
     if pl.what_if:
         c = pl.compute
         w = Table(title="What if: the pipeline replayed on the measured per-microbatch times"
                   + (f", fitted with the run at {c.calibrated_with} microbatches"
-                     if c.calibrated_with else ""),
+                     if c.calibrated_with else
+                     f", the compute probed at {', '.join(map(str, c.probed))} rows inside the "
+                     "run" if c.probed else ""),
                   title_justify="left", box=None, padding=(0, 2))
         banded = any(x.band for x in pl.what_if)
         for h in ("change", "schedule", "microbatches", "t_iter", "bubble",
@@ -159,7 +163,7 @@ def _pp(con: Console, pl) -> None:  # noqa: ANN001 - pp.Pipeline
             con.print(f"  {pp_whatif.band_note(c, pp_whatif.schedule_kinds(pl))}")
         for a in pl.assumptions:
             con.print(f"  assumes {a}")
-        if c.calibrated_with:
+        if c.calibrated_with or c.probed:
             con.print("  per microbatch, fixed + share of the batch: " + "; ".join(
                 f"stage {k} forward {_ms(f[0])} + {_ms(f[1])}/m, backward {_ms(b[0])} + "
                 f"{_ms(b[1])}/m" for k, (f, b) in enumerate(zip(c.forward, c.backward,

@@ -62,6 +62,7 @@ class RunView:
     sels: dict[int, np.ndarray]
     calibration: Any = None    # another run of a pipeline (pp_whatif.Calibration)
     offsets: dict[int, int] = field(default_factory=dict)  # ns to subtract: one clock
+    pp_probe: Any = None       # a pipeline's stages timed by the job (pp_probed.Probe)
 
 
 class Dimension(Protocol):
@@ -99,7 +100,7 @@ class _PP:
         return pp.analyze(v.sp, v.rows, v.it_start, v.it_end, v.sel, v.terms)
 
     def run(self, parts: dict[int, Any], v: RunView) -> Any | None:
-        return pp.combine(list(parts.values()), calibration=v.calibration)
+        return pp.combine(list(parts.values()), calibration=v.calibration, probe=v.pp_probe)
 
 
 class _EP:

@@ -111,6 +111,15 @@ KINDS: dict[str, Measured] = {
     "pp_fitted": Measured((-0.402, 0.778), "bench/whatif_pp.py, bench/whatif_pp_inside.py",
                           f"{_PP} on a loaded 2-CPU machine; on it quiet, 24 predictions, "
                           "-14.9 .. +10.8 %, 18 within 10 %"),
+    # the microbatch what-ifs of one run whose stages the job timed at half and twice the
+    # microbatch's rows (record --pp-probe: pp_probed), against the runs they predict
+    "pp_probed": Measured((-0.274, 0.320), "bench/whatif_pp_inside.py --probe",
+                          "GPipe, 1F1B and Interleaved1F1B, 4 <-> 8 <-> 16 microbatches "
+                          "inside one recording, 2 ranks over gloo, 48 predictions in 4 "
+                          "rounds on a 2-CPU machine, median |error| 9.8 %, 25 within 10 % "
+                          "(the same recordings' proportional what-ifs -45.4 .. +73.2 %, "
+                          "2 within 10 %); the job's own iterations at one configuration "
+                          "moved -25.2 .. +23.6 % inside one recording"),
     # a schedule what-if at the recorded microbatch count and stages per rank, both
     # schedules fused or both split (GPipe <-> 1F1B; ZBVZeroBubble <-> InterleavedZeroBubble)
     "pp_schedule": Measured((-0.099, 0.110), "bench/whatif_pp.py",

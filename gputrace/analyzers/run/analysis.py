@@ -33,6 +33,7 @@ from gputrace.analyzers.parallel import registry
 from gputrace.analyzers.parallel.ddp.findings_replay import _agree, _replay_findings
 from gputrace.analyzers.parallel.ddp.replay import Scenario, why_no_replay
 from gputrace.analyzers.parallel.findings import findings as par_findings
+from gputrace.analyzers.parallel.pp import pp_probed
 from gputrace.analyzers.parallel.sharded import zero_whatif
 from gputrace.analyzers.run.rank_part import (
     FramePart,
@@ -125,7 +126,7 @@ def combine(parts: list[FramePart], md: dict[str, Any], opts: Options, probe: An
     offsets = {r: clock.offset_ns(p.host) for r, p in ranks.items()} if clock else {}
     waits, arrivals = _comm_wait(steps, sels, offsets) if len(ranks) > 1 else ({}, {})
     rv = registry.RunView(world, opts.link_bytes_per_s, arrivals, steps, sels,
-                          opts.calibration, offsets)
+                          opts.calibration, offsets, pp_probed.of_metadata(md))
     degrees, deg_check = _degrees(ranks, world)
     if deg_check is not None:   # a dimension the groups cannot hold: its claims withheld
         ranks = {r: replace(p, dims={d: v for d, v in p.dims.items() if d in degrees})

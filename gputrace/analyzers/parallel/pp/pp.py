@@ -15,7 +15,7 @@ import pyarrow as pa
 
 from gputrace.analyzers.core.collectives import Rows
 from gputrace.analyzers.core.frame import Spans
-from gputrace.analyzers.parallel.pp import pipesim, pp_fit, pporders
+from gputrace.analyzers.parallel.pp import pipesim, pp_fit, pp_probed, pporders
 from gputrace.analyzers.parallel.pp.pp_model import (  # noqa: F401 - the pipeline's records
     BLOCK_STEPS,
     Calibration,
@@ -199,11 +199,13 @@ def _layer_backward(sp: Spans, it_start: np.ndarray, sel: np.ndarray) -> dict[in
 
 
 def combine(stages: list[Stage], extra: list[int] | None = None,
-            calibration: Calibration | None = None) -> Pipeline | None:
+            calibration: Calibration | None = None, probe: pp_probed.Probe | None = None
+            ) -> Pipeline | None:
     """The pipeline of the ranks' stages (one or several per rank), with its what-ifs: the
     microbatch counts in `extra` (default: half and double the measured), the other
     schedules, and the layers rebalanced; `calibration`: another run of it at another
-    microbatch count, to fit each stage's compute per microbatch (pp_whatif)."""
+    microbatch count, to fit each stage's compute per microbatch (pp_whatif); `probe`: the
+    job's own timing of its stages at other microbatch sizes (pp_probed), used without one."""
     st = sorted((s for s in stages if s.stage >= 0), key=lambda s: (s.stage, s.rank))
     if not st:
         return None
@@ -271,7 +273,7 @@ def combine(stages: list[Stage], extra: list[int] | None = None,
                        for k in range(n)), replay_note=why)
     if lay is None:
         return out
-    return _calibrated(out, calibration, one, extra)
+    return _calibrated(out, calibration, one, extra, probe)
 
 
 def as_dict(pl: Pipeline) -> dict[str, Any]:
@@ -292,6 +294,7 @@ def as_dict(pl: Pipeline) -> dict[str, Any]:
                                strict=False))],
             "replay_unavailable": pl.replay_note or None,
             "calibration": pl.calibration_used or None,
+            "probe_unused": pl.probe_note or None,
             "what_if": [vars(w) | {"band": list(w.band) if w.band else None}
                         for w in pl.what_if], "assumptions": list(pl.assumptions),
             "compute": pl.compute.as_dict() | (

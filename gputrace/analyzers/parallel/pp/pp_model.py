@@ -104,6 +104,9 @@ class Compute:
     # per microbatch and the transfer; the what-ifs take both at m through them
     # (pp_fit.rest_at) instead of this run's own work and transfer at any m
     rest: tuple[pp_fit.Rest, ...] = ()
+    # the rows at which the job's own probe timed each stage (record --pp-probe; `points`
+    # then hold the measured times scaled by it, pp_probed), () where it was not used
+    probed: tuple[int, ...] = ()
 
     def at(self, m: int, own: bool = True) -> tuple[list[float], list[float], float]:
         """Per stage, a microbatch's forward and backward at m (the schedule's own work
@@ -121,7 +124,9 @@ class Compute:
         return f0, b0, loss
 
     def as_dict(self) -> dict[str, Any]:
-        return {"model": "fitted" if self.calibrated_with else "proportional",
+        return {"model": "fitted" if self.calibrated_with else "probed" if self.probed
+                else "proportional",
+                "probed_rows": list(self.probed) or None,
                 "calibrated_with": self.calibrated_with or None,
                 "measured_at": [q[0] for q in self.points] or None,
                 "forward": [{"fixed_s": a, "per_batch_s": b} for a, b in self.forward],
@@ -207,6 +212,7 @@ class Pipeline:
     rank_of: tuple[int, ...] = ()     # per stage, its rank (the first replica's)
     replay_note: str = ""        # why the recorded schedule is not replayed
     calibration_used: str = ""   # the calibrating run used, in words
+    probe_note: str = ""         # why the job's probe (record --pp-probe) was not used
 
     def headline(self) -> str:
         name = pipesim.SHORT.get(self.schedule, self.schedule)

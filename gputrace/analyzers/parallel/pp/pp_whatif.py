@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from gputrace.analyzers.parallel import whatif_bands as wb
-from gputrace.analyzers.parallel.pp import pipesim, pp_fit, pporders
+from gputrace.analyzers.parallel.pp import pipesim, pp_fit, pp_probed, pporders
 from gputrace.analyzers.parallel.pp.pp_model import (  # noqa: F401 - the what-ifs' records
     ASSUMPTIONS,
     FITTED,
@@ -41,7 +41,7 @@ from gputrace.analyzers.parallel.pp.pp_model import (  # noqa: F401 - the what-i
 SAME_BATCH = 0.10   # the two runs' bytes between stages per iteration agree this closely
 # how far a microbatch-count what-if was from the run at that count it predicts, measured
 # (analyzers.parallel.whatif_bands: of one run to fewer microbatches and to more, and fitted)
-BAND = {k: wb.KINDS[f"pp_{k}"].band for k in ("fewer", "more", "fitted")}
+BAND = {k: wb.KINDS[f"pp_{k}"].band for k in ("fewer", "more", "fitted", "probed")}
 BAND_WHERE = wb.KINDS["pp_fitted"].where
 
 
@@ -101,6 +101,10 @@ def band_note(c: Compute, kinds: Sequence[str] = ()) -> str:
     if c.calibrated_with:
         out = ("measured error: how far such a what-if, fitted with a run at another "
                f"count, was from the run at its count ({BAND_WHERE}; bench/README.md)")
+    elif c.probed:
+        out = ("measured error: how far such a what-if, its compute timed by the job's "
+               "probe at other sizes (record --pp-probe), was from the run at its count "
+               f"({wb.KINDS['pp_probed'].where}; bench/README.md)")
     else:
         out = ("measured error: how far such a what-if was from the run at that microbatch "
                f"count ({BAND_WHERE}; bench/README.md): --calibrate with a run at another "
@@ -281,8 +285,8 @@ def predict(pl: Pipeline, schedule: str, m: int, fwd: list[float] | None = None,
                     f", {m} microbatches" if m != pl.microbatches else ""))
     band = None
     if m != pl.microbatches:
-        band = BAND["fitted" if pl.compute.calibrated_with else
-                    "fewer" if m < pl.microbatches else "more"]
+        band = BAND["fitted" if pl.compute.calibrated_with else "probed" if
+                    pl.compute.probed else "fewer" if m < pl.microbatches else "more"]
     # the measured kind: the layout's, or the caller's where the layout does not tell (the
     # layers moved between stages: pp_layers)
     band = _wider(band, wb.band(kind or kind_of(pl, schedule, v)))
@@ -290,16 +294,44 @@ def predict(pl: Pipeline, schedule: str, m: int, fwd: list[float] | None = None,
                   band, v)
 
 
+def probed(pl: Pipeline, probe: pp_probed.Probe | None, model: Compute
+           ) -> tuple[Compute, str, str]:
+    """The compute model from the job's probe (record --pp-probe) where no calibrating run
+    was used: (model, its assumption, "") or (model unchanged, "", why not)."""
+    if probe is None:
+        return model, "", ""
+    if model.calibrated_with:
+        return model, "", "--calibrate's runs measured other microbatch counts"
+    f, b, loss, _ = pl.per_stage
+    pts, why = pp_probed.points(probe, pl.microbatches, list(f), list(b), loss)
+    if not pts:
+        return model, "", why
+    m = pl.microbatches
+    near = min((p for p in pts if p[0] != m), key=lambda p: abs(p[0] - m))
+
+    def lines(now: Sequence[float], other: Sequence[float]) -> tuple[tuple[float, float], ...]:
+        return tuple(pp_fit.line(x, m, y, near[0]) for x, y in zip(now, other, strict=True))
+    out = replace(model, forward=lines(f, near[1]), backward=lines(b, near[2]),
+                  loss=pp_fit.line(loss, m, near[3], near[0]),
+                  points=pts if len(pts) >= 3 else (), probed=probe.stages[0][0])
+    return out, pp_probed.assumption(probe), ""
+
+
 def calibrated(pl: Pipeline, cal: Calibration | Sequence[Calibration] | None, stages: list[Stage],
-               extra: list[int] | None = None) -> Pipeline:
-    """`pl` with its compute model (fitted when `cal` fits) and its what-ifs."""
+               extra: list[int] | None = None, probe: pp_probed.Probe | None = None
+               ) -> Pipeline:
+    """`pl` with its compute model (fitted when `cal` fits, else from the job's probe
+    where it has one) and its what-ifs."""
     f, b, loss, _ = pl.per_stage
     model, why = compute(f, b, loss, pl.microbatches,
                          float(sum(s.p2p_bytes for s in pl.stages)), cal)
-    first = FITTED.format(m=model.calibrated_with) if model.calibrated_with else PROPORTIONAL
-    if model.points:
+    model, by_probe, probe_note = probed(pl, probe, model)
+    first = FITTED.format(m=model.calibrated_with) if model.calibrated_with else \
+        by_probe or PROPORTIONAL
+    if model.points and not model.probed:
         first = FITTED_SEVERAL.format(ms=", ".join(str(q[0]) for q in model.points))
-    cals = [] if cal is None else [cal] if isinstance(cal, Calibration) else list(cal)
+    cals = [] if cal is None or not model.calibrated_with else \
+        [cal] if isinstance(cal, Calibration) else list(cal)
     used = "; ".join(
         f"the {pipesim.SHORT.get(c.schedule, c.schedule) or 'other'} run at {c.microbatches} "
         "microbatches" for c in cals
@@ -315,7 +347,8 @@ def calibrated(pl: Pipeline, cal: Calibration | Sequence[Calibration] | None, st
                  (", and the schedule's own work and transfer" if rest else ""))
     model = replace(model, own=tuple(pl.own), rest=rest)
     out = replace(pl, compute=model, calibration_note=why, calibration_used=used,
-                  assumptions=(first, *(REST_FITTED if rest else REST)))
+                  assumptions=(first, *(REST_FITTED if rest else REST)),
+                  probe_note=probe_note)
     return replace(out, what_if=what_ifs(out, stages, extra))
 
 
