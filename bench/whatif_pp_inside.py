@@ -16,7 +16,7 @@ less its wait for a CPU behind other processes), medians per microbatch.
 
     python bench/whatif_pp_inside.py [--schedules gpipe,1f1b,interleaved]
         [--pairs 4:8,8:4,8:16,16:8] [--iterations 8] [--width 1024] [--batch 256]
-        [--blocks 4] [--keep DIR | --reuse DIR]
+        [--blocks 4] [--keep DIR | --reuse DIR] [--probe] [--tiny]
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def record(prefix: Path, sched: str, a: int, b: int, args: argparse.Namespace) -
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
     subprocess.run([PY, "-m", "gputrace", "record", "-q", "-f", "-o", f"{prefix}.arrow",
-                    "--steps", f"{SETTLE}:{n - SETTLE}", "--", PY, "-m",
+                    *(["--pp-probe"] if args.probe else []), "--steps", f"{SETTLE}:{n - SETTLE}", "--", PY, "-m",
                     "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                     str(JOB), str(prefix), "--schedule", sched, "--microbatches", str(a),
                     "--then", f"{b},{a}", "--iterations", str(n), "--width",
@@ -113,13 +113,23 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=4)
     ap.add_argument("--keep", type=Path)
     ap.add_argument("--reuse", type=Path)
+    ap.add_argument("--probe", action="store_true",
+                    help="record with --pp-probe: the one-run what-if takes each stage's "
+                    "compute at the other size from the job's probe (the proportional one "
+                    "beside it)")
+    ap.add_argument("--tiny", action="store_true",
+                    help="a tiny model, GPipe at 2 predicting 4 microbatches, probed: that "
+                    "the bench runs")
     a = ap.parse_args()
+    if a.tiny:
+        a.schedules, a.pairs, a.iterations, a.width, a.batch, a.blocks, a.probe = \
+            "gpipe", "2:4", 5, 128, 32, 1, True
     out = a.reuse or a.keep or Path(tempfile.mkdtemp(prefix="whatif-pp-inside-"))
     out.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(ROOT))
     from gputrace import load
     from gputrace.analyzers import analyze
-    from gputrace.analyzers.parallel.pp import pp_whatif
+    from gputrace.analyzers.parallel.pp import pp_timeline, pp_whatif
 
     print(f"machine: {machine()}")
     print(f"pp_train.py: {a.blocks} blocks per stage, width {a.width}, batch {a.batch}, "
@@ -145,8 +155,16 @@ def main() -> None:
             pred = pp_whatif.predict(pl, CLASS[sched], y).t_iter
             err = pred / then - 1
             errs.append(err)
-            by["to fewer microbatches" if y < x else "to more microbatches"].append(err)
-            print(f"| {sched} | {x} | {y} | {first * 1e3:.0f} ms | {pred * 1e3:.0f} ms | "
+            side = ""
+            if pl.compute.probed:   # the proportional what-if beside the probed one
+                plain = pp_whatif.calibrated(pl, None, pp_timeline.first_replica_of(pl.stages))
+                p0 = pp_whatif.predict(plain, CLASS[sched], y).t_iter
+                side = f" (proportional {p0 * 1e3:.0f} ms, {p0 / then - 1:+.1%})"
+                by.setdefault("probed", []).append(err)
+                by.setdefault("proportional", []).append(p0 / then - 1)
+            else:
+                by["to fewer microbatches" if y < x else "to more microbatches"].append(err)
+            print(f"| {sched} | {x} | {y} | {first * 1e3:.0f} ms | {pred * 1e3:.0f} ms{side} | "
                   f"{then * 1e3:.0f} ms | {err:+.1%} | {again * 1e3:.0f} ms "
                   f"({again / first - 1:+.1%}) | {slowdown(prefix, a.iterations, 0):.2f}, "
                   f"{slowdown(prefix, a.iterations, 1):.2f} |", flush=True)

@@ -17,7 +17,8 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 @pytest.mark.parametrize("script", ["analysis.py", "sampler.py", "overhead.py", "merge.py",
                                     "report.py", "whatif.py", "overhead_tf.py", "scale.py",
                                     "imports.py", "overhead_gpt.py", "whatif_pp.py",
-                                    "whatif_ds.py", "whatif_ep.py", "whatif_pp_balance.py"])
+                                    "whatif_ds.py", "whatif_ep.py", "whatif_pp_balance.py",
+                                    "whatif_pp_inside.py"])
 def test_benchmark_runs_tiny(script, tmp_path):
     if script == "overhead_tf.py" and importlib.util.find_spec("tensorflow") is None:
         pytest.skip("tensorflow is not installed (make test installs it)")
@@ -57,6 +58,9 @@ def test_benchmark_runs_tiny(script, tmp_path):
     if script == "whatif_pp.py":   # 2 and 4 microbatches, each predicting the other
         assert "replayed with the target's own compute: 2 predictions" in p.stdout, p.stdout
         assert "fitted with a calibrating run: 2 predictions" in p.stdout, p.stdout
+    if script == "whatif_pp_inside.py":   # 2 predicting 4 microbatches, probed and not
+        assert "probed: 1 predictions" in p.stdout, p.stdout
+        assert "proportional: 1 predictions" in p.stdout, p.stdout
     if script == "whatif_pp_balance.py":   # 5 + 1 blocks predicting 3 + 3, or saying why not
         assert "Layers balanced across stages" in p.stdout and " 5,1 " in p.stdout, p.stdout
     if script == "whatif_ds.py":   # one bucket and a quarter, each predicting the other
