@@ -232,3 +232,30 @@ def test_a_what_if_asked_for_is_a_row_or_a_reason(tmp_path):
     labels = [s["label"] for s in (doc["what_if"] or {}).get("scenarios", [])]
     assert "2 GPUs, bucket_cap_mb=5" in labels or any(
         "bucket_cap_mb=5" in fig for fig in doc["withheld"])
+
+
+def test_the_breakdowns_shares_add_up_to_the_iteration(tmp_path):
+    """The terminal's breakdown gives a share to every term that tiles the iteration: the
+    gradient comm's is its exposed part's (on its own row under t_comm, which is all of it,
+    hidden too), so the shares shown add up to 100 % (within their rounding) and t_comm's
+    row carries none; the exposed row's time is the hidden-vs-exposed table's."""
+    b = Builder()
+    for rank in (0, 1):
+        ddp_iterations(b, [((4, 3), 40, 60), ((2, 1), 70, 95)], rank=rank, n=8)
+    path = b.write(str(tmp_path / "ddp.arrow"), world_size=2)
+    out = _cli("analyze", str(path)).stdout.splitlines()
+    top = out.index(next(ln for ln in out if ln.startswith("Where an iteration's time goes")))
+    rows = []
+    for ln in out[top + 2:]:
+        if not ln.startswith("  "):
+            break
+        rows.append(ln)
+    comm = next(ln for ln in rows if ln.strip().startswith("t_comm"))
+    assert not comm.rstrip().endswith("%"), comm
+    exposed = next(ln for ln in rows if "of which exposed" in ln)
+    shares = [int(ln.split()[-1].rstrip("%")) for ln in rows if ln.rstrip().endswith("%")]
+    assert exposed in [ln for ln in rows if ln.rstrip().endswith("%")]
+    assert abs(sum(shares) - 100) <= len(shares) / 2 + 1e-9, rows
+    d = to_dict(analyze(load(path)))
+    ms = float(exposed.split("ms")[0].split()[-1])
+    assert ms == pytest.approx(d["overlap"]["comm"]["exposed_s"] * 1e3, abs=0.05), (ms, d)

@@ -170,8 +170,16 @@ def render(a: Analysis, rank: int | None = None, file: IO[str] | None = None,
         if one and key == "t_comm":
             continue
         s = ra.breakdown[key]
-        bt.add_row(key, label, _ms(s.mean), _ms(s.std), "" if key == "t_iter" or t_iter == 0
-                   else "-" if shares_withheld(ra) else f"{s.mean / t_iter:.0%}")
+        share = "-" if shares_withheld(ra) else "{:.0%}"
+        # t_comm is all of the comm, hidden under compute too: the share of the iteration is
+        # its exposed part's, on its own row (the terms with it sum to t_iter)
+        whole = key in ("t_iter", "t_comm") or t_iter == 0
+        bt.add_row(key, label, _ms(s.mean), _ms(s.std),
+                   "" if whole else share.format(s.mean / t_iter))
+        if key == "t_comm" and t_iter > 0:
+            exposed = ra.comm.get("exposed_s", 0.0)
+            bt.add_row("", "  of which exposed (the iteration waits)", _ms(exposed), "",
+                       share.format(exposed / t_iter))
         rc = ra.recompute
         if key == "t_b" and rc is not None and rc.mean_s:
             of = f", {rc.share_of_t_b:.0%} of t_b" if rc.share_of_t_b is not None else ""
