@@ -1,7 +1,8 @@
 """The pipeline what-if checked against the runs it predicts.
 
 Real 2-rank pipelines over gloo on the CPU (tests/jobs/pp_train.py under torchrun:
-torch.distributed.pipelining, one stage per rank, or two under `interleaved`, `izb` and `zbv`) are
+torch.distributed.pipelining, one stage per rank, or two under `interleaved`, `izb` and `zbv`,
+four under `interleaved4`) are
 recorded with gputrace, one run per configuration (GPipe and 1F1B, 4 and 8 microbatches by
 default; one model and global batch).
 Each run predicts every other run of the round with the pipeline replay
@@ -55,7 +56,10 @@ JOB = ROOT / "tests" / "jobs" / "pp_train.py"
 SAME_COMPUTE = 0.10
 SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
              "interleaved": "ScheduleInterleaved1F1B", "zbv": "ScheduleZBVZeroBubble",
-             "izb": "ScheduleInterleavedZeroBubble"}
+             "izb": "ScheduleInterleavedZeroBubble",
+             # Interleaved1F1B at 4 stages a rank (the what-if analyze gives an interleaved
+             # run at twice its recorded stages per rank)
+             "interleaved4": "ScheduleInterleaved1F1B"}
 IDLE_CORES = 0.3      # --quiet: the machine counts as idle below this many cores busy
 BUSY_OTHERS = 0.2     # a run beside more than this many cores of other work is marked
 
@@ -96,7 +100,7 @@ def per_stage(blocks: int, sched: str) -> int:
     """A stage's blocks: `--blocks` per rank, split over the schedule's stages per rank, so
     that every configuration trains the same model (pp_train's `--blocks` is per stage: an
     interleaved run with as many per stage was a model twice as deep)."""
-    v = 1 if sched in ("gpipe", "1f1b") else 2
+    v = 1 if sched in ("gpipe", "1f1b") else 4 if sched == "interleaved4" else 2
     if blocks % v:
         raise SystemExit(f"--blocks {blocks}: {sched} splits a rank's blocks over {v} stages")
     return blocks // v
@@ -107,7 +111,9 @@ def record(out: Path, sched: str, m: int, a: argparse.Namespace) -> tuple[Path, 
     trace = out / f"{sched}{m}.arrow"
     cmd = [PY, "-m", "gputrace", "record", "-q", "-f", "-o", str(trace), "--", PY, "-m",
            "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(JOB),
-           str(out / f"{sched}{m}"), "--schedule", sched, "--microbatches", str(m),
+           str(out / f"{sched}{m}"), "--schedule", sched.removesuffix("4"),
+           *(["--stages-per-rank", "4"] if sched == "interleaved4" else []),
+           "--microbatches", str(m),
            "--iterations", str(a.iterations), "--blocks", str(per_stage(a.blocks, sched)),
            "--width",
            str(a.width), "--batch", str(a.batch)]

@@ -128,11 +128,17 @@ KINDS: dict[str, Measured] = {
                             "on a quiet 2-CPU machine, 21 within 10 %"),
     # one at the recorded count between 1 and 2 stages a rank, both fused (GPipe, 1F1B <->
     # Interleaved1F1B)
-    "pp_stages": Measured((-0.136, 0.191), "bench/whatif_pp.py",
+    "pp_stages": Measured((-0.206, 0.661), "bench/whatif_pp.py",
                           "GPipe and 1F1B <-> Interleaved1F1B (1 <-> 2 stages a rank) at 4 "
                           "and 8 microbatches, 2 ranks over gloo, 22 predictions on a quiet "
                           "2-CPU machine, 18 within 10 % (the misses where a run of one "
-                          "configuration itself moved 15-17 % between rounds)"),
+                          "configuration itself moved 15-17 % between rounds); then 1F1B "
+                          "and Interleaved1F1B at 2 and at 4 stages a rank, 8 microbatches, "
+                          "each predicting the others, 18 predictions in 3 rounds, 8 within "
+                          "10 %: 2 -> 4 stages a rank -17.2 .. +3.0 %, 4 -> 2 -1.7 .. "
+                          "+14.0 %, 1 <-> 2 -20.6 .. +44.0 %, 1 <-> 4 -20.5 .. +66.1 % (the "
+                          "widest from a 1F1B run of 274 ms where the other rounds' took "
+                          "208-209)"),
     # the layers balanced across stages (one stage a rank), against the run of the model
     # cut so (bench/whatif_pp_balance.py)
     "pp_layers": Measured((-0.250, 0.077), "bench/whatif_pp_balance.py",

@@ -85,7 +85,7 @@ def _wider(a: tuple[float, float] | None, b: tuple[float, float] | None
 _KIND_WORDS = {
     "pp_schedule": "a schedule what-if between schedules at the same stages per rank, how "
                    "far such a what-if was from the run of that schedule",
-    "pp_stages": "a schedule what-if between 1 and 2 stages per rank, how far such a what-if "
+    "pp_stages": "a schedule what-if between stage counts per rank, how far such a what-if "
                  "was from the run of that schedule",
     "pp_split": "a schedule what-if between a fused backward and one split into its input "
                 "and weight parts (zero bubble), how far such a what-if was from the run of "
