@@ -136,7 +136,7 @@ def test_a_probed_recording_gives_the_microbatch_what_if_from_the_jobs_own_sizes
     at 8 microbatches within that band, widened by how far the machine's speed moved inside
     the recording (the third block against the first, the job's clock), of the job's own
     iterations at 8. A `--calibrate` run it cannot use (the same count) leaves the probe's
-    model."""
+    model, and the report page says so as the terminal does."""
     from gputrace import load
     from gputrace.analyzers.parallel.pp import pp_whatif
     from tests.test_parallelism import _cli
@@ -179,4 +179,9 @@ def test_a_probed_recording_gives_the_microbatch_what_if_from_the_jobs_own_sizes
     assert "probed at 32, 64, 128 rows" in text
     cal = json.loads(_cli("analyze", arrow, "--calibrate", arrow, "--json").stdout)
     assert cal["parallelism"]["pipeline"]["compute"]["model"] == "probed"  # same count
+    page = Path(arrow).with_suffix(".html")   # the report says what the terminal says
+    _cli("analyze", arrow, "--calibrate", arrow, "--report", str(page))
+    html = page.read_text()
+    assert "--calibrate not used: the calibrating run has the same 4 microbatches" in html
+    assert "record --pp-probe" in html
 

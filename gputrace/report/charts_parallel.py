@@ -148,8 +148,20 @@ def _pipeline_tables(pl: pp.Pipeline) -> str:
                 + (" " + html.escape(_first_up(pp_whatif.band_note(
                     pl.compute, pp_whatif.schedule_kinds(pl)))) + "." if banded else "")
                 + "</p>",
+                *(f'<p class="caption">{html.escape(t)}</p>' for t in _compute_notes(pl)),
                 _assumptions(pl.assumptions)]
     return "".join(out)
+
+
+def _compute_notes(pl: pp.Pipeline) -> list[str]:
+    """What the what-ifs' compute per microbatch came from, and what given was not used (as
+    the terminal says them)."""
+    out = [f"--calibrate: {pl.calibration_used}."] if pl.calibration_used else []
+    if pl.calibration_note:
+        out.append(f"--calibrate not used: {pl.calibration_note}.")
+    if pl.probe_note:
+        out.append(f"--pp-probe's timings not used: {pl.probe_note}.")
+    return out
 
 
 def tensor_parallel(ra: RankAnalysis) -> Chart | None:
