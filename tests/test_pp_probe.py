@@ -63,6 +63,37 @@ def test_the_probe_leaves_the_stage_as_the_job_had_it():
     assert not net.training
 
 
+@pytest.mark.gpu
+def test_the_probe_times_a_cuda_stage_with_its_device_synchronized():
+    """On a GPU: a stage of 4 Linear(8192) layers timed at 128, 256 and 512 rows, each
+    figure the device's work (synchronized around it: the forward at 512 rows at least
+    0.8 of what CUDA events time it at, where its launches alone take a few tens of
+    microseconds); the stage's gradients and the device's random generator as the job had
+    them."""
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA here")
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*[torch.nn.Linear(8192, 8192) for _ in range(4)]).cuda()
+    x = torch.randn(256, 8192, device="cuda")
+    net(x).sum().backward()
+    grads = [p.grad.clone() for p in net.parameters()]
+    rng = torch.cuda.get_rng_state()
+    out = pp_probe._time_stage(pp_probe._Kept(_Stage(net), (x,), {}, 256, True, 4))
+    assert out["rows"] == [128, 256, 512] and "failed" not in out, out
+    assert all(torch.equal(p.grad, g) for p, g in zip(net.parameters(), grads, strict=True))
+    assert torch.equal(torch.cuda.get_rng_state(), rng)
+    big = torch.randn(512, 8192, device="cuda")
+    events = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        net(big)
+        b.record()
+        torch.cuda.synchronize()
+        events.append(a.elapsed_time(b) / 1e3)
+    assert out["forward_s"][2] >= 0.8 * min(events), (out, events)
+
+
 def test_the_probe_refuses_a_stage_that_communicates(tmp_path):
     """A stage under DistributedDataParallel (its backward all-reduces) is not probed: the
     ranks would wait for one another at exit. Its reason is what the trace keeps."""

@@ -25,7 +25,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 PY = sys.executable
 GPU_TESTS = ["tests/test_collectors_gpu.py", "tests/test_kineto_fallback.py",
-             "tests/test_probe.py"]
+             "tests/test_probe.py", "tests/test_pp_probe.py"]
 TRUTH = "tests/test_gpu_truth.py"
 FIXTURES_MAX = 2 << 20
 
