@@ -126,6 +126,10 @@ def test_a_probe_the_analysis_cannot_use_says_why():
     assert "stage 2 not probed" in pp_probed.points(pr, 4, [1, 1, 1], [1, 1, 1], 0)[1]
     md = {"shards": [{"pipeline": {"probe_skipped": "the stage holds a FSDPLinear (its "
                                    "forward or backward communicates)"}}]}
+    asked = pp_probed.of_metadata({"pp_probe": True,
+                                   "shards": [{"pipeline": {"schedule": "TrainSchedule"}}]})
+    assert asked is not None and "DeepSpeed" in pp_probed.points(asked, 4, [1], [1], 0)[1]
+    assert pp_probed.of_metadata({"shards": [{"pipeline": {"schedule": "x"}}]}) is None
     skipped = pp_probed.of_metadata(md)
     assert skipped is not None and "FSDPLinear" in pp_probed.points(skipped, 4, [1], [1],
                                                                       0)[1]
@@ -176,6 +180,7 @@ def test_a_probed_recording_gives_the_microbatch_what_if_from_the_jobs_own_sizes
     trace = load(arrow)
     pr = pp_probed.of_metadata(trace.metadata)
     assert pr is not None and (pr.microbatches, pr.rows) == (4, 64), pr
+    assert trace.metadata.get("pp_probe") is True     # what was asked, in the trace
     assert sorted(pr.stages) == [0, 1] and all(s[0] == (32, 64, 128)
                                                for s in pr.stages.values())
     for sh in trace.metadata["shards"]:

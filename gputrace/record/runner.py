@@ -208,6 +208,7 @@ def _prepare(opts: RecordOptions, shard_dir: str, clock: Clock
         env["GPUTRACE_FLOPS"] = "off"
     if opts.pp_probe:   # collectors.torch.pp_probe.ENV (that package imports torch)
         env["GPUTRACE_PP_PROBE"] = "1"
+        md["pp_probe"] = True   # asked for: a pipeline no stage of which was probed says so
     for name in IN_PROCESS_COLLECTORS:
         if name not in opts.collectors:
             env[f"GPUTRACE_NO_{name.upper()}"] = "1"

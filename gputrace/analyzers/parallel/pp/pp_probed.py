@@ -34,6 +34,12 @@ ASSUMPTION = (
     "forward")
 
 
+# record --pp-probe was given and no process kept a stage's inputs
+NOT_SEEN = ("record --pp-probe was given, but no stage of torch.distributed.pipelining ran a "
+            "second schedule step in a recorded process (DeepSpeed's pipeline engine is not "
+            "probed)")
+
+
 @dataclass(frozen=True)
 class Probe:
     """What the ranks' probes timed: per stage, (rows, forward seconds, backward seconds)
@@ -77,6 +83,9 @@ def of_metadata(md: dict[str, Any]) -> Probe | None:
             if len(rows) == len(f) == len(b) and k not in stages:
                 stages[k] = (rows, f, b)
     if not head and not why:
+        if any(isinstance(sh, dict) and sh.get("pp_probe") is True
+               for sh in [md, *(md.get("shards") or [])]):
+            return Probe(0, 0, 0, {}, NOT_SEEN)
         return None
     try:
         m, r, n = int(head.get("microbatches", 0)), int(head.get("rows", 0)), \
