@@ -33,6 +33,7 @@ class Measured:
 _WHATIF = ("2-rank gloo DDP, 2 models, on a 2-CPU machine whose runs of one configuration "
            "moved up to 16 %")
 _PP = "GPipe, 1F1B and Interleaved1F1B, 4 <-> 8 <-> 16 microbatches, 2 ranks over gloo"
+PP_RUNS = _PP   # the pipeline microbatch benches' runs, which their kinds' texts begin with
 _DS = "2-rank DeepSpeed over gloo on a 2-CPU machine whose unchanged pairs moved up to 9 %"
 # the kinds, by the key analyzers give their what-ifs (kind_of_scenario, kind_of_label)
 KINDS: dict[str, Measured] = {

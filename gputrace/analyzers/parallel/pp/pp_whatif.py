@@ -107,7 +107,9 @@ def band_note(c: Compute, kinds: Sequence[str] = ()) -> str:
                f"({wb.KINDS['pp_probed'].where}; bench/README.md)")
     else:
         out = ("measured error: how far such a what-if was from the run at that microbatch "
-               f"count ({BAND_WHERE}; bench/README.md): recording with --pp-probe (each "
+               f"count ({wb.KINDS['pp_fewer'].where}: to fewer microbatches; to more, "
+               f"{wb.KINDS['pp_more'].where.removeprefix(wb.PP_RUNS).lstrip()}; "
+               "bench/README.md): recording with --pp-probe (each "
                "stage timed by the job at other microbatch sizes) or --calibrate with a run "
                "at another count takes the compute per microbatch from the job instead")
     for k in kinds:
