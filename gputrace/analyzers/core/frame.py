@@ -210,10 +210,11 @@ def build(table: pa.Table | dict[str, pa.ChunkedArray] | RankColumns,
     is_span = kind_codes == span_code
     rank_all = _np(pop("rank"), -1, np.int32) if is_span.any() else None
     if rank_all is not None:
-        span_ranks = np.unique(rank_all[is_span])
-        if drop_unranked or (span_ranks.size > 1 and -1 in span_ranks):
+        unranked = (rank_all == -1) & is_span
+        # spans without a rank beside ranked ones: dropped
+        if drop_unranked or (unranked.any() and (is_span & ~unranked).any()):
             is_span &= rank_all >= 0
-        del span_ranks
+        del unranked
     if rank_all is not None and is_span.any():
         sel = np.flatnonzero(is_span)
         # one permutation puts each rank's spans together: per-rank arrays are views

@@ -103,18 +103,61 @@ def _combine(a: Union, b: Union, keep_b: bool) -> Union:
     return at[np.flatnonzero(edge == 1)], at[np.flatnonzero(edge == -1)]
 
 
+def _proper(u: Union) -> bool:
+    """Whether u is what `union` gives: intervals that last, in order, apart."""
+    s, e = u
+    return bool((e > s).all() and (s[1:] > e[:-1]).all())
+
+
+def _pieces(a: Union, lo: np.ndarray, hi: np.ndarray, edge_s: Any, edge_e: Any
+            ) -> Union:
+    """For each interval i of a, the intervals k in [lo[i], hi[i]) of another sequence
+    (their starts and ends as functions of k), each cut to i: in order, apart."""
+    count = np.maximum(hi - lo, 0)
+    total_n = int(count.sum())
+    if total_n == 0:
+        return (np.zeros(0, np.result_type(a[0])), np.zeros(0, np.result_type(a[1])))
+    i = np.repeat(np.arange(a[0].size), count)
+    # k runs from lo[i] up within each interval's block
+    k = np.arange(total_n) - np.repeat(np.cumsum(count) - count, count) + lo[i]
+    return np.maximum(a[0][i], edge_s(k)), np.minimum(a[1][i], edge_e(k))
+
+
 def intersect(a: Union, b: Union) -> Union:
-    """Intersection of two unions."""
+    """Intersection of two unions: for each interval of a, the intervals of b it meets, by
+    binary search (its cost grows with a's intervals and the result, not with b's)."""
     if a[0].size == 0 or b[0].size == 0:
         return EMPTY
-    return _combine(a, b, keep_b=True)
+    if not (_proper(a) and _proper(b)):
+        return _combine(a, b, keep_b=True)
+    t = np.result_type(a[0], b[0])
+    a = (a[0].astype(t, copy=False), a[1].astype(t, copy=False))
+    bs, be = b[0].astype(t, copy=False), b[1].astype(t, copy=False)
+    return _pieces(a, np.searchsorted(be, a[0], side="right"),
+                   np.searchsorted(bs, a[1], side="left"), bs.__getitem__, be.__getitem__)
 
 
 def subtract(a: Union, b: Union) -> Union:
-    """Parts of a not covered by b."""
+    """Parts of a not covered by b: for each interval of a, the gaps of b it meets (gap k
+    from b's interval k - 1's end to interval k's start, open at both ends of b), by binary
+    search."""
     if a[0].size == 0 or b[0].size == 0:
         return a
-    return _combine(a, b, keep_b=False)
+    if not (_proper(a) and _proper(b)):
+        return _combine(a, b, keep_b=False)
+    t = np.result_type(a[0], b[0])
+    a = (a[0].astype(t, copy=False), a[1].astype(t, copy=False))
+    bs, be = b[0].astype(t, copy=False), b[1].astype(t, copy=False)
+    nb = bs.size
+
+    def gap_start(k: np.ndarray) -> np.ndarray:
+        return np.where(k > 0, be[np.maximum(k - 1, 0)], a[0].min())
+
+    def gap_end(k: np.ndarray) -> np.ndarray:
+        return np.where(k < nb, bs[np.minimum(k, nb - 1)], a[1].max())
+    # gap k meets a's interval when it ends after its start and starts before its end
+    return _pieces(a, np.searchsorted(bs, a[0], side="right"),
+                   np.searchsorted(be, a[1], side="left") + 1, gap_start, gap_end)
 
 
 @dataclass(frozen=True)

@@ -179,7 +179,7 @@ def _plan(rs: RankSteps, sel: np.ndarray, m: ModelResult, world: int,
     rate = _stolen_rate(cost) if cost.cpu_s_per_byte > 0 else 0.0
     taken_by: dict[int, float] = {}
     contention = 0.0
-    b0s = {int(k): (rs.backward_start[k] - t0[k]) / 1e9 for k in ks}
+    b0s = dict(zip(ks.tolist(), ((rs.backward_start[ks] - t0[ks]) / 1e9).tolist(), strict=True))
 
     def taken(k: int, upto: float) -> float:
         lo = b0s.get(k, 0.0)
