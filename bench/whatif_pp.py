@@ -109,7 +109,8 @@ def per_stage(blocks: int, sched: str) -> int:
 def record(out: Path, sched: str, m: int, a: argparse.Namespace) -> tuple[Path, float]:
     """The trace, and the cores other processes kept busy while it was recorded."""
     trace = out / f"{sched}{m}.arrow"
-    cmd = [PY, "-m", "gputrace", "record", "-q", "-f", "-o", str(trace), "--", PY, "-m",
+    cmd = [PY, "-m", "gputrace", "record", "-q", "-f", "-o", str(trace),
+           *(["--pp-probe"] if a.probe else []), "--", PY, "-m",
            "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(JOB),
            str(out / f"{sched}{m}"), "--schedule", sched.removesuffix("4"),
            *(["--stages-per-rank", "4"] if sched == "interleaved4" else []),
@@ -204,6 +205,9 @@ def main() -> None:
                     help="recordings of every configuration, one round after the other")
     ap.add_argument("--quiet", type=float, default=0.0, metavar="SECONDS",
                     help="before each recording, wait up to SECONDS for the machine to idle")
+    ap.add_argument("--probe", action="store_true",
+                    help="record with --pp-probe (each stage timed at other sizes and its "
+                         "backward split, at exit): the what-ifs use it")
     ap.add_argument("--keep", type=Path, help="keep the traces in DIR")
     ap.add_argument("--reuse", type=Path, help="analyze the traces kept in DIR again")
     ap.add_argument("--tiny", action="store_true",

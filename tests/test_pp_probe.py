@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -57,10 +58,23 @@ def test_the_probe_leaves_the_stage_as_the_job_had_it():
     out = pp_probe._time_stage(kept)
     assert out["rows"] == [4, 8, 16] and "failed" not in out, out
     assert all(t > 0 for t in out["forward_s"] + out["backward_s"])
+    # the backward split as the zero-bubble schedules split it, in the same rounds
+    assert out["input_s"] > 0 and out["weight_s"] > 0 and "split_skipped" not in out, out
+    assert len(out["input_rounds_s"]) == len(out["weight_rounds_s"]) == pp_probe.ROUNDS
     assert all(torch.equal(p.grad, g) for p, g in zip(net.parameters(), grads, strict=True))
     assert all(torch.equal(b, s) for b, s in zip(net.buffers(), stats, strict=True))
     assert torch.equal(torch.get_rng_state(), rng)
     assert not net.training
+
+
+def test_a_stage_of_token_ids_is_probed_fused_and_says_why_not_split():
+    """An embedding's inputs (integers) take no gradient: its split backward is not timed,
+    and the probe says why; the fused figures stand."""
+    emb = torch.nn.Sequential(torch.nn.Embedding(50, 16), torch.nn.Linear(16, 16))
+    ids = torch.randint(0, 50, (8, 4))
+    out = pp_probe._time_stage(pp_probe._Kept(_Stage(emb, 0), (ids,), {}, 8, True, 4))
+    assert "failed" not in out and all(t > 0 for t in out["backward_s"]), out
+    assert "input_s" not in out and "takes a gradient" in out["split_skipped"], out
 
 
 @pytest.mark.gpu
@@ -69,7 +83,7 @@ def test_the_probe_times_a_cuda_stage_with_its_device_synchronized():
     figure the device's work (synchronized around it: the forward at 512 rows at least
     0.8 of what CUDA events time it at, where its launches alone take a few tens of
     microseconds); the stage's gradients and the device's random generator as the job had
-    them."""
+    them; its backward split as the zero-bubble schedules split it timed too."""
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA here")
     torch.manual_seed(0)
@@ -82,6 +96,10 @@ def test_the_probe_times_a_cuda_stage_with_its_device_synchronized():
     assert out["rows"] == [128, 256, 512] and "failed" not in out, out
     assert all(torch.equal(p.grad, g) for p, g in zip(net.parameters(), grads, strict=True))
     assert torch.equal(torch.cuda.get_rng_state(), rng)
+    # the split backward on the device: both parts timed, together about the fused one
+    # (the same GEMMs: a Linear's input and weight gradients take as many FLOPs)
+    split = out["input_s"] + out["weight_s"]
+    assert 0.5 * out["backward_s"][1] <= split <= 3 * out["backward_s"][1], out
     big = torch.randn(512, 8192, device="cuda")
     events = []
     for _ in range(5):
@@ -221,3 +239,55 @@ def test_a_probed_recording_gives_the_microbatch_what_if_from_the_jobs_own_sizes
     assert "--calibrate not used: the calibrating run has the same 4 microbatches" in html
     assert "record --pp-probe" in html
 
+
+
+def _fused_pipeline(split: tuple[tuple[float, float], ...] = ()) -> Any:
+    """A 1F1B pipeline of 2 stages at 8 microbatches as its analysis holds it."""
+    from gputrace.analyzers.parallel.pp.pp_model import Compute, Pipeline
+
+    f, b, loss, m = (0.002, 0.003), (0.004, 0.006), 0.0005, 8
+    return Pipeline([], "Schedule1F1B", m, 2, 0.0, 0.0, 0, 0.0, 0.0,
+                    per_stage=(f, b, loss, 0.001),
+                    compute=Compute(tuple((0.0, x * m) for x in f),
+                                    tuple((0.0, x * m) for x in b), (0.0, loss * m)),
+                    ranks=2, stages_per_rank=1, own=((0.0, 0.0), (0.0, 0.0)),
+                    split_probed=split)
+
+
+def test_the_split_backward_what_if_takes_the_probes_split_and_the_first_stages_rule():
+    """From a fused 1F1B run to ZBV (2 stages a rank, V: stages 0 and 3 on rank 0): each
+    rank's compute halved over its two stages; the first stage's backward the fused one,
+    all of it the weight part (torch runs its input part as nothing); every other stage's
+    backward the fused one times its rank's probed split ratio, its weight part the probed
+    share (half without a probe). Fused what-ifs do not move with the probe."""
+    from gputrace.analyzers.parallel.pp import pipesim, pp_whatif, pporders
+
+    probed = _fused_pipeline(((1.2, 0.6), (1.5, 0.7)))
+    plain = _fused_pipeline()
+    lay = pporders.layout("ScheduleZBVZeroBubble", 2, 2, 8)
+    f = [0.001, 0.0015, 0.0015, 0.001]
+    for pl, r0, r1, s0, s1 in ((probed, 1.2, 1.5, 0.6, 0.7), (plain, 1.0, 1.0, 0.5, 0.5)):
+        b = [0.002, 0.003 * r1, 0.003 * r1, 0.002 * r0]
+        w = [b[0], b[1] * s1, b[2] * s1, b[3] * s0]
+        want = pipesim.run(lay.orders, lay.rank_of, f, b, w, 0.0, 0.0005).makespan + 0.001
+        got = pp_whatif.predict(pl, "ScheduleZBVZeroBubble", 8, v=2)
+        assert got.t_iter == pytest.approx(want), (pl.split_probed, got.t_iter, want)
+    for sched in ("Schedule1F1B", "ScheduleGPipe"):
+        assert pp_whatif.predict(probed, sched, 8).t_iter == pytest.approx(
+            pp_whatif.predict(plain, sched, 8).t_iter)
+
+
+def test_the_probes_split_is_read_per_stage_or_not_at_all():
+    """The split ratio and the weight share per stage from the probe's rounds at the
+    recorded rows; nothing where a stage's split was not timed or the count differs."""
+    stage = {"rows": [8, 16, 32], "forward_s": [1, 2, 4], "backward_s": [2, 4, 8],
+             "input_rounds_s": [2.0, 1.0, 1.0, 1.0, 3.0], "weight_rounds_s": [4.0] * 5}
+    md = {"shards": [{"pipeline": {"probe": {"microbatches": 4, "rows": 16, "rounds": 5,
+                                             "stages": [stage | {"stage": 0},
+                                                        stage | {"stage": 1}]}}}]}
+    pr = pp_probed.of_metadata(md)
+    assert pp_probed.split_parts(pr, 4, 2) == ((1.25, 0.8), (1.25, 0.8))
+    assert pp_probed.split_parts(pr, 8, 2) == ()
+    md["shards"][0]["pipeline"]["probe"]["stages"][1] = {
+        k: v for k, v in (stage | {"stage": 1}).items() if not k.startswith(("input", "weight"))}
+    assert pp_probed.split_parts(pp_probed.of_metadata(md), 4, 2) == ()

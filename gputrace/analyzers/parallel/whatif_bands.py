@@ -160,6 +160,15 @@ KINDS: dict[str, Measured] = {
                          "backward -31.0 .. -1.8 %, from a split one +10.2 .. +42.6 % "
                          "(torch's split backward took 1.16-1.44 times the fused one per "
                          "microbatch there)"),
+    # the same, the split's cost per stage from the job's probe (record --pp-probe: torch's
+    # split backward timed beside the fused one at the recorded rows)
+    "pp_split_probed": Measured((-0.210, 0.262), "bench/whatif_pp.py --probe",
+                                "1F1B and Interleaved1F1B <-> ZBVZeroBubble and "
+                                "InterleavedZeroBubble at 8 microbatches, 2 ranks over gloo, "
+                                "24 predictions in 3 rounds on a quiet 2-CPU machine, median "
+                                "|error| 7.7 %, 14 within 10 % (the same recordings without "
+                                "the probe's split -25.9 .. +42.4 %, median 14.5 %, 9 within "
+                                "10 %)"),
     # expert-parallel balanced routing, against iterations of the same job routed without
     # the bias in one recording: each round's median, the hand-written layout's 5 rounds
     # and torchtitan's 4

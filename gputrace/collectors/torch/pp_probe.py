@@ -11,9 +11,12 @@ microbatch's forward and backward cost changes with its size, for the microbatch
   quartile (another process only ever adds time to a round) goes into
   the shard's metadata, `pipeline.probe`: {"microbatches", "rows", "rounds", "start_ns",
   "end_ns", "stages": [{"stage", "rows": [...], "forward_s": [...], "backward_s": [...],
-  "forward_rounds_s": [[...], ...], "backward_rounds_s": [[...], ...]}]} (those figures,
-  and each size's rounds),
-  or `pipeline.probe_skipped` with the reason.
+  "forward_rounds_s": [[...], ...], "backward_rounds_s": [[...], ...], "input_s",
+  "weight_s", "input_rounds_s", "weight_rounds_s"}]} (those figures, and each size's
+  rounds; `input_s` and `weight_s`: at the recorded rows, the backward split into its input
+  and weight parts as the zero-bubble schedules split it, timed in the same rounds as the
+  fused one, or `split_skipped` with the reason), or `pipeline.probe_skipped` with the
+  reason.
 - Nothing of the job changes: the backward accumulates into gradients of the probe's own
   (the parameters' `.grad` put back after), buffers (batch-norm statistics) and the random
   generators are restored, the module's training mode is the one it had in the step, and
@@ -264,6 +267,12 @@ def _time_stage(kept: _Kept) -> dict[str, Any]:
         sync()
         return t1 - t0, time.perf_counter() - t1
 
+    split = _splitter(mod, inputs[r], sync)
+    if isinstance(split, str):
+        out["split_skipped"] = split
+        split = None
+    split_times: tuple[list[float], list[float]] = ([], [])
+
     start = time.perf_counter()
     try:
         with _quiet(mod), torch.random.fork_rng(devices=cuda), torch.enable_grad():
@@ -272,11 +281,18 @@ def _time_stage(kept: _Kept) -> dict[str, Any]:
                 p.grad = torch.zeros_like(p)
             for s in sizes:
                 once(s)
+            split = _guarded(split, out)
+            if split is not None and split() is None:
+                split = None
             for _ in range(ROUNDS):
                 for s in sizes:
                     f, b = once(s)
                     times[s][0].append(f)
                     times[s][1].append(b)
+                got = split() if split is not None else None
+                if got is not None:     # beside the fused backward at the recorded rows
+                    split_times[0].append(got[0])
+                    split_times[1].append(got[1])
                 if time.perf_counter() - start > BUDGET_S:
                     out["stopped"] = f"after {len(times[sizes[0]][0])} rounds ({BUDGET_S:.0f} s)"
                     break
@@ -294,4 +310,67 @@ def _time_stage(kept: _Kept) -> dict[str, Any]:
         out["backward_s"] = [_lower_quartile(times[s][1]) for s in sizes]
         out["forward_rounds_s"] = [times[s][0] for s in sizes]
         out["backward_rounds_s"] = [times[s][1] for s in sizes]
+        if split_times[0] and "split_skipped" not in out:
+            out["input_s"] = _lower_quartile(split_times[0])
+            out["weight_s"] = _lower_quartile(split_times[1])
+            out["input_rounds_s"], out["weight_rounds_s"] = split_times
     return out
+
+
+def _guarded(split: Any, out: dict[str, Any]) -> Any:
+    """`split` whose failure ends the split's timing (None from then on, the reason in
+    `out["split_skipped"]`), not the probe's."""
+    if split is None:
+        return None
+    state = {"on": True}
+
+    def run() -> tuple[float, float] | None:
+        if not state["on"]:
+            return None
+        try:
+            return split()
+        except Exception as e:  # noqa: BLE001 - the fused figures stand without it
+            state["on"] = False
+            cause = e.__cause__ or e    # torch's split wraps the error in its own
+            out["split_skipped"] = (f"{type(cause).__name__}: {cause}".strip().splitlines()
+                                    or [""])[0][:200]
+            return None
+    return run
+
+
+def _splitter(mod: Any, inputs: tuple[Any, Any], sync: Any) -> Any:
+    """A function that runs the stage's forward and then its backward split as the
+    zero-bubble schedules split it (torch.distributed.pipelining's stage_backward_input,
+    then stage_backward_weight) on `inputs`, returning the two parts' seconds; or why it
+    cannot (a string). The stage is timed as a stage with an upstream neighbour: its
+    floating-point inputs take a gradient (a first stage's input part is empty under those
+    schedules, its weight part the whole backward: the analysis knows that)."""
+    try:
+        import torch
+        from torch.distributed.pipelining._backward import (
+            stage_backward_input,
+            stage_backward_weight,
+        )
+    except ImportError as e:
+        return f"this torch has no split backward ({e})"
+    args, kwargs = inputs
+    if not any(t.is_floating_point() for t in _tensors((args, kwargs))):
+        return "no input of the stage takes a gradient (integer inputs: token ids)"
+
+    def run() -> tuple[float, float]:
+        a, k = _map((args, kwargs), lambda t: t.detach().clone().requires_grad_(
+            t.requires_grad or t.is_floating_point()))
+        y = mod(*a, **k)
+        # torch's split detaches the outputs in place, which a view refuses: a copy of it
+        ys = [t.clone() if t._is_view() else t for t in _tensors(y) if t.requires_grad]
+        ins = [t for t in _tensors((a, k)) if t.requires_grad]
+        sync()
+        t0 = time.perf_counter()
+        _, groups = stage_backward_input(ys, [torch.ones_like(t) for t in ys], ins,
+                                         mod.parameters())
+        sync()
+        t1 = time.perf_counter()
+        stage_backward_weight(mod.parameters(), groups)
+        sync()
+        return t1 - t0, time.perf_counter() - t1
+    return run

@@ -26,11 +26,21 @@ FITTED = (
 SPLIT_HALF = (
     "a schedule that splits the backward (zero bubble) computes its weight part in the "
     "recorded share of it, half where the recorded schedule did not split it (a Linear "
-    "layer's gradients of its input and of its weights take as many FLOPs), and the split "
-    "backward costs what the recorded one did (torch's split backward was measured at "
+    "layer's gradients of its input and of its weights take as many FLOPs; the first "
+    "stage's input part is empty, its weight part the whole backward, as torch's schedules "
+    "run it), and the split backward costs what the recorded one did (torch's split "
+    "backward was measured at "
     "1.16-1.44 times the fused one per microbatch on a CPU: a what-if between the two is "
     "shown with that measured error); a stage count per rank other than the recorded splits "
     "each rank's compute evenly over its stages")
+SPLIT_PROBED = (
+    "a schedule that splits the backward (zero bubble) computes its input and weight parts "
+    "as the job's probe timed each stage's split against its fused backward (`record "
+    "--pp-probe`: torch's own split, at the recorded rows): the split backward that ratio "
+    "of the fused one, the weight part its probed share (the recorded share where the "
+    "recorded schedule split it), and back; the first stage's input part is empty, its "
+    "weight part the whole backward (torch's schedules run it so); a stage count per rank "
+    "other than the recorded splits each rank's compute evenly over its stages")
 FITTED_SEVERAL = (
     "the global batch stays: each stage's forward, backward and loss per microbatch are "
     "measured at {ms} microbatches (this run and the calibrating ones); at another count "
@@ -213,6 +223,9 @@ class Pipeline:
     replay_note: str = ""        # why the recorded schedule is not replayed
     calibration_used: str = ""   # the calibrating run used, in words
     probe_note: str = ""         # why the job's probe (record --pp-probe) was not used
+    # per stage, from the job's probe: its split backward over its fused one, and the
+    # weight part's share of the split one (pp_probed.split_parts); () where not probed
+    split_probed: tuple[tuple[float, float], ...] = ()
 
     def headline(self) -> str:
         name = pipesim.SHORT.get(self.schedule, self.schedule)

@@ -51,12 +51,16 @@ class Probe:
     stages: dict[int, tuple[tuple[int, ...], tuple[float, ...], tuple[float, ...]]] = \
         field(default_factory=dict)
     why: str = ""     # a rank's probe that did not run, or failed: why
+    # per stage, at the recorded rows: its backward split as the zero-bubble schedules
+    # split it, (input part, weight part) seconds, timed beside the fused one
+    split: dict[int, tuple[float, float]] = field(default_factory=dict)
 
 
 def of_metadata(md: dict[str, Any]) -> Probe | None:
     """The probes of a run's shards (the first replica of each stage), None where no
     process probed or said why it did not."""
     stages: dict[int, tuple[tuple[int, ...], tuple[float, ...], tuple[float, ...]]] = {}
+    split: dict[int, tuple[float, float]] = {}
     why: list[str] = []
     head: dict[str, Any] = {}
     for sh in [md, *(md.get("shards") or [])]:
@@ -82,6 +86,9 @@ def of_metadata(md: dict[str, Any]) -> Probe | None:
                 continue
             if len(rows) == len(f) == len(b) and k not in stages:
                 stages[k] = (rows, f, b)
+                parts = _split_of(s)
+                if parts is not None:
+                    split[k] = parts
     if not head and not why:
         if any(isinstance(sh, dict) and sh.get("pp_probe") is True
                for sh in [md, *(md.get("shards") or [])]):
@@ -92,7 +99,43 @@ def of_metadata(md: dict[str, Any]) -> Probe | None:
             int(head.get("rounds", 0))
     except (TypeError, ValueError):
         m, r, n = 0, 0, 0
-    return Probe(m, r, n, stages, "; ".join(dict.fromkeys(why)))
+    return Probe(m, r, n, stages, "; ".join(dict.fromkeys(why)), split)
+
+
+def _split_of(s: dict[str, Any]) -> tuple[float, float] | None:
+    """A stage's split backward (input part, weight part), ESTIMATE of the rounds kept;
+    None where the probe did not time it."""
+    out = []
+    for part in ("input", "weight"):
+        rounds = s.get(f"{part}_rounds_s")
+        if isinstance(rounds, list) and rounds and all(isinstance(x, (int, float))
+                                                       for x in rounds):
+            out.append(ESTIMATE(np.asarray(rounds, float)))
+        elif isinstance(s.get(f"{part}_s"), (int, float)):
+            out.append(float(s[f"{part}_s"]))
+        else:
+            return None
+    return (out[0], out[1]) if out[0] >= 0 and out[1] > 0 else None
+
+
+def split_parts(pr: Probe | None, m: int, n: int) -> tuple[tuple[float, float], ...]:
+    """Per stage, from the probe at the recorded microbatch: (the split backward over the
+    fused one, the weight part's share of the split one); () where the probe did not time
+    every stage's split at this run's microbatch count."""
+    if pr is None or pr.microbatches != m or any(k not in pr.split or k not in pr.stages
+                                                  for k in range(n)):
+        return ()
+    out = []
+    for k in range(n):
+        rows, _, b = pr.stages[k]
+        if pr.rows not in rows:
+            return ()
+        fused = b[rows.index(pr.rows)]
+        i, w = pr.split[k]
+        if fused <= 0:
+            return ()
+        out.append(((i + w) / fused, w / (i + w)))
+    return tuple(out)
 
 
 def _of(s: dict[str, Any], part: str) -> tuple[float, ...]:

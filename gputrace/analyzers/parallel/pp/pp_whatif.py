@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from gputrace.analyzers.parallel import whatif_bands as wb
-from gputrace.analyzers.parallel.pp import pipesim, pp_fit, pp_probed, pporders
+from gputrace.analyzers.parallel.pp import pipesim, pp_fit, pp_probed, pp_stage_times, pporders
 from gputrace.analyzers.parallel.pp.pp_model import (  # noqa: F401 - the what-ifs' records
     ASSUMPTIONS,
     FITTED,
@@ -31,6 +31,7 @@ from gputrace.analyzers.parallel.pp.pp_model import (  # noqa: F401 - the what-i
     REST,
     REST_FITTED,
     SPLIT_HALF,
+    SPLIT_PROBED,
     Calibration,
     Compute,
     Pipeline,
@@ -56,7 +57,7 @@ def kind_of(pl: Pipeline, schedule: str, v: int) -> str | None:
     at the recorded microbatch count: across a fused and a split backward, between stage
     counts per rank, or between schedules alike in both (None: the recorded layout)."""
     if split_changed(pl.schedule, schedule):
-        return "pp_split"
+        return "pp_split_probed" if pl.split_probed else "pp_split"
     if v != pl.stages_per_rank:
         return "pp_stages"
     return "pp_schedule" if schedule != pl.schedule else None
@@ -70,7 +71,8 @@ def schedule_kinds(pl: Pipeline) -> list[str]:
     error is shown, in the order band_note names them."""
     kinds = {"pp_layers" if w.what.startswith(BALANCED) else
              kind_of(pl, w.schedule, w.stages_per_rank) for w in pl.what_if}
-    return [k for k in ("pp_schedule", "pp_stages", "pp_split", "pp_layers")
+    return [k for k in ("pp_schedule", "pp_stages", "pp_split", "pp_split_probed",
+                        "pp_layers")
             if k in kinds and wb.band(k) is not None]
 
 
@@ -90,6 +92,9 @@ _KIND_WORDS = {
     "pp_split": "a schedule what-if between a fused backward and one split into its input "
                 "and weight parts (zero bubble), how far such a what-if was from the run of "
                 "that schedule",
+    "pp_split_probed": "a schedule what-if between a fused backward and one split into its "
+                       "input and weight parts, the split's cost from the job's probe, how "
+                       "far such a what-if was from the run of that schedule",
     "pp_layers": "the layers balanced across stages, how far such a what-if was from the run "
                  "of the model cut so",
 }
@@ -210,59 +215,6 @@ def what_ifs(pl: Pipeline, stages: list[Stage], extra: list[int] | None = None
     return ifs
 
 
-def _times(pl: Pipeline, schedule: str, v: int, f: list[float], b: list[float],
-           own: list[tuple[float, float]] | None = None
-           ) -> tuple[list[float], list[float], list[float], pporders.Layout | None]:
-    """Each stage's forward, backward and weight part under `schedule` at v stages per rank
-    (`f`, `b`: the stages' compute per microbatch, their schedule's own work apart): the
-    measured stages' where the layout is the recorded one, else each rank's stages'
-    compute together split evenly over its new stages; the weight part the recorded share
-    of the backward, half of it where the recorded schedule did not split it; each stage's
-    own work per microbatch added (`own`, default the recorded; its rank's mean over its
-    stages where they change)."""
-    own = list(pl.own if own is None else own) or [(0.0, 0.0)] * len(f)
-    f2, b2, w2, lay = _split(pl, schedule, v, f, b)
-    p = pl.ranks or len(f)
-    place = pporders.placement(schedule, p, v)
-    was = pporders.placement(pl.schedule, p, pl.stages_per_rank) \
-        if pl.schedule in pipesim.SHORT else list(range(len(f)))
-    per = own
-    if place != was:
-        by: dict[int, list[tuple[float, float]]] = {}
-        for k, r in enumerate(was):
-            by.setdefault(r, []).append(own[k])
-        per = [(float(np.mean([x[0] for x in by.get(r, [(0.0, 0.0)])])),
-                float(np.mean([x[1] for x in by.get(r, [(0.0, 0.0)])]))) for r in place]
-    return ([x + o for x, (o, _) in zip(f2, per, strict=True)],
-            [x + o for x, (_, o) in zip(b2, per, strict=True)], w2, lay)
-
-
-def _split(pl: Pipeline, schedule: str, v: int, f: list[float], b: list[float]
-           ) -> tuple[list[float], list[float], list[float], pporders.Layout | None]:
-    """Each stage's compute under `schedule` at v stages per rank (see _times)."""
-    p = pl.ranks or len(f)
-    share = [w / x if x > 0 else 0.0 for w, x in zip(pl.weight or [0.0] * len(b), b,
-                                                      strict=False)]
-    split = schedule in pporders.SPLIT
-    place = pporders.placement(schedule, p, v)
-    was = pporders.placement(pl.schedule, p, pl.stages_per_rank) \
-        if pl.schedule in pipesim.SHORT else list(range(len(f)))
-    if place == was:
-        w = [x * (s if s > 0 else 0.5) if split else 0.0 for x, s in zip(b, share,
-                                                                          strict=True)]
-        return f, b, w, None
-    F, B, SH = [0.0] * p, [0.0] * p, [[] for _ in range(p)]   # noqa: N806
-    for k, r in enumerate(was):
-        F[r] += f[k]
-        B[r] += b[k]
-        SH[r].append(share[k])
-    f2 = [F[r] / v for r in place]
-    b2 = [B[r] / v for r in place]
-    w2 = [x * ((sum(SH[r]) / len(SH[r])) or 0.5) if split else 0.0
-          for x, r in zip(b2, place, strict=True)]
-    return f2, b2, w2, None
-
-
 def predict(pl: Pipeline, schedule: str, m: int, fwd: list[float] | None = None,
             bwd: list[float] | None = None, what: str = "", v: int | None = None,
             kind: str | None = None) -> WhatIf:
@@ -276,7 +228,7 @@ def predict(pl: Pipeline, schedule: str, m: int, fwd: list[float] | None = None,
     f, b, loss = pl.compute.at(m, own=False)
     own, transfer = pp_fit.rest_at(pl.compute.rest, m) if pl.compute.rest else \
         (list(pl.own), pl.transfer_s)
-    f, b, w, _ = _times(pl, schedule, v, fwd or f, bwd or b, own)
+    f, b, w, _ = pp_stage_times.under(pl, schedule, v, fwd or f, bwd or b, own)
     r = pipesim.run(lay.orders, lay.rank_of, f, b, w, transfer, loss)
     t_iter = r.makespan + pl.per_stage[3]
     idle = float(np.mean(r.bubble))
@@ -349,9 +301,12 @@ def calibrated(pl: Pipeline, cal: Calibration | Sequence[Calibration] | None, st
         used += (": each stage's compute per microbatch fitted through it and this run" +
                  (", and the schedule's own work and transfer" if rest else ""))
     model = replace(model, own=tuple(pl.own), rest=rest)
+    split = pp_probed.split_parts(probe, pl.microbatches, len(f))
+    rest_words = tuple(SPLIT_PROBED if x == SPLIT_HALF and split else x
+                       for x in (REST_FITTED if rest else REST))
     out = replace(pl, compute=model, calibration_note=why, calibration_used=used,
-                  assumptions=(first, *(REST_FITTED if rest else REST)),
-                  probe_note=probe_note)
+                  assumptions=(first, *rest_words), probe_note=probe_note,
+                  split_probed=split)
     return replace(out, what_if=what_ifs(out, stages, extra))
 
 
