@@ -185,7 +185,8 @@ def test_a_probed_recording_gives_the_microbatch_what_if_from_the_jobs_own_sizes
     """The probe's figures per stage at 32, 64 and 128 rows (the job's 256 samples as 4
     microbatches of 64), timed after the job's last iteration on each rank and leaving no
     span of its own (every forward and backward span inside the job's iterations); the
-    what-ifs' compute `probed`, said in the assumptions, the band its kind's; the what-if
+    what-ifs' compute `probed`, said in the assumptions, the band its kind's; the probe's
+    time inside each rank's run, given apart in its shut-down; the what-if
     at 8 microbatches within that band, widened by how far the machine's speed moved inside
     the recording (the third block against the first, the job's clock), of the job's own
     iterations at 8. A `--calibrate` run it cannot use (the same count) leaves the probe's
@@ -215,6 +216,16 @@ def test_a_probed_recording_gives_the_microbatch_what_if_from_the_jobs_own_sizes
                 and r["cat"] in ("forward", "backward", "pipeline") and r["start_ns"] > end]
         assert not late, late[:3]
     doc = json.loads(_cli("analyze", arrow, "--json").stdout)
+    # the probe's time is the job's: inside each rank's run, its shut-down's part
+    took = {int(sh["rank"]): (sh["pipeline"]["probe"]["end_ns"]
+                              - sh["pipeline"]["probe"]["start_ns"]) / 1e9
+            for sh in trace.metadata["shards"] if (sh.get("pipeline") or {}).get("probe")}
+    assert sorted(took) == [0, 1], took
+    for rank, dur in took.items():
+        g = doc["ranks"][str(rank)]["goodput"]
+        part = g["shutdown_parts_s"]
+        assert part["pp_probe_s"] == pytest.approx(dur, abs=1e-6), (part, dur)
+        assert part["pp_probe_s"] + part["other_s"] == pytest.approx(g["badput_s"]["shutdown"])
     pl = doc["parallelism"]["pipeline"]
     c = pl["compute"]
     assert (c["model"], c["probed_rows"], pl["probe_unused"]) == ("probed", [32, 64, 128],
@@ -231,6 +242,7 @@ def test_a_probed_recording_gives_the_microbatch_what_if_from_the_jobs_own_sizes
     assert low <= w["t_iter"] <= high, (w["t_iter"], blocks, band, drift)
     text = _cli("analyze", arrow).stdout
     assert "probed at 32, 64, 128 rows" in text
+    assert "of it gputrace's pipeline probe" in text
     cal = json.loads(_cli("analyze", arrow, "--calibrate", arrow, "--json").stdout)
     assert cal["parallelism"]["pipeline"]["compute"]["model"] == "probed"  # same count
     page = Path(arrow).with_suffix(".html")   # the report says what the terminal says

@@ -56,6 +56,8 @@ def install_run_span(rec: Recorder, until: str | None = None) -> None:
 
     def run_span(t: int) -> None:
         if os.getpid() == pid:      # not a forked child's (a loader worker's)
-            rec.span("process", "run", start, t, step=-1, args={"start_from": source})
+            # to now: a close hook before this one (the pipeline probe) ran in the job's time
+            rec.span("process", "run", start, max(t, rec.clock.now_ns()), step=-1,
+                     args={"start_from": source})
 
     rec.close_hooks.append(run_span)

@@ -78,6 +78,9 @@ def render_goodput(con: Any, a: Any, ra: Any) -> None:
                 label = label[:-1] + ", and torch.compile's compilations)"
             if k == "shutdown" and g.ends_at == "last_record":
                 label = "the last training step to the last thing recorded"
+            if k == "shutdown" and g.shutdown_parts_s.get("pp_probe_s", 0.0) >= SHOWN_S:
+                label += (f" ({_s(g.shutdown_parts_s['pp_probe_s'])} of it gputrace's "
+                          "pipeline probe, record --pp-probe)")
             if k == "stalls" and g.after_step_stalls_s >= SHOWN_S:
                 label += f" ({_s(g.after_step_stalls_s)} of it after a step's last phase)"
             if k == "stalls" and g.stalls_outside_window_s >= SHOWN_S:

@@ -66,6 +66,9 @@ class Goodput:
     # taken out of training_s: all of it, and its part in `stalls` (the rest is `other`)
     after_step_s: float = 0.0
     after_step_stalls_s: float = 0.0
+    # what shut-down shows of itself where it is told: gputrace's pipeline probe
+    # (`record --pp-probe`, after the last iteration) and the rest; {} where nothing is
+    shutdown_parts_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def goodput(self) -> float:
@@ -79,6 +82,7 @@ class Goodput:
                 "goodput": _n(self.goodput), "badput_s": dict(self.badput_s),
                 "badput_share": {k: _n(self.share(k)) for k in CATEGORIES},
                 "iterations": self.iterations, "startup_parts_s": dict(self.startup_parts_s),
+                "shutdown_parts_s": dict(self.shutdown_parts_s) or None,
                 "evaluation": {k: _n(v) for k, v in self.evaluation.items()},
                 "checkpoint": {k: _n(v) for k, v in self.checkpoint.items()},
                 "ranks": self.ranks,
@@ -187,7 +191,8 @@ def of_rank(sp: Spans, its: Iterations) -> Goodput | None:
                    _startup_parts(sp, startup), _evaluation(sp), _checkpoint(sp),
                    bands=bands, bands_left_out_s=left, keras_saves=_keras_saves(sp, ck_m),
                    stalls_outside_window_s=unseen, ends_at=ends_at,
-                   after_step_s=_s(after), after_step_stalls_s=_s(ov.intersect(stalls, after)))
+                   after_step_s=_s(after), after_step_stalls_s=_s(ov.intersect(stalls, after)),
+                   shutdown_parts_s=_shutdown_parts(sp, shutdown))
 
 
 def _outside(sp: Spans) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -284,6 +289,16 @@ def _startup_parts(sp: Spans, startup: ov.Union) -> dict[str, float]:
     return out
 
 
+def _shutdown_parts(sp: Spans, shutdown: ov.Union) -> dict[str, float]:
+    """What shut-down shows of itself: gputrace's pipeline probe (its `process` span
+    `pp_probe`) and the rest; {} without a probe."""
+    probe = ov.intersect(_u(sp, sp.of("process") & (sp.name == _code(sp, "pp_probe"))),
+                         shutdown)
+    if not probe[0].size:
+        return {}
+    return {"pp_probe_s": _s(probe), "other_s": max(0.0, _s(shutdown) - _s(probe))}
+
+
 def _evaluation(sp: Spans) -> dict[str, float]:
     passes = sp.of("evaluation") & (sp.name == _code(sp, "pass"))
     batches = sp.of("evaluation") & (sp.name == _code(sp, "batch"))
@@ -337,7 +352,17 @@ def job(ranks: list[Goodput | None]) -> Goodput | None:
                    stalls_outside_window_s=sum(g.stalls_outside_window_s for g in got),
                    ends_at="close" if all(g.ends_at == "close" for g in got) else "last_record",
                    after_step_s=sum(g.after_step_s for g in got),
-                   after_step_stalls_s=sum(g.after_step_stalls_s for g in got))
+                   after_step_stalls_s=sum(g.after_step_stalls_s for g in got),
+                   shutdown_parts_s=_summed([g.shutdown_parts_s for g in got]))
+
+
+def _summed(parts: list[dict[str, float]]) -> dict[str, float]:
+    """Per key, the ranks' seconds summed (a rank without the key adds none)."""
+    out: dict[str, float] = {}
+    for p in parts:
+        for k, v in p.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
 
 
 # the findings of the run's time beyond its iterations (goodput_findings)

@@ -17,7 +17,8 @@ microbatch's forward and backward cost changes with its size, for the microbatch
   and weight parts as the zero-bubble schedules split it, timed in the same rounds as the
   fused one, or `split_skipped` with the reason), or `pipeline.probe_skipped` with the
   reason.
-- Nothing of the job changes: the backward accumulates into gradients of the probe's own
+- Its time is the job's: a `process` span `pp_probe` (the process's `run` span holds it;
+  the whole run's shut-down gives it apart). Nothing of the job changes: the backward accumulates into gradients of the probe's own
   (the parameters' `.grad` put back after), buffers (batch-norm statistics) and the random
   generators are restored, the module's training mode is the one it had in the step, and
   gputrace's own hooks on the stage's modules and parameters are set aside meanwhile, so the
@@ -81,7 +82,8 @@ class Probe:
         self.kept: dict[int, _Kept] = {}
         self.steps: dict[int, int] = {}     # stage index -> its forwards of chunk 0 seen
         self.skipped = ""
-        rec.close_hooks.append(self.close)
+        # first of the close hooks: the process's `run` span, written after, holds it
+        rec.close_hooks.insert(0, self.close)
 
     def forward_chunk(self, stage: Any, chunk_id: int, n_microbatches: int) -> Any:
         """Before a stage's forward chunk: a context that keeps its module's inputs when
@@ -128,8 +130,12 @@ class Probe:
         for k in sorted(self.kept):
             stages.append(_time_stage(self.kept[k]))
         kept = next(iter(self.kept.values()))
+        t1 = self.rec.clock.now_ns()
         d["probe"] = {"microbatches": kept.microbatches, "rows": kept.rows, "rounds": ROUNDS,
-                      "start_ns": t0, "end_ns": self.rec.clock.now_ns(), "stages": stages}
+                      "start_ns": t0, "end_ns": t1, "stages": stages}
+        # the job's time it took: the whole run's shut-down tells it apart
+        self.rec.span("process", "pp_probe", t0, t1, step=-1,
+                      args={"stages": [s["stage"] for s in stages]})
         self.kept.clear()
 
 
