@@ -18,11 +18,11 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
                                     "report.py", "whatif.py", "overhead_tf.py", "scale.py",
                                     "imports.py", "overhead_gpt.py", "whatif_pp.py",
                                     "whatif_ds.py", "whatif_ep.py", "whatif_pp_balance.py",
-                                    "whatif_pp_inside.py"])
+                                    "whatif_pp_inside.py", "whatif_ds_pipe.py"])
 def test_benchmark_runs_tiny(script, tmp_path):
     if script == "overhead_tf.py" and importlib.util.find_spec("tensorflow") is None:
         pytest.skip("tensorflow is not installed (make test installs it)")
-    if script == "whatif_ds.py" and importlib.util.find_spec("deepspeed") is None:
+    if script.startswith("whatif_ds") and importlib.util.find_spec("deepspeed") is None:
         pytest.skip("deepspeed is not installed (make test installs it)")
     args = [sys.executable, str(BENCH / script), "--tiny"]
     if script == "overhead.py":   # a smaller batch of smaller images: the same runs, cheaper;
@@ -63,6 +63,8 @@ def test_benchmark_runs_tiny(script, tmp_path):
         assert "proportional: 1 predictions" in p.stdout, p.stdout
     if script == "whatif_pp_balance.py":   # 5 + 1 blocks predicting 3 + 3, or saying why not
         assert "Layers balanced across stages" in p.stdout and " 5,1 " in p.stdout, p.stdout
+    if script == "whatif_ds_pipe.py":   # 2 and 4 microbatches, each predicting the other
+        assert "probed: 2 predictions" in p.stdout, p.stdout
     if script == "whatif_ds.py":   # one bucket and a quarter, each predicting the other
         import re
 

@@ -125,3 +125,32 @@ def test_headline_and_the_engines_runtime_order(recorded, name):
         n = Counter(mb["it"] for mb in run.truth[rank]["microbatches"])
         assert set(n.values()) == {m}
         assert all(mb["backward"] > 0 for mb in run.truth[rank]["microbatches"])
+
+
+def test_a_deepspeed_pipeline_recorded_with_the_probe_gets_the_probed_what_ifs(tmp_path):
+    """`record --pp-probe` on DeepSpeed's engine: each rank's stage module timed at half,
+    one and twice the microbatch's rows after the last train_batch (the engine's module,
+    on the inputs its ForwardPass gave it), the microbatch what-ifs' compute `probed`, the
+    engine's own work per microbatch said to scale with it, and the probe's time the
+    job's: in each rank's shut-down."""
+    import json
+
+    from gputrace import load
+    from gputrace.analyzers.parallel.pp import pp_probed
+    from tests.test_parallelism import JOBS, PY, _cli
+
+    prefix = tmp_path / "ds"
+    arrow = f"{prefix}.arrow"
+    _cli("record", "-q", "-o", arrow, "--pp-probe", "--", PY, "-m", "torch.distributed.run",
+         "--standalone", "--nproc_per_node", "2", str(JOBS / "ds_pipe_train.py"),
+         str(prefix), "--microbatches", "4", "--iterations", "5", "--global-batch", "128")
+    pr = pp_probed.of_metadata(load(arrow).metadata)
+    assert pr is not None and (pr.microbatches, pr.rows) == (4, 32), pr
+    assert sorted(pr.stages) == [0, 1] and all(s[0] == (16, 32, 64) for s in pr.stages.values())
+    doc = json.loads(_cli("analyze", arrow, "--json").stdout)
+    pl = doc["parallelism"]["pipeline"]
+    assert (pl["compute"]["model"], pl["probe_unused"]) == ("probed", None), pl["compute"]
+    assert "DeepSpeed's pipeline engine's own work" in pl["assumptions"][0]
+    assert any(w["microbatches"] == 8 and w["t_iter"] > 0 for w in pl["what_if"])
+    for r in ("0", "1"):
+        assert doc["ranks"][r]["goodput"]["shutdown_parts_s"]["pp_probe_s"] > 0

@@ -5,6 +5,7 @@ gradient_accumulation_steps microbatches), 2 ranks over gloo on the CPU:
 
     torchrun --nproc_per_node 2 ds_pipe_train.py OUT [--microbatches M] [--iterations N]
                                                      [--layers L] [--width D]
+                                                     [--batch B | --global-batch G]
 
 Each stage times its own work per microbatch: its forward (hooks of the job's own on the
 stage module), its loss (the last stage's, in the loss function), its backward (from the
@@ -80,8 +81,12 @@ def main() -> None:
     p.add_argument("--iterations", type=int, default=8)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--width", type=int, default=512)
-    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--batch", type=int, default=64, help="rows per microbatch")
+    p.add_argument("--global-batch", type=int, default=0,
+                   help="rows per iteration (the microbatch: this over --microbatches)")
     a = p.parse_args()
+    if a.global_batch:
+        a.batch = a.global_batch // a.microbatches
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -15,17 +15,21 @@
   RecvGrad; DeepSpeed's p2p: torch.distributed send/recv) carry `"pp": {"stage": s}`, as
   does any other collective of the step on the pipeline group's ranks (the loss broadcast
   from the last stage, the gradient norm's and overflow flag's all-reduces across stages).
+- With `record --pp-probe`, a ForwardPass keeps the stage module's inputs as a
+  PipelineStage's forward chunk does (collectors.torch.pp_probe): the engine's module is
+  timed at other microbatch sizes after the last iteration.
 - ReduceTiedGrads/ReduceGrads through OptimizerStep are the update (the engine's step,
   collectors.torch's engine_step): the iteration is one train_batch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 from typing import Any
 
-from gputrace.collectors.torch import comm, lazy
+from gputrace.collectors.torch import comm, lazy, pp_probe
 from gputrace.collectors.torch.comm import TLS
 from gputrace.collectors.torch.guard import _hook_failed
 
@@ -68,7 +72,10 @@ def _pass(kind: str, orig: Any) -> Any:
             return orig(self, *a, **k)
         t0 = st.now()
         try:
-            return orig(self, *a, **k)
+            if kind != "forward" or not pp_probe.enabled():
+                return orig(self, *a, **k)
+            with _probing(st, self, mb):
+                return orig(self, *a, **k)
         finally:
             if restore is not None:
                 restore()
@@ -80,6 +87,30 @@ def _pass(kind: str, orig: Any) -> Any:
 
     exec_pass._gputrace_orig = orig  # type: ignore[attr-defined]
     return exec_pass
+
+
+class _Stage:
+    """What the pipeline probe reads of a stage (a PipelineStage's names): the engine's
+    stage, its module (this rank's layers) and its microbatches."""
+
+    def __init__(self, engine: Any) -> None:
+        self.stage_index = int(engine.stage_id)
+        self.submod = engine.module
+        self.chunks = int(engine.micro_batches)
+        # ZeRO's gradient hooks reduce or copy gradients as the backward makes them: a
+        # backward of the probe's own would communicate, or write into ZeRO's buffers
+        hooks = getattr(getattr(engine, "optimizer", None), "_grad_acc_hooks", None)
+        self.refuse = (f"DeepSpeed's ZeRO stage {engine.zero_optimization_stage()} hooks the "
+                       "gradients (the probe's backward would reduce them)" if hooks else "")
+
+
+def _probing(st: Any, engine: Any, mb: int) -> Any:
+    """`record --pp-probe`: the context that keeps this forward pass's inputs (pp_probe)."""
+    try:
+        return pp_probe.chunk(st, _Stage(engine), mb)
+    except Exception as e:  # noqa: BLE001
+        _hook_failed("pipeline probe", e)
+        return contextlib.nullcontext()
 
 
 def _time_loss(engine: Any, st: Any) -> Any:

@@ -93,7 +93,7 @@ class Probe:
             self.steps[k] = self.steps.get(k, 0) + 1
         if k in self.kept or self.steps.get(k, 0) != CAPTURE_STEP or chunk_id != 0:
             return contextlib.nullcontext()
-        why = _unprobable(stage.submod)
+        why = getattr(stage, "refuse", "") or _unprobable(stage.submod)
         if why:
             self.skipped = why
             return contextlib.nullcontext()

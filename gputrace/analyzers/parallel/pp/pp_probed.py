@@ -34,10 +34,13 @@ ASSUMPTION = (
     "forward")
 
 
+# the recorded schedules whose own work per microbatch scales as the stage's probed compute
+# (pp_whatif.own_scales): DeepSpeed's pipeline engine's
+OWN_SCALES = ("TrainSchedule",)
+
 # record --pp-probe was given and no process kept a stage's inputs
-NOT_SEEN = ("record --pp-probe was given, but no stage of torch.distributed.pipelining ran a "
-            "second schedule step in a recorded process (DeepSpeed's pipeline engine is not "
-            "probed)")
+NOT_SEEN = ("record --pp-probe was given, but no stage of torch.distributed.pipelining or of "
+            "DeepSpeed's pipeline engine ran a second schedule step in a recorded process")
 
 
 @dataclass(frozen=True)
@@ -183,6 +186,10 @@ def points(pr: Probe, m: int, fwd: list[float], bwd: list[float], loss: float
     return tuple(sorted(out, key=lambda p: p[0])), ""
 
 
-def assumption(pr: Probe) -> str:
+def assumption(pr: Probe, recorded_schedule: str = "") -> str:
     rows = next(iter(pr.stages.values()))[0]
-    return ASSUMPTION.format(r=pr.rows, rows=", ".join(map(str, rows)), rounds=pr.rounds)
+    out = ASSUMPTION.format(r=pr.rows, rows=", ".join(map(str, rows)), rounds=pr.rounds)
+    if recorded_schedule in OWN_SCALES:
+        out += ("; DeepSpeed's pipeline engine's own work per microbatch around the module "
+                "(its passes' copies of the activations) scales as its stage's probed compute")
+    return out
