@@ -126,6 +126,15 @@ def main() -> None:
             "gpipe", "2:4", 5, 128, 32, 1, True
     out = a.reuse or a.keep or Path(tempfile.mkdtemp(prefix="whatif-pp-inside-"))
     out.mkdir(parents=True, exist_ok=True)
+    # the recording's shape travels with its traces: --reuse takes it from there (blocks of
+    # another length than recorded would be cut in the wrong places)
+    shape = out / "shape.json"
+    keys = ("iterations", "width", "batch", "blocks")
+    if a.reuse and shape.exists():
+        for k, v in json.loads(shape.read_text()).items():
+            setattr(a, k, v)
+    elif not a.reuse:
+        shape.write_text(json.dumps({k: getattr(a, k) for k in keys}))
     sys.path.insert(0, str(ROOT))
     from gputrace import load
     from gputrace.analyzers import analyze
