@@ -216,8 +216,9 @@ def why_not(st: Any) -> str | None:
 
     roots = list(st.modules.seen)
     if st.pipeline_steps or "torch.distributed.pipelining" in sys.modules:
-        return ("a pipeline schedule runs the model in microbatches (torch.distributed."
-                "pipelining): not counted yet")
+        who = "DeepSpeed's pipeline engine" if st.pipeline_steps and \
+            "deepspeed.runtime.pipe.engine" in sys.modules else "torch.distributed.pipelining"
+        return f"a pipeline schedule runs the model in microbatches ({who}): not counted yet"
     if any(_compiled(r) for r in roots) or _dynamo_compiled():
         return "the model runs torch.compile's graphs (FlopCounterMode would recompile them)"
     dt = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
