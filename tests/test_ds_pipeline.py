@@ -94,12 +94,16 @@ def test_headline_and_the_engines_runtime_order(recorded, name):
     each train_batch is one `step` span; in every step each stage's microbatch passes come
     in the order pipesim replays for 1F1B (so the analysis replays it as 1F1B), numbered
     0..M-1 per step, the last stage's loss once per microbatch; the job timed M forwards
-    and M backwards per iteration itself."""
+    and M backwards per iteration itself; the FLOPs line says which engine runs the
+    microbatches."""
     run = recorded(name)
     m = run.truth[0]["stage"]["microbatches"]
     head = run.text.splitlines()[0]
     assert f"pipeline, 2 stages x {m} microbatches (TrainSchedule, 1F1B order)" in head, head
     assert "PP 2, 2 ranks" in head and "DP 1" not in head and "single process" not in run.text
+    # the FLOPs line names the engine that runs the microbatches, not torch's pipelining
+    assert "FLOPs not counted: a pipeline schedule runs the model in microbatches " \
+        "(DeepSpeed's pipeline engine)" in run.text, run.text[-800:]
     pl = run.doc["parallelism"]["pipeline"]
     assert (pl["schedule"], pl["recorded_schedule"], pl["microbatches"], pl["num_stages"]) \
         == ("Schedule1F1B", "TrainSchedule", m, 2)
