@@ -18,10 +18,9 @@ def under(pl: Pipeline, schedule: str, v: int, f: list[float], b: list[float],
     """Each stage's forward, backward and weight part under `schedule` at v stages per rank
     (`f`, `b`: the stages' compute per microbatch, their schedule's own work apart): the
     measured stages' where the layout is the recorded one, else each rank's stages'
-    compute together split evenly over its new stages; the weight part the recorded share
-    of the backward, half of it where the recorded schedule did not split it; each stage's
-    own work per microbatch added (`own`, default the recorded; its rank's mean over its
-    stages where they change)."""
+    compute together split evenly over its new stages; the backward fused or split as
+    `schedule` runs it (_split); each stage's own work per microbatch added (`own`,
+    default the recorded; its rank's mean over its stages where they change)."""
     own = list(pl.own if own is None else own) or [(0.0, 0.0)] * len(f)
     f2, b2, w2, lay = _split(pl, schedule, v, f, b)
     p = pl.ranks or len(f)
@@ -73,7 +72,9 @@ def _split(pl: Pipeline, schedule: str, v: int, f: list[float], b: list[float]
         for k, r in enumerate(was):
             F[r] += f[k]
             B[r] += fused[k]
-            # a recorded first stage's split (none) says nothing of its module's
+            # the probe timed every stage's module as one with an upstream neighbour (the
+            # first's too): its ratio holds wherever the module goes; the recorded first
+            # stage's share (its whole backward) says nothing of a later stage's
             R[r].append(probe[k][0] if probe else 1.0)
             if k > 0 or not was_split:
                 SH[r].append(share[k])
