@@ -35,11 +35,12 @@ def prepare_parser(p: argparse.ArgumentParser) -> None:
                    "FlopCounterMode (on, the default; that iteration is left out of the "
                    "timings), or off")
     p.add_argument("--pp-probe", action="store_true",
-                   help="PyTorch pipelines: after the last iteration, time each stage's "
-                   "forward and backward at half and twice the microbatch's rows (inside the "
-                   "job, on its own inputs; nothing of the job changes), so that the "
-                   "microbatch what-ifs take how its compute changes with its size from this "
-                   "run")
+                   help="PyTorch pipelines (torch.distributed.pipelining, DeepSpeed's "
+                   "pipeline engine): after the last iteration, time each stage's forward "
+                   "and backward at half and twice the microbatch's rows, and its backward "
+                   "split as the zero-bubble schedules split it (inside the job, on its own "
+                   "inputs; nothing of the job changes), so that the microbatch and schedule "
+                   "what-ifs take how its compute changes from this run")
     p.add_argument("--steps", metavar="START:COUNT",
                    help="PyTorch: record COUNT iterations from iteration START (0-based) in "
                    "full detail; every other iteration keeps its time and phase sums only")
