@@ -256,8 +256,8 @@ def predict(pl: Pipeline, schedule: str, m: int, fwd: list[float] | None = None,
 def own_scales(pl: Pipeline) -> bool:
     """Whether each stage's own work per microbatch is taken at another count as its probed
     compute scales: DeepSpeed's pipeline engine (its passes copy the activations around the
-    module; bench/README.md, "DeepSpeed's pipeline, probed": 8 of 8 predictions within 10 %
-    so, 3 of 8 with the own work kept), probed, with no calibrating run. Elsewhere the own
+    module; bench/README.md, "DeepSpeed's pipeline, probed": 18 of 36 predictions within
+    10 % so, 12 with the own work kept), probed, with no calibrating run. Elsewhere the own
     work stays (torch.distributed.pipelining's, over 96 predictions: as close either way,
     and wider at the worst scaled)."""
     return bool(pl.compute.probed and not pl.compute.rest and pl.own and
