@@ -94,14 +94,20 @@ class _Stage:
     stage, its module (this rank's layers) and its microbatches."""
 
     def __init__(self, engine: Any) -> None:
+        self.engine = engine
         self.stage_index = int(engine.stage_id)
         self.submod = engine.module
         self.chunks = int(engine.micro_batches)
-        # ZeRO's gradient hooks reduce or copy gradients as the backward makes them: a
-        # backward of the probe's own would communicate, or write into ZeRO's buffers
-        hooks = getattr(getattr(engine, "optimizer", None), "_grad_acc_hooks", None)
-        self.refuse = (f"DeepSpeed's ZeRO stage {engine.zero_optimization_stage()} hooks the "
-                       "gradients (the probe's backward would reduce them)" if hooks else "")
+
+    @property
+    def refuse(self) -> str:
+        """Why the stage is not probed ("" when it is), read by the probe only at the
+        forward whose inputs it keeps: ZeRO's gradient hooks reduce or copy gradients as the
+        backward makes them, so a backward of the probe's own would communicate, or write
+        into ZeRO's buffers."""
+        hooks = getattr(getattr(self.engine, "optimizer", None), "_grad_acc_hooks", None)
+        return (f"DeepSpeed's ZeRO stage {self.engine.zero_optimization_stage()} hooks the "
+                "gradients (the probe's backward would reduce them)" if hooks else "")
 
 
 def _probing(st: Any, engine: Any, mb: int) -> Any:
