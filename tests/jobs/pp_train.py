@@ -17,12 +17,14 @@ layer's last gradient, marked with autograd hooks of the job's own); each schedu
 optimizer step with perf_counter; its passes as the schedule runs them (`passes_s`: the
 stages' chunks, the stage's own work around its module and autograd included; `chunks`:
 per stage and kind, forward / backward / backward_weight, the seconds of each chunk and,
-`autograd_s`, of the autograd call inside it where the chunk made one); its
+`autograd_s`, of torch's stage_backward inside it where the chunk made one, and
+`autograd_call_s`, of the torch.autograd.backward call inside that); its
 waits for its neighbours (`waits_s`: the schedule's waits on its sends and receives). It
 counts its collectives at the ProcessGroup (collective_truth) and writes OUT.rank<R>.json:
 {"iterations" (start/end, step_s, update, passes_s, loss_s, waits_s, grad_sync_s),
 "microbatches": [{"it", "mb", "forward", "loss", "backward"}] (one stage per rank),
-"chunks": [{"it", "stage", "kind", "mb", "s", "autograd_s", "cpu_s", "autograd_cpu_s"}],
+"chunks": [{"it", "stage", "kind", "mb", "s", "autograd_s", "autograd_call_s", "cpu_s",
+"autograd_cpu_s"}],
 "forwards": [{"it", "stage", "s", "cpu_s"}] (`cpu_s`: the thread's CPU seconds in it
 (time.thread_time: the wall time less the wait for a CPU behind other processes),
 "calls", "stage": {index, indices, stages, ranks, schedule, class, microbatches,
@@ -32,6 +34,7 @@ samples_per_iteration, replica, replicas}}.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -139,7 +142,7 @@ def time_chunks(stage: PipelineStage, clock: Clock, chunks: list[dict]) -> list[
 
     def timed(fn, kind):
         def run(chunk_id, *a, **k):
-            AUTOGRAD[0] = AUTOGRAD[1] = None
+            AUTOGRAD[0] = AUTOGRAD[1] = AUTOGRAD[2] = None
             t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 return fn(chunk_id, *a, **k)
@@ -148,6 +151,7 @@ def time_chunks(stage: PipelineStage, clock: Clock, chunks: list[dict]) -> list[
                 spent[0] += s
                 chunks.append({"it": clock.it, "stage": stage.stage_index, "kind": kind,
                                "mb": int(chunk_id), "s": s, "autograd_s": AUTOGRAD[0],
+                               "autograd_call_s": AUTOGRAD[2],
                                "cpu_s": time.thread_time() - c0,
                                "autograd_cpu_s": AUTOGRAD[1]})
         return run
@@ -160,25 +164,44 @@ def time_chunks(stage: PipelineStage, clock: Clock, chunks: list[dict]) -> list[
     return spent
 
 
-# the current chunk's stage_backward, if it ran one: its seconds, and its CPU seconds
-AUTOGRAD: list[float | None] = [None, None]
+# the current chunk's stage_backward, if it ran one: its seconds, its CPU seconds, and the
+# seconds of the torch.autograd.backward call inside it
+AUTOGRAD: list[float | None] = [None, None, None]
 
 
 def time_autograd() -> None:
     """The autograd inside a backward chunk (torch's stage_backward: the stage's
-    torch.autograd.backward), timed by the job into the chunk's `autograd_s`; None where
-    the chunk ran none (the zero-bubble schedules' split backward runs autograd.grad)."""
+    torch.autograd.backward and its own work around it), timed by the job into the chunk's
+    `autograd_s`, and the torch.autograd.backward call alone into `autograd_call_s`; None
+    where the chunk ran none (the zero-bubble schedules' split backward runs
+    autograd.grad)."""
     orig = ST.stage_backward
+    inside = [False]
 
     def stage_backward(*a, **k):
         t0, c0 = time.perf_counter(), time.thread_time()
+        inside[0] = True
         try:
             return orig(*a, **k)
         finally:
+            inside[0] = False
             AUTOGRAD[0] = (AUTOGRAD[0] or 0.0) + time.perf_counter() - t0
             AUTOGRAD[1] = (AUTOGRAD[1] or 0.0) + time.thread_time() - c0
 
+    call = torch.autograd.backward
+
+    @functools.wraps(call)
+    def backward(*a, **k):
+        if not inside[0]:
+            return call(*a, **k)
+        t0 = time.perf_counter()
+        try:
+            return call(*a, **k)
+        finally:
+            AUTOGRAD[2] = (AUTOGRAD[2] or 0.0) + time.perf_counter() - t0
+
     ST.stage_backward = stage_backward
+    torch.autograd.backward = backward
 
 
 def time_waits() -> list[float]:
