@@ -21,6 +21,7 @@ I/O.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -90,16 +91,19 @@ def _densest_half(d: np.ndarray) -> float:
     return float(v[k] + v[k + h - 1]) / 2
 
 
-def estimate(ranks: dict[int, tuple[str, UnitTimes]], apply: bool = True
-             ) -> ClockAlignment | None:
+def estimate(ranks: Mapping[int, tuple[str, UnitTimes]], apply: bool = True,
+             hosts: Mapping[int, str] | None = None) -> ClockAlignment | None:
     """Each host's clock offset against the host of the lowest rank, from the comm units
-    that ranks on both took part in; None with fewer than two hosts."""
+    that ranks on both took part in; None with fewer than two hosts. `hosts`: each rank's
+    host, where reading `ranks` costs (its values made when read: then each rank's units
+    are read once, a host's ranks at a time)."""
+    hosts = hosts if hosts is not None else {r: h for r, (h, _) in ranks.items()}
     by_host: dict[str, list[int]] = {}
-    for r, (host, _) in sorted(ranks.items()):
+    for r, host in sorted(hosts.items()):
         by_host.setdefault(host, []).append(r)
     if len(by_host) < 2:
         return None
-    ref = ranks[min(ranks)][0]
+    ref = hosts[min(hosts)]
     rk, r_start, r_end = _per_unit([ranks[r][1] for r in by_host[ref]])
     out = {ref: HostClock(ref, by_host[ref], 0.0, 0.0, 0.0, int(rk.size), note="reference")}
     for host, rs in by_host.items():

@@ -7,8 +7,6 @@ from concurrent.futures import Executor
 from dataclasses import replace
 from typing import Any
 
-import numpy as np
-
 from gputrace import progress
 from gputrace.analyzers.core import frame as fr
 from gputrace.analyzers.core.bandwidth import _peaks, analyze_bandwidth, bandwidth_series
@@ -35,6 +33,7 @@ from gputrace.analyzers.parallel.ddp.replay import Scenario, why_no_replay
 from gputrace.analyzers.parallel.findings import findings as par_findings
 from gputrace.analyzers.parallel.pp import pp_probed
 from gputrace.analyzers.parallel.sharded import zero_whatif
+from gputrace.analyzers.run.packed import Unpacking
 from gputrace.analyzers.run.rank_part import (
     FramePart,
     Options,
@@ -119,9 +118,10 @@ def combine(parts: list[FramePart], md: dict[str, Any], opts: Options, probe: An
         raise NothingToAnalyze("the trace has no spans (no iterations or phases) to analyze")
     hosts = fr.merge_hosts([fp.hosts for fp in parts])
     world = max(len(ranks), opts.world, 1)
-    clock = estimate({r: (p.host, p.all_units) for r, p in ranks.items()}, align) \
+    clock = estimate(Unpacking(ranks, lambda p: (p.host, p.all_units)), align,
+                     {r: p.host for r, p in ranks.items()}) \
         if len({p.host for p in ranks.values()}) > 1 else None
-    steps = {r: p.steps for r, p in ranks.items()}
+    steps = Unpacking(ranks, lambda p: p.steps)   # one rank's whole at a time
     sels = {r: p.sel for r, p in ranks.items()}
     offsets = {r: clock.offset_ns(p.host) for r, p in ranks.items()} if clock else {}
     waits, arrivals = _comm_wait(steps, sels, offsets) if len(ranks) > 1 else ({}, {})
@@ -192,7 +192,7 @@ def combine(parts: list[FramePart], md: dict[str, Any], opts: Options, probe: An
             dims=p.dims, degrees=degrees, parallel=parallel, groups=groups,
             dimensions=registry.describe(degrees, world), throughput=p.throughput,
             flops_left_out=None if p.left_out is None else int(p.steps.iterations.step[p.left_out]),
-            recompute=rcp.seen(p.recompute, md), device_busy=_device_busy(p),
+            recompute=rcp.seen(p.recompute, md), device_busy=p.device_busy,
             goodput=p.goodput)
     slowest = max(out, key=lambda r: out[r].breakdown["t_iter"].mean)
     main = out[slowest]
@@ -213,15 +213,6 @@ def combine(parts: list[FramePart], md: dict[str, Any], opts: Options, probe: An
                      {r: p.throughput for r, p in ranks.items()}, world, degrees),
                  held=kept),
         opts.what_if, [deg_check] if deg_check else [])
-
-
-def _device_busy(p: RankPart) -> dict[str, float] | None:
-    """A GPU trace's device busy and idle time per analyzed iteration."""
-    b = p.steps.device_busy_s
-    if b is None or not p.sel.size:
-        return None
-    busy = float(np.mean(b[p.sel]))
-    return {"busy_s": busy, "idle_s": max(p.breakdown["t_iter"].mean - busy, 0.0)}
 
 
 def _degrees(ranks: dict[int, RankPart], world: int) -> tuple[dict[str, int], Any]:

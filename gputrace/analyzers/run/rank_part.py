@@ -47,6 +47,7 @@ from gputrace.analyzers.parallel.ddp.timeline_comm import with_collectives
 from gputrace.analyzers.parallel.sharded import sharded as shd
 from gputrace.analyzers.parallel.sharded.shardinputs import Inputs as ShardInputs
 from gputrace.analyzers.parallel.sharded.shardinputs import iteration_of
+from gputrace.analyzers.run.packed import Packed, pack
 from gputrace.analyzers.run.reading import _give_back
 from gputrace.trace.ranked import RankSource, read_rank
 
@@ -76,7 +77,8 @@ class RankPart:
     """What one rank's own rows give: its analysis but for what needs the other ranks or
     its host's samples (the wait for peers in comm and what depends on it: the replay and
     speedup; bandwidth, findings, clock alignment). `steps` is the rank's per-iteration
-    summary (no spans), for that second part."""
+    summary (no spans), for that second part: held packed (`packed`, analyzers.run.packed)
+    while the other ranks are analyzed, unpacked each time it is read."""
 
     rank: int
     host: str
@@ -89,7 +91,7 @@ class RankPart:
     comm_exposed_s: float
     model: ModelResult
     findings: list[Finding]
-    steps: RankSteps
+    kept_steps: RankSteps | Packed[RankSteps]
     devices: tuple[int, ...]      # the GPUs its records name
     analyzed: tuple[int, int, int] | None   # (first start, last end, iterations) analyzed
     window: tuple[int, int]       # first start, last end of every iteration
@@ -109,6 +111,7 @@ class RankPart:
     # with its layers' times, and a windowed recording's whole run (window.span_series)
     flops: tuple[held.FlopsRow, ...] = ()
     run_series: dict[str, np.ndarray] | None = None
+    device_busy: dict[str, float] | None = None   # a GPU trace's, per analyzed iteration
 
     @property
     def sel(self) -> np.ndarray:
@@ -116,11 +119,22 @@ class RankPart:
         return sel if self.left_out is None else sel[sel != self.left_out]
 
     @property
+    def steps(self) -> RankSteps:
+        k = self.kept_steps
+        return k.unpack() if isinstance(k, Packed) else k
+
+    def packed(self) -> RankPart:
+        """The part with its steps packed: a fifth to a quarter of its size to hold."""
+        k = self.kept_steps
+        return self if isinstance(k, Packed) else replace(self, kept_steps=pack(k))
+
+    @property
     def all_units(self) -> UnitTimes:
         """Every iteration's units, for clock alignment (made when asked: the arrays of
         `steps.units` but for the iteration's step, 8 bytes a unit no part keeps)."""
-        u = self.steps.units
-        return UnitTimes(self.steps.iterations.step[u.it], u.index, u.start, u.end)
+        rs = self.steps
+        u = rs.units
+        return UnitTimes(rs.iterations.step[u.it], u.index, u.start, u.end)
 
 
 @dataclass(frozen=True)
@@ -186,7 +200,7 @@ def analyze_spans(sp: fr.Spans, o: Options) -> RankPart:
         # per-iteration layer times served the model and the recompute above (a dict per
         # iteration each, empty or not: 64 KB of a rank's 380 KB at 448 iterations)
         model=model, findings=extra + gp_findings(good, o.disk_write_bytes_per_s),
-        steps=replace(rs, compute=EMPTY_UNION, layer_backward_s=[], layer_recompute_s=[]),
+        kept_steps=replace(rs, compute=EMPTY_UNION, layer_backward_s=[], layer_recompute_s=[]),
         devices=tuple(int(d) for d in np.unique(sp.device[sp.on_gpu()])),
         analyzed=(int(its.start[skipped]), int(its.end[n - 1]), int(n - skipped))
         if sel.size else None,
@@ -198,7 +212,17 @@ def analyze_spans(sp: fr.Spans, o: Options) -> RankPart:
                              if sel.size else 0.0, *o.batch), left_out=left,
         recompute=rcp.summarize(sp, rs.recompute_s, rs.layer_recompute_s, rs.terms["t_b"], sel),
         goodput=good, flops=held.flops_rows(sp, skipped, left),
+        device_busy=_device_busy(rs.device_busy_s, sel, rs.terms["t_iter"]),
         run_series=span_series(sp) if o.windowed else None)
+
+
+def _device_busy(b: np.ndarray | None, sel: np.ndarray, t_iter: np.ndarray
+                 ) -> dict[str, float] | None:
+    """A GPU trace's device busy and idle time per analyzed iteration."""
+    if b is None or not sel.size:
+        return None
+    busy = float(np.mean(b[sel]))
+    return {"busy_s": busy, "idle_s": max(float(np.mean(t_iter[sel])) - busy, 0.0)}
 
 
 def _fsdp_part(p: RankPart, o: Options) -> Any:
@@ -212,7 +236,7 @@ def analyze_frame(f: fr.Frame, o: Options) -> FramePart:
     parts = []
     for r in list(f.ranks):
         sp = f.ranks.pop(r)
-        parts.append(analyze_spans(sp, o))
+        parts.append(analyze_spans(sp, o).packed())
         del sp
     return FramePart(parts, f.hosts, f.others, f.present)
 

@@ -3,14 +3,17 @@ or GPU the measured ranks computed on, the host's own all-reduce rate."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from gputrace.analyzers.core.steps import RankSteps
 
+UNIT_KEY = 1 << 24     # above any unit's launch order in its iteration
 
-def _comm_wait(steps: dict[int, RankSteps], sels: dict[int, np.ndarray],
+
+def _comm_wait(steps: Mapping[int, RankSteps], sels: dict[int, np.ndarray],
                offsets: dict[int, int] | None = None
                ) -> tuple[dict[int, tuple[float, float]], dict[int, np.ndarray]]:
     """Where several ranks show the same unit of the same step, the transfer can only start
@@ -27,24 +30,23 @@ def _comm_wait(steps: dict[int, RankSteps], sels: dict[int, np.ndarray],
     offsets = offsets or {}
     if not steps:
         return {}, {}
-    arrivals = {r: rs.units.start.copy() for r, rs in steps.items()}
-    width = 1 + max((int(rs.units.index.max()) for rs in steps.values()
-                     if rs.units.index.size), default=0)
+    arrivals = {}
     keys = np.zeros(0, np.int64)
     for r, rs in steps.items():
-        keys = np.union1d(keys, _keyed(rs, sels[r], width)[1])
+        arrivals[r] = rs.units.start.copy()
+        keys = np.union1d(keys, _keyed(rs, sels[r])[1])
     if not keys.size:
         return {}, arrivals
     last = np.full(keys.size, np.iinfo(np.int64).min, np.int64)   # the last rank to arrive
     count = np.zeros(keys.size, np.int64)
     for r, rs in steps.items():
-        rows, key = _keyed(rs, sels[r], width)
+        rows, key = _keyed(rs, sels[r])
         pos = np.searchsorted(keys, key)
         np.maximum.at(last, pos, rs.units.start[rows] - offsets.get(r, 0))
         np.add.at(count, pos, 1)
     out = {}
     for r, rs in steps.items():
-        rows, key = _keyed(rs, sels[r], width)
+        rows, key = _keyed(rs, sels[r])
         pos = np.searchsorted(keys, key)
         m = count[pos] >= 2
         if not m.any():
@@ -59,18 +61,19 @@ def _comm_wait(steps: dict[int, RankSteps], sels: dict[int, np.ndarray],
     return out, arrivals
 
 
-def _keyed(rs: RankSteps, sel: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+def _keyed(rs: RankSteps, sel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The rank's unit rows in the iterations `sel`, sorted by (step, unit), and each
-    one's key step * width + unit."""
+    one's key step * UNIT_KEY + unit (one key the same on every rank without a pass over
+    the ranks for their largest unit index)."""
     u = rs.units
     rows = u.rows(sel)
     step = rs.iterations.step[u.it[rows]].astype(np.int64)
     index = u.index[rows].astype(np.int64)
     o = np.lexsort((index, step))
-    return rows[o], step[o] * width + index[o]
+    return rows[o], step[o] * UNIT_KEY + index[o]
 
 
-def _shared(steps: dict[int, RankSteps], devices: dict[int, tuple[int, ...]], md: Any
+def _shared(steps: Mapping[int, RankSteps], devices: dict[int, tuple[int, ...]], md: Any
             ) -> str | None:
     """What the measured ranks shared: one host's cores (ranks computing on the CPU, all on
     one host) or one GPU (ranks whose GPU records name the same device on one host)."""
