@@ -11,6 +11,7 @@ gets; here it is recognized and named beside the others (its degree, its words).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -58,7 +59,7 @@ class RunView:
     world: int
     link_bytes_per_s: float | None
     arrivals: dict[int, np.ndarray]
-    steps: dict[int, RankSteps]
+    steps: Mapping[int, RankSteps]   # each rank's unpacked when read (analyzers.run.packed)
     sels: dict[int, np.ndarray]
     calibration: Any = None    # another run of a pipeline (pp_whatif.Calibration)
     offsets: dict[int, int] = field(default_factory=dict)  # ns to subtract: one clock

@@ -6,6 +6,7 @@ replay counts it as that rank's pace (compute), not as transfer."""
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -160,7 +161,7 @@ def arrivals_of(si: Inputs, unit_start: np.ndarray, unit_arrival: np.ndarray) ->
     return np.minimum(np.maximum(out, si.start), np.maximum(si.end, si.start))
 
 
-def small_arrivals(ins: dict[int, Inputs], steps: dict[int, RankSteps],
+def small_arrivals(ins: dict[int, Inputs], steps: Mapping[int, RankSteps],
                    arr: dict[int, np.ndarray]) -> None:
     """Into each rank's arrivals (`arr`, per comm row), when the last rank arrived at its
     collectives of a few bytes (no comm unit, so not in the units' arrivals): the same
