@@ -219,7 +219,9 @@ def test_replay_of_one_bucket_predicts_the_run_with_small_buckets(recorded, data
     # drift: the first against the second as measured, or at the second one's load,
     # whichever is larger (the load explains a run's iteration only in part: beside the
     # hogs the first one's prediction was 29 % over the 1 MiB run at its load where the
-    # two one-bucket runs at one load were 7.8 % apart, and 22 % as measured).
+    # two one-bucket runs at one load were 7.8 % apart, and 22 % as measured). In CI,
+    # quiet, +36 % once and +30 / +25 % once: the band printed for bucket what-ifs now
+    # reaches +36 % (whatif_bands: the replay gives small buckets less than they save here).
     t_b, w_b = own_small
     errs = []
     for d, (_, w_a) in ((big_a, own_a), (big_b, own_b)):

@@ -37,9 +37,14 @@ PP_RUNS = _PP   # the pipeline microbatch benches' runs, which their kinds' text
 _DS = "2-rank DeepSpeed over gloo on a 2-CPU machine whose unchanged pairs moved up to 9 %"
 # the kinds, by the key analyzers give their what-ifs (kind_of_scenario, kind_of_label)
 KINDS: dict[str, Measured] = {
-    "ddp_buckets": Measured((-0.198, 0.198), "bench/whatif.py",
+    # the suite's case2 job (tests/test_e2e_torch.py, its runs in CI): one bucket replayed
+    # at 1 MiB predicted +27.5 to +36 % over the 1 MiB run at one load (3 runs: the replay
+    # gives small buckets less than they save where the ranks' comm and backward share the
+    # CPU); |error| only, so symmetric
+    "ddp_buckets": Measured((-0.36, 0.36), "bench/whatif.py",
                             f"bucket_cap_mb 1, 5, 25, one bucket, 48 predictions, |error| "
-                            f"median 5.3 %, at most 19.8 % ({_WHATIF})"),
+                            f"median 5.3 %, at most 19.8 % ({_WHATIF}); one bucket -> 1 MiB "
+                            f"in the suite's 4-layer job, 3 runs: +27.5 to +36 %"),
     "ddp_link": Measured((-0.187, 0.187), "bench/whatif.py",
                          f"a veth link at 917 and 238 MB/s, 16 predictions, |error| median "
                          f"7.3 %, at most 18.7 % ({_WHATIF})"),
