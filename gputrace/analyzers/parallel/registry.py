@@ -58,7 +58,7 @@ class RunView:
 
     world: int
     link_bytes_per_s: float | None
-    arrivals: dict[int, np.ndarray]
+    arrivals: Mapping[int, np.ndarray]   # each rank's unpacked when read
     steps: Mapping[int, RankSteps]   # each rank's unpacked when read (analyzers.run.packed)
     sels: dict[int, np.ndarray]
     calibration: Any = None    # another run of a pipeline (pp_whatif.Calibration)

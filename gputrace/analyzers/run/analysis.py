@@ -33,7 +33,7 @@ from gputrace.analyzers.parallel.ddp.replay import Scenario, why_no_replay
 from gputrace.analyzers.parallel.findings import findings as par_findings
 from gputrace.analyzers.parallel.pp import pp_probed
 from gputrace.analyzers.parallel.sharded import zero_whatif
-from gputrace.analyzers.run.packed import Unpacking
+from gputrace.analyzers.run.packed import Packed, Unpacking
 from gputrace.analyzers.run.rank_part import (
     FramePart,
     Options,
@@ -116,7 +116,7 @@ def combine(parts: list[FramePart], md: dict[str, Any], opts: Options, probe: An
     ranks = {p.rank: p for fp in parts for p in fp.ranks}
     if not ranks:
         raise NothingToAnalyze("the trace has no spans (no iterations or phases) to analyze")
-    hosts = fr.merge_hosts([fp.hosts for fp in parts])
+    hosts = fr.merge_hosts([fp.samples for fp in parts])
     world = max(len(ranks), opts.world, 1)
     clock = estimate(Unpacking(ranks, lambda p: (p.host, p.all_units)), align,
                      {r: p.host for r, p in ranks.items()}) \
@@ -125,7 +125,8 @@ def combine(parts: list[FramePart], md: dict[str, Any], opts: Options, probe: An
     sels = {r: p.sel for r, p in ranks.items()}
     offsets = {r: clock.offset_ns(p.host) for r, p in ranks.items()} if clock else {}
     waits, arrivals = _comm_wait(steps, sels, offsets) if len(ranks) > 1 else ({}, {})
-    rv = registry.RunView(world, opts.link_bytes_per_s, arrivals, steps, sels,
+    rv = registry.RunView(world, opts.link_bytes_per_s, Unpacking(arrivals, Packed.unpack),
+                          steps, sels,
                           opts.calibration, offsets, pp_probed.of_metadata(md))
     degrees, deg_check = _degrees(ranks, world)
     if deg_check is not None:   # a dimension the groups cannot hold: its claims withheld

@@ -124,7 +124,7 @@ class RankPart:
         return k.unpack() if isinstance(k, Packed) else k
 
     def packed(self) -> RankPart:
-        """The part with its steps packed: a fifth to a quarter of its size to hold."""
+        """The part with its steps packed: a tenth to a fifth of its size to hold."""
         k = self.kept_steps
         return self if isinstance(k, Packed) else replace(self, kept_steps=pack(k))
 
@@ -139,14 +139,19 @@ class RankPart:
 
 @dataclass(frozen=True)
 class FramePart:
-    """The ranks of one frame, its samples by host, and what it keeps of its samples and
-    instants for the sections beside the analysis (held.keep) with the ranks its rows
-    carry."""
+    """The ranks of one frame, its samples by host (held packed: `samples` unpacks them),
+    and what it keeps of its samples and instants for the sections beside the analysis
+    (held.keep) with the ranks its rows carry."""
 
     ranks: list[RankPart]
-    hosts: dict[str, dict[str, fr.Samples]]
+    hosts: dict[str, dict[str, fr.Samples]] | Packed[dict[str, dict[str, fr.Samples]]]
     rows: Any = None          # a small pyarrow Table, or None
     present: tuple[int, ...] = ()
+
+    @property
+    def samples(self) -> dict[str, dict[str, fr.Samples]]:
+        h = self.hosts
+        return h.unpack() if isinstance(h, Packed) else h
 
 
 def rank_steps(sp: fr.Spans, cr: col.Rows | None = None) -> RankSteps:
@@ -238,7 +243,7 @@ def analyze_frame(f: fr.Frame, o: Options) -> FramePart:
         sp = f.ranks.pop(r)
         parts.append(analyze_spans(sp, o).packed())
         del sp
-    return FramePart(parts, f.hosts, f.others, f.present)
+    return FramePart(parts, pack(f.hosts) if f.hosts else f.hosts, f.others, f.present)
 
 
 def analyze_source(source: RankSource, drop_unranked: bool, o: Options) -> FramePart:
@@ -250,12 +255,15 @@ def analyze_source(source: RankSource, drop_unranked: bool, o: Options) -> Frame
                          o)
 
 
-def replay_rank(p: RankPart, arrivals: np.ndarray | None, world: int, o: Options,
-                shared: str | None, intervals: bool = False
+def replay_rank(p: RankPart, arrivals: np.ndarray | Packed[np.ndarray] | None, world: int,
+                o: Options, shared: str | None, intervals: bool = False
                 ) -> tuple[Replay | None, Speedup, str | None]:
     """A rank's what-if replay and speedup, given when the last rank arrived at each of its
-    comm units (`arrivals`): a pure function of its part (run in the workers too)."""
+    comm units (`arrivals`, packed or not): a pure function of its part (run in the workers
+    too)."""
     rs, sel = p.steps, p.sel
+    if isinstance(arrivals, Packed):
+        arrivals = arrivals.unpack()
     if p.sharded is not None:
         return None, p.sharded.speedup, ("a sharded (FSDP) run: its what-ifs replay the "
                                          "sharded timeline (see sharded)")
