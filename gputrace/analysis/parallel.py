@@ -25,6 +25,11 @@ def cores() -> int:
 def _worker_init() -> None:
     import pyarrow as pa
 
+    from gputrace.analysis import nopandas
+
+    # a worker runs gputrace's analysis only: without pandas, as the command (unless the
+    # script that started the pool imported it, as its `__mp_main__` again here)
+    nopandas.block()
     # as the command line does: freed columns go back to the OS at once
     pa.set_memory_pool(pa.system_memory_pool())
 

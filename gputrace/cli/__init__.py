@@ -7,8 +7,9 @@ import functools
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
+from gputrace.analysis import nopandas
 from gputrace.analysis.inputs import AnalysisError, one_line
 from gputrace.analysis.inputs import load_inputs as load_trace
 from gputrace.analysis.run import parse_bytes
@@ -101,35 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def entry() -> int:
-    """The `gputrace` command's process: `main` without pandas. pyarrow imports pandas the
-    first time it asks whether an object is a pandas one (`pa.array`, `pa.scalar`,
-    `fill_null`, `to_numpy`: every analysis), 0.3 s of CPU at the start of every command for
-    nothing a command uses, and goes on without it where the import fails. Here it fails;
-    `find_spec("pandas")` still finds a spec (torch._dynamo asks it as torch.distributed.
-    pipelining is imported, and a finder that raised there failed that import). Not for
-    `main` called inside another program."""
-    if "pandas" not in sys.modules:
-        sys.meta_path.insert(0, _NoPandas())
+    """The `gputrace` command's process: `main` without pandas (analysis.nopandas). Not
+    for `main` called inside another program."""
+    nopandas.block()
     return main(sys.argv[1:])
-
-
-class _NoPandas:
-    """Finds pandas (a spec with no origin) and fails to load it: `import pandas` raises
-    ModuleNotFoundError, as where pandas is not installed."""
-
-    def find_spec(self, name: str, path: object = None, target: object = None) -> Any:
-        if name == "pandas" or name.startswith("pandas."):
-            from importlib.machinery import ModuleSpec
-
-            return ModuleSpec(name, self)
-        return None
-
-    def create_module(self, spec: Any) -> None:
-        return None
-
-    def exec_module(self, module: Any) -> None:
-        raise ModuleNotFoundError("gputrace's commands run without pandas",
-                                  name=module.__name__)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
