@@ -159,6 +159,23 @@ def test_comm_wait_vs_transfer_across_ranks(tmp_path):
     assert a.ranks[1].comm_transfer_s == pytest.approx(0.035 - 4 * 0.003)
 
 
+def test_comm_wait_and_transfer_are_wall_time_when_buckets_are_in_flight_together(tmp_path):
+    """Two buckets queued together (as gloo and NCCL run DDP's): 40-60 and 45-70 ms on
+    rank 0, rank 1 reaching each 3 ms later. Summed per bucket, rank 0 would wait 6 ms and
+    transfer 39 in 30 ms of comm; as wall time it waits 3 (40-43: in flight, nothing
+    moving) and transfers 27 (43-70), which add up to its gradient comm."""
+    units = [([4], 40, 60), ([3], 45, 70)]
+    b = Builder()
+    ddp_iterations(b, units, rank=0)
+    ddp_iterations(b, [(ly, s + 3, e) for ly, s, e in units], rank=1)
+    a = run_analysis(tmp_path, b, world_size=2, skip=1)
+    r0, r1 = a.ranks[0], a.ranks[1]
+    assert r0.comm_wait_s == pytest.approx(0.003) and r0.comm_transfer_s == pytest.approx(0.027)
+    assert r1.comm_wait_s == pytest.approx(0.0) and r1.comm_transfer_s == pytest.approx(0.027)
+    for r in (r0, r1):
+        assert r.comm_wait_s + r.comm_transfer_s == pytest.approx(r.breakdown["t_comm"].mean)
+
+
 def test_speedup_points_and_eq12(tmp_path):
     a = run_analysis(tmp_path, ddp_iterations(Builder(), CASE1_UNITS), skip=1, world_size=2,
                      gpus=(2, 4, 8), link_bytes_per_s=1e9)

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from gputrace.analyzers.core.overlap import total, union
 from gputrace.analyzers.core.steps import RankSteps
 from gputrace.analyzers.run.packed import Packed, pack
 
@@ -18,7 +19,10 @@ def _comm_wait(steps: Mapping[int, RankSteps], sels: dict[int, np.ndarray],
                offsets: dict[int, int] | None = None
                ) -> tuple[dict[int, tuple[float, float]], dict[int, Packed[np.ndarray]]]:
     """Where several ranks show the same unit of the same step, the transfer can only start
-    when the last rank arrives: wait = that moment - own start; transfer = end - that.
+    when the last rank arrives: a unit waits from its own start to that moment, transfers
+    from then to its end. A rank's transfer time is the wall time some unit of its
+    transferred, its wait the rest of the wall time its units were in flight (units in
+    flight together, as gloo's and NCCL's queued all-reduces are, are not counted twice).
     `offsets`: what to subtract from each rank's times to put it on one clock (its host's
     clock offset). Returns per rank (wait, transfer) seconds per iteration, and the last
     arrival (ns, on the rank's own clock) of each of its unit rows (its own start where no
@@ -54,8 +58,10 @@ def _comm_wait(steps: Mapping[int, RankSteps], sels: dict[int, np.ndarray],
             rows, lt = rows[m], last[pos[m]]
             start, end = rs.units.start[rows] - off, rs.units.end[rows] - off
             iters = max(len(sels[r]), 1)
-            out[r] = (float(((lt - start) / 1e9).sum()) / iters,
-                      float((np.maximum(end - lt, 0) / 1e9).sum()) / iters)
+            # wall time, not a sum of units in flight together: transferring while any of
+            # them moves, waiting while some are in flight and none moves
+            moving = total(union(np.clip(lt, start, end), end))
+            out[r] = ((total(union(start, end)) - moving) / 1e9 / iters, moving / 1e9 / iters)
             arrival[rows] = np.minimum(lt, end) + off
         arrivals[r] = pack(arrival)
     return out, arrivals
