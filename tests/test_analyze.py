@@ -174,6 +174,9 @@ def test_comm_wait_and_transfer_are_wall_time_when_buckets_are_in_flight_togethe
     assert r1.comm_wait_s == pytest.approx(0.0) and r1.comm_transfer_s == pytest.approx(0.027)
     for r in (r0, r1):
         assert r.comm_wait_s + r.comm_transfer_s == pytest.approx(r.breakdown["t_comm"].mean)
+    # the prediction's kept wait is the last bucket's own, and says so (not the rank's)
+    assert any("3.0 ms per iteration the last unit spent waiting for the last rank" in s
+               for s in r0.speedup.assumptions), r0.speedup.assumptions
 
 
 def test_speedup_points_and_eq12(tmp_path):

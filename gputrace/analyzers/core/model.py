@@ -258,12 +258,15 @@ def speedup(m: ModelResult, world_size: int, gpus: Sequence[int],
         waits = unit_waits or {}
         if m.strategy == "sequential" or not comm_units:   # units one after another
             wait = min(sum(waits.get(u.index, 0.0) for u in m.units), measured_comm)
+            whose = "its units", "them"
         else:                                               # the last unit's own wait
             wait = min(waits.get(m.units[-1].index, 0.0), comm_units[-1])
+            # (other units may move meanwhile: not the rank's wall time waiting for peers)
+            whose = "the last unit", "it"
         assumptions.append(f"ring all-reduce: comm time scales with 2(N-1)/N from the measured "
                            f"{n} ranks" + (f", except the {wait * 1e3:.1f} ms per iteration "
-                                           "spent waiting for the last rank to arrive, which "
-                                           "stays" if wait > 0 else ""))
+                                           f"{whose[0]} spent waiting for the last rank to reach "
+                                           f"{whose[1]}, which stays" if wait > 0 else ""))
 
         def comm_at(N: int, d: float) -> float:
             keep = min(wait, d)
