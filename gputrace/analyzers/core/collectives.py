@@ -121,9 +121,8 @@ def rows(sp: Spans) -> Rows:
     own = frozenset(group_name(a) for a, f in zip(args, fsdp, strict=True) if f) - {""}
     told = [role(k, bool(c), a, float(nb), own) for k, c, a, nb
             in zip(kinds, contract.tolist(), args, nbytes_all[firsts].tolist(), strict=True)]
-    at = inv.tolist()    # each row as its combination's
-    kinds, phase, fsdp, unit, roles, mdims, granks, told = (
-        [v[j] for j in at] for v in (kinds, phase, fsdp, unit, roles, mdims, granks, told))
+    kinds, phase, fsdp, unit, roles, mdims, granks, told = (   # each row as its combination's
+        _per_row(v, inv) for v in (kinds, phase, fsdp, unit, roles, mdims, granks, told))
     contract, bout, asy, ws, we, pre, gsize, cs, ce = (
         v[inv] for v in (contract, bout, asy, ws, we, pre, gsize, cs, ce))
     nbytes = nbytes_all
@@ -176,6 +175,14 @@ def gradient_bytes(sp: Spans, r: Rows) -> float:
 def small_mask(r: Rows) -> np.ndarray:
     """Which comm rows are gradient collectives of a few bytes (never gradient units)."""
     return r.small if r.small.size == r.n else np.zeros(r.n, bool)
+
+
+def _per_row(values: list[Any], inv: np.ndarray) -> list[Any]:
+    """`values[j]` for each j of `inv`, the same objects (one C loop, not a Python one)."""
+    held = np.empty(len(values), object)
+    for i, v in enumerate(values):    # (a tuple put in whole, not spread over a row)
+        held[i] = v
+    return held[inv].tolist()
 
 
 def told_other(r: Rows) -> np.ndarray:

@@ -180,9 +180,9 @@ def build_model(rs: RankSteps, sel: np.ndarray) -> ModelResult:
             # Eq. 7 adds the exposed units' durations end to end; where units run
             # concurrently (gloo, several NCCL channels) that overcounts, so the prediction
             # uses eq. 5, from which eq. 6 and 7 derive, with the measured comm span.
-            bstart = [(rs.backward_start[k] - rs.iterations.start[k]) / 1e9 for k in sel
-                      if rs.backward_start[k] >= 0]
-            b0 = float(np.mean(bstart)) if bstart else units[0].ready_s
+            ks = sel[rs.backward_start[sel] >= 0]
+            bstart = (rs.backward_start[ks] - rs.iterations.start[ks]) / 1e9
+            b0 = float(np.mean(bstart)) if bstart.size else units[0].ready_s
             t_b_first = max(units[0].start_s - b0, 0.0)
             comm_span = max(u.end_s for u in units) - units[0].start_s
             equation = "5"
