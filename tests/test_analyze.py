@@ -179,6 +179,24 @@ def test_comm_wait_and_transfer_are_wall_time_when_buckets_are_in_flight_togethe
                for s in r0.speedup.assumptions), r0.speedup.assumptions
 
 
+
+def test_comm_across_ranks_says_what_of_the_gradient_comm_it_covers(tmp_path):
+    """A bucket only rank 0 shows (80-85 ms) is gradient comm but no wait for peers: the
+    line says its 30 ms of the 35."""
+    from gputrace.report.terminal import render
+
+    units = [([4], 40, 60), ([3], 45, 70)]
+    b = Builder()
+    ddp_iterations(b, units + [([1], 80, 85)], rank=0)
+    ddp_iterations(b, [(ly, s + 3, e) for ly, s, e in units], rank=1)
+    a = run_analysis(tmp_path, b, world_size=2, skip=1)
+    out = io.StringIO()
+    render(a, rank=0, file=out, width=400)
+    (line,) = [ln for ln in out.getvalue().splitlines() if ln.startswith("comm across ranks")]
+    assert "3.0 ms waiting for peers, 27.0 ms transferring, per iteration: 30.0 ms of the " \
+           "35.0 ms of gradient comm" in line, line
+
+
 def test_speedup_points_and_eq12(tmp_path):
     a = run_analysis(tmp_path, ddp_iterations(Builder(), CASE1_UNITS), skip=1, world_size=2,
                      gpus=(2, 4, 8), link_bytes_per_s=1e9)

@@ -201,8 +201,14 @@ def render(a: Analysis, rank: int | None = None, file: IO[str] | None = None,
                    f"{d['hidden_fraction']:.0%}")
     con.print(ot)
     if ra.comm_wait_s is not None:
+        both, whole = ra.comm_wait_s + (ra.comm_transfer_s or 0), ra.comm["total_s"]
+        # the two add up to the shared buckets' flight: said beside the comm above, so
+        # that the figures visibly agree where they differ
+        of = (f": {_ms(both)} of the {_ms(whole)} of {comm} (the rest is comm no other "
+              "rank shows, or the rank's wait for comm that had ended)"
+              if _ms(both) != _ms(whole) and both < whole and not one else "")
         con.print(f"comm across ranks: {_ms(ra.comm_wait_s)} waiting for peers, "
-                  f"{_ms(ra.comm_transfer_s or 0)} transferring, per iteration")
+                  f"{_ms(ra.comm_transfer_s or 0)} transferring, per iteration{of}")
     render_kinds(con, ra)
     m = ra.model
     if m.units and ra.sharded is None:
