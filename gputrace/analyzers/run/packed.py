@@ -82,21 +82,15 @@ def _buffer(view: memoryview) -> tuple[int | None, int, bool, bytes]:
         return None, 1, False, bytes(raw)
     a = np.frombuffer(raw, np.uint8)
     w = 8 if n % 8 == 0 else 4 if n % 4 == 0 else 1
-    best = (len(raw), None, False)
-    c = _shuffled(a, w)
-    if len(c) < best[0]:
-        best = (len(c), c, False)
+    tried = [(_shuffled(a, w), False)]
     if w > 1:
         v = a.view(_UINT[w])
         steps = np.empty_like(v)
         steps[0] = v[0]
         np.subtract(v[1:], v[:-1], out=steps[1:])
-        d = _shuffled(steps.view(np.uint8), w)
-        if len(d) < best[0]:
-            best = (len(d), d, True)
-    size, c, diffed = best
-    return (n, w, diffed, c) if c is not None and size < GAIN * n else (None, 1, False,
-                                                                          bytes(raw))
+        tried.append((_shuffled(steps.view(np.uint8), w), True))
+    c, diffed = min(tried, key=lambda t: len(t[0]))
+    return (n, w, diffed, c) if len(c) < GAIN * n else (None, 1, False, bytes(raw))
 
 
 class _Pickler(pickle.Pickler):
@@ -116,6 +110,11 @@ def pack(obj: T) -> Packed[T]:
     out = io.BytesIO()
     _Pickler(out, protocol=5, buffer_callback=bufs.append).dump(obj)
     return Packed(out.getvalue(), tuple(_buffer(b.raw()) for b in bufs))
+
+
+def unpacked(x: T | Packed[T]) -> T:
+    """`x` itself, or unpacked where it is held packed."""
+    return x.unpack() if isinstance(x, Packed) else x
 
 
 class Unpacking(Mapping[K, T]):

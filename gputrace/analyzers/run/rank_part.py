@@ -47,7 +47,7 @@ from gputrace.analyzers.parallel.ddp.timeline_comm import with_collectives
 from gputrace.analyzers.parallel.sharded import sharded as shd
 from gputrace.analyzers.parallel.sharded.shardinputs import Inputs as ShardInputs
 from gputrace.analyzers.parallel.sharded.shardinputs import iteration_of
-from gputrace.analyzers.run.packed import Packed, pack
+from gputrace.analyzers.run.packed import Packed, pack, unpacked
 from gputrace.analyzers.run.reading import _give_back
 from gputrace.trace.ranked import RankSource, read_rank
 
@@ -120,8 +120,7 @@ class RankPart:
 
     @property
     def steps(self) -> RankSteps:
-        k = self.kept_steps
-        return k.unpack() if isinstance(k, Packed) else k
+        return unpacked(self.kept_steps)
 
     def packed(self) -> RankPart:
         """The part with its steps packed: a tenth to a fifth of its size to hold."""
@@ -150,8 +149,7 @@ class FramePart:
 
     @property
     def samples(self) -> dict[str, dict[str, fr.Samples]]:
-        h = self.hosts
-        return h.unpack() if isinstance(h, Packed) else h
+        return unpacked(self.hosts)
 
 
 def rank_steps(sp: fr.Spans, cr: col.Rows | None = None) -> RankSteps:
@@ -261,9 +259,7 @@ def replay_rank(p: RankPart, arrivals: np.ndarray | Packed[np.ndarray] | None, w
     """A rank's what-if replay and speedup, given when the last rank arrived at each of its
     comm units (`arrivals`, packed or not): a pure function of its part (run in the workers
     too)."""
-    rs, sel = p.steps, p.sel
-    if isinstance(arrivals, Packed):
-        arrivals = arrivals.unpack()
+    rs, sel, arrivals = p.steps, p.sel, unpacked(arrivals)
     if p.sharded is not None:
         return None, p.sharded.speedup, ("a sharded (FSDP) run: its what-ifs replay the "
                                          "sharded timeline (see sharded)")

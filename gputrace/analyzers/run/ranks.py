@@ -50,7 +50,7 @@ def _comm_wait(steps: Mapping[int, RankSteps], sels: dict[int, np.ndarray],
     out, arrivals = {}, {}
     for r, rs in steps.items():
         arrival = rs.units.start.copy()
-        rows, key = _keyed(rs, sels[r]) if keys.size else (arrival[:0], arrival[:0])
+        rows, key = _keyed(rs, sels[r])    # (none where no rank has a key)
         pos = np.searchsorted(keys, key)
         m = count[pos] >= 2
         if m.any():
